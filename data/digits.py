@@ -1,0 +1,61 @@
+"""scikit-learn's bundled handwritten digits, exported once as an ImageFolder tree.
+
+The quickstart dataset: real images, no download. 1,797 8x8 images are upscaled to 32x32 PNGs
+and split (stratified, fixed) into 1,436 train and 361 val images; 361 is divisible by neither 2
+nor 3, so an evaluation that pads or drops samples across ranks would show it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+VAL_SIZE = 361
+IMAGE_SIZE = 32
+COMPLETE_MARKER = ".complete"
+
+
+def export_digits(root: str | os.PathLike) -> Path:
+    """Write root/{train,val}/<digit>/<n>.png unless a complete export is already there."""
+    root = Path(root)
+    if (root / COMPLETE_MARKER).exists():
+        return root
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    images = (digits.images * (255.0 / 16.0)).astype(np.uint8)
+    indices = np.arange(len(images))
+    train_idx, val_idx = train_test_split(indices, test_size=VAL_SIZE, stratify=digits.target, random_state=0)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
+    for split, split_idx in (("train", train_idx), ("val", val_idx)):
+        for i in sorted(split_idx):
+            folder = staging / split / str(digits.target[i])
+            folder.mkdir(parents=True, exist_ok=True)
+            big = cv2.resize(images[i], (IMAGE_SIZE, IMAGE_SIZE), interpolation=cv2.INTER_CUBIC)
+            cv2.imwrite(str(folder / f"{i:04d}.png"), big)
+    (staging / COMPLETE_MARKER).touch()
+    _publish(staging, root)
+    log.info("exported %d train / %d val digits images to %s", len(train_idx), len(val_idx), root)
+    return root
+
+
+def _publish(staging: Path, root: Path) -> None:
+    """Move the finished export into place; if another node won the race, keep theirs."""
+    if root.exists() and not (root / COMPLETE_MARKER).exists():
+        shutil.rmtree(root)  # an earlier export was interrupted
+    try:
+        os.replace(staging, root)
+    except OSError:
+        if not (root / COMPLETE_MARKER).exists():
+            raise
+        shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,131 @@
+"""Datasets, samplers and DataLoaders for training and evaluation.
+
+Training uses torch's DistributedSampler (shuffle with `seed`, `set_epoch` every epoch, drop_last).
+Evaluation uses `ShardSampler`: each rank gets a contiguous block and no index is padded or
+dropped, so every validation image is counted exactly once whatever the world size.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import cv2
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
+
+from data.datasets import AugmentedDataset, DummyDataset, ImageFolderDataset, find_classes
+from data.digits import export_digits
+from data.transforms import eval_transform, train_transform
+from engine.config import DataConfig
+from engine.dist import DistInfo, local_main_first
+from engine.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+class EpochSampler(DistributedSampler):
+    """DistributedSampler that yields (epoch, index), so a sample's augmentation can be seeded by both."""
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return ((self.epoch, i) for i in super().__iter__())
+
+
+class ShardSampler(Sampler[int]):
+    """Rank r gets indices [r*n//W, (r+1)*n//W): no padding, no duplicates, in order."""
+
+    def __init__(self, size: int, rank: int, world_size: int) -> None:
+        self.start, self.stop = shard_bounds(size, rank, world_size)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.start, self.stop))
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+
+def shard_bounds(size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """The [start, stop) block of `size` items that `rank` evaluates."""
+    return size * rank // world_size, size * (rank + 1) // world_size
+
+
+def build_datasets(cfg: DataConfig, seed: int, local_rank: int = 0) -> tuple[AugmentedDataset, AugmentedDataset]:
+    """(train, val) datasets for data.name; the digits cache is written by local rank 0 first."""
+    if cfg.name == "dummy":
+        args = dict(num_classes=cfg.dummy_num_classes, image_size=cfg.dummy_image_size, seed=seed)
+        return (DummyDataset(cfg.dummy_train_size, transform=train_transform(cfg), **args),
+                DummyDataset(cfg.dummy_val_size, transform=eval_transform(cfg), offset=cfg.dummy_train_size, **args))
+    root = Path(cfg.root)
+    if cfg.name == "digits":
+        with local_main_first(local_rank):
+            if local_rank == 0:
+                export_digits(root)
+    train_classes, val_classes = find_classes(root / "train"), find_classes(root / "val")
+    if train_classes != val_classes:
+        only = sorted(set(train_classes) ^ set(val_classes))
+        raise UserError(f"{root}/train and {root}/val have different class folders (differing: {', '.join(only[:10])})")
+    return (ImageFolderDataset(root / "train", train_transform(cfg), seed, train_classes),
+            ImageFolderDataset(root / "val", eval_transform(cfg), seed, val_classes))
+
+
+def _worker_init(worker_id: int) -> None:
+    """OpenCV's own thread pool would fight the DataLoader workers for the same cores."""
+    cv2.setNumThreads(1)
+
+
+def _loader_kwargs(cfg: DataConfig, device: torch.device) -> dict:
+    kwargs: dict = dict(num_workers=cfg.num_workers, pin_memory=device.type == "cuda", worker_init_fn=_worker_init)
+    if cfg.num_workers > 0:
+        kwargs.update(persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor)
+    return kwargs
+
+
+def build_train_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: int, seed: int,
+                       info: DistInfo) -> DataLoader:
+    """Shuffled, drop_last loader over this rank's share of the training set."""
+    sampler = EpochSampler(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=True,
+                           seed=seed, drop_last=True)
+    if len(sampler) < batch_size:
+        raise UserError(f"each rank gets {len(sampler)} training images but train.batch_size is {batch_size}; "
+                        "lower train.batch_size or use fewer processes")
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
+                      **_loader_kwargs(cfg, info.device))
+
+
+def build_eval_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: int, info: DistInfo) -> DataLoader:
+    """In-order loader over this rank's block of the validation set (see ShardSampler)."""
+    if len(dataset) < info.world_size:
+        raise UserError(f"the validation set has {len(dataset)} images, fewer than the {info.world_size} processes; "
+                        "use fewer processes")
+    sampler = ShardSampler(len(dataset), info.rank, info.world_size)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=False,
+                      **_loader_kwargs(cfg, info.device))
+
+
+@dataclass
+class DataBundle:
+    train: DataLoader
+    val: DataLoader
+    num_classes: int
+    class_names: list[str]
+
+
+def build_data(cfg: DataConfig, batch_size: int, seed: int, info: DistInfo) -> DataBundle:
+    """Everything training needs from data/: both loaders and the class list."""
+    train_set, val_set = build_datasets(cfg, seed, info.local_rank)
+    log.info("data %s: train %d images, val %d images, %d classes",
+             cfg.name, len(train_set), len(val_set), len(train_set.classes))
+    return DataBundle(
+        train=build_train_loader(train_set, cfg, batch_size, seed, info),
+        val=build_eval_loader(val_set, cfg, batch_size, info),
+        num_classes=len(train_set.classes),
+        class_names=list(train_set.classes),
+    )
+
+
+def steps_per_epoch(loader: DataLoader, accum_steps: int) -> int:
+    """Optimizer steps in one epoch (a last, shorter accumulation group still steps)."""
+    return math.ceil(len(loader) / accum_steps)

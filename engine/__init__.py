@@ -1,0 +1,1 @@
+"""Shared machinery: config, distributed setup, the training loop, metrics, checkpoints, logging."""

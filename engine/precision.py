@@ -1,0 +1,62 @@
+"""Mixed precision in one place: which autocast dtype, whether a GradScaler is needed, how to step.
+
+`amp=auto` picks bf16 on CPU (1.4-2x faster than fp32 for ResNets on this class of CPU) and on
+GPUs that support it, else fp16 with a GradScaler. fp16 autocast on CPU is refused: measured
+about 40x slower than fp32 here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import ContextManager
+
+import torch
+from torch import nn
+
+from engine.errors import UserError
+
+
+@dataclass
+class Precision:
+    device_type: str
+    dtype: torch.dtype | None  # None: plain fp32, no autocast
+    scaler: torch.amp.GradScaler | None = None
+
+    @property
+    def name(self) -> str:
+        return {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}[self.dtype]
+
+    def autocast(self) -> ContextManager:
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer, model: nn.Module, clip_grad: float) -> None:
+        """Clip (after unscaling, under a GradScaler) and step; the scaler skips non-finite steps."""
+        if self.scaler:
+            self.scaler.unscale_(optimizer)
+        if clip_grad > 0:
+            nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
+        if self.scaler:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        else:
+            optimizer.step()
+
+
+def resolve_precision(mode: str, device: torch.device) -> Precision:
+    """Turn `amp: auto|bf16|fp16|off` into a Precision for this device."""
+    cuda = device.type == "cuda"
+    if mode == "auto":
+        mode = "bf16" if not cuda or torch.cuda.is_bf16_supported() else "fp16"
+    if mode == "off":
+        return Precision(device.type, None)
+    if mode == "bf16":
+        return Precision(device.type, torch.bfloat16)
+    if not cuda:
+        raise UserError("amp=fp16 on CPU runs about 40x slower than fp32; use amp=bf16 (or auto) or amp=off")
+    return Precision(device.type, torch.float16, torch.amp.GradScaler("cuda"))

@@ -1,0 +1,114 @@
+"""The training loop: one epoch of optimizer steps, with accumulation, AMP and exact metrics.
+
+`train_one_epoch` is the whole loop. It syncs with the host only every `log_interval` steps
+(one all-reduce of a few sums), so the hot path stays free of `.item()` calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from engine.dist import DistInfo
+from engine.logs import progress
+from engine.metrics import SumMeter, topk_correct
+from engine.precision import Precision
+
+
+@dataclass
+class TrainState:
+    """What the loop advances; checkpointed so a resumed run continues where it stopped."""
+
+    epoch: int = 0  # the next epoch to run
+    global_step: int = 0  # optimizer steps done
+    best_top1: float = float("-inf")
+
+
+@dataclass
+class LoopConfig:
+    accum_steps: int
+    clip_grad: float
+    max_steps: int  # 0 = no limit
+    log_interval: int
+    channels_last: bool
+    show_progress: bool
+
+
+def to_device(images: torch.Tensor, targets: torch.Tensor, device: torch.device,
+              channels_last: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy a batch to the device (non-blocking from pinned memory on CUDA)."""
+    non_blocking = device.type == "cuda"
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    images = images.to(device, non_blocking=non_blocking, memory_format=memory_format)
+    return images, targets.to(device, non_blocking=non_blocking)
+
+
+def train_one_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer,
+                    scheduler, loss_fn: Callable, precision: Precision, state: TrainState,
+                    cfg: LoopConfig, info: DistInfo) -> dict[str, float]:
+    """Run one epoch (or until max_steps); return all-reduced train_loss, train_top1, img/s."""
+    model.train()
+    meter = SumMeter(("loss_sum", "correct", "count"), info.device)
+    num_batches = len(loader)
+    bar = progress(loader, num_batches, f"epoch {state.epoch}", cfg.show_progress and info.is_main)
+    start = time.perf_counter()
+    optimizer.zero_grad(set_to_none=True)
+    for i, (images, targets) in enumerate(bar):
+        images, targets = to_device(images, targets, info.device, cfg.channels_last)
+        group_start = i - i % cfg.accum_steps
+        group_size = min(cfg.accum_steps, num_batches - group_start)
+        last_micro_step = i == group_start + group_size - 1
+        # DDP all-reduces gradients only on the micro-step that ends an accumulation group.
+        sync = contextlib.nullcontext() if last_micro_step or not hasattr(model, "no_sync") else model.no_sync()
+        with sync:
+            with precision.autocast():
+                logits = model(images)
+                loss = loss_fn(logits, targets)
+            precision.backward(loss / group_size)
+        meter.add(loss.detach() * len(targets), topk_correct(logits.detach(), targets, 1), len(targets))
+        if not last_micro_step:
+            continue
+        precision.step(optimizer, model, cfg.clip_grad)
+        optimizer.zero_grad(set_to_none=True)
+        state.global_step += 1
+        scheduler.step_update(num_updates=state.global_step)
+        if state.global_step % cfg.log_interval == 0:
+            sums = meter.global_sums()
+            bar.set_postfix(loss=f"{sums['loss_sum'] / sums['count']:.4f}",
+                            lr=f"{optimizer.param_groups[0]['lr']:.3g}",
+                            img_s=f"{sums['count'] / (time.perf_counter() - start):.0f}")
+        if cfg.max_steps and state.global_step >= cfg.max_steps:
+            break
+    sums = meter.global_sums()
+    seconds = time.perf_counter() - start
+    count = max(sums["count"], 1.0)
+    return {"train_loss": sums["loss_sum"] / count, "train_top1": 100.0 * sums["correct"] / count,
+            "train_img_per_s": sums["count"] / seconds, "epoch_time_s": seconds}
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: DataLoader, precision: Precision, info: DistInfo,
+             channels_last: bool, on_batch: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+             ) -> dict[str, float]:
+    """Exact val_loss / val_top1 / val_top5 over the whole (sharded, unpadded) validation set."""
+    model.eval()
+    meter = SumMeter(("loss_sum", "top1", "top5", "count"), info.device)
+    for images, targets in loader:
+        images, targets = to_device(images, targets, info.device, channels_last)
+        with precision.autocast():
+            logits = model(images)
+        logits = logits.float()
+        loss = nn.functional.cross_entropy(logits, targets, reduction="sum")
+        meter.add(loss, topk_correct(logits, targets, 1), topk_correct(logits, targets, 5), len(targets))
+        if on_batch is not None:
+            on_batch(logits, targets)
+    sums = meter.global_sums()
+    count = sums["count"]
+    return {"val_loss": sums["loss_sum"] / count, "val_top1": 100.0 * sums["top1"] / count,
+            "val_top5": 100.0 * sums["top5"] / count, "val_count": int(count)}

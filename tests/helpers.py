@@ -1,0 +1,91 @@
+"""Shared test plumbing: run train.py / evaluate.py for real, as a user would (subprocesses, torchrun)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import cv2
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def script_env(**extra: str) -> dict[str, str]:
+    """The environment for a subprocess: quiet, offline, one thread per process unless told otherwise."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                           "MASTER_PORT", "LOCAL_WORLD_SIZE")}
+    env.update(WANDB_MODE="offline", PYTHONWARNINGS="ignore", **extra)
+    return env
+
+
+def run_script(script: str, *args: str, nproc: int = 1, timeout: float = 300, env: dict | None = None,
+               check: bool = True) -> subprocess.CompletedProcess:
+    """`python script args` for nproc == 1, else `torchrun --standalone --nproc_per_node=nproc script args`."""
+    if nproc == 1:
+        cmd = [sys.executable, str(REPO / script), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(REPO / script), *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=env or script_env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
+                             f"stderr:\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def make_image_folder(root: Path, counts: dict[str, dict[str, int]], size: int = 24, seed: int = 0) -> Path:
+    """root/<split>/<class>/<i>.png with class-coloured noisy images; counts[split][class] = n."""
+    rng = np.random.default_rng(seed)
+    for split, per_class in counts.items():
+        for c, (name, n) in enumerate(sorted(per_class.items())):
+            folder = root / split / name
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                colour = np.array([(c * 80) % 256, (c * 150) % 256, (c * 40 + 60) % 256], np.float64)
+                image = np.clip(colour + rng.normal(0, 30, (size, size, 3)), 0, 255).astype(np.uint8)
+                cv2.imwrite(str(folder / f"{i:03d}.png"), image)
+    return root
+
+
+def _rank_entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, tmp_path: Path, *args) -> list:
+    """Run fn(rank, world, *args) in `world` real processes joined by a gloo group; return their results.
+
+    fn must be importable (module level); results travel through torch.save files in tmp_path.
+    """
+    import torch
+    import torch.multiprocessing as mp
+
+    out_dir = Path(tmp_path) / f"ranks-{fn.__name__}-{world}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mp.start_processes(_rank_entry, args=(world, free_port(), fn, args, str(out_dir)), nprocs=world,
+                       start_method="spawn", join=True)
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(world)]

@@ -1,0 +1,122 @@
+"""Datasets, pipelines and samplers, on real files."""
+
+from __future__ import annotations
+
+import cv2
+import numpy as np
+import pytest
+import torch
+
+from data.datasets import DummyDataset, ImageFolderDataset, PackedStrings
+from data.digits import VAL_SIZE, export_digits
+from data.loader import EpochSampler, ShardSampler, build_datasets
+from data.transforms import eval_transform, train_transform
+from engine.config import DataConfig
+from engine.errors import UserError
+from tests.helpers import make_image_folder
+
+
+def test_packed_strings_round_trip():
+    strings = ["a/b.png", "", "ünïcödé/ф.jpg", "x" * 300]
+    packed = PackedStrings(strings)
+    assert [packed[i] for i in range(len(packed))] == strings
+    assert packed.data.dtype == np.uint8 and packed.offsets.dtype == np.int64
+
+
+def test_imagefolder_reads_gray_rgba_and_jpeg(tmp_path):
+    root = make_image_folder(tmp_path, {"train": {"cat": 2, "dog": 3}, "val": {"cat": 1, "dog": 1}})
+    cv2.imwrite(str(root / "train/cat/gray.png"), np.full((20, 30), 128, np.uint8))
+    cv2.imwrite(str(root / "train/cat/rgba.png"), np.full((20, 30, 4), 200, np.uint8))
+    cv2.imwrite(str(root / "train/dog/photo.jpg"), np.full((40, 30, 3), 50, np.uint8))
+    (root / "train/dog/notes.txt").write_text("not an image")
+    cfg = DataConfig(name="imagefolder", root=str(root), img_size=16, augment=False)
+    train, val = build_datasets(cfg, seed=0)
+    assert train.classes == ["cat", "dog"] and len(train) == 8 and len(val) == 2
+    assert list(train.labels) == [0, 0, 0, 0, 1, 1, 1, 1]
+    for i in range(len(train)):
+        image, label = train[i]
+        assert image.shape == (3, 16, 16) and image.dtype == torch.float32
+
+
+def test_imagefolder_errors_name_the_folder(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        ImageFolderDataset(tmp_path / "missing", eval_transform(DataConfig()), 0)
+    (tmp_path / "empty_root").mkdir()
+    with pytest.raises(UserError, match="has no class folders"):
+        ImageFolderDataset(tmp_path / "empty_root", eval_transform(DataConfig()), 0)
+    (tmp_path / "empty_root/cat").mkdir()
+    with pytest.raises(UserError, match="class folder .*cat has no images"):
+        ImageFolderDataset(tmp_path / "empty_root", eval_transform(DataConfig()), 0)
+    root = make_image_folder(tmp_path / "mismatch", {"train": {"a": 1, "b": 1}, "val": {"a": 1, "c": 1}})
+    with pytest.raises(UserError, match="different class folders .*b, c"):
+        build_datasets(DataConfig(name="imagefolder", root=str(root)), seed=0)
+
+
+def test_corrupt_image_names_the_file(tmp_path):
+    root = make_image_folder(tmp_path, {"train": {"a": 1}})
+    (root / "train/a/broken.png").write_bytes(b"\x89PNG\r\n\x1a\n garbage")
+    dataset = ImageFolderDataset(root / "train", eval_transform(DataConfig(img_size=8)), 0)
+    with pytest.raises(UserError, match="broken.png"):
+        dataset[1]
+
+
+def test_augmentation_is_seeded_by_seed_epoch_index():
+    cfg = DataConfig(img_size=24)
+    data = DummyDataset(8, 4, 40, train_transform(cfg), seed=3)
+    same = DummyDataset(8, 4, 40, train_transform(cfg), seed=3)
+    assert torch.equal(data[(0, 5)][0], same[(0, 5)][0])  # reproducible from the seed
+    assert not torch.equal(data[(0, 5)][0], data[(1, 5)][0])  # new augmentation each epoch
+    assert not torch.equal(data[(0, 5)][0], DummyDataset(8, 4, 40, train_transform(cfg), seed=4)[(0, 5)][0])
+    fixed = DummyDataset(8, 4, 40, train_transform(DataConfig(img_size=24, augment=False)), seed=3)
+    assert torch.equal(fixed[(0, 5)][0], fixed[(1, 5)][0])  # augment=false: deterministic
+
+
+def test_dummy_is_deterministic_and_learnable():
+    data = DummyDataset(200, 4, 16, eval_transform(DataConfig(img_size=16, crop_pct=1.0)), seed=0)
+    images = torch.stack([data[i][0] for i in range(200)]).flatten(1)
+    labels = torch.tensor(data.labels)
+    assert torch.equal(images[7], data[7][0].flatten())
+    # A nearest-class-mean classifier on half the data already separates the classes.
+    means = torch.stack([images[:100][labels[:100] == c].mean(0) for c in range(4)])
+    predicted = torch.cdist(images[100:], means).argmin(1)
+    assert (predicted == labels[100:]).float().mean() > 0.9
+    val = DummyDataset(10, 4, 16, data.transform, seed=0, offset=200)
+    assert not torch.equal(val[0][0], data[0][0])
+
+
+def test_digits_export_is_stratified_and_cached(tmp_path):
+    root = export_digits(tmp_path / "digits")
+    cfg = DataConfig(name="digits", root=str(root), img_size=32)
+    train, val = build_datasets(cfg, seed=0)
+    assert len(val) == VAL_SIZE and len(train) + len(val) == 1797
+    assert train.classes == [str(d) for d in range(10)]
+    counts = np.bincount(val.labels, minlength=10)
+    assert counts.min() >= 35 and counts.max() <= 37  # stratified: about 36 per digit
+    image = cv2.imread(train.path(0), cv2.IMREAD_UNCHANGED)
+    assert image.shape == (32, 32)  # stored grayscale, read as RGB
+    mtime = (root / "train").stat().st_mtime_ns
+    export_digits(root)
+    assert (root / "train").stat().st_mtime_ns == mtime  # second call reuses the cache
+
+
+def test_train_sampler_covers_each_index_once_and_reshuffles():
+    n, world = 103, 2
+    samplers = [EpochSampler(range(n), num_replicas=world, rank=r, shuffle=True, seed=5, drop_last=True)
+                for r in range(world)]
+    epochs = []
+    for epoch in range(3):
+        for s in samplers:
+            s.set_epoch(epoch)
+        keys = [k for s in samplers for k in s]
+        assert all(e == epoch for e, _ in keys)
+        indices = [i for _, i in keys]
+        assert len(indices) == len(set(indices)) == n // world * world  # drop_last drops the odd one
+        epochs.append([i for _, i in samplers[0]])
+    assert epochs[0] != epochs[1] != epochs[2]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_shard_sampler_counts_each_index_once(world):
+    n = 361
+    indices = [i for r in range(world) for i in ShardSampler(n, r, world)]
+    assert indices == list(range(n))

@@ -1,0 +1,69 @@
+"""Real multi-process behaviour: exact sharded evaluation and a torchrun training run."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from data.loader import build_datasets, build_eval_loader
+from engine.config import DataConfig, ModelConfig
+from engine.dist import DistInfo
+from engine.precision import Precision
+from engine.trainer import evaluate
+from models.factory import create_model
+from tests.helpers import read_jsonl, run_ranks, run_script
+
+VAL_SIZE = 101  # divisible by neither 2 nor 3
+
+
+def evaluate_on_ranks(rank: int, world: int) -> dict:
+    cfg = DataConfig(name="dummy", img_size=16, crop_pct=1.0, dummy_image_size=16, dummy_train_size=8,
+                     dummy_val_size=VAL_SIZE, num_workers=0)
+    _, val = build_datasets(cfg, seed=0)
+    info = DistInfo(rank, world, rank, world, torch.device("cpu"))
+    torch.manual_seed(0)
+    model = create_model(ModelConfig(name="resnet10t"), num_classes=10)
+    loader = build_eval_loader(val, cfg, batch_size=8, info=info)
+    return evaluate(model, loader, Precision("cpu", None), info, channels_last=False)
+
+
+def test_sharded_evaluation_is_exact_for_1_2_3_ranks(tmp_path):
+    results = {world: run_ranks(evaluate_on_ranks, world, tmp_path) for world in (1, 2, 3)}
+    reference = results[1][0]
+    assert reference["val_count"] == VAL_SIZE
+    for world, per_rank in results.items():
+        for metrics in per_rank:  # every rank sees the same global numbers
+            assert metrics["val_count"] == VAL_SIZE
+            assert metrics["val_top1"] == reference["val_top1"] and metrics["val_top5"] == reference["val_top5"]
+            assert math.isclose(metrics["val_loss"], reference["val_loss"], rel_tol=1e-5)
+
+
+def test_torchrun_two_ranks_trains_and_writes_outputs(tmp_path):
+    out = tmp_path / "run"
+    run_script("train.py", "--config", "configs/dummy.yaml", "model.name=resnet10t", "model.sync_bn=true",
+               "train.max_steps=3", "train.batch_size=8", "data.dummy_train_size=64", f"output_dir={out}",
+               "logging.interval=1", nproc=2)
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert len(rows) == 1
+    row = rows[0]
+    expected = {"epoch", "train_loss", "train_top1", "val_loss", "val_top1", "val_top5", "lr", "epoch_time_s",
+                "train_img_per_s"}
+    assert expected <= set(row)
+    assert row["val_count"] == 101 and math.isfinite(row["train_loss"])
+    for name in ("last.pth", "best.pth", "config.yaml"):
+        assert (out / name).is_file()
+    ckpt = torch.load(out / "last.pth", weights_only=True, map_location="cpu")
+    assert ckpt["global_step"] == 3 and ckpt["config"]["model"]["sync_bn"] is True
+    assert not any(k.startswith("module.") for k in ckpt["model"])  # the unwrapped model
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_user_error_is_one_line(tmp_path, nproc):
+    proc = run_script("train.py", "--config", "configs/dummy.yaml", "optim.lrr=0.1", nproc=nproc, check=False)
+    assert proc.returncode != 0
+    lines = [l for l in proc.stderr.splitlines() if "optim.lrr" in l]
+    assert len(lines) == 1 and "did you mean 'optim.lr'" in lines[0]  # said once, by rank 0
+    if nproc == 1:  # (torchrun adds its own report of the failed child)
+        assert "Traceback" not in proc.stderr and proc.stderr.strip().splitlines()[-1] == lines[0]

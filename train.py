@@ -1,0 +1,143 @@
+"""Train a timm image classifier, one process per device, with DDP.
+
+    python train.py --config configs/digits.yaml                       # one process
+    torchrun --nproc_per_node=N train.py --config resnet50 optim.lr=0.2  # N processes, overrides
+
+Everything the run does is in `fit`: build data, model, optimizer; then per epoch train,
+evaluate, write metrics.jsonl and checkpoints (rank 0 writes, every rank joins the collectives).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from data.loader import build_data, steps_per_epoch
+from engine.checkpoint import cpu_state_dict, save_atomic
+from engine.cli import report_errors
+from engine.config import Config, load_config, save_config, to_dict
+from engine.dist import DistInfo, barrier, broadcast_object, cleanup, init_distributed
+from engine.errors import UserError
+from engine.logs import MetricsFile, setup_logging
+from engine.optim import build_optimizer, build_scheduler
+from engine.precision import resolve_precision
+from engine.trainer import LoopConfig, TrainState, evaluate, train_one_epoch
+from models.factory import create_model, prepare_model
+
+log = logging.getLogger("train")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/digits.yaml",
+                        help="YAML file, or a bare name looked up in configs/ (default: digits)")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks for user errors")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. optim.lr=0.2 train.epochs=3")
+    return parser.parse_args(argv)
+
+
+def prepare_output_dir(cfg: Config, info: DistInfo) -> Path:
+    """Rank 0 creates the run folder and writes config.yaml; every rank learns if that failed."""
+    out = Path(cfg.output_dir)
+    problem = None
+    if info.is_main:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, out)
+        except OSError as err:
+            problem = f"output_dir {out} is not writable ({err.strerror}); choose another output_dir"
+    problem = broadcast_object(problem)
+    if problem:
+        raise UserError(problem)
+    return out
+
+
+def seed_everything(seed: int) -> None:
+    """Same seed on every rank, so models start identical (DDP also broadcasts rank 0's weights)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def fit(cfg: Config, info: DistInfo) -> TrainState:
+    out = prepare_output_dir(cfg, info)
+    seed_everything(cfg.seed)
+    data = build_data(cfg.data, cfg.train.batch_size, cfg.seed, info)
+    precision = resolve_precision(cfg.amp, info.device)
+    model = prepare_model(create_model(cfg.model, data.num_classes), cfg.model, info.device, info.world_size)
+    torch.manual_seed(cfg.seed + info.rank)  # dropout / drop-path differ per rank, reproducibly
+    train_model: nn.Module = model
+    if info.world_size > 1:
+        device_ids = [info.device.index] if info.device.type == "cuda" else None  # CPU DDP needs None
+        train_model = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+    if cfg.model.compile:
+        train_model = torch.compile(train_model)
+    if info.device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+
+    optimizer = build_optimizer(model, cfg.optim)
+    updates_per_epoch = steps_per_epoch(data.train, cfg.train.accum_steps)
+    scheduler = build_scheduler(optimizer, cfg.sched, cfg.train.epochs, updates_per_epoch)
+    loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
+    loop = LoopConfig(cfg.train.accum_steps, cfg.optim.clip_grad, cfg.train.max_steps, cfg.logging.interval,
+                      cfg.model.channels_last, cfg.logging.progress)
+    state = TrainState()
+    metrics = MetricsFile(out / "metrics.jsonl")
+    global_batch = cfg.train.batch_size * info.world_size * cfg.train.accum_steps
+    log.info("model %s (%.1fM params), %d process(es) on %s, %s, global batch %d, %d steps/epoch",
+             cfg.model.name, sum(p.numel() for p in model.parameters()) / 1e6, info.world_size,
+             info.device.type, precision.name, global_batch, updates_per_epoch)
+
+    while state.epoch < cfg.train.epochs:
+        data.train.sampler.set_epoch(state.epoch)
+        train_stats = train_one_epoch(train_model, data.train, optimizer, scheduler, loss_fn, precision,
+                                      state, loop, info)
+        val_stats = evaluate(train_model, data.val, precision, info, cfg.model.channels_last)
+        state.epoch += 1
+        row = {"epoch": state.epoch - 1, **train_stats, **val_stats, "lr": optimizer.param_groups[0]["lr"]}
+        is_best = val_stats["val_top1"] > state.best_top1
+        state.best_top1 = max(state.best_top1, val_stats["val_top1"])
+        if info.is_main:
+            metrics.append(row)
+            checkpoint = {"model": cpu_state_dict(model), "optimizer": optimizer.state_dict(),
+                          "scheduler": scheduler.state_dict(),
+                          "scaler": precision.scaler.state_dict() if precision.scaler else {},
+                          "epoch": state.epoch, "global_step": state.global_step, "best_top1": state.best_top1,
+                          "val_top1": val_stats["val_top1"], "class_names": data.class_names,
+                          "config": to_dict(cfg)}
+            save_atomic(checkpoint, out / "last.pth")
+            if is_best:
+                save_atomic(checkpoint, out / "best.pth")
+            log.info("epoch %d: train_loss %.4f train_top1 %.2f | val_loss %.4f val_top1 %.2f val_top5 %.2f | "
+                     "%.0f img/s, %.1fs", row["epoch"], row["train_loss"], row["train_top1"], row["val_loss"],
+                     row["val_top1"], row["val_top5"], row["train_img_per_s"], row["epoch_time_s"])
+        barrier()
+        if cfg.train.max_steps and state.global_step >= cfg.train.max_steps:
+            log.info("stopping at train.max_steps=%d", cfg.train.max_steps)
+            break
+    log.info("done: best val_top1 %.2f, outputs in %s", state.best_top1, out)
+    return state
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    info = init_distributed(cfg.dist.backend, cfg.dist.timeout_s)
+    setup_logging(info.rank, cfg.logging.level)
+    try:
+        fit(cfg, info)
+    finally:
+        cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(report_errors(main))
