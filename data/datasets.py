@@ -96,11 +96,11 @@ def scan_images(split_dir: Path, classes: list[str]) -> tuple[list[str], np.ndar
 
 
 def read_image(path: str) -> np.ndarray:
-    """Decode any JPEG/PNG (grayscale, RGB or RGBA) into HWC uint8 RGB."""
-    image = cv2.imread(path, cv2.IMREAD_COLOR)
+    """Decode any JPEG/PNG (grayscale, RGB or RGBA) into HWC uint8 RGB (decoded as RGB: no BGR copy)."""
+    image = cv2.imread(path, cv2.IMREAD_COLOR_RGB)
     if image is None:
         raise UserError(f"cannot read image {path} (corrupt, truncated or not an image); remove or replace it")
-    return cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
+    return image
 
 
 class ImageFolderDataset(AugmentedDataset):
