@@ -15,6 +15,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -60,6 +61,22 @@ def alternate(sides: dict[str, Callable[[], float]], repeats: int, warmup: int =
                 results[name].append(value)
                 print(f"  round {round_ - warmup + 1}/{repeats} {name}: {value:.4g}", file=sys.stderr, flush=True)
     return results
+
+
+def cpu_and_wall(run: Callable[[], int], wall: list[float]) -> Callable[[], float]:
+    """Wrap `run` (returns items processed) to return items per CPU-second; items per wall second go to `wall`.
+
+    For a single-threaded process CPU time is what the work costs on a core of its own: unlike wall time
+    it barely moves when other jobs share the machine (it still includes their cache and memory pressure).
+    """
+
+    def timed() -> float:
+        start, cpu_start = time.perf_counter(), time.process_time()
+        items = run()
+        wall.append(items / (time.perf_counter() - start))
+        return items / (time.process_time() - cpu_start)
+
+    return timed
 
 
 def print_table(title: str, results: dict[str, list[float]], unit: str) -> None:

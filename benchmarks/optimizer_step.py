@@ -3,9 +3,9 @@
 engine.optim.build_optimizer asks timm for torch's fused step when the optimizer has one (SGD, Adam,
 AdamW). This times `optimizer.step()` alone for resnet18 and resnet50 parameter sets (gradients filled
 with noise), alternating the app's optimizer with torch's default (per-tensor loop on CPU, foreach on CUDA)
-built from the same param groups, in one process with every core.
+built from the same param groups, in one process with every core (or --threads).
 
-    python benchmarks/optimizer_step.py [--repeats 7]
+    python benchmarks/optimizer_step.py [--repeats 7] [--threads 1]
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per timed run")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
     return parser.parse_args()
 
 
@@ -43,6 +44,8 @@ def main() -> None:
     from engine.config import OptimConfig
     from engine.optim import build_optimizer
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(machine_line(), f"torch threads {torch.get_num_threads()}")
     cfg = OptimConfig(name="sgd")
     for name in ("resnet18", "resnet50"):
@@ -54,9 +57,9 @@ def main() -> None:
         default = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=True)
         results = alternate({"app (fused SGD)": step_ms(ours, args.steps),
                              "torch default SGD": step_ms(default, args.steps)}, args.repeats, warmup=1)
-        print_table(f"SGD step (nesterov, weight decay), {name} parameters "
-                    f"({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M)", results,
-                    "milliseconds per step, lower is better")
+        params = sum(p.numel() for p in model.parameters()) / 1e6
+        print_table(f"SGD step (nesterov, weight decay), {name} parameters ({params:.1f}M), "
+                    f"{torch.get_num_threads()} threads", results, "milliseconds per step, lower is better")
         ratio_line(results, "torch default SGD", "app (fused SGD)")
     print(machine_line())
 
