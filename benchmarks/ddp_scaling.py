@@ -5,7 +5,7 @@ Scaling = global img/s with 2 ranks x 1 thread (torchrun, gloo) / global img/s w
 benchmarks/bare_train.py (batches in memory, DDP with default settings), same model, per-rank batch and
 images per epoch. The four runs alternate, one fresh process group per run.
 
-    python benchmarks/ddp_scaling.py [--repeats 4]
+    python benchmarks/ddp_scaling.py [--repeats 5]
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from harness import train_py_img_per_s
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--model", default="resnet18")
     parser.add_argument("--img-size", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
-    parser.add_argument("--train-size", type=int, default=768, help="images per epoch over all ranks")
+    parser.add_argument("--train-size", type=int, default=1536, help="images per epoch over all ranks")
     return parser.parse_args()
 
 

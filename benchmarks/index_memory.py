@@ -2,7 +2,7 @@
 
 Target: a worker's unique memory (USS = Private_Clean + Private_Dirty in /proc/<pid>/smaps_rollup) grows
 by no more than 50 MB over an epoch. Two sides, each a full epoch through the app's own train loader
-(data.loader.build_train_loader: EpochSampler, 4 persistent forked workers):
+(data.loader.build_train_loader: EpochSampler, 4 persistent forked workers, gc.freeze() before the fork):
 - ours: ImageFolderDataset's index as data.datasets.PackedStrings (two numpy arrays);
 - list of str: the same dataset with the paths in a Python list, as torchvision's ImageFolder keeps them.
 The index is synthetic (ImageNet-like relative paths, 1000 classes) and "decoding" returns one pixel

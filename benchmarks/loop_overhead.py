@@ -10,7 +10,7 @@ process pinned to one core (`taskset -c 0`, so one torch thread), alternating, o
   uses), so the second ratio isolates the loop's own overhead.
 It also profiles train_one_epoch to count host syncs (`.item()`-like calls) per step.
 
-    python benchmarks/loop_overhead.py [--repeats 5]
+    python benchmarks/loop_overhead.py [--repeats 7]
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from harness import train_py_img_per_s
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--model", default="resnet18")
     parser.add_argument("--img-size", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--train-size", type=int, default=384, help="images per epoch")
+    parser.add_argument("--train-size", type=int, default=1536, help="images per epoch")
     return parser.parse_args()
 
 

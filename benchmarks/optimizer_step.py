@@ -59,7 +59,7 @@ def main() -> None:
                              "torch default SGD": step_ms(default, args.steps)}, args.repeats, warmup=1)
         params = sum(p.numel() for p in model.parameters()) / 1e6
         print_table(f"SGD step (nesterov, weight decay), {name} parameters ({params:.1f}M), "
-                    f"{torch.get_num_threads()} threads", results, "milliseconds per step, lower is better")
+                    f"{torch.get_num_threads()} thread(s)", results, "milliseconds per step, lower is better")
         ratio_line(results, "torch default SGD", "app (fused SGD)")
     print(machine_line())
 
