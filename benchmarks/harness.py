@@ -132,13 +132,20 @@ def launch(script: str | Path, args: list[str], nproc: int = 1, pin_core: int | 
     return proc
 
 
-def train_py_img_per_s(overrides: list[str], nproc: int = 1, pin_core: int | None = None) -> float:
-    """Run train.py for 2 epochs and return the second epoch's global train img/s (the first is warmup)."""
+def train_py_epoch(overrides: list[str], nproc: int = 1, pin_core: int | None = None) -> dict:
+    """Run train.py (through train_py_epoch.py) for 2 epochs; the second epoch's img/s and img/CPU-s.
+
+    The first epoch is warmup. img_per_s is train.py's own metrics.jsonl figure (over all ranks);
+    img_per_cpu_s is per rank.
+    """
     with tempfile.TemporaryDirectory(prefix="bench-train-") as out:
-        launch(REPO / "train.py", ["--config", "configs/dummy.yaml", *overrides, "train.epochs=2",
-                                   "logging.progress=false", f"output_dir={out}"], nproc, pin_core)
+        proc = launch(REPO / "benchmarks" / "train_py_epoch.py",
+                      ["--config", "configs/dummy.yaml", *overrides, "train.epochs=2", "logging.progress=false",
+                       f"output_dir={out}"], nproc, pin_core)
         rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    return float(rows[-1]["train_img_per_s"])
+    result = last_json_line(proc)
+    assert abs(result["img_per_s"] - rows[-1]["train_img_per_s"]) < 1e-6 * rows[-1]["train_img_per_s"]
+    return result
 
 
 def last_json_line(proc: subprocess.CompletedProcess) -> dict:
