@@ -19,6 +19,7 @@ jobs share the machine; wall-clock figures follow). It also profiles train_one_e
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import harness  # noqa: F401  (puts the repo on sys.path)
@@ -37,12 +38,11 @@ def parse_args() -> argparse.Namespace:
 
 
 def dummy_data_ms_per_batch(img_size: int, batch_size: int) -> float:
-    """What train.py's training process spends producing one batch of dummy data (num_workers=0)."""
+    """CPU ms train.py's training process spends producing one batch of dummy data (num_workers=0)."""
     import cv2
     import torch
-    from torch.utils.data import default_collate
-
     from data.datasets import DummyDataset
+    from data.loader import collate_channels_last
     from data.transforms import train_transform
     from engine.config import DataConfig
 
@@ -50,11 +50,11 @@ def dummy_data_ms_per_batch(img_size: int, batch_size: int) -> float:
     cv2.setNumThreads(1)
     cfg = DataConfig(name="dummy", img_size=img_size, crop_pct=1.0)
     dataset = DummyDataset(1024, 10, img_size, train_transform(cfg), seed=0)
-    default_collate([dataset[(0, i)] for i in range(batch_size)])
-    start = time.perf_counter()
+    collate_channels_last([dataset[(0, i)] for i in range(batch_size)])
+    start = time.process_time()
     for b in range(8):
-        default_collate([dataset[(1, b * batch_size + i)] for i in range(batch_size)])
-    return (time.perf_counter() - start) / 8 * 1e3
+        collate_channels_last([dataset[(1, b * batch_size + i)] for i in range(batch_size)])
+    return (time.process_time() - start) / 8 * 1e3
 
 
 def host_syncs_per_step(steps: int = 10, log_interval: int = 5) -> tuple[int, int]:
@@ -115,9 +115,10 @@ def main() -> None:
     ratio_line(results, "train.py", "bare loop, fused SGD")
     print_table(title + ", wall clock", wall, "images per second of wall-clock time (shared machine: noisier)")
     ratio_line(wall, "train.py", "bare loop, torch SGD", target=0.95)
-    print(f"- train.py makes its dummy data in the training process: "
-          f"{dummy_data_ms_per_batch(args.img_size, args.batch_size):.1f} ms per batch of {args.batch_size} "
-          f"(the bare loop's batches are premade)")
+    data_ms = dummy_data_ms_per_batch(args.img_size, args.batch_size)
+    step_ms = 1e3 * args.batch_size / statistics.median(results["train.py"])
+    print(f"- train.py makes its dummy data in the training process: {data_ms:.1f} CPU ms per batch of "
+          f"{args.batch_size}, {100 * data_ms / step_ms:.1f}% of its step (the bare loop's batches are premade)")
     syncs, steps = host_syncs_per_step()
     print(f"- host syncs (aten::_local_scalar_dense, i.e. .item()/float()/bool()) in {steps} steps of "
           f"train_one_epoch: {syncs} (metrics are read with one .tolist() every logging.interval steps)")
