@@ -29,6 +29,7 @@ from engine.errors import UserError
 from engine.logs import MetricsFile, setup_logging
 from engine.optim import build_optimizer, build_scheduler
 from engine.precision import resolve_precision
+from engine.tracking import WandbTracker
 from engine.trainer import LoopConfig, TrainState, evaluate, train_one_epoch
 from models.factory import create_model, prepare_model
 
@@ -95,11 +96,13 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
     log.info("model %s (%.1fM params), %d process(es) on %s, %s, global batch %d, %d steps/epoch",
              cfg.model.name, sum(p.numel() for p in model.parameters()) / 1e6, info.world_size,
              info.device.type, precision.name, global_batch, updates_per_epoch)
+    tracker = WandbTracker(cfg.logging, info.is_main)  # W&B on rank 0; never raises
+    tracker.start({**to_dict(cfg), "world_size": info.world_size}, out)
 
     while state.epoch < cfg.train.epochs:
         data.train.sampler.set_epoch(state.epoch)
         train_stats = train_one_epoch(train_model, data.train, optimizer, scheduler, loss_fn, precision,
-                                      state, loop, info)
+                                      state, loop, info, on_log=tracker.log_interval)
         val_stats = evaluate(train_model, data.val, precision, info, cfg.model.channels_last)
         state.epoch += 1
         row = {"epoch": state.epoch - 1, **train_stats, **val_stats, "lr": optimizer.param_groups[0]["lr"]}
@@ -107,12 +110,13 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
         state.best_top1 = max(state.best_top1, val_stats["val_top1"])
         if info.is_main:
             metrics.append(row)
+            tracker.log_epoch(state.global_step, row, state.best_top1)
             checkpoint = {"model": cpu_state_dict(model), "optimizer": optimizer.state_dict(),
                           "scheduler": scheduler.state_dict(),
                           "scaler": precision.scaler.state_dict() if precision.scaler else {},
                           "epoch": state.epoch, "global_step": state.global_step, "best_top1": state.best_top1,
                           "val_top1": val_stats["val_top1"], "class_names": data.class_names,
-                          "config": to_dict(cfg)}
+                          "config": to_dict(cfg), "wandb_id": tracker.run_id}
             save_atomic(checkpoint, out / "last.pth")
             if is_best:
                 save_atomic(checkpoint, out / "best.pth")
@@ -123,6 +127,8 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
         if cfg.train.max_steps and state.global_step >= cfg.train.max_steps:
             log.info("stopping at train.max_steps=%d", cfg.train.max_steps)
             break
+    tracker.log_checkpoint(out / "best.pth", {"val_top1": state.best_top1, "model": cfg.model.name})
+    tracker.finish()
     log.info("done: best val_top1 %.2f, outputs in %s", state.best_top1, out)
     return state
 

@@ -85,6 +85,14 @@ class LoggingConfig:
     interval: int = 20  # optimizer steps between progress updates
     level: str = "INFO"
     progress: bool = True  # tqdm bar on rank 0
+    wandb: bool = False  # track the run in Weights & Biases (one run, from rank 0); see engine/tracking.py
+    wandb_project: str = "image-classification"
+    wandb_entity: str = ""  # W&B team or user; "" = your default entity
+    wandb_name: str = ""  # run name; "" = the output_dir folder name
+    wandb_group: str = ""  # groups related runs in the W&B UI
+    wandb_tags: list[str] = field(default_factory=list)
+    wandb_notes: str = ""
+    wandb_log_checkpoints: bool = False  # upload best.pth as a model artifact at the end of training
 
 
 @dataclass
@@ -242,8 +250,20 @@ def validate(cfg: Config) -> None:
         low_high = _get(cfg, key)
         if len(low_high) != 2 or not 0 < low_high[0] <= low_high[1]:
             raise UserError(f"config key {key!r} must be [low, high] with 0 < low <= high, got {low_high}")
+    if cfg.logging.wandb:
+        validate_wandb(cfg.logging)
     if len(cfg.data.mean) != 3 or len(cfg.data.std) != 3 or min(cfg.data.std) <= 0:
         raise UserError("config keys 'data.mean' and 'data.std' need 3 values each (RGB), std > 0")
+
+
+def validate_wandb(cfg: LoggingConfig) -> None:
+    """Names W&B would refuse at init time; caught here so the mistake is a one-line error, not a lost run."""
+    if not 0 < len(cfg.wandb_project) <= 128 or any(c in cfg.wandb_project for c in "/\\#?%:"):
+        raise UserError(f"config key 'logging.wandb_project' is {cfg.wandb_project!r}; W&B needs 1-128 characters "
+                        "without / \\ # ? % :")
+    for tag in cfg.wandb_tags:
+        if not 0 < len(tag) <= 64:
+            raise UserError(f"config key 'logging.wandb_tags' has {tag!r}; W&B tags need 1-64 characters")
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

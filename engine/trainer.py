@@ -51,13 +51,19 @@ def to_device(images: torch.Tensor, targets: torch.Tensor, device: torch.device,
 
 def train_one_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer,
                     scheduler, loss_fn: Callable, precision: Precision, state: TrainState,
-                    cfg: LoopConfig, info: DistInfo) -> dict[str, float]:
-    """Run one epoch (or until max_steps); return all-reduced train_loss, train_top1, img/s."""
+                    cfg: LoopConfig, info: DistInfo,
+                    on_log: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, float]:
+    """Run one epoch (or until max_steps); return all-reduced train_loss, train_top1, img/s.
+
+    Every `log_interval` steps, rank 0 calls on_log(global_step, stats) with the all-reduced
+    train_loss, lr and global img/s over the steps since the previous call.
+    """
     model.train()
     meter = SumMeter(("loss_sum", "correct", "count"), info.device)
     num_batches = len(loader)
     bar = progress(loader, num_batches, f"epoch {state.epoch}", cfg.show_progress and info.is_main)
     start = time.perf_counter()
+    last_sums, last_time = dict.fromkeys(meter.names, 0.0), start
     optimizer.zero_grad(set_to_none=True)
     for i, (images, targets) in enumerate(bar):
         images, targets = to_device(images, targets, info.device, cfg.channels_last)
@@ -83,6 +89,12 @@ def train_one_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim
             bar.set_postfix(loss=f"{sums['loss_sum'] / sums['count']:.4f}",
                             lr=f"{optimizer.param_groups[0]['lr']:.3g}",
                             img_s=f"{sums['count'] / (time.perf_counter() - start):.0f}")
+            now, count = time.perf_counter(), sums["count"] - last_sums["count"]
+            if on_log is not None and info.is_main:
+                on_log(state.global_step, {"train_loss": (sums["loss_sum"] - last_sums["loss_sum"]) / count,
+                                           "lr": optimizer.param_groups[0]["lr"],
+                                           "img_per_s": count / (now - last_time)})
+            last_sums, last_time = sums, now
         if cfg.max_steps and state.global_step >= cfg.max_steps:
             break
     sums = meter.global_sums()
