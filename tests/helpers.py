@@ -26,7 +26,7 @@ def script_env(**extra: str) -> dict[str, str]:
     """The environment for a subprocess: quiet, offline, one thread per process unless told otherwise."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                            "MASTER_PORT", "LOCAL_WORLD_SIZE")}
-    env.update(WANDB_MODE="offline", PYTHONWARNINGS="ignore", **extra)
+    env.update({"WANDB_MODE": "offline", "PYTHONWARNINGS": "ignore", **extra})
     return env
 
 
