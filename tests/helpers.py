@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -73,6 +74,9 @@ def _rank_entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str)
         result = fn(rank, world, *args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     finally:
+        # A DDP reducer still alive (in a reference cycle) at exit aborts the rank with
+        # "terminate called without an active exception" in ~10% of runs: free it first.
+        gc.collect()
         dist.destroy_process_group()
 
 
