@@ -26,7 +26,7 @@ from data.loader import build_data, steps_per_epoch
 from engine.checkpoint import Checkpointer, load_checkpoint
 from engine.cli import report_errors
 from engine.config import Config, load_config, save_config, to_dict
-from engine.dist import DistInfo, broadcast_object, cleanup, init_distributed
+from engine.dist import DistInfo, broadcast_object, broadcast_tensors, cleanup, init_distributed
 from engine.errors import UserError
 from engine.logs import MetricsFile, setup_logging
 from engine.metrics import SumMeter
@@ -146,6 +146,9 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
         val_stats = evaluate(train_model, data.val, precision, info, cfg.model.channels_last)
         row = {"epoch": state.epoch, **train_stats, **val_stats, "lr": optimizer.param_groups[0]["lr"]}
         if ema is not None:
+            # BatchNorm buffers differ per rank between DDP's broadcasts, and so do the EMAs of them:
+            # every rank evaluates rank 0's EMA, the one the checkpoint saves.
+            broadcast_tensors(ema.module.state_dict().values())
             ema_stats = evaluate(ema.module, data.val, precision, info, cfg.model.channels_last)
             row.update({f"ema_{k}": ema_stats[k] for k in ("val_loss", "val_top1", "val_top5")})
         is_best = val_stats["val_top1"] > state.best_top1
