@@ -7,7 +7,8 @@
 The model and the eval pipeline are rebuilt from the config stored in the checkpoint; options
 and dotted overrides change it. Every rank evaluates its block of whole batches and writes its
 predictions to a part file; rank 0 merges them into predictions.csv (sorted by index), writes
-eval.json and confusion_matrix.png, and removes the parts. The results do not depend on the
+eval.json and confusion_matrix.png (and, with logging.wandb=true, an "eval" W&B run), and
+removes the parts. The results do not depend on the
 number of processes (on CPU each process uses one thread: launch one per core for speed).
 """
 
@@ -31,11 +32,12 @@ from data.loader import build_eval_loader, build_val_dataset
 from data.datasets import AugmentedDataset
 from engine.checkpoint import load_checkpoint
 from engine.cli import report_errors
-from engine.config import Config, config_from_dict, parse_override, set_dotted
+from engine.config import Config, config_from_dict, parse_override, set_dotted, to_dict
 from engine.dist import DistInfo, barrier, broadcast_object, cleanup, init_distributed
 from engine.errors import UserError
 from engine.logs import setup_logging
 from engine.precision import resolve_precision
+from engine.tracking import WandbTracker
 from engine.trainer import evaluate
 from models.factory import create_model, prepare_model
 from models.weights import load_weights
@@ -53,7 +55,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--ema", action="store_true", help="evaluate the checkpoint's EMA weights")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks for user errors")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data.crop_pct=1.0 amp=bf16")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # overrides may follow the options
 
 
 def checkpoint_config(ckpt: dict[str, Any], args: argparse.Namespace) -> Config:
@@ -242,8 +244,19 @@ def run(cfg: Config, ckpt: dict[str, Any], args: argparse.Namespace, info: DistI
     (out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
     title = f"{cfg.model.name} on {len(rows)} images: top-1 {result['top1']:.2f}%"
     plot_confusion(confusion, class_names, out / "confusion_matrix.png", title)
+    log_to_wandb(cfg, args, result, out, rows)
     result["output_dir"] = str(out)
     return result
+
+
+def log_to_wandb(cfg: Config, args: argparse.Namespace, result: dict[str, Any], out: Path,
+                 rows: list[dict[str, str]]) -> None:
+    """With logging.wandb on (stored or overridden), an "eval" W&B run gets the metrics, matrix and predictions."""
+    tracker = WandbTracker(cfg.logging, is_main=True)  # rank 0 only; never raises
+    tracker.start({**to_dict(cfg), "checkpoint": str(args.checkpoint), "ema": args.ema}, out, job_type="eval")
+    per_class = {c["class"]: c["top1"] for c in result["per_class"]}
+    tracker.log_evaluation({**result, "per_class": per_class}, out / "confusion_matrix.png", rows)
+    tracker.finish()
 
 
 def main(argv: list[str]) -> int:

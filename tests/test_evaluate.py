@@ -12,7 +12,8 @@ import pytest
 import evaluate
 from engine.checkpoint import load_checkpoint
 from engine.cli import report_errors
-from tests.helpers import make_image_folder, run_script
+from tests.helpers import make_image_folder, run_script, script_env
+from tests.wandb_reader import find_runs, read_run
 
 VAL_SIZE = 101  # divisible by neither 2 nor 3
 
@@ -34,9 +35,13 @@ def read_rows(path: Path) -> list[dict[str, str]]:
 
 def test_evaluate_is_identical_for_1_2_3_processes(checkpoint, tmp_path):
     outputs = {}
+    wandb_dir = tmp_path / "wandb"
+    wandb_dir.mkdir()
     for nproc in (1, 2, 3):
         out = tmp_path / f"eval{nproc}"
-        proc = run_script("evaluate.py", str(checkpoint), "--output-dir", str(out), "--batch-size", "8", nproc=nproc)
+        tracking = ["logging.wandb=true"] if nproc == 2 else []  # one run also goes to W&B (offline)
+        proc = run_script("evaluate.py", str(checkpoint), "--output-dir", str(out), "--batch-size", "8", *tracking,
+                          nproc=nproc, env=script_env(WANDB_DIR=str(wandb_dir)))
         assert f"n {VAL_SIZE}" in proc.stdout
         assert sorted(p.name for p in out.iterdir()) == ["confusion_matrix.png", "eval.json", "predictions.csv"]
         outputs[nproc] = ((out / "eval.json").read_text(), (out / "predictions.csv").read_text())
@@ -59,6 +64,14 @@ def test_evaluate_is_identical_for_1_2_3_processes(checkpoint, tmp_path):
     assert image.shape[0] >= 400 and image.shape[1] >= 400
     # The training run evaluated the same weights on the same batches: same top-1.
     assert result["top1"] == load_checkpoint(checkpoint)["val_top1"]
+
+    [path] = find_runs(wandb_dir)  # one W&B run, from rank 0 of the 2-process evaluation
+    run = read_run(path)
+    assert run.run.job_type == "eval" and run.summary["eval/top1"] == result["top1"]
+    assert run.summary["eval/per_class"] == {c["class"]: c["top1"] for c in result["per_class"]}
+    [logged] = [h for h in run.history if "eval/predictions" in h]
+    table = json.loads((path.parent / "files" / logged["eval/predictions"]["path"]).read_text())
+    assert len(table["data"]) == VAL_SIZE
 
 
 def test_evaluate_errors_are_one_line(checkpoint, tmp_path, capsys):
