@@ -19,7 +19,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
-from timm.utils import ModelEmaV3
 from torch.nn.parallel import DistributedDataParallel
 
 from data.loader import build_data, steps_per_epoch
@@ -36,6 +35,7 @@ from engine.resume import (check_resumable, find_resume_checkpoint, restore_ema,
                            samples_done)
 from engine.tracking import WandbTracker, checkpoint_run_id
 from engine.trainer import LoopConfig, TrainState, evaluate, train_one_epoch
+from models.ema import create_ema
 from models.factory import create_model, prepare_model
 from models.weights import init_from
 
@@ -90,7 +90,7 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
         init_from(model, cfg.model.init_from)
     out = prepare_output_dir(cfg, info)  # only now: a run that cannot start leaves output_dir untouched
     model = prepare_model(model, cfg.model, info.device, info.world_size)
-    ema = ModelEmaV3(model, decay=cfg.model.ema_decay) if cfg.model.ema_decay > 0 else None
+    ema = create_ema(model, cfg.model.ema_decay)
     if ema is not None and ckpt is not None:
         restore_ema(ema.module, ckpt, resume_path)
     torch.manual_seed(cfg.seed + info.rank)  # dropout / drop-path differ per rank, reproducibly
