@@ -124,7 +124,9 @@ def restore_training(ckpt: dict[str, Any], path: Path, cfg: Config, optimizer: t
                     "but dropout and drop-path draws differ from an uninterrupted run", path, len(rng),
                     info.world_size)
     changes = config_changes(ckpt["config"], to_dict(cfg))
-    where = f"epoch {state.epoch}, step {state.epoch_step} of it" if state.epoch_step else f"start of epoch {state.epoch}"
+    where = f"start of epoch {state.epoch}"
+    if state.epoch_step:
+        where = f"epoch {state.epoch}, step {state.epoch_step} of it"
     log.info("resuming from %s (%s, global step %d)%s", path, where, state.global_step,
              f"; config changes: {', '.join(changes)}" if changes else "")
 
