@@ -3,8 +3,9 @@
     python train.py --config configs/digits.yaml                       # one process
     torchrun --nproc_per_node=N train.py --config resnet50 optim.lr=0.2  # N processes, overrides
 
-Everything the run does is in `fit`: build data, model, optimizer; then per epoch train,
-evaluate, write metrics.jsonl and checkpoints (rank 0 writes, every rank joins the collectives).
+Everything the run does is in `fit`: find the checkpoint to resume (resume=auto: <output_dir>/last.pth),
+build data, model, optimizer; then per epoch train, evaluate, write metrics.jsonl and checkpoints
+(rank 0 writes, every rank joins the collectives).
 """
 
 from __future__ import annotations
@@ -21,16 +22,22 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from data.loader import build_data, steps_per_epoch
-from engine.checkpoint import cpu_state_dict, save_atomic
+from engine.checkpoint import Checkpointer, load_checkpoint
 from engine.cli import report_errors
 from engine.config import Config, load_config, save_config, to_dict
-from engine.dist import DistInfo, barrier, broadcast_object, cleanup, init_distributed
+from engine.dist import DistInfo, broadcast_object, broadcast_tensors, cleanup, init_distributed
 from engine.errors import UserError
 from engine.logs import MetricsFile, setup_logging
+from engine.metrics import SumMeter
 from engine.optim import build_optimizer, build_scheduler
 from engine.precision import resolve_precision
+from engine.resume import (check_resumable, find_resume_checkpoint, restore_ema, restore_model, restore_training,
+                           samples_done)
+from engine.tracking import WandbTracker, checkpoint_run_id
 from engine.trainer import LoopConfig, TrainState, evaluate, train_one_epoch
+from models.ema import create_ema
 from models.factory import create_model, prepare_model
+from models.weights import init_from
 
 log = logging.getLogger("train")
 
@@ -68,11 +75,24 @@ def seed_everything(seed: int) -> None:
 
 
 def fit(cfg: Config, info: DistInfo) -> TrainState:
-    out = prepare_output_dir(cfg, info)
+    resume_path = find_resume_checkpoint(cfg.resume, Path(cfg.output_dir))
+    ckpt = load_checkpoint(resume_path) if resume_path else None
     seed_everything(cfg.seed)
     data = build_data(cfg.data, cfg.train.batch_size, cfg.seed, info)
     precision = resolve_precision(cfg.amp, info.device)
-    model = prepare_model(create_model(cfg.model, data.num_classes), cfg.model, info.device, info.world_size)
+    model = create_model(cfg.model, data.num_classes)
+    if ckpt is not None:
+        check_resumable(ckpt, resume_path, cfg, data.class_names, info.world_size)
+        restore_model(model, ckpt, resume_path)
+        if cfg.model.init_from:
+            log.info("resuming from %s: model.init_from is not used", resume_path)
+    elif cfg.model.init_from:
+        init_from(model, cfg.model.init_from)
+    out = prepare_output_dir(cfg, info)  # only now: a run that cannot start leaves output_dir untouched
+    model = prepare_model(model, cfg.model, info.device, info.world_size)
+    ema = create_ema(model, cfg.model.ema_decay)
+    if ema is not None and ckpt is not None:
+        restore_ema(ema.module, ckpt, resume_path)
     torch.manual_seed(cfg.seed + info.rank)  # dropout / drop-path differ per rank, reproducibly
     train_model: nn.Module = model
     if info.world_size > 1:
@@ -84,45 +104,67 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
         torch.backends.cudnn.benchmark = True
 
     optimizer = build_optimizer(model, cfg.optim)
+    batches_per_epoch = len(data.train)
     updates_per_epoch = steps_per_epoch(data.train, cfg.train.accum_steps)
     scheduler = build_scheduler(optimizer, cfg.sched, cfg.train.epochs, updates_per_epoch)
     loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
     loop = LoopConfig(cfg.train.accum_steps, cfg.optim.clip_grad, cfg.train.max_steps, cfg.logging.interval,
                       cfg.model.channels_last, cfg.logging.progress)
     state = TrainState()
+    if ckpt is not None:
+        restore_training(ckpt, resume_path, cfg, optimizer, scheduler, precision.scaler, state, info)
+    checkpointer = Checkpointer(out, info, cfg.train.keep_last_k, model=model, optimizer=optimizer,
+                                scheduler=scheduler, scaler=precision.scaler, config=to_dict(cfg),
+                                class_names=data.class_names, ema=ema.module if ema is not None else None)
     metrics = MetricsFile(out / "metrics.jsonl")
+    if info.is_main:
+        metrics.keep_epochs_before(state.epoch)  # each epoch's row is written once, by whoever finishes it
     global_batch = cfg.train.batch_size * info.world_size * cfg.train.accum_steps
     log.info("model %s (%.1fM params), %d process(es) on %s, %s, global batch %d, %d steps/epoch",
              cfg.model.name, sum(p.numel() for p in model.parameters()) / 1e6, info.world_size,
              info.device.type, precision.name, global_batch, updates_per_epoch)
+    tracker = WandbTracker(cfg.logging, info.is_main)  # W&B on rank 0; never raises
+    resumed_run = checkpoint_run_id(ckpt) if ckpt is not None else None
+    tracker.start({**to_dict(cfg), "world_size": info.world_size}, out, resume_id=resumed_run)
+    checkpointer.wandb_id = tracker.run_id or resumed_run  # tracking off now: keep the id for a later resume
+
+    def after_step(state: TrainState, meter: SumMeter) -> None:
+        if ema is not None:
+            ema.update(model, step=state.global_step)
+        if cfg.train.ckpt_every_steps and state.global_step % cfg.train.ckpt_every_steps == 0:
+            state.epoch_sums = meter.global_sums()  # every rank is at this step: the collective is safe
+            checkpointer.save(state)
 
     while state.epoch < cfg.train.epochs:
-        data.train.sampler.set_epoch(state.epoch)
-        train_stats = train_one_epoch(train_model, data.train, optimizer, scheduler, loss_fn, precision,
-                                      state, loop, info)
-        val_stats = evaluate(train_model, data.val, precision, info, cfg.model.channels_last)
-        state.epoch += 1
-        row = {"epoch": state.epoch - 1, **train_stats, **val_stats, "lr": optimizer.param_groups[0]["lr"]}
-        is_best = val_stats["val_top1"] > state.best_top1
-        state.best_top1 = max(state.best_top1, val_stats["val_top1"])
-        if info.is_main:
-            metrics.append(row)
-            checkpoint = {"model": cpu_state_dict(model), "optimizer": optimizer.state_dict(),
-                          "scheduler": scheduler.state_dict(),
-                          "scaler": precision.scaler.state_dict() if precision.scaler else {},
-                          "epoch": state.epoch, "global_step": state.global_step, "best_top1": state.best_top1,
-                          "val_top1": val_stats["val_top1"], "class_names": data.class_names,
-                          "config": to_dict(cfg)}
-            save_atomic(checkpoint, out / "last.pth")
-            if is_best:
-                save_atomic(checkpoint, out / "best.pth")
-            log.info("epoch %d: train_loss %.4f train_top1 %.2f | val_loss %.4f val_top1 %.2f val_top5 %.2f | "
-                     "%.0f img/s, %.1fs", row["epoch"], row["train_loss"], row["train_top1"], row["val_loss"],
-                     row["val_top1"], row["val_top5"], row["train_img_per_s"], row["epoch_time_s"])
-        barrier()
         if cfg.train.max_steps and state.global_step >= cfg.train.max_steps:
             log.info("stopping at train.max_steps=%d", cfg.train.max_steps)
             break
+        skip = samples_done(state, cfg.train.accum_steps, cfg.train.batch_size, batches_per_epoch)
+        data.train.sampler.set_epoch(state.epoch, start=skip)
+        train_stats = train_one_epoch(train_model, data.train, optimizer, scheduler, loss_fn, precision,
+                                      state, loop, info, on_log=tracker.log_interval, after_step=after_step)
+        val_stats = evaluate(train_model, data.val, precision, info, cfg.model.channels_last)
+        row = {"epoch": state.epoch, **train_stats, **val_stats, "lr": optimizer.param_groups[0]["lr"]}
+        if ema is not None:
+            # BatchNorm buffers differ per rank between DDP's broadcasts, and so do the EMAs of them:
+            # every rank evaluates rank 0's EMA, the one the checkpoint saves.
+            broadcast_tensors(ema.module.state_dict().values())
+            ema_stats = evaluate(ema.module, data.val, precision, info, cfg.model.channels_last)
+            row.update({f"ema_{k}": ema_stats[k] for k in ("val_loss", "val_top1", "val_top5")})
+        is_best = val_stats["val_top1"] > state.best_top1
+        state.best_top1 = max(state.best_top1, val_stats["val_top1"])
+        finished = state.epoch_step >= updates_per_epoch  # else max_steps stopped it: resume continues it
+        if finished:
+            state.epoch, state.epoch_step, state.epoch_sums, state.epoch_seconds = state.epoch + 1, 0, {}, 0.0
+        if info.is_main:
+            metrics.append(row)
+            tracker.log_epoch(state.global_step, row, state.best_top1)
+            log.info("epoch %d: train_loss %.4f train_top1 %.2f | val_loss %.4f val_top1 %.2f val_top5 %.2f | "
+                     "%.0f img/s, %.1fs", row["epoch"], row["train_loss"], row["train_top1"], row["val_loss"],
+                     row["val_top1"], row["val_top5"], row["train_img_per_s"], row["epoch_time_s"])
+        checkpointer.save(state, val_top1=val_stats["val_top1"], best=is_best, epoch_file=finished)
+    tracker.log_checkpoint(out / "best.pth", {"val_top1": state.best_top1, "model": cfg.model.name})
+    tracker.finish()
     log.info("done: best val_top1 %.2f, outputs in %s", state.best_top1, out)
     return state
 

@@ -59,6 +59,10 @@ class AugmentedDataset(Dataset, abc.ABC):
     def load_image(self, index: int) -> np.ndarray:
         """HWC uint8 RGB image."""
 
+    @abc.abstractmethod
+    def path(self, index: int) -> str:
+        """Where sample `index` comes from (a file path, or a synthetic name), for predictions.csv."""
+
     def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
         # Train samplers yield (epoch, index); evaluation yields plain indices.
         epoch, index = key if isinstance(key, tuple) else (0, key)
@@ -137,6 +141,9 @@ class DummyDataset(AugmentedDataset):
         self.image_size = image_size
         layout_rng = np.random.default_rng([seed, 0x5EED])
         self.layouts = layout_rng.integers(0, 256, size=(num_classes, 4, 4, 3)).astype(np.float32)
+
+    def path(self, index: int) -> str:
+        return f"dummy:{index}"
 
     def load_image(self, index: int) -> np.ndarray:
         size = self.image_size

@@ -16,6 +16,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 
+from engine.errors import UserError
+
 log = logging.getLogger(__name__)
 
 VAL_SIZE = 361
@@ -28,6 +30,9 @@ def export_digits(root: str | os.PathLike) -> Path:
     root = Path(root)
     if (root / COMPLETE_MARKER).exists():
         return root
+    if root.is_dir() and any(root.iterdir()):  # never write into (or delete) a folder we did not make
+        raise UserError(f"data.root {root} is not empty and holds no digits export; for data.name=digits "
+                        "choose a new or empty folder (for your own images use data.name=imagefolder)")
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -51,8 +56,8 @@ def export_digits(root: str | os.PathLike) -> Path:
 
 def _publish(staging: Path, root: Path) -> None:
     """Move the finished export into place; if another node won the race, keep theirs."""
-    if root.exists() and not (root / COMPLETE_MARKER).exists():
-        shutil.rmtree(root)  # an earlier export was interrupted
+    if root.is_dir() and not any(root.iterdir()):
+        root.rmdir()  # os.replace cannot replace a directory, even an empty one
     try:
         os.replace(staging, root)
     except OSError:

@@ -1,13 +1,14 @@
 """Datasets, samplers and DataLoaders for training and evaluation.
 
 Training uses torch's DistributedSampler (shuffle with `seed`, `set_epoch` every epoch, drop_last).
-Evaluation uses `ShardSampler`: each rank gets a contiguous block and no index is padded or
-dropped, so every validation image is counted exactly once whatever the world size.
+Evaluation uses `ShardSampler`: each rank gets a contiguous block of whole batches and no index
+is padded or dropped, so every validation image is counted exactly once whatever the world size.
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import math
 from dataclasses import dataclass
@@ -29,17 +30,30 @@ log = logging.getLogger(__name__)
 
 
 class EpochSampler(DistributedSampler):
-    """DistributedSampler that yields (epoch, index), so a sample's augmentation can be seeded by both."""
+    """DistributedSampler that yields (epoch, index), so a sample's augmentation can be seeded by both.
+
+    `set_epoch(epoch, start)` skips this rank's first `start` samples of that epoch: a run resumed
+    from a mid-epoch checkpoint trains on exactly the samples the interrupted run had not reached.
+    """
+
+    start = 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        super().set_epoch(epoch)
+        self.start = start
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
-        return ((self.epoch, i) for i in super().__iter__())
+        return ((self.epoch, i) for i in itertools.islice(super().__iter__(), self.start, None))
+
+    def __len__(self) -> int:
+        return max(self.num_samples - self.start, 0)
 
 
 class ShardSampler(Sampler[int]):
-    """Rank r gets indices [r*n//W, (r+1)*n//W): no padding, no duplicates, in order."""
+    """Rank r gets one contiguous block of whole batches: no padding, no duplicates, in order."""
 
-    def __init__(self, size: int, rank: int, world_size: int) -> None:
-        self.start, self.stop = shard_bounds(size, rank, world_size)
+    def __init__(self, size: int, rank: int, world_size: int, batch_size: int = 1) -> None:
+        self.start, self.stop = shard_bounds(size, rank, world_size, batch_size)
 
     def __iter__(self) -> Iterator[int]:
         return iter(range(self.start, self.stop))
@@ -48,28 +62,43 @@ class ShardSampler(Sampler[int]):
         return self.stop - self.start
 
 
-def shard_bounds(size: int, rank: int, world_size: int) -> tuple[int, int]:
-    """The [start, stop) block of `size` items that `rank` evaluates."""
-    return size * rank // world_size, size * (rank + 1) // world_size
+def shard_bounds(size: int, rank: int, world_size: int, batch_size: int = 1) -> tuple[int, int]:
+    """The [start, stop) block of `size` items that `rank` evaluates.
+
+    Blocks are cut at multiples of batch_size, so every batch holds the same images whatever the
+    world size: CPU kernels pick algorithms by batch shape, and only equal batches give bitwise
+    equal per-image outputs (predictions.csv is then identical for any number of processes).
+    """
+    batches = math.ceil(size / batch_size)
+    first, last = batches * rank // world_size, batches * (rank + 1) // world_size
+    return min(first * batch_size, size), min(last * batch_size, size)
 
 
 def build_datasets(cfg: DataConfig, seed: int, local_rank: int = 0) -> tuple[AugmentedDataset, AugmentedDataset]:
     """(train, val) datasets for data.name; the digits cache is written by local rank 0 first."""
+    val = build_val_dataset(cfg, seed, local_rank)
     if cfg.name == "dummy":
-        args = dict(num_classes=cfg.dummy_num_classes, image_size=cfg.dummy_image_size, seed=seed)
-        return (DummyDataset(cfg.dummy_train_size, transform=train_transform(cfg), **args),
-                DummyDataset(cfg.dummy_val_size, transform=eval_transform(cfg), offset=cfg.dummy_train_size, **args))
+        return DummyDataset(cfg.dummy_train_size, cfg.dummy_num_classes, cfg.dummy_image_size,
+                            train_transform(cfg), seed), val
+    root = Path(cfg.root)
+    train_classes = find_classes(root / "train")
+    if train_classes != val.classes:
+        only = sorted(set(train_classes) ^ set(val.classes))
+        raise UserError(f"{root}/train and {root}/val have different class folders (differing: {', '.join(only[:10])})")
+    return ImageFolderDataset(root / "train", train_transform(cfg), seed, train_classes), val
+
+
+def build_val_dataset(cfg: DataConfig, seed: int, local_rank: int = 0) -> AugmentedDataset:
+    """The validation set alone (evaluate.py needs no train/ folder)."""
+    if cfg.name == "dummy":
+        return DummyDataset(cfg.dummy_val_size, num_classes=cfg.dummy_num_classes, image_size=cfg.dummy_image_size,
+                            transform=eval_transform(cfg), seed=seed, offset=cfg.dummy_train_size)
     root = Path(cfg.root)
     if cfg.name == "digits":
         with local_main_first(local_rank):
             if local_rank == 0:
                 export_digits(root)
-    train_classes, val_classes = find_classes(root / "train"), find_classes(root / "val")
-    if train_classes != val_classes:
-        only = sorted(set(train_classes) ^ set(val_classes))
-        raise UserError(f"{root}/train and {root}/val have different class folders (differing: {', '.join(only[:10])})")
-    return (ImageFolderDataset(root / "train", train_transform(cfg), seed, train_classes),
-            ImageFolderDataset(root / "val", eval_transform(cfg), seed, val_classes))
+    return ImageFolderDataset(root / "val", eval_transform(cfg), seed, find_classes(root / "val"))
 
 
 def _worker_init(worker_id: int) -> None:
@@ -99,9 +128,11 @@ def collate_channels_last(batch: list[tuple[torch.Tensor, int]]) -> tuple[torch.
     return images.permute(0, 3, 1, 2), labels
 
 
-def _loader_kwargs(cfg: DataConfig, device: torch.device) -> dict:
+def _loader_kwargs(cfg: DataConfig, device: torch.device, seed: int) -> dict:
+    # The loader's own generator: starting an epoch then never draws from the global torch RNG
+    # that dropout uses, so a run resumed mid-epoch continues that RNG exactly.
     kwargs: dict = dict(num_workers=cfg.num_workers, pin_memory=device.type == "cuda", worker_init_fn=_worker_init,
-                        collate_fn=collate_channels_last)
+                        generator=torch.Generator().manual_seed(seed), collate_fn=collate_channels_last)
     if cfg.num_workers > 0:
         kwargs.update(persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor)
     return kwargs
@@ -118,19 +149,19 @@ def build_train_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: i
     if cfg.num_workers > 0:
         share_heap_with_workers()
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
-                      **_loader_kwargs(cfg, info.device))
+                      **_loader_kwargs(cfg, info.device, seed + info.rank))
 
 
 def build_eval_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: int, info: DistInfo) -> DataLoader:
-    """In-order loader over this rank's block of the validation set (see ShardSampler)."""
+    """In-order loader over this rank's block of whole batches of the validation set (see shard_bounds)."""
     if len(dataset) < info.world_size:
         raise UserError(f"the validation set has {len(dataset)} images, fewer than the {info.world_size} processes; "
                         "use fewer processes")
-    sampler = ShardSampler(len(dataset), info.rank, info.world_size)
+    sampler = ShardSampler(len(dataset), info.rank, info.world_size, batch_size)
     if cfg.num_workers > 0:
         share_heap_with_workers()
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=False,
-                      **_loader_kwargs(cfg, info.device))
+                      **_loader_kwargs(cfg, info.device, info.rank))
 
 
 @dataclass

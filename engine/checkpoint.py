@@ -3,20 +3,36 @@
 Writes go to a temp file in the same folder and are moved into place with os.replace, so a
 crash mid-write leaves the previous file intact. Reads use weights_only=True: a checkpoint
 cannot run code when it is loaded.
+
+A training checkpoint (`Checkpointer.save`) holds everything a resumed run needs to continue
+bit for bit: model, EMA weights (if any), optimizer, scheduler, GradScaler, the loop state (epoch, global step, steps
+and train sums of an unfinished epoch, best val_top1), the resolved config, the class names,
+the W&B run id, and every rank's RNG states. The data order needs no state: the sampler is
+seeded by (seed, epoch) and each augmentation by (seed, epoch, index).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import pickle
+import random
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
+from engine.dist import DistInfo, all_gather_object, broadcast_object
 from engine.errors import UserError
+from engine.trainer import TrainState
+
+log = logging.getLogger(__name__)
+EPOCH_FILE = re.compile(r"epoch_(\d+)\.pth")
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -66,3 +82,92 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         raise UserError(f"checkpoint {path} cannot be read ({type(err).__name__}: "
                         f"{str(err).strip().splitlines()[0] if str(err).strip() else 'truncated?'}); "
                         "it is truncated or not a checkpoint") from None
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states as plain data (dropout and drop-path draw from torch's)."""
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    py_version, py_internal, py_gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": [np_name, torch.from_numpy(np_keys.astype(np.int64)), np_pos, np_has_gauss, np_gauss],
+        "python": [py_version, list(py_internal), py_gauss],
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Put back what rng_state() captured."""
+    torch.set_rng_state(state["torch"])
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = state["numpy"]
+    np.random.set_state((np_name, np_keys.numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss))
+    py_version, py_internal, py_gauss = state["python"]
+    random.setstate((py_version, tuple(py_internal), py_gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class Checkpointer:
+    """The run's checkpoint files: last.pth, best.pth and the newest `keep_last_k` epoch_NNNN.pth.
+
+    Every rank calls `save` (it gathers all ranks' RNG states); rank 0 writes, then every rank
+    learns whether the write worked, so a full disk stops all ranks with one clear message.
+    """
+
+    def __init__(self, out_dir: Path, info: DistInfo, keep_last_k: int, *, model: nn.Module,
+                 optimizer: torch.optim.Optimizer, scheduler, scaler: torch.amp.GradScaler | None,
+                 config: dict[str, Any], class_names: list[str], ema: nn.Module | None = None) -> None:
+        self.out_dir, self.info, self.keep_last_k = Path(out_dir), info, keep_last_k
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.ema = ema
+        self.config, self.class_names = config, class_names
+        self.wandb_id: str | None = None  # the W&B run a resumed run continues (set by the W&B logger)
+
+    def contents(self, state: TrainState, rng: list[dict[str, Any]], val_top1: float | None) -> dict[str, Any]:
+        """The checkpoint dict: plain tensors, numbers, strings, lists and dicts only."""
+        ema = {"ema": cpu_state_dict(self.ema)} if self.ema is not None else {}
+        return {
+            "model": cpu_state_dict(self.model),
+            **ema,  # the EMA weights, only when the run keeps an EMA
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler else {},
+            **dataclasses.asdict(state),  # epoch, global_step, best_top1, epoch_step, epoch_sums, epoch_seconds
+            "val_top1": val_top1,
+            "world_size": self.info.world_size,
+            "rng": rng,  # one entry per rank
+            "class_names": list(self.class_names),
+            "config": self.config,
+            "wandb_id": self.wandb_id,
+        }
+
+    def save(self, state: TrainState, val_top1: float | None = None, best: bool = False,
+             epoch_file: bool = False) -> None:
+        """Write last.pth (and best.pth, and an epoch file for a finished epoch); a collective."""
+        rng = all_gather_object(rng_state())
+        problem = None
+        if self.info.is_main:
+            try:
+                ckpt = self.contents(state, rng, val_top1)
+                names = ["last.pth"] + (["best.pth"] if best else [])
+                if epoch_file and self.keep_last_k > 0:
+                    names.append(f"epoch_{state.epoch - 1:04d}.pth")  # the epoch just finished, as in metrics.jsonl
+                for name in names:
+                    save_atomic(ckpt, self.out_dir / name)
+                if epoch_file and self.keep_last_k > 0:
+                    self.prune_epoch_files(state.epoch - 1)
+            except OSError as err:
+                problem = (f"cannot write checkpoint in {self.out_dir} ({err.strerror or err}); "
+                           "free disk space or choose another output_dir")
+        problem = broadcast_object(problem)  # also the barrier: no rank runs ahead of the write
+        if problem:
+            raise UserError(problem)
+
+    def prune_epoch_files(self, current: int) -> None:
+        """Keep the newest keep_last_k epoch files up to `current` (later ones are overwritten as the run goes)."""
+        numbered = sorted((int(m.group(1)), path) for path in self.out_dir.glob("epoch_*.pth")
+                          if (m := EPOCH_FILE.fullmatch(path.name)) and int(m.group(1)) <= current)
+        for _, path in numbered[:-self.keep_last_k]:
+            path.unlink(missing_ok=True)

@@ -29,6 +29,8 @@ class ModelConfig:
     sync_bn: bool = False  # convert BatchNorm to a synchronized one when world size > 1
     channels_last: bool = True
     compile: bool = False  # torch.compile the model
+    init_from: str = ""  # local checkpoint or timm/torchvision state dict to start from; "" = random init
+    ema_decay: float = 0.0  # keep an EMA of the weights (timm ModelEmaV3), e.g. 0.9998; 0 = off
 
 
 @dataclass
@@ -78,6 +80,8 @@ class TrainConfig:
     accum_steps: int = 1  # micro-batches per optimizer step
     label_smoothing: float = 0.0
     max_steps: int = 0  # stop after this many optimizer steps (smoke runs); 0 = no limit
+    ckpt_every_steps: int = 0  # also write last.pth every this many optimizer steps; 0 = only after each epoch
+    keep_last_k: int = 0  # keep the newest k epoch_NNNN.pth files; 0 = none
 
 
 @dataclass
@@ -85,6 +89,14 @@ class LoggingConfig:
     interval: int = 20  # optimizer steps between progress updates
     level: str = "INFO"
     progress: bool = True  # tqdm bar on rank 0
+    wandb: bool = False  # track the run in Weights & Biases (one run, from rank 0); see engine/tracking.py
+    wandb_project: str = "image-classification"
+    wandb_entity: str = ""  # W&B team or user; "" = your default entity
+    wandb_name: str = ""  # run name; "" = the output_dir folder name
+    wandb_group: str = ""  # groups related runs in the W&B UI
+    wandb_tags: list[str] = field(default_factory=list)
+    wandb_notes: str = ""
+    wandb_log_checkpoints: bool = False  # upload best.pth as a model artifact at the end of training
 
 
 @dataclass
@@ -98,6 +110,7 @@ class Config:
     seed: int = 0
     output_dir: str = "runs/default"
     amp: str = "auto"  # auto | bf16 | fp16 | off
+    resume: str = "auto"  # auto (continue from <output_dir>/last.pth if present) | none | <checkpoint path>
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -117,6 +130,7 @@ POSITIVE = ("train.epochs", "train.batch_size", "train.accum_steps", "data.img_s
             "logging.interval", "dist.timeout_s", "data.prefetch_factor",
             "data.dummy_train_size", "data.dummy_val_size", "data.dummy_num_classes", "data.dummy_image_size")
 NON_NEGATIVE = ("optim.lr", "optim.weight_decay", "optim.clip_grad", "train.max_steps", "data.num_workers",
+                "train.ckpt_every_steps", "train.keep_last_k",
                 "model.drop_rate", "model.drop_path_rate", "sched.warmup_epochs", "sched.min_lr")
 
 
@@ -242,8 +256,24 @@ def validate(cfg: Config) -> None:
         low_high = _get(cfg, key)
         if len(low_high) != 2 or not 0 < low_high[0] <= low_high[1]:
             raise UserError(f"config key {key!r} must be [low, high] with 0 < low <= high, got {low_high}")
+    if cfg.logging.wandb:
+        validate_wandb(cfg.logging)
+    if not 0 <= cfg.model.ema_decay < 1:
+        raise UserError(f"config key 'model.ema_decay' must be in [0, 1), got {cfg.model.ema_decay}")
+    if not cfg.resume:
+        raise UserError("config key 'resume' is empty; use auto, none or the path of a checkpoint")
     if len(cfg.data.mean) != 3 or len(cfg.data.std) != 3 or min(cfg.data.std) <= 0:
         raise UserError("config keys 'data.mean' and 'data.std' need 3 values each (RGB), std > 0")
+
+
+def validate_wandb(cfg: LoggingConfig) -> None:
+    """Names W&B would refuse at init time; caught here so the mistake is a one-line error, not a lost run."""
+    if not 0 < len(cfg.wandb_project) <= 128 or any(c in cfg.wandb_project for c in "/\\#?%:"):
+        raise UserError(f"config key 'logging.wandb_project' is {cfg.wandb_project!r}; W&B needs 1-128 characters "
+                        "without / \\ # ? % :")
+    for tag in cfg.wandb_tags:
+        if not 0 < len(tag) <= 64:
+            raise UserError(f"config key 'logging.wandb_tags' has {tag!r}; W&B tags need 1-64 characters")
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

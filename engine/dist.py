@@ -12,7 +12,7 @@ import datetime
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -105,6 +105,13 @@ def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor
+
+
+def broadcast_tensors(tensors: Iterable[torch.Tensor], src: int = 0) -> None:
+    """Overwrite every rank's tensors with rank `src`'s, in place."""
+    if dist.is_initialized():
+        for tensor in tensors:
+            dist.broadcast(tensor, src=src)
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:

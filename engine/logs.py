@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -41,6 +42,15 @@ class MetricsFile:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
         with self.path.open("a") as f:
             f.write(json.dumps(clean) + "\n")
+
+    def keep_epochs_before(self, epoch: int) -> None:
+        """Drop the rows of `epoch` and later, atomically: a resumed run writes them again, once."""
+        if not self.path.exists():
+            return
+        kept = [row for row in self.rows() if row["epoch"] < epoch]
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        os.replace(tmp, self.path)
 
     def rows(self) -> list[dict]:
         if not self.path.exists():

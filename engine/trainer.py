@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -25,9 +25,12 @@ from engine.precision import Precision
 class TrainState:
     """What the loop advances; checkpointed so a resumed run continues where it stopped."""
 
-    epoch: int = 0  # the next epoch to run
+    epoch: int = 0  # the next epoch to run (or the one in progress, when epoch_step > 0)
     global_step: int = 0  # optimizer steps done
     best_top1: float = float("-inf")
+    epoch_step: int = 0  # optimizer steps done in `epoch`; > 0 in a mid-epoch checkpoint
+    epoch_sums: dict[str, float] = field(default_factory=dict)  # train sums over all ranks of those steps
+    epoch_seconds: float = 0.0  # training time of those steps
 
 
 @dataclass
@@ -51,13 +54,24 @@ def to_device(images: torch.Tensor, targets: torch.Tensor, device: torch.device,
 
 def train_one_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer,
                     scheduler, loss_fn: Callable, precision: Precision, state: TrainState,
-                    cfg: LoopConfig, info: DistInfo) -> dict[str, float]:
-    """Run one epoch (or until max_steps); return all-reduced train_loss, train_top1, img/s."""
+                    cfg: LoopConfig, info: DistInfo,
+                    on_log: Callable[[int, dict[str, float]], None] | None = None,
+                    after_step: Callable[[TrainState, SumMeter], None] | None = None) -> dict[str, float]:
+    """Run one epoch (or until max_steps); return all-reduced train_loss, train_top1, img/s.
+
+    Every `log_interval` steps, rank 0 calls on_log(global_step, stats) with the all-reduced
+    train_loss, lr and global img/s over the steps since the previous call. A resumed epoch starts
+    with `state.epoch_sums` (the loader then yields only the remaining batches); `after_step` runs
+    after every optimizer step (e.g. to write a step checkpoint).
+    """
     model.train()
     meter = SumMeter(("loss_sum", "correct", "count"), info.device)
+    if state.epoch_sums and info.is_main:  # the global sums of the steps done before the resume
+        meter.add(*(state.epoch_sums[name] for name in meter.names))
     num_batches = len(loader)
     bar = progress(loader, num_batches, f"epoch {state.epoch}", cfg.show_progress and info.is_main)
-    start = time.perf_counter()
+    start = time.perf_counter() - state.epoch_seconds
+    last_sums, last_time = dict(state.epoch_sums) or dict.fromkeys(meter.names, 0.0), time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     for i, (images, targets) in enumerate(bar):
         images, targets = to_device(images, targets, info.device, cfg.channels_last)
@@ -77,16 +91,27 @@ def train_one_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim
         precision.step(optimizer, model, cfg.clip_grad)
         optimizer.zero_grad(set_to_none=True)
         state.global_step += 1
+        state.epoch_step += 1
         scheduler.step_update(num_updates=state.global_step)
+        if after_step is not None:
+            state.epoch_seconds = time.perf_counter() - start
+            after_step(state, meter)
         if state.global_step % cfg.log_interval == 0:
             sums = meter.global_sums()
             bar.set_postfix(loss=f"{sums['loss_sum'] / sums['count']:.4f}",
                             lr=f"{optimizer.param_groups[0]['lr']:.3g}",
                             img_s=f"{sums['count'] / (time.perf_counter() - start):.0f}")
+            now, count = time.perf_counter(), sums["count"] - last_sums["count"]
+            if on_log is not None and info.is_main:
+                on_log(state.global_step, {"train_loss": (sums["loss_sum"] - last_sums["loss_sum"]) / count,
+                                           "lr": optimizer.param_groups[0]["lr"],
+                                           "img_per_s": count / (now - last_time)})
+            last_sums, last_time = sums, now
         if cfg.max_steps and state.global_step >= cfg.max_steps:
             break
     sums = meter.global_sums()
     seconds = time.perf_counter() - start
+    state.epoch_sums, state.epoch_seconds = sums, seconds
     count = max(sums["count"], 1.0)
     return {"train_loss": sums["loss_sum"] / count, "train_top1": 100.0 * sums["correct"] / count,
             "train_img_per_s": sums["count"] / seconds, "epoch_time_s": seconds}

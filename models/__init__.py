@@ -1,0 +1,1 @@
+import engine  # noqa: F401  (imports timm without wandb; see engine/__init__.py)

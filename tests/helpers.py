@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -26,7 +27,7 @@ def script_env(**extra: str) -> dict[str, str]:
     """The environment for a subprocess: quiet, offline, one thread per process unless told otherwise."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                            "MASTER_PORT", "LOCAL_WORLD_SIZE")}
-    env.update(WANDB_MODE="offline", PYTHONWARNINGS="ignore", **extra)
+    env.update({"WANDB_MODE": "offline", "PYTHONWARNINGS": "ignore", **extra})
     return env
 
 
@@ -73,6 +74,9 @@ def _rank_entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str)
         result = fn(rank, world, *args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     finally:
+        # A DDP reducer still alive (in a reference cycle) at exit aborts the rank with
+        # "terminate called without an active exception" in ~10% of runs: free it first.
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -120,3 +120,14 @@ def test_shard_sampler_counts_each_index_once(world):
     n = 361
     indices = [i for r in range(world) for i in ShardSampler(n, r, world)]
     assert indices == list(range(n))
+
+
+def test_digits_never_touches_a_foreign_folder(tmp_path):
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    (photos / "holiday.jpg").write_bytes(b"precious")
+    with pytest.raises(UserError, match="is not empty and holds no digits export"):
+        export_digits(photos)
+    assert (photos / "holiday.jpg").read_bytes() == b"precious"
+    (tmp_path / "empty").mkdir()
+    assert (export_digits(tmp_path / "empty") / "val").is_dir()  # an empty folder is fine

@@ -1,0 +1,136 @@
+"""Resuming a run: which checkpoint to continue, whether it fits this run, and putting its state back.
+
+`resume=auto` continues from <output_dir>/last.pth when it exists, `resume=<path>` from that file,
+`resume=none` never (and refuses an output_dir that already holds a checkpoint). A checkpoint that
+does not fit (another model, other classes) stops the run before anything in output_dir is touched.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.checkpoint import set_rng_state
+from engine.config import Config, to_dict
+from engine.dist import DistInfo, broadcast_object, is_main
+from engine.errors import UserError
+from engine.trainer import TrainState
+from models.weights import load_weights
+
+log = logging.getLogger(__name__)
+TRAINING_KEYS = ("model", "optimizer", "epoch", "global_step", "config", "class_names", "rng")
+
+
+def find_resume_checkpoint(resume: str, out_dir: Path) -> Path | None:
+    """The checkpoint to continue from, or None for a fresh run (decided by rank 0, told to all)."""
+    answer: tuple[str | None, str | None] = (None, None)  # (path, problem)
+    if is_main():
+        last = out_dir / "last.pth"
+        if resume == "auto":
+            answer = (str(last) if last.is_file() else None, None)
+        elif resume == "none":
+            if last.is_file():
+                answer = (None, f"output_dir {out_dir} already holds a checkpoint (last.pth) and resume=none; "
+                                "use resume=auto to continue it, or another output_dir to start over")
+        elif not Path(resume).is_file():
+            answer = (None, f"resume={resume}: no such checkpoint file; use auto, none or an existing .pth path")
+        elif last.is_file() and Path(resume).resolve().parent != out_dir.resolve():
+            answer = (None, f"output_dir {out_dir} already holds last.pth of another run; to continue {resume} "
+                            "choose an output_dir without checkpoints")
+        else:
+            answer = (resume, None)
+    path, problem = broadcast_object(answer)
+    if problem:
+        raise UserError(problem)
+    return Path(path) if path else None
+
+
+def check_resumable(ckpt: dict[str, Any], path: Path, cfg: Config, class_names: list[str],
+                    world_size: int) -> None:
+    """Refuse a checkpoint this run cannot continue, naming the mismatch."""
+    absent = [key for key in TRAINING_KEYS if key not in ckpt]
+    if absent:
+        raise UserError(f"checkpoint {path} is not a training checkpoint of this app (no {', '.join(absent)}); "
+                        "to start from its weights use model.init_from and resume=none")
+    old_model = ckpt["config"].get("model", {}).get("name")
+    if old_model != cfg.model.name:
+        raise UserError(f"checkpoint {path} is a {old_model} but model.name is {cfg.model.name}; "
+                        f"resume with model.name={old_model}, or use another output_dir")
+    old_classes = list(ckpt["class_names"])
+    if len(old_classes) != len(class_names):
+        raise UserError(f"checkpoint {path} has {len(old_classes)} classes but the data has {len(class_names)}; "
+                        "resume on the same data, or use another output_dir")
+    if old_classes != class_names:
+        first = next(i for i, (a, b) in enumerate(zip(old_classes, class_names)) if a != b)
+        raise UserError(f"checkpoint {path} has other class names than the data (class {first}: "
+                        f"{old_classes[first]!r} vs {class_names[first]!r}); resume on the same data")
+    if ckpt.get("epoch_step", 0) > 0:
+        old = ckpt["config"]["train"]
+        then = (ckpt["world_size"], old["batch_size"], old["accum_steps"])
+        now = (world_size, cfg.train.batch_size, cfg.train.accum_steps)
+        if then != now:
+            raise UserError(f"checkpoint {path} stopped mid-epoch with (processes, train.batch_size, "
+                            f"train.accum_steps) = {then}, this run has {now}; resume it with the same values "
+                            "so no sample is skipped or repeated, or from an end-of-epoch checkpoint")
+
+
+def config_changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys whose value differs, as "key old -> new" (logged when a run resumes)."""
+    changes = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            changes += config_changes(a, b, f"{prefix}{key}.")
+        elif a != b and f"{prefix}{key}" != "resume":
+            changes.append(f"{prefix}{key} {a!r} -> {b!r}")
+    return changes
+
+
+def restore_model(model: nn.Module, ckpt: dict[str, Any], path: Path) -> None:
+    """The checkpoint's weights, exactly (before DDP wraps the model)."""
+    load_weights(model, ckpt["model"], f"checkpoint {path}")
+
+
+def restore_ema(ema: nn.Module, ckpt: dict[str, Any], path: Path) -> None:
+    """The checkpoint's EMA weights; a run that turns the EMA on at resume starts it from the model."""
+    if "ema" in ckpt:
+        load_weights(ema, ckpt["ema"], f"checkpoint {path} (EMA weights)")
+    else:
+        log.info("checkpoint %s has no EMA weights: the EMA starts from the resumed model", path)
+
+
+def restore_training(ckpt: dict[str, Any], path: Path, cfg: Config, optimizer: torch.optim.Optimizer, scheduler,
+                     scaler: torch.amp.GradScaler | None, state: TrainState, info: DistInfo) -> None:
+    """Optimizer, scaler, loop state and this rank's RNG states; the LR follows the config at global_step."""
+    optimizer.load_state_dict(ckpt["optimizer"])
+    if scaler is not None and ckpt.get("scaler"):
+        scaler.load_state_dict(ckpt["scaler"])
+    state.epoch, state.global_step, state.best_top1 = ckpt["epoch"], ckpt["global_step"], ckpt["best_top1"]
+    state.epoch_step = ckpt.get("epoch_step", 0)
+    state.epoch_sums = dict(ckpt.get("epoch_sums") or {})
+    state.epoch_seconds = ckpt.get("epoch_seconds", 0.0)
+    # The schedule is a function of the config and the step (timm's schedulers keep no other
+    # state): rebuilt from the config, a resumed run may extend train.epochs.
+    scheduler.step_update(num_updates=state.global_step)
+    rng = ckpt["rng"]
+    if info.rank < len(rng):
+        set_rng_state(rng[info.rank])
+    if len(rng) != info.world_size:
+        log.warning("checkpoint %s was written by %d process(es), this run has %d: training continues, "
+                    "but dropout and drop-path draws differ from an uninterrupted run", path, len(rng),
+                    info.world_size)
+    changes = config_changes(ckpt["config"], to_dict(cfg))
+    where = f"start of epoch {state.epoch}"
+    if state.epoch_step:
+        where = f"epoch {state.epoch}, step {state.epoch_step} of it"
+    log.info("resuming from %s (%s, global step %d)%s", path, where, state.global_step,
+             f"; config changes: {', '.join(changes)}" if changes else "")
+
+
+def samples_done(state: TrainState, accum_steps: int, batch_size: int, batches_per_epoch: int) -> int:
+    """How many of its samples this rank already trained on in state.epoch (a mid-epoch resume skips them)."""
+    return min(state.epoch_step * accum_steps, batches_per_epoch) * batch_size

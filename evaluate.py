@@ -1,0 +1,285 @@
+"""Evaluate a checkpoint: exact metrics, per-image predictions and a confusion matrix.
+
+    python evaluate.py runs/digits/best.pth                            # one process
+    torchrun --nproc_per_node=N evaluate.py runs/digits/best.pth       # N processes, same results
+    python evaluate.py ckpt.pth --data-dir /data/other --batch-size 256 data.crop_pct=1.0
+
+The model and the eval pipeline are rebuilt from the config stored in the checkpoint; options
+and dotted overrides change it. Every rank evaluates its block of whole batches and writes its
+predictions to a part file; rank 0 merges them into predictions.csv (sorted by index), writes
+eval.json and confusion_matrix.png (and, with logging.wandb=true, an "eval" W&B run), and
+removes the parts. The results do not depend on the
+number of processes (on CPU each process uses one thread: launch one per core for speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from data.loader import build_eval_loader, build_val_dataset
+from data.datasets import AugmentedDataset
+from engine.checkpoint import load_checkpoint
+from engine.cli import report_errors
+from engine.config import Config, config_from_dict, parse_override, set_dotted, to_dict
+from engine.dist import DistInfo, barrier, broadcast_object, cleanup, init_distributed
+from engine.errors import UserError
+from engine.logs import setup_logging
+from engine.precision import resolve_precision
+from engine.tracking import WandbTracker
+from engine.trainer import evaluate
+from models.factory import create_model, prepare_model
+from models.weights import load_weights
+
+log = logging.getLogger("evaluate")
+COLUMNS = ("index", "path", "label", "pred", "confidence", "top5", "label_name", "pred_name", "loss")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="a checkpoint written by train.py (last.pth, best.pth, ...)")
+    parser.add_argument("--data-dir", help="an ImageFolder root with val/<class>/* (default: the checkpoint's data)")
+    parser.add_argument("--batch-size", type=int, help="per process (default: the checkpoint's train.batch_size)")
+    parser.add_argument("--output-dir", help="where results go (default: <checkpoint folder>/eval-<checkpoint name>)")
+    parser.add_argument("--ema", action="store_true", help="evaluate the checkpoint's EMA weights")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks for user errors")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data.crop_pct=1.0 amp=bf16")
+    return parser.parse_intermixed_args(argv)  # overrides may follow the options
+
+
+def checkpoint_config(ckpt: dict[str, Any], args: argparse.Namespace) -> Config:
+    """The stored config, with --data-dir, --batch-size and the dotted overrides applied."""
+    absent = [key for key in ("config", "model", "class_names") if key not in ckpt]
+    if absent:
+        raise UserError(f"checkpoint {args.checkpoint} was not written by train.py (no {', '.join(absent)}); "
+                        "evaluate.py needs the config and class names stored in it")
+    raw = json.loads(json.dumps(ckpt["config"]))  # a private copy
+    if args.data_dir:  # always an ImageFolder root (never a digits cache to (re)write, never dummy data)
+        set_dotted(raw, "data.name", "imagefolder")
+        set_dotted(raw, "data.root", args.data_dir)
+    if args.batch_size is not None:
+        if args.batch_size <= 0:
+            raise UserError(f"--batch-size must be > 0, got {args.batch_size}")
+        set_dotted(raw, "train.batch_size", args.batch_size)
+    for item in args.overrides:
+        set_dotted(raw, *parse_override(item))
+    try:
+        return config_from_dict(raw)
+    except UserError as err:
+        raise UserError(f"checkpoint {args.checkpoint}: {err}") from None
+
+
+def build_model(cfg: Config, ckpt: dict[str, Any], args: argparse.Namespace, info: DistInfo) -> torch.nn.Module:
+    """The checkpoint's architecture with its weights (or its EMA weights), ready for eval on this device."""
+    key = "ema" if args.ema else "model"
+    if key not in ckpt:
+        raise UserError(f"checkpoint {args.checkpoint} holds no EMA weights; evaluate it without --ema")
+    trained = ckpt["config"].get("model", {}).get("name")
+    if cfg.model.name != trained:
+        raise UserError(f"checkpoint {args.checkpoint} is a {trained}; it cannot be evaluated as "
+                        f"model.name={cfg.model.name} (drop that override)")
+    model = create_model(cfg.model, len(ckpt["class_names"]))
+    load_weights(model, ckpt[key], f"checkpoint {args.checkpoint}")
+    # Eval uses running statistics: no synchronized BatchNorm needed, whatever the training used.
+    return prepare_model(model, dataclasses.replace(cfg.model, sync_bn=False), info.device, 1)
+
+
+def check_classes(dataset: AugmentedDataset, class_names: list[str], root: str) -> None:
+    """The validation folders must be the classes the model was trained on, in the same order."""
+    if list(dataset.classes) != class_names:
+        differ = sorted(set(dataset.classes) ^ set(class_names))[:5]
+        detail = f"differing: {', '.join(differ)}" if differ else "same names in another order"
+        raise UserError(f"the validation classes in {root} ({len(dataset.classes)}) are not the checkpoint's "
+                        f"{len(class_names)} classes ({detail}); point --data-dir at matching data")
+
+
+class PredictionWriter:
+    """Collects this rank's per-image predictions from evaluate()'s on_batch hook, in order."""
+
+    def __init__(self, dataset: AugmentedDataset, start: int, class_names: list[str]) -> None:
+        self.dataset, self.next_index, self.class_names = dataset, start, class_names
+        self.rows: list[dict[str, Any]] = []
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
+        top = logits.topk(min(5, logits.shape[1]), dim=1).indices  # ranked as the top-1/top-5 metrics rank
+        confidence = logits.softmax(dim=1).gather(1, top[:, :1]).squeeze(1)
+        losses = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+        for label, indices, value, loss in zip(targets.tolist(), top.tolist(), confidence.tolist(), losses.tolist()):
+            index = self.next_index
+            self.next_index += 1
+            self.rows.append({"index": index, "path": self.dataset.path(index), "label": label, "pred": indices[0],
+                              "confidence": f"{value:.6f}", "top5": " ".join(map(str, indices)),
+                              "label_name": self.class_names[label], "pred_name": self.class_names[indices[0]],
+                              "loss": repr(loss)})
+
+    def write(self, path: Path) -> None:
+        write_csv(self.rows, path)
+
+
+def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
+    """CSV with COLUMNS, written to a temp file and moved into place."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, path)
+
+
+def merge_parts(out: Path, world_size: int, size: int) -> list[dict[str, str]]:
+    """Rank 0: read every rank's part file, check each image appears once, write predictions.csv, remove parts."""
+    parts = [out / f"predictions.part{rank}.csv" for rank in range(world_size)]
+    rows: list[dict[str, str]] = []
+    for part in parts:
+        with part.open(newline="") as f:
+            rows += list(csv.DictReader(f))
+    rows.sort(key=lambda row: int(row["index"]))
+    if [int(row["index"]) for row in rows] != list(range(size)):
+        raise RuntimeError(f"merged predictions do not cover indices 0..{size - 1} exactly once")
+    write_csv(rows, out / "predictions.csv")
+    for part in parts:
+        part.unlink()
+    return rows
+
+
+def summarize(rows: list[dict[str, str]], metrics: dict[str, float], class_names: list[str],
+              checkpoint: str, ema: bool) -> tuple[dict[str, Any], np.ndarray]:
+    """eval.json contents and the confusion matrix (rows: true class, columns: predicted class)."""
+    labels = np.array([int(row["label"]) for row in rows])
+    preds = np.array([int(row["pred"]) for row in rows])
+    num_classes = len(class_names)
+    confusion = np.bincount(labels * num_classes + preds, minlength=num_classes ** 2).reshape(num_classes, num_classes)
+    correct = int(np.trace(confusion))
+    if round(metrics["val_top1"] * len(rows) / 100.0) != correct:
+        raise RuntimeError("predictions.csv disagrees with the all-reduced top-1 count")
+    per_class = []
+    for c, name in enumerate(class_names):
+        n = int(confusion[c].sum())
+        per_class.append({"class": name, "n": n, "top1": 100.0 * int(confusion[c, c]) / n if n else None})
+    result = {
+        "checkpoint": checkpoint,
+        "ema": ema,
+        "n": len(rows),
+        "top1": metrics["val_top1"],
+        "top5": metrics["val_top5"],
+        # Sum of per-image losses, correctly rounded (math.fsum): the same for any number of processes.
+        "loss": math.fsum(float(row["loss"]) for row in rows) / len(rows),
+        "per_class": per_class,
+    }
+    return result, confusion
+
+
+def plot_confusion(confusion: np.ndarray, class_names: list[str], path: Path, title: str) -> None:
+    """A confusion matrix a person can read: class names on both axes, counts in the cells when they fit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its font-cache notice is not ours to print
+    import matplotlib.pyplot as plt
+
+    n = len(class_names)
+    side = min(4 + 0.45 * n, 30)
+    fig, ax = plt.subplots(figsize=(side, side), dpi=100)
+    row_sums = confusion.sum(axis=1, keepdims=True)
+    fraction = np.divide(confusion, row_sums, out=np.zeros(confusion.shape), where=row_sums > 0)
+    image = ax.imshow(fraction, cmap="Blues", vmin=0.0, vmax=1.0)
+    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="fraction of the true class")
+    if n <= 60:
+        ax.set_xticks(range(n), labels=class_names, rotation=90 if n > 10 else 0)
+        ax.set_yticks(range(n), labels=class_names)
+    if n <= 30:
+        for i in range(n):
+            for j in range(n):
+                if confusion[i, j]:
+                    ax.text(j, i, str(confusion[i, j]), ha="center", va="center", fontsize=8,
+                            color="white" if fraction[i, j] > 0.5 else "black")
+    ax.set_xlabel("predicted class")
+    ax.set_ylabel("true class")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def run(cfg: Config, ckpt: dict[str, Any], args: argparse.Namespace, info: DistInfo) -> dict[str, Any] | None:
+    """Evaluate on every rank; rank 0 returns the eval.json contents."""
+    class_names = list(ckpt["class_names"])
+    out = Path(args.output_dir or Path(args.checkpoint).parent / f"eval-{Path(args.checkpoint).stem}")
+    problem = None
+    if info.is_main:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            problem = f"--output-dir {out} is not writable ({err.strerror}); choose another one"
+    problem = broadcast_object(problem)
+    if problem:
+        raise UserError(problem)
+    dataset = build_val_dataset(cfg.data, cfg.seed, info.local_rank)
+    check_classes(dataset, class_names, cfg.data.root)
+    loader = build_eval_loader(dataset, cfg.data, cfg.train.batch_size, info)
+    model = build_model(cfg, ckpt, args, info)
+    precision = resolve_precision(cfg.amp, info.device)
+    log.info("evaluating %s (%s, %s) on %d images, %d process(es), batch %d per process", args.checkpoint,
+             cfg.model.name, "EMA weights" if args.ema else "weights", len(dataset), info.world_size,
+             cfg.train.batch_size)
+    writer = PredictionWriter(dataset, loader.sampler.start, class_names)
+    metrics = evaluate(model, loader, precision, info, cfg.model.channels_last, on_batch=writer)
+    writer.write(out / f"predictions.part{info.rank}.csv")
+    barrier()  # every part file is complete before rank 0 reads them
+    if not info.is_main:
+        return None
+    rows = merge_parts(out, info.world_size, len(dataset))
+    result, confusion = summarize(rows, metrics, class_names, str(args.checkpoint), args.ema)
+    (out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    title = f"{cfg.model.name} on {len(rows)} images: top-1 {result['top1']:.2f}%"
+    plot_confusion(confusion, class_names, out / "confusion_matrix.png", title)
+    log_to_wandb(cfg, args, result, out, rows)
+    result["output_dir"] = str(out)
+    return result
+
+
+def log_to_wandb(cfg: Config, args: argparse.Namespace, result: dict[str, Any], out: Path,
+                 rows: list[dict[str, str]]) -> None:
+    """With logging.wandb on (stored or overridden), an "eval" W&B run gets the metrics, matrix and predictions."""
+    tracker = WandbTracker(cfg.logging, is_main=True)  # rank 0 only; never raises
+    tracker.start({**to_dict(cfg), "checkpoint": str(args.checkpoint), "ema": args.ema}, out, job_type="eval")
+    per_class = {c["class"]: c["top1"] for c in result["per_class"]}
+    tracker.log_evaluation({**result, "per_class": per_class}, out / "confusion_matrix.png", rows)
+    tracker.finish()
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    ckpt = load_checkpoint(args.checkpoint)
+    cfg = checkpoint_config(ckpt, args)
+    info = init_distributed(cfg.dist.backend, cfg.dist.timeout_s)
+    setup_logging(info.rank, cfg.logging.level)
+    if info.device.type == "cpu":
+        # CPU convolutions round differently with different thread counts; one thread in every
+        # process makes the outputs independent of the number of processes (torchrun for speed).
+        torch.set_num_threads(1)
+    try:
+        result = run(cfg, ckpt, args, info)
+    finally:
+        cleanup()
+    if result is not None:
+        worst = sorted((c for c in result["per_class"] if c["top1"] is not None), key=lambda c: c["top1"])[:3]
+        print(f"top1 {result['top1']:.2f}%  top5 {result['top5']:.2f}%  loss {result['loss']:.4f}  n {result['n']}")
+        print("lowest per-class top1: " + ", ".join(f"{c['class']} {c['top1']:.1f}%" for c in worst))
+        print(f"wrote eval.json, predictions.csv, confusion_matrix.png to {result['output_dir']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(report_errors(main))

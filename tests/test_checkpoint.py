@@ -1,0 +1,168 @@
+"""Checkpoint files on real disks: atomic writes, RNG round trips, weight loading, resume bookkeeping."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import timm
+import torch
+import torchvision
+
+from data.loader import EpochSampler, ShardSampler
+from engine.checkpoint import load_checkpoint, rng_state, save_atomic, set_rng_state
+from engine.config import Config, ModelConfig, TrainConfig, to_dict
+from engine.errors import UserError
+from engine.logs import MetricsFile
+from engine.resume import check_resumable, samples_done
+from engine.trainer import TrainState
+from models.weights import init_from, load_weights
+from tests.helpers import REPO, script_env
+
+
+class Unpicklable:
+    def __reduce__(self):
+        raise RuntimeError("cannot pickle this")
+
+
+def test_failed_save_keeps_the_old_file_and_no_temp(tmp_path):
+    path = tmp_path / "last.pth"
+    save_atomic({"w": torch.arange(5)}, path)
+    with pytest.raises(RuntimeError, match="cannot pickle"):
+        save_atomic({"w": torch.zeros(1000), "bad": Unpicklable()}, path)
+    assert torch.equal(load_checkpoint(path)["w"], torch.arange(5))
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pth"]
+
+
+def test_process_killed_mid_save_leaves_the_old_file_loadable(tmp_path):
+    path = tmp_path / "last.pth"
+    save_atomic({"w": torch.arange(5)}, path)
+    # The child starts writing a new checkpoint and stalls inside torch.save until it is killed.
+    child = textwrap.dedent(f"""
+        import sys, time, torch
+        sys.path.insert(0, {str(REPO)!r})
+        from engine.checkpoint import save_atomic
+
+        class Stall:
+            def __reduce__(self):
+                print("writing", flush=True)
+                time.sleep(120)
+
+        save_atomic({{"w": torch.ones(1_000_000), "stall": Stall()}}, {str(path)!r})
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True, env=script_env())
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+        temps = [p for p in tmp_path.iterdir() if p.name != "last.pth"]
+        assert len(temps) == 1  # the half-written temp file exists right now
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    assert torch.equal(load_checkpoint(path)["w"], torch.arange(5))
+    with pytest.raises(UserError, match="cannot be read"):
+        load_checkpoint(temps[0])  # what the crash left is not a checkpoint, and last.pth never pointed to it
+
+
+def test_rng_states_round_trip_through_a_weights_only_file(tmp_path):
+    torch.manual_seed(1), np.random.seed(2), random.seed(3)
+    torch.rand(7), np.random.rand(3), random.random()
+    save_atomic({"rng": [rng_state()]}, tmp_path / "rng.pth")
+    expected = (torch.rand(5), np.random.rand(5), [random.random() for _ in range(5)])
+    torch.manual_seed(99), np.random.seed(99), random.seed(99)
+    set_rng_state(load_checkpoint(tmp_path / "rng.pth")["rng"][0])
+    assert torch.equal(torch.rand(5), expected[0])
+    assert np.array_equal(np.random.rand(5), expected[1])
+    assert [random.random() for _ in range(5)] == expected[2]
+
+
+def test_init_from_a_torchvision_state_dict_skips_only_the_head(tmp_path, caplog):
+    torch.manual_seed(0)
+    source = torchvision.models.resnet18(num_classes=1000).state_dict()
+    torch.save(source, tmp_path / "tv.pth")
+    model = timm.create_model("resnet18", num_classes=7)
+    with caplog.at_level("INFO"):
+        skipped = init_from(model, tmp_path / "tv.pth")
+    assert skipped == ["fc.weight", "fc.bias"]
+    assert "skipped fc.weight, fc.bias" in caplog.text
+    loaded = model.state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in source.items() if not k.startswith("fc."))
+    assert loaded["fc.weight"].shape == (7, 512)
+
+
+def test_init_from_our_checkpoint_and_wrong_architectures(tmp_path):
+    torch.manual_seed(0)
+    ours = timm.create_model("resnet10t", num_classes=5)
+    ddp_style = {f"module.{k}": v for k, v in ours.state_dict().items()}
+    torch.save({"model": ddp_style, "epoch": 3}, tmp_path / "ours.pth")
+    fresh = timm.create_model("resnet10t", num_classes=5)
+    assert init_from(fresh, tmp_path / "ours.pth") == []
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in ours.state_dict().items())
+    with pytest.raises(UserError, match=r"model.init_from=.*ours.pth does not fit .*missing: "):
+        init_from(timm.create_model("resnet18", num_classes=5), tmp_path / "ours.pth")
+    with pytest.raises(UserError, match=r"checkpoint x does not fit this model \(shape differs: fc.weight: "
+                                        r"file \[5, 512\] vs model \[3, 512\]"):
+        load_weights(timm.create_model("resnet10t", num_classes=3), ours.state_dict(), "checkpoint x")
+    torch.save([1, 2, 3], tmp_path / "list.pth")
+    with pytest.raises(UserError, match="holds no model state dict"):
+        init_from(fresh, tmp_path / "list.pth")
+
+
+def training_checkpoint(model: str, classes: list[str], epoch_step: int = 0) -> dict:
+    config = Config(model=ModelConfig(name=model), train=TrainConfig(batch_size=8))
+    return {"model": {}, "optimizer": {}, "epoch": 1, "global_step": 8, "epoch_step": epoch_step,
+            "config": to_dict(config), "class_names": classes, "rng": [{}], "world_size": 1}
+
+
+def test_check_resumable_names_the_mismatch(tmp_path):
+    cfg = Config(model=ModelConfig(name="resnet10t"), train=TrainConfig(batch_size=8))
+    classes = ["a", "b", "c"]
+    check_resumable(training_checkpoint("resnet10t", classes), tmp_path, cfg, classes, 1)
+    with pytest.raises(UserError, match="is a resnet18 but model.name is resnet10t"):
+        check_resumable(training_checkpoint("resnet18", classes), tmp_path, cfg, classes, 1)
+    with pytest.raises(UserError, match="has 2 classes but the data has 3"):
+        check_resumable(training_checkpoint("resnet10t", ["a", "b"]), tmp_path, cfg, classes, 1)
+    with pytest.raises(UserError, match="other class names .*'x' vs 'c'"):
+        check_resumable(training_checkpoint("resnet10t", ["a", "b", "x"]), tmp_path, cfg, classes, 1)
+    mid_epoch = training_checkpoint("resnet10t", classes, epoch_step=3)
+    check_resumable(mid_epoch, tmp_path, cfg, classes, 1)
+    with pytest.raises(UserError, match=r"stopped mid-epoch .* \(1, 8, 1\), this run has \(2, 8, 1\)"):
+        check_resumable(mid_epoch, tmp_path, cfg, classes, 2)
+    with pytest.raises(UserError, match="not a training checkpoint .*no optimizer"):
+        check_resumable({"model": {}}, tmp_path, cfg, classes, 1)
+
+
+def test_epoch_sampler_start_skips_exactly_the_consumed_samples():
+    full = EpochSampler(range(103), num_replicas=2, rank=1, shuffle=True, seed=5, drop_last=True)
+    full.set_epoch(4)
+    order = list(full)
+    resumed = EpochSampler(range(103), num_replicas=2, rank=1, shuffle=True, seed=5, drop_last=True)
+    state = TrainState(epoch=4, epoch_step=3)
+    resumed.set_epoch(4, start=samples_done(state, accum_steps=2, batch_size=4, batches_per_epoch=12))
+    assert len(resumed) == len(order) - 24 and list(resumed) == order[24:]
+    resumed.set_epoch(5)  # the next epoch starts from the beginning again
+    assert len(list(resumed)) == len(order)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_eval_shards_are_whole_batches(world):
+    size, batch = 101, 8
+    shards = [ShardSampler(size, r, world, batch) for r in range(world)]
+    assert [i for s in shards for i in s] == list(range(size))
+    assert all(s.start % batch == 0 for s in shards)
+
+
+def test_metrics_rows_of_resumed_epochs_are_dropped(tmp_path):
+    metrics = MetricsFile(tmp_path / "metrics.jsonl")
+    metrics.keep_epochs_before(0)  # no file yet: nothing to do
+    for epoch in range(4):
+        metrics.append({"epoch": epoch, "val_top1": 10.0 * epoch + 0.1})
+    metrics.keep_epochs_before(2)
+    assert metrics.rows() == [{"epoch": 0, "val_top1": 0.1}, {"epoch": 1, "val_top1": 10.1}]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]

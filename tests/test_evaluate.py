@@ -1,0 +1,88 @@
+"""evaluate.py as users run it: real checkpoints, 1, 2 and 3 real processes, identical outputs."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+
+import evaluate
+from engine.checkpoint import load_checkpoint
+from engine.cli import report_errors
+from tests.helpers import make_image_folder, run_script, script_env
+from tests.wandb_reader import find_runs, read_run
+
+VAL_SIZE = 101  # divisible by neither 2 nor 3
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A briefly trained model on synthetic data with 101 validation images."""
+    out = tmp_path_factory.mktemp("trained") / "run"
+    run_script("train.py", "--config", "configs/dummy.yaml", "model.name=test_resnet", "data.img_size=16",
+               "data.dummy_image_size=20", "data.dummy_train_size=96", f"data.dummy_val_size={VAL_SIZE}",
+               "train.batch_size=16", "train.max_steps=4", "logging.progress=false", f"output_dir={out}")
+    return out / "best.pth"
+
+
+def read_rows(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_evaluate_is_identical_for_1_2_3_processes(checkpoint, tmp_path):
+    outputs = {}
+    wandb_dir = tmp_path / "wandb"
+    wandb_dir.mkdir()
+    for nproc in (1, 2, 3):
+        out = tmp_path / f"eval{nproc}"
+        tracking = ["logging.wandb=true"] if nproc == 2 else []  # one run also goes to W&B (offline)
+        proc = run_script("evaluate.py", str(checkpoint), "--output-dir", str(out), "--batch-size", "8", *tracking,
+                          nproc=nproc, env=script_env(WANDB_DIR=str(wandb_dir)))
+        assert f"n {VAL_SIZE}" in proc.stdout
+        assert sorted(p.name for p in out.iterdir()) == ["confusion_matrix.png", "eval.json", "predictions.csv"]
+        outputs[nproc] = ((out / "eval.json").read_text(), (out / "predictions.csv").read_text())
+    assert outputs[1] == outputs[2] == outputs[3]  # byte for byte
+
+    out = tmp_path / "eval3"
+    rows = read_rows(out / "predictions.csv")
+    assert [int(r["index"]) for r in rows] == list(range(VAL_SIZE))  # one row per image, sorted
+    assert [r["path"] for r in rows] == [f"dummy:{i}" for i in range(VAL_SIZE)]
+    result = json.loads((out / "eval.json").read_text())
+    assert result["n"] == VAL_SIZE and sum(c["n"] for c in result["per_class"]) == VAL_SIZE
+    correct = sum(r["label"] == r["pred"] for r in rows)
+    assert result["top1"] == 100.0 * correct / VAL_SIZE
+    assert result["top5"] >= result["top1"]
+    assert all(r["pred"] == r["top5"].split()[0] for r in rows)
+    for c in result["per_class"]:
+        mine = [r for r in rows if r["label_name"] == c["class"]]
+        assert c["top1"] == 100.0 * sum(r["label"] == r["pred"] for r in mine) / len(mine)
+    image = matplotlib.image.imread(out / "confusion_matrix.png")
+    assert image.shape[0] >= 400 and image.shape[1] >= 400
+    # The training run evaluated the same weights on the same batches: same top-1.
+    assert result["top1"] == load_checkpoint(checkpoint)["val_top1"]
+
+    [path] = find_runs(wandb_dir)  # one W&B run, from rank 0 of the 2-process evaluation
+    run = read_run(path)
+    assert run.run.job_type == "eval" and run.summary["eval/top1"] == result["top1"]
+    assert run.summary["eval/per_class"] == {c["class"]: c["top1"] for c in result["per_class"]}
+    [logged] = [h for h in run.history if "eval/predictions" in h]
+    table = json.loads((path.parent / "files" / logged["eval/predictions"]["path"]).read_text())
+    assert len(table["data"]) == VAL_SIZE
+
+
+def test_evaluate_errors_are_one_line(checkpoint, tmp_path, capsys):
+    cases = [
+        ([str(checkpoint), "model.name=resnet18"], "is a test_resnet; it cannot be evaluated as model.name=resnet18"),
+        ([str(checkpoint), "--ema"], "holds no EMA weights"),  # trained without model.ema_decay
+        ([str(tmp_path / "missing.pth")], "missing.pth does not exist"),
+        ([str(checkpoint), "--data-dir", str(make_image_folder(tmp_path / "cats", {"val": {"cat": 2, "dog": 2}}))],
+         "are not the checkpoint's 10 classes"),
+    ]
+    for argv, message in cases:
+        assert report_errors(evaluate.main, [*argv, "--output-dir", str(tmp_path / "out")]) == 2
+        error = capsys.readouterr().err.strip()
+        assert "\n" not in error and error.startswith("error: ") and message in error, error

@@ -1,0 +1,156 @@
+"""Resume reproduces an uninterrupted run bit for bit: real train.py processes, real checkpoints.
+
+Every run trains with augmentation (seeded per sample), dropout and drop-path (torch's per-rank RNG)
+and an EMA of the weights on CPU in fp32, so any state the checkpoint forgot would show up as a
+different weight.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import evaluate
+import train
+from engine.checkpoint import load_checkpoint
+from engine.cli import report_errors
+from engine.config import load_config
+from engine.errors import UserError
+from engine.resume import check_resumable
+from tests.helpers import REPO, read_jsonl, run_script, script_env
+
+TIMING = {"epoch_time_s", "train_img_per_s"}
+# Differences the comparison must ignore: wall-clock time, and the config (output_dir, max_steps, workers).
+NOT_COMPARED = {"epoch_seconds", "config"}
+RUN = ["--config", "configs/dummy.yaml", "model.name=test_resnet", "model.drop_rate=0.3", "model.drop_path_rate=0.1",
+       "model.ema_decay=0.9", "model.channels_last=false",
+       "amp='off'", "data.augment=true", "data.img_size=16", "data.dummy_image_size=20",
+       "data.dummy_train_size=64", "data.dummy_val_size=37", "data.num_workers=0", "train.batch_size=8",
+       "train.epochs=2", "logging.progress=false", "logging.interval=100"]
+
+
+def assert_same(a, b, where: str = "checkpoint") -> None:
+    """Every tensor equal (torch.equal), every other value equal, recursively."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{where} keys differ: {set(a) ^ set(b)}"
+        for key in a:
+            if key not in NOT_COMPARED:
+                assert_same(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where} lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def rows_without_timing(run: Path) -> list[dict]:
+    return [{k: v for k, v in row.items() if k not in TIMING} for row in read_jsonl(run / "metrics.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    """The uninterrupted reference: 2 epochs of 8 steps in one process."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    run_script("train.py", *RUN, f"output_dir={out}")
+    return out
+
+
+def test_resume_at_epoch_boundary_is_bitwise_identical(straight, tmp_path):
+    out = tmp_path / "run"
+    run_script("train.py", *RUN, f"output_dir={out}", "train.max_steps=8")  # exactly epoch 0, then stop
+    first = load_checkpoint(out / "last.pth")
+    assert (first["epoch"], first["epoch_step"], first["global_step"]) == (1, 0, 8)
+    run_script("train.py", *RUN, f"output_dir={out}")  # resume=auto picks up last.pth
+    assert_same(load_checkpoint(straight / "last.pth"), load_checkpoint(out / "last.pth"))
+    assert_same(load_checkpoint(straight / "best.pth"), load_checkpoint(out / "best.pth"))
+    assert rows_without_timing(out) == rows_without_timing(straight)
+
+
+def test_resume_after_a_kill_mid_epoch_is_bitwise_identical(straight, tmp_path):
+    """Step checkpoints every step, a worker process, SIGKILL at a mid-epoch checkpoint, then resume."""
+    out = tmp_path / "run"
+    args = [*RUN, f"output_dir={out}", "train.ckpt_every_steps=1", "data.num_workers=1", "train.keep_last_k=1"]
+    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=REPO, env=script_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "last.pth").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "no step checkpoint appeared"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)  # possibly in the middle of writing the next one
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    interrupted = load_checkpoint(out / "last.pth")
+    assert 0 < interrupted["epoch_step"] < 8 and interrupted["epoch"] == 0, "the kill should land mid-epoch 0"
+    run_script("train.py", *args)
+    assert_same(load_checkpoint(straight / "last.pth"), load_checkpoint(out / "last.pth"))
+    assert rows_without_timing(out) == rows_without_timing(straight)
+    assert sorted(p.name for p in out.glob("epoch_*.pth")) == ["epoch_0001.pth"]  # keep_last_k=1
+
+
+def test_two_ranks_resume_mid_epoch_after_max_steps(tmp_path):
+    """2 processes x 4 steps per epoch; stop at step 3 (mid-epoch), resume; per-rank RNG states continue."""
+    straight, out = tmp_path / "straight", tmp_path / "run"
+    one_epoch = [*RUN, "train.epochs=1"]
+    run_script("train.py", *one_epoch, f"output_dir={straight}", nproc=2)
+    run_script("train.py", *one_epoch, f"output_dir={out}", "train.max_steps=3", nproc=2)
+    partial = load_checkpoint(out / "last.pth")
+    assert (partial["epoch"], partial["epoch_step"], len(partial["rng"])) == (0, 3, 2)
+    assert not torch.equal(partial["rng"][0]["torch"], partial["rng"][1]["torch"])  # dropout differs per rank
+    partial_top1 = read_jsonl(out / "metrics.jsonl")[0]["val_top1"]  # the evaluation at the stop
+    run_script("train.py", *one_epoch, f"output_dir={out}", nproc=2)
+    expected, resumed = load_checkpoint(straight / "last.pth"), load_checkpoint(out / "last.pth")
+    # best_top1 also saw the evaluation at the stop: the only allowed difference.
+    assert resumed["best_top1"] == max(expected["best_top1"], partial_top1)
+    resumed["best_top1"] = expected["best_top1"]
+    assert_same(expected, resumed)
+    assert rows_without_timing(out) == rows_without_timing(straight)
+
+
+def test_checkpoint_of_another_model_is_refused_without_touching_it(straight, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    proc = run_script("train.py", *RUN, f"output_dir={out}", "model.name=resnet18", check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    error = proc.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: checkpoint ") and "is a test_resnet but model.name is resnet18" in error
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before  # nothing overwritten
+
+
+def test_resume_none_refuses_an_output_dir_with_a_checkpoint(straight, capsys):
+    before = (straight / "last.pth").read_bytes()
+    assert report_errors(train.main, [*RUN, f"output_dir={straight}", "resume=none"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and "already holds a checkpoint (last.pth) and resume=none" in error
+    assert (straight / "last.pth").read_bytes() == before
+
+
+def test_class_count_mismatch_on_a_real_checkpoint(straight):
+    cfg = load_config(str(REPO / RUN[1]), RUN[2:])
+    ckpt = load_checkpoint(straight / "last.pth")
+    with pytest.raises(UserError, match="has 10 classes but the data has 5"):
+        check_resumable(ckpt, straight / "last.pth", cfg, [f"class_{i}" for i in range(5)], 1)
+
+
+def test_evaluate_ema_weights_of_a_resumable_checkpoint(straight, tmp_path, capsys):
+    """evaluate.py --ema on the EMA the run kept: the same top-1 as the run's own EMA evaluation."""
+    out = tmp_path / "eval"
+    assert report_errors(evaluate.main, [str(straight / "last.pth"), "--ema", "--output-dir", str(out)]) == 0
+    result = json.loads((out / "eval.json").read_text())
+    last_row = read_jsonl(straight / "metrics.jsonl")[-1]
+    assert result["ema"] is True and result["n"] == 37
+    assert result["top1"] == last_row["ema_val_top1"] and result["top5"] == last_row["ema_val_top5"]
+    assert f"top1 {result['top1']:.2f}%" in capsys.readouterr().out
