@@ -89,7 +89,7 @@ def main() -> None:
         raise SystemExit("this benchmark pins processes to one core with `taskset` (util-linux); install it")
     overrides = [f"model.name={args.model}", f"data.img_size={args.img_size}",
                  f"data.dummy_image_size={args.img_size}", "data.crop_pct=1.0", "data.num_workers=0",
-                 f"data.dummy_train_size={args.train_size}", "data.dummy_val_size=32",
+                 f"data.dummy_train_size={args.train_size}", f"data.dummy_val_size={2 * args.batch_size}",
                  f"train.batch_size={args.batch_size}"]
     bare = [f"--model={args.model}", f"--img-size={args.img_size}", f"--batch-size={args.batch_size}",
             f"--train-size={args.train_size}"]

@@ -110,8 +110,8 @@ def share_heap_with_workers() -> None:
     """Freeze the garbage collector's view of this process's objects before DataLoader workers fork.
 
     A GC pass in a forked worker writes to the header of every object it inherited, which copies the
-    parent's heap into the worker page by page: 61 MB of private memory per worker over an epoch here
-    (7.5 MB frozen; benchmarks/index_memory.py). Garbage is collected first: frozen objects are only
+    parent's heap into the worker page by page: 61 MB of private memory per worker over an epoch here,
+    8-15 MB frozen (benchmarks/index_memory.py). Garbage is collected first: frozen objects are only
     ever freed by reference counting.
     """
     gc.collect()
