@@ -33,7 +33,7 @@ from data.datasets import AugmentedDataset
 from engine.checkpoint import load_checkpoint
 from engine.cli import report_errors
 from engine.config import Config, config_from_dict, parse_override, set_dotted, to_dict
-from engine.dist import DistInfo, barrier, broadcast_object, cleanup, init_distributed
+from engine.dist import DistInfo, barrier, broadcast_object, init_distributed
 from engine.errors import UserError
 from engine.logs import setup_logging
 from engine.precision import resolve_precision
@@ -269,10 +269,7 @@ def main(argv: list[str]) -> int:
         # CPU convolutions round differently with different thread counts; one thread in every
         # process makes the outputs independent of the number of processes (torchrun for speed).
         torch.set_num_threads(1)
-    try:
-        result = run(cfg, ckpt, args, info)
-    finally:
-        cleanup()
+    result = run(cfg, ckpt, args, info)  # report_errors leaves the process group, after reporting any error
     if result is not None:
         worst = sorted((c for c in result["per_class"] if c["top1"] is not None), key=lambda c: c["top1"])[:3]
         print(f"top1 {result['top1']:.2f}%  top5 {result['top5']:.2f}%  loss {result['loss']:.4f}  n {result['n']}")

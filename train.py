@@ -25,7 +25,7 @@ from data.loader import build_data, steps_per_epoch
 from engine.checkpoint import Checkpointer, load_checkpoint
 from engine.cli import report_errors
 from engine.config import Config, load_config, save_config, to_dict
-from engine.dist import DistInfo, broadcast_object, broadcast_tensors, cleanup, init_distributed
+from engine.dist import DistInfo, broadcast_object, broadcast_tensors, init_distributed
 from engine.errors import UserError
 from engine.logs import MetricsFile, setup_logging
 from engine.metrics import SumMeter
@@ -174,10 +174,7 @@ def main(argv: list[str]) -> int:
     cfg = load_config(args.config, args.overrides)
     info = init_distributed(cfg.dist.backend, cfg.dist.timeout_s)
     setup_logging(info.rank, cfg.logging.level)
-    try:
-        fit(cfg, info)
-    finally:
-        cleanup()
+    fit(cfg, info)  # report_errors leaves the process group, after reporting any error
     return 0
 
 

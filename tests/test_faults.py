@@ -64,3 +64,28 @@ def test_worker_killed_under_torchrun_resumes_and_finishes_every_epoch_once(tmp_
     assert [row["epoch"] for row in read_jsonl(out / "metrics.jsonl")] == [0, 1, 2]
     final = load_checkpoint(out / "last.pth")
     assert (final["epoch"], final["global_step"]) == (3, 48)
+
+
+def corrupt_in_batch(root: Path, rank: int, batch: int, batch_size: int, seed: int = 0) -> Path:
+    """Overwrite the image that `rank` reads in its `batch`-th batch (0-based) of epoch 0 with junk bytes."""
+    files = sorted(p for p in (root / "train").rglob("*.png"))  # the dataset's order: class, then file name
+    sampler = EpochSampler(files, num_replicas=2, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    sampler.set_epoch(0)
+    _, index = list(sampler)[batch * batch_size]
+    files[index].write_bytes(b"\x89PNG\r\n\x1a\n not an image")
+    return files[index]
+
+
+def test_rank_that_fails_at_step_3_stops_the_job_with_its_own_error(tmp_path):
+    root = make_image_folder(tmp_path / "data", {"train": {"a": 16, "b": 16}, "val": {"a": 2, "b": 2}}, size=20)
+    bad = corrupt_in_batch(root, rank=1, batch=2, batch_size=4)
+    start = time.monotonic()
+    proc = run_script("train.py", *TINY, "data.name=imagefolder", f"data.root={root}", "train.batch_size=4",
+                      "train.epochs=1", f"output_dir={tmp_path / 'run'}", nproc=2, check=False, timeout=120)
+    seconds = time.monotonic() - start
+    (tmp_path / "torchrun.log").write_text(f"{seconds:.1f} s\n{proc.stderr}")
+    assert proc.returncode != 0
+    ours = [line for line in proc.stderr.splitlines() if "error:" in line and "Traceback" not in line]
+    assert ours[0] == f"[rank 1] error: cannot read image {bad} (corrupt, truncated or not an image); " \
+                      "remove or replace it", proc.stderr[-3000:]
+    assert "[rank0]: Traceback" not in proc.stderr  # rank 0, cut off by the dead peer, says so in one line
