@@ -109,7 +109,7 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
     scheduler = build_scheduler(optimizer, cfg.sched, cfg.train.epochs, updates_per_epoch)
     loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
     loop = LoopConfig(cfg.train.accum_steps, cfg.optim.clip_grad, cfg.train.max_steps, cfg.logging.interval,
-                      cfg.model.channels_last, cfg.logging.progress)
+                      cfg.model.channels_last, cfg.logging.progress, cfg.train.max_nonfinite)
     state = TrainState()
     if ckpt is not None:
         restore_training(ckpt, resume_path, cfg, optimizer, scheduler, precision.scaler, state, info)

@@ -14,12 +14,14 @@ import sys
 import time
 from pathlib import Path
 
-import cv2
-import numpy as np
+import pytest
 import torch
 
 from data.loader import EpochSampler
-from engine.checkpoint import load_checkpoint
+from engine.checkpoint import Checkpointer, load_checkpoint
+from engine.dist import DistInfo
+from engine.errors import UserError
+from engine.trainer import TrainState
 from tests.helpers import REPO, make_image_folder, read_jsonl, run_script, script_env
 
 TINY = ["--config", "configs/dummy.yaml", "model.name=test_resnet", "model.channels_last=false", "amp='off'",
@@ -89,3 +91,37 @@ def test_rank_that_fails_at_step_3_stops_the_job_with_its_own_error(tmp_path):
     assert ours[0] == f"[rank 1] error: cannot read image {bad} (corrupt, truncated or not an image); " \
                       "remove or replace it", proc.stderr[-3000:]
     assert "[rank0]: Traceback" not in proc.stderr  # rank 0, cut off by the dead peer, says so in one line
+
+
+def test_nonfinite_gradients_stop_every_rank_and_keep_the_last_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    small = [*TINY, "data.dummy_train_size=64", f"output_dir={out}"]
+    run_script("train.py", *small, "train.epochs=1")  # one good epoch: last.pth at global step 8
+    good = hashlib.sha256((out / "last.pth").read_bytes()).hexdigest()
+    # lr 1e30 (epochs=3 keeps the cosine schedule far from 0 at 4 steps/epoch on 2 ranks): the first step
+    # blows the weights up, the next forward passes are inf/NaN.
+    proc = run_script("train.py", *small, "train.epochs=3", "optim.lr=1e30", "train.max_nonfinite=2", nproc=2,
+                      check=False)
+    assert proc.returncode != 0
+    stops = re.findall(r"\[rank (\d)\] error: the gradients were inf or NaN for 2 optimizer steps in a row "
+                       r"\(up to global step (\d+)", proc.stderr)
+    assert sorted(stops) == [("0", "11"), ("1", "11")], proc.stderr[-3000:]  # both ranks, the same step
+    assert "step 10: inf or NaN gradients, optimizer step skipped (1 in a row)" in proc.stderr
+    assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr
+    assert hashlib.sha256((out / "last.pth").read_bytes()).hexdigest() == good
+    assert [row["epoch"] for row in read_jsonl(out / "metrics.jsonl")] == [0]
+
+
+def test_checkpoint_with_nan_weights_is_not_written(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+    info = DistInfo(0, 1, 0, 1, torch.device("cpu"))
+    checkpointer = Checkpointer(tmp_path, info, 0, model=model, optimizer=optimizer, scheduler=scheduler,
+                                scaler=None, config={}, class_names=["a", "b"])
+    checkpointer.save(TrainState(global_step=1))
+    good = (tmp_path / "last.pth").read_bytes()
+    model[1].running_mean.fill_(float("nan"))  # what one NaN forward pass in train mode does
+    with pytest.raises(UserError, match=r"inf/NaN values \(1.running_mean\) at global step 2"):
+        checkpointer.save(TrainState(global_step=2))
+    assert (tmp_path / "last.pth").read_bytes() == good
