@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from data.loader import build_data, steps_per_epoch
+from data.loader import build_data, skipped_train_images, steps_per_epoch
 from engine.checkpoint import Checkpointer, load_checkpoint
 from engine.cli import report_errors
 from engine.config import Config, load_config, save_config, to_dict
@@ -154,6 +154,11 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
         is_best = val_stats["val_top1"] > state.best_top1
         state.best_top1 = max(state.best_top1, val_stats["val_top1"])
         finished = state.epoch_step >= updates_per_epoch  # else max_steps stopped it: resume continues it
+        if finished and cfg.data.skip_corrupt:
+            row["skipped_images"] = skipped_train_images(data.train, info.world_size, train_stats["train_images"])
+            if row["skipped_images"] and info.is_main:
+                log.warning("epoch %d: %d unreadable training image(s) skipped (data.skip_corrupt=true)",
+                            state.epoch, row["skipped_images"])
         if finished:
             state.epoch, state.epoch_step, state.epoch_sums, state.epoch_seconds = state.epoch + 1, 0, {}, 0.0
         if info.is_main:

@@ -47,6 +47,7 @@ class DataConfig:
     mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
     std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
     num_workers: int = 2  # DataLoader workers per process
+    skip_corrupt: bool = False  # train: drop unreadable images (counted per epoch) instead of stopping; val never
     persistent_workers: bool = True
     prefetch_factor: int = 2
     dummy_train_size: int = 1024

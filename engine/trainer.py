@@ -122,7 +122,7 @@ def train_one_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim
     state.epoch_sums, state.epoch_seconds = sums, seconds
     count = max(sums["count"], 1.0)
     return {"train_loss": sums["loss_sum"] / count, "train_top1": 100.0 * sums["correct"] / count,
-            "train_img_per_s": sums["count"] / seconds, "epoch_time_s": seconds}
+            "train_img_per_s": sums["count"] / seconds, "epoch_time_s": seconds, "train_images": int(sums["count"])}
 
 
 def check_nonfinite(skipped: int, limit: int, step: int, info: DistInfo) -> None:
