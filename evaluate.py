@@ -224,7 +224,7 @@ def run(cfg: Config, ckpt: dict[str, Any], args: argparse.Namespace, info: DistI
             problem = f"--output-dir {out} is not writable ({err.strerror}); choose another one"
     problem = broadcast_object(problem)
     if problem:
-        raise UserError(problem)
+        raise UserError(problem, all_ranks=True)
     dataset = build_val_dataset(cfg.data, cfg.seed, info.local_rank)
     check_classes(dataset, class_names, cfg.data.root)
     loader = build_eval_loader(dataset, cfg.data, cfg.train.batch_size, info)

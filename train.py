@@ -63,7 +63,7 @@ def prepare_output_dir(cfg: Config, info: DistInfo) -> Path:
             problem = f"output_dir {out} is not writable ({err.strerror}); choose another output_dir"
     problem = broadcast_object(problem)
     if problem:
-        raise UserError(problem)
+        raise UserError(problem, all_ranks=True)
     return out
 
 

@@ -175,7 +175,7 @@ class Checkpointer:
                            "free disk space or choose another output_dir")
         problem = broadcast_object(problem)  # also the barrier: no rank runs ahead of the write
         if problem:
-            raise UserError(problem)
+            raise UserError(problem, all_ranks=True)
 
     def prune_epoch_files(self, current: int) -> None:
         """Keep the newest keep_last_k epoch files up to `current` (later ones are overwritten as the run goes)."""

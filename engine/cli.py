@@ -30,7 +30,7 @@ def report_errors(main: Callable[[list[str]], int | None], argv: list[str] | Non
             raise
         # Before the process group exists every rank fails the same way: rank 0 alone says so.
         rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
-        if rank == 0 or dist.is_initialized():
+        if rank == 0 or (dist.is_initialized() and not err.all_ranks):
             prefix = f"[rank {rank}] " if dist.is_initialized() and dist.get_world_size() > 1 else ""
             print(f"{prefix}error: {err}", file=sys.stderr, flush=True)
         return 2

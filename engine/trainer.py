@@ -130,7 +130,8 @@ def check_nonfinite(skipped: int, limit: int, step: int, info: DistInfo) -> None
     if skipped >= limit:
         raise UserError(f"the gradients were inf or NaN for {skipped} optimizer steps in a row (up to global step "
                         f"{step}, train.max_nonfinite={limit}); training stopped without writing a checkpoint. "
-                        "Lower optim.lr, set optim.clip_grad, or check the data, then resume from last.pth")
+                        "Lower optim.lr, set optim.clip_grad, or check the data, then resume from last.pth",
+                        all_ranks=True)
     if info.is_main:
         log.warning("step %d: inf or NaN gradients, optimizer step skipped (%d in a row)", step, skipped)
 

@@ -105,7 +105,8 @@ def test_nonfinite_gradients_stop_every_rank_and_keep_the_last_checkpoint(tmp_pa
     assert proc.returncode != 0
     stops = re.findall(r"\[rank (\d)\] error: the gradients were inf or NaN for 2 optimizer steps in a row "
                        r"\(up to global step (\d+)", proc.stderr)
-    assert sorted(stops) == [("0", "11"), ("1", "11")], proc.stderr[-3000:]  # both ranks, the same step
+    assert stops == [("0", "11")], proc.stderr[-3000:]  # said once: every rank stops at the same step, rank 0 speaks
+    assert "stopped: a collective failed" not in proc.stderr  # no rank was left waiting for another
     assert "step 10: inf or NaN gradients, optimizer step skipped (1 in a row)" in proc.stderr
     assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr
     assert hashlib.sha256((out / "last.pth").read_bytes()).hexdigest() == good
@@ -125,3 +126,15 @@ def test_checkpoint_with_nan_weights_is_not_written(tmp_path):
     with pytest.raises(UserError, match=r"inf/NaN values \(1.running_mean\) at global step 2"):
         checkpointer.save(TrainState(global_step=2))
     assert (tmp_path / "last.pth").read_bytes() == good
+
+
+def test_unwritable_output_dir_stops_every_rank_before_training(tmp_path):
+    (tmp_path / "file").write_text("a regular file, so nothing can be created under it (even as root)")
+    out = tmp_path / "file" / "run"
+    proc = run_script("train.py", *TINY, "data.dummy_train_size=64", f"output_dir={out}", nproc=2, check=False)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert errors == [f"[rank 0] error: output_dir {out} is not writable (Not a directory); choose another "
+                      "output_dir"], proc.stderr[-3000:]
+    assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr
+    assert "epoch 0" not in proc.stderr
