@@ -16,7 +16,7 @@ from typing import Iterator
 
 import cv2
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler, default_collate
 
 from data.datasets import AugmentedDataset, DummyDataset, ImageFolderDataset, find_classes
 from data.digits import export_digits
@@ -81,10 +81,14 @@ def build_datasets(cfg: DataConfig, seed: int, local_rank: int = 0) -> tuple[Aug
                             train_transform(cfg), seed), val
     root = Path(cfg.root)
     train_classes = find_classes(root / "train")
+    if cfg.skip_corrupt:
+        log.info("data.skip_corrupt: unreadable training images are dropped from their batch and counted")
     if train_classes != val.classes:
         only = sorted(set(train_classes) ^ set(val.classes))
         raise UserError(f"{root}/train and {root}/val have different class folders (differing: {', '.join(only[:10])})")
-    return ImageFolderDataset(root / "train", train_transform(cfg), seed, train_classes), val
+    train = ImageFolderDataset(root / "train", train_transform(cfg), seed, train_classes)
+    train.skip_corrupt = cfg.skip_corrupt  # never for val: an evaluation counts every image
+    return train, val
 
 
 def build_val_dataset(cfg: DataConfig, seed: int, local_rank: int = 0) -> AugmentedDataset:
@@ -123,8 +127,23 @@ def build_train_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: i
     if len(sampler) < batch_size:
         raise UserError(f"each rank gets {len(sampler)} training images but train.batch_size is {batch_size}; "
                         "lower train.batch_size or use fewer processes")
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, collate_fn=collate_readable,
                       **_loader_kwargs(cfg, info.device, seed + info.rank))
+
+
+def collate_readable(samples: list) -> list[torch.Tensor]:
+    """default_collate over the samples that could be read (with data.skip_corrupt the others are None)."""
+    kept = [sample for sample in samples if sample is not None]
+    if not kept:
+        raise UserError(f"all {len(samples)} images of a training batch are unreadable (data.skip_corrupt=true); "
+                        "check data.root")
+    return default_collate(kept)
+
+
+def skipped_train_images(loader: DataLoader, world_size: int, seen: int) -> int:
+    """Training images of a whole epoch dropped as unreadable (seen: the epoch's image count over all ranks)."""
+    batch_size = loader.batch_size
+    return loader.sampler.num_samples // batch_size * batch_size * world_size - seen
 
 
 def build_eval_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: int, info: DistInfo) -> DataLoader:

@@ -47,6 +47,7 @@ class DataConfig:
     mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
     std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
     num_workers: int = 2  # DataLoader workers per process
+    skip_corrupt: bool = False  # train: drop unreadable images (counted per epoch) instead of stopping; val never
     persistent_workers: bool = True
     prefetch_factor: int = 2
     dummy_train_size: int = 1024
@@ -82,6 +83,7 @@ class TrainConfig:
     max_steps: int = 0  # stop after this many optimizer steps (smoke runs); 0 = no limit
     ckpt_every_steps: int = 0  # also write last.pth every this many optimizer steps; 0 = only after each epoch
     keep_last_k: int = 0  # keep the newest k epoch_NNNN.pth files; 0 = none
+    max_nonfinite: int = 5  # fp32/bf16: stop after this many optimizer steps in a row with inf/NaN gradients
 
 
 @dataclass
@@ -127,7 +129,7 @@ CHOICES = {
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
 }
 POSITIVE = ("train.epochs", "train.batch_size", "train.accum_steps", "data.img_size",
-            "logging.interval", "dist.timeout_s", "data.prefetch_factor",
+            "logging.interval", "dist.timeout_s", "train.max_nonfinite", "data.prefetch_factor",
             "data.dummy_train_size", "data.dummy_val_size", "data.dummy_num_classes", "data.dummy_image_size")
 NON_NEGATIVE = ("optim.lr", "optim.weight_decay", "optim.clip_grad", "train.max_steps", "data.num_workers",
                 "train.ckpt_every_steps", "train.keep_last_k",
@@ -218,6 +220,14 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
     """Check one leaf value against its annotation; ints are accepted where floats are expected."""
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str):
+        try:  # YAML 1.1 reads 1e-3 (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
+    if hint is str and isinstance(value, bool):
+        raise UserError(f"config key {key!r} must be str, got {value!r}: YAML reads off/on/yes/no as booleans, "
+                        f"so quote the value, e.g. {key}='off'")
     if hint in (int, float, str, bool):
         if isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
             return value
