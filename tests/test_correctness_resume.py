@@ -70,7 +70,7 @@ def keys_read_with_resume(rank: int, world: int, out_dir: str, stop_at: int) -> 
             "logging.level=WARNING"]
     for run_dir, extra in ((f"{out_dir}/straight", []),
                            (f"{out_dir}/resumed", [f"train.max_steps={stop_at}", "train.ckpt_every_steps=1"]),
-                           (f"{out_dir}/resumed", ["resume=auto"])):
+                           (f"{out_dir}/resumed", ["resume=auto", "train.max_steps=0"])):
         calls.append([])
         fit(load_config("dummy", [*base, f"output_dir={run_dir}", *extra]), info)
     return calls
@@ -93,6 +93,7 @@ def test_resumed_run_gives_bitwise_identical_weights(tmp_path):
     run_script("train.py", *COMMON, *overrides, f"output_dir={resumed}", f"train.max_steps={STOP_AT}",
                "train.ckpt_every_steps=1", nproc=nproc)
     assert torch.load(resumed / "last.pth", weights_only=True)["global_step"] == STOP_AT
-    run_script("train.py", *COMMON, *overrides, f"output_dir={resumed}", "resume=auto", nproc=nproc)
+    run_script("train.py", *COMMON, *overrides, f"output_dir={resumed}", "resume=auto", "train.max_steps=0",
+               nproc=nproc)
     assert torch.load(resumed / "last.pth", weights_only=True)["global_step"] == STEPS
     assert differing_tensors(load_weights(straight), load_weights(resumed)) == []
