@@ -1,8 +1,9 @@
 """Distributed training computes what single-process training computes (docs/correctness.md).
 
-Every run here is a real `python train.py` or `torchrun ... train.py` subprocess (gloo on CPU); the tests
-compare the last.pth and metrics.jsonl those runs leave behind. Each configuration is trained once per
-session and shared by the tests that need it.
+The training runs are real `python train.py` or `torchrun ... train.py` subprocesses (gloo on CPU); the
+tests compare the last.pth and metrics.jsonl they leave behind. Each configuration is trained once per
+session and shared by the tests that need it. The sampling tests call train.py's `fit` on real ranks
+with a spy that records which samples the training loop reads.
 """
 
 from __future__ import annotations
@@ -173,27 +174,29 @@ def test_same_seed_and_world_size_give_bitwise_identical_weights(run):
     assert model_rows(read_jsonl(first / "metrics.jsonl")) == model_rows(read_jsonl(second / "metrics.jsonl"))
 
 
-def keys_seen_by_fit(rank: int, world: int, out_dir: str) -> list[tuple[int, int]]:
-    """Run train.py's fit on this rank and record every (epoch, index) key its training loop reads."""
+def keys_read_by_fit(rank: int, world: int, runs: list[list[str]]) -> list[list[tuple[int, int]]]:
+    """Call train.py's fit once per override list on this rank; return the (epoch, index) keys that each
+    call's training loop read, in order."""
     from data.datasets import AugmentedDataset
     from engine.config import load_config
     from engine.dist import DistInfo
     from train import fit
 
-    seen: list[tuple[int, int]] = []
+    calls: list[list[tuple[int, int]]] = []
     read = AugmentedDataset.__getitem__
 
     def recording_getitem(self, key):
         if isinstance(key, tuple):  # training samplers yield (epoch, index); evaluation plain indices
-            seen.append(key)
+            calls[-1].append(key)
         return read(self, key)
 
     AugmentedDataset.__getitem__ = recording_getitem  # a spy: the data returned is unchanged
-    overrides = [*COMMON[2:], "model.name=test_efficientnet_gn", "train.epochs=3", "logging.level=WARNING",
-                 f"train.batch_size={GLOBAL_BATCH // world}", f"output_dir={out_dir}/world{world}"]
-    cfg = load_config("dummy", overrides)
-    fit(cfg, DistInfo(rank, world, rank, world, torch.device("cpu")))
-    return seen
+    base = [*COMMON[2:], "model.name=test_efficientnet_gn", "logging.level=WARNING",
+            f"train.batch_size={GLOBAL_BATCH // world}"]
+    for overrides in runs:
+        calls.append([])
+        fit(load_config("dummy", [*base, *overrides]), DistInfo(rank, world, rank, world, torch.device("cpu")))
+    return calls
 
 
 def test_each_epoch_uses_every_index_once_and_reshuffles(tmp_path):
@@ -203,7 +206,8 @@ def test_each_epoch_uses_every_index_once_and_reshuffles(tmp_path):
     steps = TRAIN_SIZE // GLOBAL_BATCH
     global_batches = {}
     for world in (1, 2, 3):
-        per_rank = run_ranks(keys_seen_by_fit, world, tmp_path, str(tmp_path))
+        runs = [["train.epochs=3", f"output_dir={tmp_path}/world{world}"]]
+        per_rank = [calls[0] for calls in run_ranks(keys_read_by_fit, world, tmp_path, runs)]
         batch = GLOBAL_BATCH // world
         assert all(sorted({e for e, _ in seen}) == [0, 1, 2] for seen in per_rank)  # set_epoch every epoch
         batches = []  # batches[epoch][step] = set of indices read by all ranks for that optimizer step
@@ -219,3 +223,16 @@ def test_each_epoch_uses_every_index_once_and_reshuffles(tmp_path):
         assert left_out[0] != left_out[1] or left_out[1] != left_out[2]  # not always the same images
         global_batches[world] = batches
     assert global_batches[1] == global_batches[2] == global_batches[3]
+
+
+def test_resumed_run_reads_the_same_samples_in_the_same_order(tmp_path):
+    """Guarantee 7: 2 ranks stopped in the middle of the second epoch and resumed from last.pth read
+    exactly the uninterrupted sequence of samples (bitwise-equal weights: tests/test_resume.py)."""
+    stop_at = TRAIN_SIZE // GLOBAL_BATCH + 2
+    runs = [[f"output_dir={tmp_path}/straight"],
+            [f"output_dir={tmp_path}/resumed", f"train.max_steps={stop_at}"],
+            [f"output_dir={tmp_path}/resumed", "resume=auto", "train.max_steps=0"]]
+    per_step = GLOBAL_BATCH // 2
+    for rank, (straight, first, second) in enumerate(run_ranks(keys_read_by_fit, 2, tmp_path, runs)):
+        assert len(straight) == STEPS * per_step and len(first) == stop_at * per_step, rank
+        assert first + second == straight, rank  # nothing read twice, nothing skipped, same order
