@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,23 @@ import yaml
 from engine.errors import UserError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class YamlLoader(yaml.SafeLoader):
+    """SafeLoader whose only booleans are true/false (YAML 1.2), so `amp: off` stays the string "off"."""
+
+
+YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+YamlLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                 list("tTfF"))
+
+
+def read_yaml(text: str) -> Any:
+    """Parse YAML text with YamlLoader (plain data only, like yaml.safe_load)."""
+    return yaml.load(text, Loader=YamlLoader)
 
 
 @dataclass
@@ -154,7 +172,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     if path:
         file = resolve_config_path(path)
         try:
-            raw = yaml.safe_load(file.read_text()) or {}
+            raw = read_yaml(file.read_text()) or {}
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark else ""
@@ -173,7 +191,7 @@ def parse_override(item: str) -> tuple[str, Any]:
         raise UserError(f"override {item!r} must look like key=value, e.g. optim.lr=0.2")
     key, text = item.split("=", 1)
     try:
-        value = yaml.safe_load(text) if text else ""
+        value = read_yaml(text) if text else ""
     except yaml.YAMLError:
         value = text
     return key.strip(), value
