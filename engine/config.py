@@ -239,13 +239,10 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint is float and isinstance(value, str):
-        try:  # YAML 1.1 reads 1e-3 (no dot) as a string
+        try:  # PyYAML reads 1e-3 (no dot) as a string
             return float(value)
         except ValueError:
             pass
-    if hint is str and isinstance(value, bool):
-        raise UserError(f"config key {key!r} must be str, got {value!r}: YAML reads off/on/yes/no as booleans, "
-                        f"so quote the value, e.g. {key}='off'")
     if hint in (int, float, str, bool):
         if isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
             return value

@@ -60,7 +60,7 @@ CASES = {  # name: (arguments after TINY, text the last line must contain)
     "negative lr": (["optim.lr=-0.1"], "config key 'optim.lr' must be >= 0, got -0.1"),
     "batch size 0": (["train.batch_size=0"], "config key 'train.batch_size' must be > 0, got 0"),
     "unknown amp": (["amp=fp8"], "config key 'amp' is 'fp8'; choose one of auto, bf16, fp16, off"),
-    "amp=off unquoted": (["amp=off"], "YAML reads off/on/yes/no as booleans, so quote the value, e.g. amp='off'"),
+    "yes is not a boolean": (["model.sync_bn=yes"], "config key 'model.sync_bn' must be bool, got 'yes'"),
     "unknown model": (["model.name=resnet181"], "resnet18"),
     "data root missing": (["data.name=imagefolder", "data.root={root}/missing"], "{root}/missing/val does not exist"),
     "no class folders": (["data.name=imagefolder", "data.root={root}/noclasses"], "has no class folders"),
