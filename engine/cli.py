@@ -23,6 +23,8 @@ def report_errors(main: Callable[[list[str]], int | None], argv: list[str] | Non
 
     from engine.dist import cleanup
 
+    # The final messages are print()ed to stderr, not logged: they must appear whatever the rank's
+    # log level and must be the last line a user sees.
     try:
         return main(argv) or 0
     except UserError as err:
