@@ -33,7 +33,7 @@ from data.datasets import AugmentedDataset
 from engine.checkpoint import load_checkpoint
 from engine.cli import report_errors
 from engine.config import Config, config_from_dict, parse_override, set_dotted, to_dict
-from engine.dist import DistInfo, barrier, broadcast_object, cleanup, init_distributed
+from engine.dist import DistInfo, barrier, broadcast_object, init_distributed
 from engine.errors import UserError
 from engine.logs import setup_logging
 from engine.precision import resolve_precision
@@ -224,7 +224,7 @@ def run(cfg: Config, ckpt: dict[str, Any], args: argparse.Namespace, info: DistI
             problem = f"--output-dir {out} is not writable ({err.strerror}); choose another one"
     problem = broadcast_object(problem)
     if problem:
-        raise UserError(problem)
+        raise UserError(problem, all_ranks=True)
     dataset = build_val_dataset(cfg.data, cfg.seed, info.local_rank)
     check_classes(dataset, class_names, cfg.data.root)
     loader = build_eval_loader(dataset, cfg.data, cfg.train.batch_size, info)
@@ -269,10 +269,7 @@ def main(argv: list[str]) -> int:
         # CPU convolutions round differently with different thread counts; one thread in every
         # process makes the outputs independent of the number of processes (torchrun for speed).
         torch.set_num_threads(1)
-    try:
-        result = run(cfg, ckpt, args, info)
-    finally:
-        cleanup()
+    result = run(cfg, ckpt, args, info)  # report_errors leaves the process group, after reporting any error
     if result is not None:
         worst = sorted((c for c in result["per_class"] if c["top1"] is not None), key=lambda c: c["top1"])[:3]
         print(f"top1 {result['top1']:.2f}%  top5 {result['top5']:.2f}%  loss {result['loss']:.4f}  n {result['n']}")

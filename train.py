@@ -21,11 +21,11 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from data.loader import build_data, steps_per_epoch
+from data.loader import build_data, skipped_train_images, steps_per_epoch
 from engine.checkpoint import Checkpointer, load_checkpoint
 from engine.cli import report_errors
 from engine.config import Config, load_config, save_config, to_dict
-from engine.dist import DistInfo, broadcast_object, broadcast_tensors, cleanup, init_distributed
+from engine.dist import DistInfo, broadcast_object, broadcast_tensors, init_distributed
 from engine.errors import UserError
 from engine.logs import MetricsFile, setup_logging
 from engine.metrics import SumMeter
@@ -63,7 +63,7 @@ def prepare_output_dir(cfg: Config, info: DistInfo) -> Path:
             problem = f"output_dir {out} is not writable ({err.strerror}); choose another output_dir"
     problem = broadcast_object(problem)
     if problem:
-        raise UserError(problem)
+        raise UserError(problem, all_ranks=True)
     return out
 
 
@@ -109,7 +109,7 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
     scheduler = build_scheduler(optimizer, cfg.sched, cfg.train.epochs, updates_per_epoch)
     loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
     loop = LoopConfig(cfg.train.accum_steps, cfg.optim.clip_grad, cfg.train.max_steps, cfg.logging.interval,
-                      cfg.model.channels_last, cfg.logging.progress)
+                      cfg.model.channels_last, cfg.logging.progress, cfg.train.max_nonfinite)
     state = TrainState()
     if ckpt is not None:
         restore_training(ckpt, resume_path, cfg, optimizer, scheduler, precision.scaler, state, info)
@@ -154,6 +154,11 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
         is_best = val_stats["val_top1"] > state.best_top1
         state.best_top1 = max(state.best_top1, val_stats["val_top1"])
         finished = state.epoch_step >= updates_per_epoch  # else max_steps stopped it: resume continues it
+        if finished and cfg.data.skip_corrupt:
+            row["skipped_images"] = skipped_train_images(data.train, info.world_size, train_stats["train_images"])
+            if row["skipped_images"] and info.is_main:
+                log.warning("epoch %d: %d unreadable training image(s) skipped (data.skip_corrupt=true)",
+                            state.epoch, row["skipped_images"])
         if finished:
             state.epoch, state.epoch_step, state.epoch_sums, state.epoch_seconds = state.epoch + 1, 0, {}, 0.0
         if info.is_main:
@@ -174,10 +179,7 @@ def main(argv: list[str]) -> int:
     cfg = load_config(args.config, args.overrides)
     info = init_distributed(cfg.dist.backend, cfg.dist.timeout_s)
     setup_logging(info.rank, cfg.logging.level)
-    try:
-        fit(cfg, info)
-    finally:
-        cleanup()
+    fit(cfg, info)  # report_errors leaves the process group, after reporting any error
     return 0
 
 

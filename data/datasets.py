@@ -8,6 +8,7 @@ sees new augmentations, and a resumed run sees exactly the ones it would have se
 from __future__ import annotations
 
 import abc
+import logging
 import os
 import random
 from pathlib import Path
@@ -19,6 +20,7 @@ from torch.utils.data import Dataset
 
 from engine.errors import UserError
 
+log = logging.getLogger(__name__)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
 
@@ -47,6 +49,7 @@ class AugmentedDataset(Dataset, abc.ABC):
 
     classes: list[str]
     labels: np.ndarray
+    skip_corrupt = False  # True: an unreadable image gives None (collate_readable drops it), not an error
 
     def __init__(self, transform: A.Compose, seed: int) -> None:
         self.transform = transform
@@ -68,8 +71,14 @@ class AugmentedDataset(Dataset, abc.ABC):
         epoch, index = key if isinstance(key, tuple) else (0, key)
         rng = np.random.default_rng([self.seed, epoch, index])
         self.transform.set_random_state(rng, random.Random(int(rng.integers(2**63))))
-        image = self.transform(image=self.load_image(index))["image"]
-        return image, int(self.labels[index])
+        try:
+            image = self.load_image(index)
+        except UserError as err:
+            if not self.skip_corrupt:
+                raise
+            log.warning("data.skip_corrupt: %s", err)
+            return None
+        return self.transform(image=image)["image"], int(self.labels[index])
 
 
 def find_classes(split_dir: Path) -> list[str]:

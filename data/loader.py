@@ -82,10 +82,14 @@ def build_datasets(cfg: DataConfig, seed: int, local_rank: int = 0) -> tuple[Aug
                             train_transform(cfg), seed), val
     root = Path(cfg.root)
     train_classes = find_classes(root / "train")
+    if cfg.skip_corrupt:
+        log.info("data.skip_corrupt: unreadable training images are dropped from their batch and counted")
     if train_classes != val.classes:
         only = sorted(set(train_classes) ^ set(val.classes))
         raise UserError(f"{root}/train and {root}/val have different class folders (differing: {', '.join(only[:10])})")
-    return ImageFolderDataset(root / "train", train_transform(cfg), seed, train_classes), val
+    train = ImageFolderDataset(root / "train", train_transform(cfg), seed, train_classes)
+    train.skip_corrupt = cfg.skip_corrupt  # never for val: an evaluation counts every image
+    return train, val
 
 
 def build_val_dataset(cfg: DataConfig, seed: int, local_rank: int = 0) -> AugmentedDataset:
@@ -132,7 +136,7 @@ def _loader_kwargs(cfg: DataConfig, device: torch.device, seed: int) -> dict:
     # The loader's own generator: starting an epoch then never draws from the global torch RNG
     # that dropout uses, so a run resumed mid-epoch continues that RNG exactly.
     kwargs: dict = dict(num_workers=cfg.num_workers, pin_memory=device.type == "cuda", worker_init_fn=_worker_init,
-                        generator=torch.Generator().manual_seed(seed), collate_fn=collate_channels_last)
+                        generator=torch.Generator().manual_seed(seed))
     if cfg.num_workers > 0:
         kwargs.update(persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor)
     return kwargs
@@ -148,8 +152,23 @@ def build_train_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: i
                         "lower train.batch_size or use fewer processes")
     if cfg.num_workers > 0:
         share_heap_with_workers()
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, collate_fn=collate_readable,
                       **_loader_kwargs(cfg, info.device, seed + info.rank))
+
+
+def collate_readable(samples: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """collate_channels_last over the samples that could be read (with data.skip_corrupt the others are None)."""
+    kept = [sample for sample in samples if sample is not None]
+    if not kept:
+        raise UserError(f"all {len(samples)} images of a training batch are unreadable (data.skip_corrupt=true); "
+                        "check data.root")
+    return collate_channels_last(kept)
+
+
+def skipped_train_images(loader: DataLoader, world_size: int, seen: int) -> int:
+    """Training images of a whole epoch dropped as unreadable (seen: the epoch's image count over all ranks)."""
+    batch_size = loader.batch_size
+    return loader.sampler.num_samples // batch_size * batch_size * world_size - seen
 
 
 def build_eval_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: int, info: DistInfo) -> DataLoader:
@@ -161,7 +180,7 @@ def build_eval_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: in
     if cfg.num_workers > 0:
         share_heap_with_workers()
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=False,
-                      **_loader_kwargs(cfg, info.device, info.rank))
+                      collate_fn=collate_channels_last, **_loader_kwargs(cfg, info.device, info.rank))
 
 
 @dataclass

@@ -84,6 +84,11 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
                         "it is truncated or not a checkpoint") from None
 
 
+def nonfinite_tensors(state_dict: dict[str, torch.Tensor]) -> list[str]:
+    """Names of floating-point tensors with an inf or NaN (a NaN forward pass poisons BatchNorm statistics)."""
+    return [k for k, v in state_dict.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+
+
 def rng_state() -> dict[str, Any]:
     """This process's RNG states as plain data (dropout and drop-path draw from torch's)."""
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
@@ -154,16 +159,23 @@ class Checkpointer:
                 names = ["last.pth"] + (["best.pth"] if best else [])
                 if epoch_file and self.keep_last_k > 0:
                     names.append(f"epoch_{state.epoch - 1:04d}.pth")  # the epoch just finished, as in metrics.jsonl
+                broken = nonfinite_tensors(ckpt["model"])
+                if broken:
+                    raise UserError(f"the model holds inf/NaN values ({', '.join(broken[:3])}) at global step "
+                                    f"{state.global_step}; {self.out_dir / 'last.pth'} keeps the last good state. "
+                                    "Lower optim.lr or set optim.clip_grad, then resume from it")
                 for name in names:
                     save_atomic(ckpt, self.out_dir / name)
                 if epoch_file and self.keep_last_k > 0:
                     self.prune_epoch_files(state.epoch - 1)
+            except UserError as err:
+                problem = str(err)
             except OSError as err:
                 problem = (f"cannot write checkpoint in {self.out_dir} ({err.strerror or err}); "
                            "free disk space or choose another output_dir")
         problem = broadcast_object(problem)  # also the barrier: no rank runs ahead of the write
         if problem:
-            raise UserError(problem)
+            raise UserError(problem, all_ranks=True)
 
     def prune_epoch_files(self, current: int) -> None:
         """Keep the newest keep_last_k epoch files up to `current` (later ones are overwritten as the run goes)."""

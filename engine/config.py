@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,23 @@ import yaml
 from engine.errors import UserError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class YamlLoader(yaml.SafeLoader):
+    """SafeLoader whose only booleans are true/false (YAML 1.2), so `amp: off` stays the string "off"."""
+
+
+YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+YamlLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                 list("tTfF"))
+
+
+def read_yaml(text: str) -> Any:
+    """Parse YAML text with YamlLoader (plain data only, like yaml.safe_load)."""
+    return yaml.load(text, Loader=YamlLoader)
 
 
 @dataclass
@@ -47,6 +65,7 @@ class DataConfig:
     mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
     std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
     num_workers: int = 2  # DataLoader workers per process
+    skip_corrupt: bool = False  # train: drop unreadable images (counted per epoch) instead of stopping; val never
     persistent_workers: bool = True
     prefetch_factor: int = 2
     dummy_train_size: int = 1024
@@ -82,6 +101,7 @@ class TrainConfig:
     max_steps: int = 0  # stop after this many optimizer steps (smoke runs); 0 = no limit
     ckpt_every_steps: int = 0  # also write last.pth every this many optimizer steps; 0 = only after each epoch
     keep_last_k: int = 0  # keep the newest k epoch_NNNN.pth files; 0 = none
+    max_nonfinite: int = 5  # fp32/bf16: stop after this many optimizer steps in a row with inf/NaN gradients
 
 
 @dataclass
@@ -127,7 +147,7 @@ CHOICES = {
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
 }
 POSITIVE = ("train.epochs", "train.batch_size", "train.accum_steps", "data.img_size",
-            "logging.interval", "dist.timeout_s", "data.prefetch_factor",
+            "logging.interval", "dist.timeout_s", "train.max_nonfinite", "data.prefetch_factor",
             "data.dummy_train_size", "data.dummy_val_size", "data.dummy_num_classes", "data.dummy_image_size")
 NON_NEGATIVE = ("optim.lr", "optim.weight_decay", "optim.clip_grad", "train.max_steps", "data.num_workers",
                 "train.ckpt_every_steps", "train.keep_last_k",
@@ -152,7 +172,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     if path:
         file = resolve_config_path(path)
         try:
-            raw = yaml.safe_load(file.read_text()) or {}
+            raw = read_yaml(file.read_text()) or {}
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark else ""
@@ -171,7 +191,7 @@ def parse_override(item: str) -> tuple[str, Any]:
         raise UserError(f"override {item!r} must look like key=value, e.g. optim.lr=0.2")
     key, text = item.split("=", 1)
     try:
-        value = yaml.safe_load(text) if text else ""
+        value = read_yaml(text) if text else ""
     except yaml.YAMLError:
         value = text
     return key.strip(), value
@@ -218,6 +238,11 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
     """Check one leaf value against its annotation; ints are accepted where floats are expected."""
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str):
+        try:  # PyYAML reads 1e-3 (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
     if hint in (int, float, str, bool):
         if isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
             return value

@@ -6,4 +6,12 @@ and keeps its traceback.
 
 
 class UserError(Exception):
-    """A problem the user can fix; the message names the culprit and says what to do."""
+    """A problem the user can fix; the message names the culprit and says what to do.
+
+    `all_ranks=True` marks an error every rank raises together (a decision rank 0 broadcast):
+    rank 0 alone reports it.
+    """
+
+    def __init__(self, message: str, *, all_ranks: bool = False) -> None:
+        super().__init__(message)
+        self.all_ranks = all_ranks

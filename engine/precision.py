@@ -35,17 +35,28 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def step(self, optimizer: torch.optim.Optimizer, model: nn.Module, clip_grad: float) -> None:
-        """Clip (after unscaling, under a GradScaler) and step; the scaler skips non-finite steps."""
-        if self.scaler:
+    def step(self, optimizer: torch.optim.Optimizer, model: nn.Module, clip_grad: float) -> bool:
+        """Clip and step; return False for a step skipped because a gradient was inf or NaN.
+
+        DDP has already summed the gradients over ranks, so a NaN on any rank is a NaN on every rank
+        and all ranks skip the same step without a collective of their own. Skipping needs the answer
+        on the host (one sync per step; GradScaler syncs the same way for fp16).
+        """
+        if self.scaler:  # fp16: the scaler skips non-finite steps and lowers the scale
             self.scaler.unscale_(optimizer)
-        if clip_grad > 0:
-            nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
-        if self.scaler:
+            if clip_grad > 0:
+                nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
             self.scaler.step(optimizer)
             self.scaler.update()
-        else:
-            optimizer.step()
+            return True
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = nn.utils.get_total_norm([p.grad for p in params])
+        if not torch.isfinite(norm):
+            return False
+        if clip_grad > 0:  # what clip_grad_norm_ does, reusing the norm
+            nn.utils.clip_grads_with_norm_(params, clip_grad, norm)
+        optimizer.step()
+        return True
 
 
 def resolve_precision(mode: str, device: torch.device) -> Precision:

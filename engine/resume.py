@@ -45,7 +45,7 @@ def find_resume_checkpoint(resume: str, out_dir: Path) -> Path | None:
             answer = (resume, None)
     path, problem = broadcast_object(answer)
     if problem:
-        raise UserError(problem)
+        raise UserError(problem, all_ranks=True)
     return Path(path) if path else None
 
 

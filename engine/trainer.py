@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -16,9 +17,12 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from engine.dist import DistInfo
+from engine.errors import UserError
 from engine.logs import progress
 from engine.metrics import SumMeter, topk_correct
 from engine.precision import Precision
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -41,6 +45,7 @@ class LoopConfig:
     log_interval: int
     channels_last: bool
     show_progress: bool
+    max_nonfinite: int = 5  # consecutive skipped (inf/NaN) steps before training stops
 
 
 def to_device(images: torch.Tensor, targets: torch.Tensor, device: torch.device,
@@ -73,6 +78,7 @@ def train_one_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim
     start = time.perf_counter() - state.epoch_seconds
     last_sums, last_time = dict(state.epoch_sums) or dict.fromkeys(meter.names, 0.0), time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
+    skipped = 0  # optimizer steps in a row skipped for inf/NaN gradients
     for i, (images, targets) in enumerate(bar):
         images, targets = to_device(images, targets, info.device, cfg.channels_last)
         group_start = i - i % cfg.accum_steps
@@ -88,9 +94,11 @@ def train_one_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim
         meter.add(loss.detach() * len(targets), topk_correct(logits.detach(), targets, 1), len(targets))
         if not last_micro_step:
             continue
-        precision.step(optimizer, model, cfg.clip_grad)
+        skipped = 0 if precision.step(optimizer, model, cfg.clip_grad) else skipped + 1
         optimizer.zero_grad(set_to_none=True)
         state.global_step += 1
+        if skipped:
+            check_nonfinite(skipped, cfg.max_nonfinite, state.global_step, info)
         state.epoch_step += 1
         scheduler.step_update(num_updates=state.global_step)
         if after_step is not None:
@@ -114,7 +122,18 @@ def train_one_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim
     state.epoch_sums, state.epoch_seconds = sums, seconds
     count = max(sums["count"], 1.0)
     return {"train_loss": sums["loss_sum"] / count, "train_top1": 100.0 * sums["correct"] / count,
-            "train_img_per_s": sums["count"] / seconds, "epoch_time_s": seconds}
+            "train_img_per_s": sums["count"] / seconds, "epoch_time_s": seconds, "train_images": int(sums["count"])}
+
+
+def check_nonfinite(skipped: int, limit: int, step: int, info: DistInfo) -> None:
+    """Warn about a skipped step; stop (on every rank: they all saw the same gradients) after `limit` in a row."""
+    if skipped >= limit:
+        raise UserError(f"the gradients were inf or NaN for {skipped} optimizer steps in a row (up to global step "
+                        f"{step}, train.max_nonfinite={limit}); training stopped without writing a checkpoint. "
+                        "Lower optim.lr, set optim.clip_grad, or check the data, then resume from last.pth",
+                        all_ranks=True)
+    if info.is_main:
+        log.warning("step %d: inf or NaN gradients, optimizer step skipped (%d in a row)", step, skipped)
 
 
 @torch.no_grad()

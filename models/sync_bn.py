@@ -158,33 +158,10 @@ class AllReduceBatchNorm(_BatchNorm):
 class AllReduceBatchNormAct(AllReduceBatchNorm):
     """Replacement for timm's BatchNormAct2d: all-reduced BatchNorm followed by its drop and act."""
 
-    def __init__(
-        self,
-        num_features: int,
-        eps: float = 1e-5,
-        momentum: float | None = 0.1,
-        affine: bool = True,
-        track_running_stats: bool = True,
-        process_group: Any = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        *,
-        bias: bool = True,
-        act: nn.Module | None = None,
-        drop: nn.Module | None = None,
-    ) -> None:
+    def __init__(self, num_features: int, *args: Any, act: nn.Module | None = None,
+                 drop: nn.Module | None = None, **kwargs: Any) -> None:
         """AllReduceBatchNorm arguments plus the act and drop modules (Identity when omitted)."""
-        super().__init__(
-            num_features,
-            eps,
-            momentum,
-            affine,
-            track_running_stats,
-            process_group,
-            device,
-            dtype,
-            bias=bias,
-        )
+        super().__init__(num_features, *args, **kwargs)
         self.drop = drop if drop is not None else nn.Identity()
         self.act = act if act is not None else nn.Identity()
 

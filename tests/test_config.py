@@ -23,6 +23,15 @@ def test_yaml_and_overrides(tmp_path):
     assert isinstance(load_config(path, ["optim.lr=1"]).optim.lr, float)  # int accepted for a float
 
 
+def test_off_and_no_stay_strings(tmp_path):
+    # YAML 1.1 would read off/no/on/yes as booleans; `amp: off` is what the README tells users to write.
+    assert load_config(write(tmp_path, "amp: off\n")).amp == "off"
+    assert load_config(None, ["amp=off", "output_dir=no"]).output_dir == "no"
+    assert load_config(None, ["amp=off"]).amp == "off"
+    with pytest.raises(UserError, match="config key 'model.sync_bn' must be bool, got 'yes'"):
+        load_config(None, ["model.sync_bn=yes"])
+
+
 def test_bare_name_is_looked_up_in_configs():
     assert load_config("dummy").data.name == "dummy"
     assert load_config("resnet50.yaml").model.name == "resnet50"
