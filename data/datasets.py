@@ -109,11 +109,11 @@ def scan_images(split_dir: Path, classes: list[str]) -> tuple[list[str], np.ndar
 
 
 def read_image(path: str) -> np.ndarray:
-    """Decode any JPEG/PNG (grayscale, RGB or RGBA) into HWC uint8 RGB."""
-    image = cv2.imread(path, cv2.IMREAD_COLOR)
+    """Decode any JPEG/PNG (grayscale, RGB or RGBA) into HWC uint8 RGB (decoded as RGB: no BGR copy)."""
+    image = cv2.imread(path, cv2.IMREAD_COLOR_RGB)
     if image is None:
         raise UserError(f"cannot read image {path} (corrupt, truncated or not an image); remove or replace it")
-    return cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
+    return image
 
 
 class ImageFolderDataset(AugmentedDataset):
@@ -157,6 +157,7 @@ class DummyDataset(AugmentedDataset):
     def load_image(self, index: int) -> np.ndarray:
         size = self.image_size
         base = cv2.resize(self.layouts[self.labels[index]], (size, size), interpolation=cv2.INTER_LINEAR)
-        noise = np.random.default_rng([self.seed, index + self.offset]).normal(0, 48, (size, size, 3))
-        return np.clip(base + noise, 0, 255).astype(np.uint8)
+        # float32 normal noise (sigma 48): half the cost of numpy's float64 normal(), same distribution
+        noise = np.random.default_rng([self.seed, index + self.offset]).standard_normal((size, size, 3), np.float32)
+        return np.clip(base + 48 * noise, 0, 255).astype(np.uint8)
 

@@ -1,0 +1,68 @@
+"""Benchmark 3: DDP scaling on CPU, train.py vs a bare DDP loop (target: ours >= 0.95 of the bare ratio).
+
+Scaling = global img/s with 2 ranks x 1 thread (torchrun, gloo) / global img/s with 1 rank x 1 thread
+(`taskset -c 0`), wall clock. Measured for train.py (dummy data, num_workers=0, second epoch of two, its
+own metrics.jsonl figure, via benchmarks/train_py_epoch.py) and for benchmarks/bare_train.py (batches in
+memory, DDP with default settings), same model, per-rank batch and images per epoch. The four runs
+alternate, one fresh process group per run. Two ranks on two cores need the whole machine: any other
+job running meanwhile drags the 2x1 figures down, so run it on a quiet machine.
+
+    python benchmarks/ddp_scaling.py [--repeats 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import harness  # noqa: F401  (puts the repo on sys.path)
+from harness import REPO, alternate, has_taskset, last_json_line, launch, machine_line, print_table
+from harness import train_py_epoch
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--model", default="resnet18")
+    parser.add_argument("--img-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
+    parser.add_argument("--train-size", type=int, default=1536, help="images per epoch over all ranks")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if not has_taskset():
+        raise SystemExit("this benchmark pins the 1-rank runs to one core with `taskset` (util-linux); install it")
+    # Two validation batches, one per rank: with none, rank 0's evaluation deadlocks DDP (docs/benchmarks.md).
+    overrides = [f"model.name={args.model}", f"data.img_size={args.img_size}",
+                 f"data.dummy_image_size={args.img_size}", "data.crop_pct=1.0", "data.num_workers=0",
+                 f"data.dummy_train_size={args.train_size}", f"data.dummy_val_size={2 * args.batch_size}",
+                 f"train.batch_size={args.batch_size}"]
+    bare = [f"--model={args.model}", f"--img-size={args.img_size}", f"--batch-size={args.batch_size}",
+            f"--train-size={args.train_size}"]
+    script = REPO / "benchmarks" / "bare_train.py"
+    print(machine_line())
+    results = alternate({
+        "train.py 1x1": lambda: train_py_epoch(overrides, pin_core=0)["img_per_s"],
+        "train.py 2x1": lambda: train_py_epoch(overrides, nproc=2)["img_per_s"],
+        "bare DDP 1x1": lambda: last_json_line(launch(script, bare, pin_core=0))["img_per_s"],
+        "bare DDP 2x1": lambda: last_json_line(launch(script, bare, nproc=2))["img_per_s"],
+    }, args.repeats)
+    print_table(f"DDP scaling: {args.model} {args.img_size}px, batch {args.batch_size} per rank, bf16, gloo "
+                "(global steady-state img/s; RxT = ranks x threads per rank)", results,
+                "images per second over all ranks, higher is better")
+    med = {name: statistics.median(values) for name, values in results.items()}
+    ours = med["train.py 2x1"] / med["train.py 1x1"]
+    bare_ratio = med["bare DDP 2x1"] / med["bare DDP 1x1"]
+    ours_rounds = [b / a for a, b in zip(results["train.py 1x1"], results["train.py 2x1"])]
+    bare_rounds = [b / a for a, b in zip(results["bare DDP 1x1"], results["bare DDP 2x1"])]
+    print(f"- scaling 2x1 / 1x1: train.py **{ours:.3f}** (per-round {min(ours_rounds):.3f} .. {max(ours_rounds):.3f}), "
+          f"bare DDP **{bare_ratio:.3f}** (per-round {min(bare_rounds):.3f} .. {max(bare_rounds):.3f})")
+    verdict = "met" if ours / bare_ratio >= 0.95 else "MISSED"
+    print(f"- train.py's scaling / bare scaling = **{ours / bare_ratio:.3f}**; target >= 0.95: {verdict}")
+    print(machine_line())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Benchmark 6: the app's evaluation img/s vs a bare inference loop (target >= 0.95).
+
+Both sides run the same model (eval mode, channels_last, amp=auto i.e. bf16 autocast) over the same
+batches already in memory, in one process with one torch thread by default (CPU-time figures are then
+robust to other jobs on the machine; --threads 2 uses both cores), alternating:
+- ours: engine.trainer.evaluate (exact loss / top-1 / top-5 sums, all-reduced; what train.py and
+  evaluate.py call per validation pass);
+- bare: `with torch.inference_mode(), autocast: correct += (model(x).argmax(1) == y).sum()`.
+
+    python benchmarks/evaluation.py [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import harness  # noqa: F401  (puts the repo on sys.path)
+from harness import alternate, cpu_and_wall, machine_line, print_table, ratio_line
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--model", default="resnet50")
+    parser.add_argument("--img-size", type=int, default=224)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batches", type=int, default=4, help="batches per timed run")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    import torch
+
+    from engine.config import ModelConfig
+    from engine.dist import DistInfo
+    from engine.precision import resolve_precision
+    from engine.trainer import evaluate
+    from models.factory import create_model, prepare_model
+
+    torch.set_num_threads(args.threads)
+    print(machine_line(), f"torch threads {torch.get_num_threads()}")
+    info = DistInfo(0, 1, 0, 1, torch.device("cpu"))
+    torch.manual_seed(0)
+    cfg = ModelConfig(name=args.model)
+    model = prepare_model(create_model(cfg, num_classes=1000), cfg, info.device, world_size=1).eval()
+    precision = resolve_precision("auto", info.device)
+    batches = [(torch.randn(args.batch_size, 3, args.img_size, args.img_size).to(memory_format=torch.channels_last),
+                torch.randint(0, 1000, (args.batch_size,))) for _ in range(args.batches)]
+    images = args.batch_size * args.batches
+
+    def ours() -> int:
+        evaluate(model, batches, precision, info, cfg.channels_last)
+        return images
+
+    def bare() -> int:
+        correct = torch.zeros((), dtype=torch.long)
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            for x, y in batches:
+                correct += (model(x).argmax(1) == y).sum()
+        correct.item()
+        return images
+
+    names = ("ours (engine.trainer.evaluate)", "bare inference loop")
+    wall: dict[str, list[float]] = {name: [] for name in names}
+    results = alternate({names[0]: cpu_and_wall(ours, wall[names[0]]), names[1]: cpu_and_wall(bare, wall[names[1]])},
+                        args.repeats, warmup=1)
+    title = (f"Evaluation: {args.model} {args.img_size}px, batch {args.batch_size}, {precision.name}, channels_last, "
+             f"{torch.get_num_threads()} thread(s)")
+    print_table(title, results, "images per CPU-second, higher is better")
+    ratio_line(results, names[0], names[1], target=0.95)
+    wall = {name: values[1:] for name, values in wall.items()}  # drop the warmup round
+    print_table(title + ", wall clock", wall, "images per second of wall-clock time (shared machine: noisier)")
+    ratio_line(wall, names[0], names[1], target=0.95)
+    print(machine_line())
+
+
+if __name__ == "__main__":
+    main()
