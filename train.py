@@ -143,10 +143,7 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
         data.train.sampler.set_epoch(state.epoch, start=skip)
         train_stats = train_one_epoch(train_model, data.train, optimizer, scheduler, loss_fn, precision,
                                       state, loop, info, on_log=tracker.log_interval, after_step=after_step)
-        # Evaluate the plain module with rank 0's BatchNorm statistics, as DDP would broadcast them: going
-        # through DDP's forward instead hangs when a rank's validation shard is empty (it skips DDP's sync).
-        broadcast_tensors(model.buffers())
-        val_stats = evaluate(model, data.val, precision, info, cfg.model.channels_last)
+        val_stats = evaluate(train_model, data.val, precision, info, cfg.model.channels_last)
         row = {"epoch": state.epoch, **train_stats, **val_stats, "lr": optimizer.param_groups[0]["lr"]}
         if ema is not None:
             # BatchNorm buffers differ per rank between DDP's broadcasts, and so do the EMAs of them:
