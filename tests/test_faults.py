@@ -79,7 +79,7 @@ def corrupt_in_batch(root: Path, rank: int, batch: int, batch_size: int, seed: i
 
 
 def test_rank_that_fails_at_step_3_stops_the_job_with_its_own_error(tmp_path):
-    root = make_image_folder(tmp_path / "data", {"train": {"a": 16, "b": 16}, "val": {"a": 2, "b": 2}}, size=20)
+    root = make_image_folder(tmp_path / "data", {"train": {"a": 16, "b": 16}, "val": {"a": 4, "b": 4}}, size=20)
     bad = corrupt_in_batch(root, rank=1, batch=2, batch_size=4)
     start = time.monotonic()
     proc = run_script("train.py", *TINY, "data.name=imagefolder", f"data.root={root}", "train.batch_size=4",
