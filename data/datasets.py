@@ -157,7 +157,6 @@ class DummyDataset(AugmentedDataset):
     def load_image(self, index: int) -> np.ndarray:
         size = self.image_size
         base = cv2.resize(self.layouts[self.labels[index]], (size, size), interpolation=cv2.INTER_LINEAR)
-        # float32 normal noise (sigma 48): half the cost of numpy's float64 normal(), same distribution
-        noise = np.random.default_rng([self.seed, index + self.offset]).standard_normal((size, size, 3), np.float32)
-        return np.clip(base + 48 * noise, 0, 255).astype(np.uint8)
+        noise = np.random.default_rng([self.seed, index + self.offset]).normal(0, 48, (size, size, 3))
+        return np.clip(base + noise, 0, 255).astype(np.uint8)
 
