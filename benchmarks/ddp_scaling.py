@@ -34,7 +34,7 @@ def main() -> None:
     args = parse_args()
     if not has_taskset():
         raise SystemExit("this benchmark pins the 1-rank runs to one core with `taskset` (util-linux); install it")
-    # Two validation batches, one per rank: with none, rank 0's evaluation deadlocks DDP (docs/benchmarks.md).
+    # Two validation batches, one per rank, so both ranks time the same evaluation work.
     overrides = [f"model.name={args.model}", f"data.img_size={args.img_size}",
                  f"data.dummy_image_size={args.img_size}", "data.crop_pct=1.0", "data.num_workers=0",
                  f"data.dummy_train_size={args.train_size}", f"data.dummy_val_size={2 * args.batch_size}",

@@ -196,9 +196,15 @@ def build_data(cfg: DataConfig, batch_size: int, seed: int, info: DistInfo) -> D
     train_set, val_set = build_datasets(cfg, seed, info.local_rank)
     log.info("data %s: train %d images, val %d images, %d classes",
              cfg.name, len(train_set), len(val_set), len(train_set.classes))
+    val = build_eval_loader(val_set, cfg, batch_size, info)
+    val_batches = math.ceil(len(val_set) / batch_size)
+    if val_batches < info.world_size:  # a rank without a batch would skip DDP's buffer sync and hang the others
+        raise UserError(f"the validation set has {len(val_set)} images, {val_batches} batch(es) of train.batch_size "
+                        f"{batch_size} for {info.world_size} processes, and each process needs one; use fewer "
+                        "processes or a smaller train.batch_size")
     return DataBundle(
         train=build_train_loader(train_set, cfg, batch_size, seed, info),
-        val=build_eval_loader(val_set, cfg, batch_size, info),
+        val=val,
         num_classes=len(train_set.classes),
         class_names=list(train_set.classes),
     )

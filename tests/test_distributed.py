@@ -59,6 +59,15 @@ def test_torchrun_two_ranks_trains_and_writes_outputs(tmp_path):
     assert not any(k.startswith("module.") for k in ckpt["model"])  # the unwrapped model
 
 
+def test_validation_batch_per_rank_is_required(tmp_path):
+    # 5 val images in batches of 8 leave rank 1 no batch: that used to hang inside DDP's eval forward.
+    proc = run_script("train.py", "--config", "configs/dummy.yaml", "model.name=resnet10t", "data.dummy_val_size=5",
+                      "train.batch_size=8", "data.dummy_train_size=32", "train.max_steps=1",
+                      f"output_dir={tmp_path / 'run'}", nproc=2, timeout=180, check=False)
+    assert proc.returncode != 0
+    assert "the validation set has 5 images, 1 batch(es) of train.batch_size 8 for 2 processes" in proc.stderr
+
+
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_user_error_is_one_line(tmp_path, nproc):
     proc = run_script("train.py", "--config", "configs/dummy.yaml", "optim.lrr=0.1", nproc=nproc, check=False)
