@@ -24,7 +24,9 @@ from tests.helpers import REPO, read_jsonl, run_script, script_env
 from tests.wandb_reader import find_runs, read_run
 
 # 128 train images, batch 16 per rank: 8 steps per epoch on 1 rank, 4 on 2 ranks; 37 val images.
-TINY = ["--config", "configs/dummy.yaml", "model.name=resnet10t", "data.img_size=16", "data.dummy_image_size=16",
+# 32 px, not 16: at 16 px layer4's stride-2 conv sees a 1x1 input, whose bf16 weight gradient on CPU
+# is NaN in about half of the steps (torch 2.14.1; docs/reliability.md, known upstream issues).
+TINY = ["--config", "configs/dummy.yaml", "model.name=resnet10t", "data.img_size=32", "data.dummy_image_size=32",
         "data.dummy_train_size=128", "data.dummy_val_size=37", "train.batch_size=16", "logging.interval=2",
         "logging.progress=false"]
 
