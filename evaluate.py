@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from data.loader import build_eval_loader, build_val_dataset
+from data.transforms import DeviceNormalize
 from data.datasets import AugmentedDataset
 from engine.checkpoint import load_checkpoint
 from engine.cli import report_errors
@@ -234,7 +235,8 @@ def run(cfg: Config, ckpt: dict[str, Any], args: argparse.Namespace, info: DistI
              cfg.model.name, "EMA weights" if args.ema else "weights", len(dataset), info.world_size,
              cfg.train.batch_size)
     writer = PredictionWriter(dataset, loader.sampler.start, class_names)
-    metrics = evaluate(model, loader, precision, info, cfg.model.channels_last, on_batch=writer)
+    normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
+    metrics = evaluate(model, loader, precision, info, normalize, on_batch=writer)
     writer.write(out / f"predictions.part{info.rank}.csv")
     barrier()  # every part file is complete before rank 0 reads them
     if not info.is_main:

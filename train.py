@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from data.loader import build_data, skipped_train_images, steps_per_epoch
+from data.transforms import DeviceNormalize
 from engine.checkpoint import Checkpointer, load_checkpoint
 from engine.cli import report_errors
 from engine.config import Config, load_config, save_config, to_dict
@@ -108,8 +109,9 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
     updates_per_epoch = steps_per_epoch(data.train, cfg.train.accum_steps)
     scheduler = build_scheduler(optimizer, cfg.sched, cfg.train.epochs, updates_per_epoch)
     loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
+    normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
     loop = LoopConfig(cfg.train.accum_steps, cfg.optim.clip_grad, cfg.train.max_steps, cfg.logging.interval,
-                      cfg.model.channels_last, cfg.logging.progress, cfg.train.max_nonfinite)
+                      normalize, cfg.logging.progress, cfg.train.max_nonfinite)
     state = TrainState()
     if ckpt is not None:
         restore_training(ckpt, resume_path, cfg, optimizer, scheduler, precision.scaler, state, info)
@@ -143,13 +145,13 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
         data.train.sampler.set_epoch(state.epoch, start=skip)
         train_stats = train_one_epoch(train_model, data.train, optimizer, scheduler, loss_fn, precision,
                                       state, loop, info, on_log=tracker.log_interval, after_step=after_step)
-        val_stats = evaluate(train_model, data.val, precision, info, cfg.model.channels_last)
+        val_stats = evaluate(train_model, data.val, precision, info, normalize)
         row = {"epoch": state.epoch, **train_stats, **val_stats, "lr": optimizer.param_groups[0]["lr"]}
         if ema is not None:
             # BatchNorm buffers differ per rank between DDP's broadcasts, and so do the EMAs of them:
             # every rank evaluates rank 0's EMA, the one the checkpoint saves.
             broadcast_tensors(ema.module.state_dict().values())
-            ema_stats = evaluate(ema.module, data.val, precision, info, cfg.model.channels_last)
+            ema_stats = evaluate(ema.module, data.val, precision, info, normalize)
             row.update({f"ema_{k}": ema_stats[k] for k in ("val_loss", "val_top1", "val_top5")})
         is_best = val_stats["val_top1"] > state.best_top1
         state.best_top1 = max(state.best_top1, val_stats["val_top1"])

@@ -5,8 +5,10 @@ about 100 KB each, textured so they compress like photos) into a temp folder, th
 one DataLoader worker's work (one thread for torch and OpenCV, samples fetched and collated in batches
 of 32), alternating:
 - ours: data.datasets.ImageFolderDataset + data.transforms.train_transform (cv2.imread, albumentations
-  RandomResizedCrop 224 + flip + Normalize + ToTensorV2, per-sample seeded RNG), collated by
-  data.loader.collate_channels_last as the app's loaders do;
+  RandomResizedCrop 224 + flip + ToTensorV2, per-sample seeded RNG; uint8), collated by
+  data.loader.collate_channels_last as the app's loaders do. The app normalizes on the training device
+  (data.transforms.DeviceNormalize); the side "ours + normalize in this process" adds that pass here, which
+  is what it costs when the device is this CPU;
 - torchvision: datasets.ImageFolder + RandomResizedCrop(224), RandomHorizontalFlip, ToTensor, Normalize
   (the pytorch/examples ImageNet pipeline), and the same with transforms.v2 (PILToTensor + ToDtype).
 
@@ -136,7 +138,7 @@ def main() -> None:
 
     from data.datasets import ImageFolderDataset, read_image
     from data.loader import collate_channels_last
-    from data.transforms import train_transform
+    from data.transforms import DeviceNormalize, train_transform
     from engine.config import DataConfig
 
     torch.set_num_threads(1)  # what a DataLoader worker gets
@@ -154,13 +156,16 @@ def main() -> None:
             v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)]))
         n, bs = len(ours), args.batch_size
         paths = [ours.path(i) for i in range(n)]
+        normalize = DeviceNormalize(MEAN, STD, torch.device("cpu"), channels_last=True)
         getters = {"ours (cv2 + albumentations)": lambda i: ours[(0, i)],
+                   "ours + normalize in this process": lambda i: ours[(0, i)],
                    "torchvision (PIL, transforms)": classic.__getitem__,
                    "torchvision (PIL, transforms.v2)": modern.__getitem__,
                    "decode only: cv2.imread": lambda i: (read_image(paths[i]), 0),
                    "decode only: PIL open + convert": lambda i: (default_loader(paths[i]), 0)}
         wall: dict[str, list[float]] = {name: [] for name in getters}
         collates = {"ours (cv2 + albumentations)": collate_channels_last,  # the app's loaders use it
+                    "ours + normalize in this process": lambda batch: normalize(collate_channels_last(batch)[0]),
                     "decode only: cv2.imread": list, "decode only: PIL open + convert": list}
         results = alternate({name: epoch_img_per_s(get, n, bs, wall[name], collates.get(name))
                              for name, get in getters.items()}, args.repeats, warmup=1)
@@ -169,6 +174,7 @@ def main() -> None:
         print_table(title, results, "images per CPU-second of the worker, higher is better")
         ratio_line(results, "ours (cv2 + albumentations)", "torchvision (PIL, transforms)", target=1.5)
         ratio_line(results, "ours (cv2 + albumentations)", "torchvision (PIL, transforms.v2)", target=1.5)
+        ratio_line(results, "ours + normalize in this process", "torchvision (PIL, transforms)")
         med = {name: statistics.median(values) for name, values in results.items()}
         after_ours = 1e3 / med["ours (cv2 + albumentations)"] - 1e3 / med["decode only: cv2.imread"]
         after_tv = 1e3 / med["torchvision (PIL, transforms)"] - 1e3 / med["decode only: PIL open + convert"]

@@ -4,8 +4,10 @@ Both sides run the same model (eval mode, channels_last, amp=auto i.e. bf16 auto
 batches already in memory, in one process with one torch thread by default (CPU-time figures are then
 robust to other jobs on the machine; --threads 2 uses both cores), alternating:
 - ours: engine.trainer.evaluate (exact loss / top-1 / top-5 sums, all-reduced; what train.py and
-  evaluate.py call per validation pass);
-- bare: `with torch.inference_mode(), autocast: correct += (model(x).argmax(1) == y).sum()`.
+  evaluate.py call per validation pass) on uint8 batches, as the app's loaders deliver them, so it also
+  pays for the normalization (data.transforms.DeviceNormalize);
+- bare: `with torch.inference_mode(), autocast: correct += (model(x).argmax(1) == y).sum()` on batches
+  already normalized to float32 (as torchvision's pipeline delivers them).
 
     python benchmarks/evaluation.py [--repeats 5]
 """
@@ -33,7 +35,8 @@ def main() -> None:
     args = parse_args()
     import torch
 
-    from engine.config import ModelConfig
+    from data.transforms import DeviceNormalize
+    from engine.config import DataConfig, ModelConfig
     from engine.dist import DistInfo
     from engine.precision import resolve_precision
     from engine.trainer import evaluate
@@ -46,12 +49,16 @@ def main() -> None:
     cfg = ModelConfig(name=args.model)
     model = prepare_model(create_model(cfg, num_classes=1000), cfg, info.device, world_size=1).eval()
     precision = resolve_precision("auto", info.device)
-    batches = [(torch.randn(args.batch_size, 3, args.img_size, args.img_size).to(memory_format=torch.channels_last),
-                torch.randint(0, 1000, (args.batch_size,))) for _ in range(args.batches)]
+    shape = (args.batch_size, 3, args.img_size, args.img_size)
+    raw = [(torch.randint(0, 256, shape, dtype=torch.uint8).contiguous(memory_format=torch.channels_last),
+            torch.randint(0, 1000, (args.batch_size,))) for _ in range(args.batches)]
+    data = DataConfig()
+    normalize = DeviceNormalize(data.mean, data.std, info.device, cfg.channels_last)
+    batches = [(normalize(x), y) for x, y in raw]
     images = args.batch_size * args.batches
 
     def ours() -> int:
-        evaluate(model, batches, precision, info, cfg.channels_last)
+        evaluate(model, raw, precision, info, normalize)
         return images
 
     def bare() -> int:

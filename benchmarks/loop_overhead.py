@@ -63,7 +63,8 @@ def host_syncs_per_step(steps: int = 10, log_interval: int = 5) -> tuple[int, in
     import torch
     from torch.profiler import profile
 
-    from engine.config import OptimConfig, SchedConfig
+    from data.transforms import DeviceNormalize
+    from engine.config import DataConfig, OptimConfig, SchedConfig
     from engine.dist import DistInfo
     from engine.optim import build_optimizer, build_scheduler
     from engine.precision import resolve_precision
@@ -73,8 +74,10 @@ def host_syncs_per_step(steps: int = 10, log_interval: int = 5) -> tuple[int, in
     model = timm.create_model("resnet10t", num_classes=10).to(memory_format=torch.channels_last)
     optimizer = build_optimizer(model, OptimConfig())
     scheduler = build_scheduler(optimizer, SchedConfig(), 2, steps)
-    batches = [(torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))) for _ in range(steps)]
-    loop = LoopConfig(1, 0.0, 0, log_interval, True, False)
+    batches = [(torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8), torch.randint(0, 10, (8,)))
+               for _ in range(steps)]
+    data = DataConfig()
+    loop = LoopConfig(1, 0.0, 0, log_interval, DeviceNormalize(data.mean, data.std, info.device, True), False)
     args = (torch.nn.CrossEntropyLoss(), resolve_precision("auto", info.device), TrainState(), loop, info)
     train_one_epoch(model, batches, optimizer, scheduler, *args)
     with profile() as prof:

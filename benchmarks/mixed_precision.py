@@ -34,7 +34,8 @@ def make_side(model_name: str, amp: str, channels_last: bool, batches: list) -> 
     """A function that runs `len(batches)` training steps through the app's loop and returns the image count."""
     import torch
 
-    from engine.config import ModelConfig, OptimConfig, SchedConfig
+    from data.transforms import DeviceNormalize
+    from engine.config import DataConfig, ModelConfig, OptimConfig, SchedConfig
     from engine.dist import DistInfo
     from engine.optim import build_optimizer, build_scheduler
     from engine.precision import resolve_precision
@@ -48,7 +49,8 @@ def make_side(model_name: str, amp: str, channels_last: bool, batches: list) -> 
     optimizer = build_optimizer(model, OptimConfig())
     scheduler = build_scheduler(optimizer, SchedConfig(), 1000, len(batches))
     precision = resolve_precision(amp, info.device)
-    loop = LoopConfig(1, 0.0, 0, 1000, channels_last, False)
+    data = DataConfig()
+    loop = LoopConfig(1, 0.0, 0, 1000, DeviceNormalize(data.mean, data.std, info.device, channels_last), False)
     loss_fn = torch.nn.CrossEntropyLoss()
 
     def run() -> int:
@@ -67,8 +69,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(machine_line(), f"torch threads {torch.get_num_threads()}")
     torch.manual_seed(0)
-    batches = [(torch.randn(args.batch_size, 3, args.img_size, args.img_size),
-                torch.randint(0, 1000, (args.batch_size,))) for _ in range(args.steps)]
+    shape = (args.batch_size, 3, args.img_size, args.img_size)  # uint8, as the app's loaders deliver them
+    batches = [(torch.randint(0, 256, shape, dtype=torch.uint8), torch.randint(0, 1000, (args.batch_size,)))
+               for _ in range(args.steps)]
     configs = {"fp32": ("off", False), "fp32 + channels_last": ("off", True),
                "bf16": ("bf16", False), "bf16 + channels_last": ("bf16", True)}
     wall: dict[str, list[float]] = {name: [] for name in configs}

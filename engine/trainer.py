@@ -24,6 +24,8 @@ from engine.precision import Precision
 
 log = logging.getLogger(__name__)
 
+Normalize = Callable[[torch.Tensor], torch.Tensor]  # uint8 batch on the device -> model input (data.transforms)
+
 
 @dataclass
 class TrainState:
@@ -43,17 +45,16 @@ class LoopConfig:
     clip_grad: float
     max_steps: int  # 0 = no limit
     log_interval: int
-    channels_last: bool
+    normalize: Normalize
     show_progress: bool
     max_nonfinite: int = 5  # consecutive skipped (inf/NaN) steps before training stops
 
 
 def to_device(images: torch.Tensor, targets: torch.Tensor, device: torch.device,
-              channels_last: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copy a batch to the device (non-blocking from pinned memory on CUDA)."""
+              normalize: Normalize) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy a uint8 batch to the device (non-blocking from pinned memory on CUDA) and normalize it there."""
     non_blocking = device.type == "cuda"
-    memory_format = torch.channels_last if channels_last else torch.contiguous_format
-    images = images.to(device, non_blocking=non_blocking, memory_format=memory_format)
+    images = normalize(images.to(device, non_blocking=non_blocking))
     return images, targets.to(device, non_blocking=non_blocking)
 
 
@@ -80,7 +81,7 @@ def train_one_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim
     optimizer.zero_grad(set_to_none=True)
     skipped = 0  # optimizer steps in a row skipped for inf/NaN gradients
     for i, (images, targets) in enumerate(bar):
-        images, targets = to_device(images, targets, info.device, cfg.channels_last)
+        images, targets = to_device(images, targets, info.device, cfg.normalize)
         group_start = i - i % cfg.accum_steps
         group_size = min(cfg.accum_steps, num_batches - group_start)
         last_micro_step = i == group_start + group_size - 1
@@ -138,13 +139,13 @@ def check_nonfinite(skipped: int, limit: int, step: int, info: DistInfo) -> None
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: DataLoader, precision: Precision, info: DistInfo,
-             channels_last: bool, on_batch: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+             normalize: Normalize, on_batch: Callable[[torch.Tensor, torch.Tensor], None] | None = None
              ) -> dict[str, float]:
     """Exact val_loss / val_top1 / val_top5 over the whole (sharded, unpadded) validation set."""
     model.eval()
     meter = SumMeter(("loss_sum", "top1", "top5", "count"), info.device)
     for images, targets in loader:
-        images, targets = to_device(images, targets, info.device, channels_last)
+        images, targets = to_device(images, targets, info.device, normalize)
         with precision.autocast():
             logits = model(images)
         logits = logits.float()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import albumentations as A
 import cv2
 import numpy as np
 import pytest
@@ -9,8 +10,8 @@ import torch
 
 from data.datasets import DummyDataset, ImageFolderDataset, PackedStrings
 from data.digits import VAL_SIZE, export_digits
-from data.loader import EpochSampler, ShardSampler, build_datasets
-from data.transforms import eval_transform, train_transform
+from data.loader import EpochSampler, ShardSampler, build_datasets, collate_channels_last
+from data.transforms import DeviceNormalize, eval_transform, train_transform
 from engine.config import DataConfig
 from engine.errors import UserError
 from tests.helpers import make_image_folder
@@ -35,7 +36,7 @@ def test_imagefolder_reads_gray_rgba_and_jpeg(tmp_path):
     assert list(train.labels) == [0, 0, 0, 0, 1, 1, 1, 1]
     for i in range(len(train)):
         image, label = train[i]
-        assert image.shape == (3, 16, 16) and image.dtype == torch.float32
+        assert image.shape == (3, 16, 16) and image.dtype == torch.uint8
 
 
 def test_imagefolder_errors_name_the_folder(tmp_path):
@@ -73,7 +74,7 @@ def test_augmentation_is_seeded_by_seed_epoch_index():
 
 def test_dummy_is_deterministic_and_learnable():
     data = DummyDataset(200, 4, 16, eval_transform(DataConfig(img_size=16, crop_pct=1.0)), seed=0)
-    images = torch.stack([data[i][0] for i in range(200)]).flatten(1)
+    images = torch.stack([data[i][0] for i in range(200)]).flatten(1).float()
     labels = torch.tensor(data.labels)
     assert torch.equal(images[7], data[7][0].flatten())
     # A nearest-class-mean classifier on half the data already separates the classes.
@@ -131,3 +132,18 @@ def test_digits_never_touches_a_foreign_folder(tmp_path):
     assert (photos / "holiday.jpg").read_bytes() == b"precious"
     (tmp_path / "empty").mkdir()
     assert (export_digits(tmp_path / "empty") / "val").is_dir()  # an empty folder is fine
+
+
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_device_normalize_matches_albumentations_normalize(channels_last):
+    cfg = DataConfig(img_size=24)
+    dataset = DummyDataset(8, 4, 40, train_transform(cfg), seed=0)
+    images, _ = collate_channels_last([dataset[(0, i)] for i in range(8)])
+    assert images.dtype == torch.uint8  # workers ship uint8: a quarter of the bytes of float32
+    normalized = DeviceNormalize(cfg.mean, cfg.std, torch.device("cpu"), channels_last)(images)
+    reference = A.Normalize(mean=cfg.mean, std=cfg.std, max_pixel_value=255.0)
+    want = torch.stack([torch.from_numpy(reference(image=image.permute(1, 2, 0).numpy())["image"]).permute(2, 0, 1)
+                        for image in images])
+    assert normalized.dtype == torch.float32
+    assert normalized.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    torch.testing.assert_close(normalized, want, rtol=0, atol=1e-5)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from data.loader import build_datasets, build_eval_loader
+from data.transforms import DeviceNormalize
 from engine.config import DataConfig, ModelConfig
 from engine.dist import DistInfo
 from engine.precision import Precision
@@ -26,7 +27,8 @@ def evaluate_on_ranks(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = create_model(ModelConfig(name="resnet10t"), num_classes=10)
     loader = build_eval_loader(val, cfg, batch_size=8, info=info)
-    return evaluate(model, loader, Precision("cpu", None), info, channels_last=False)
+    normalize = DeviceNormalize(cfg.mean, cfg.std, info.device, channels_last=False)
+    return evaluate(model, loader, Precision("cpu", None), info, normalize)
 
 
 def test_sharded_evaluation_is_exact_for_1_2_3_ranks(tmp_path):
