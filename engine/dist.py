@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from engine.errors import UserError
+from engine.host_memory import keep_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ def init_distributed(backend: str = "auto", timeout_s: int = 1800) -> DistInfo:
         device = torch.device("cpu")
         # torchrun sets OMP_NUM_THREADS=1; give each rank its share of the cores instead.
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
+        keep_freed_memory()
     if world > 1 and not dist.is_initialized():
         if backend == "auto":
             backend = "nccl" if device.type == "cuda" else "gloo"

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import copy
+import json
+import resource
+import subprocess
+import sys
 
 import timm
 import torch
@@ -14,6 +18,7 @@ from data.transforms import train_transform
 from engine.config import DataConfig, OptimConfig
 from engine.dist import DistInfo
 from engine.optim import build_optimizer
+from tests.helpers import REPO, script_env
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 
@@ -59,3 +64,32 @@ def test_train_batches_are_channels_last_with_default_collate_values():
     for (images, labels), (want_images, want_labels) in zip(batches, reference):
         assert images.shape == (8, 3, 16, 16) and images.is_contiguous(memory_format=torch.channels_last)
         assert torch.equal(images, want_images) and torch.equal(labels, want_labels)
+
+
+FAULTS_PER_PASS = """
+import resource, sys, torch
+from engine.dist import init_distributed
+if sys.argv[1] == "init":
+    init_distributed()
+torch.set_num_threads(1)
+conv = torch.nn.Conv2d(16, 16, 3, padding=1)
+x = torch.randn(8, 16, 256, 256)  # 32 MB, and so is every activation of the pass
+def faults_per_pass() -> int:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    with torch.no_grad():
+        conv(conv(x).relu()).sum()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+print([faults_per_pass() for _ in range(3)])
+"""
+
+
+def test_cpu_processes_reuse_freed_activation_memory_without_page_faults():
+    """After init_distributed on CPU, a pass's 32 MB activations reuse freed heap memory instead of fresh pages."""
+    def last_pass_faults(mode: str) -> int:
+        proc = subprocess.run([sys.executable, "-c", FAULTS_PER_PASS, mode], cwd=REPO, env=script_env(),
+                              capture_output=True, text=True, timeout=120, check=True)
+        return json.loads(proc.stdout.splitlines()[-1])[-1]
+
+    block_pages = (32 << 20) // resource.getpagesize()
+    assert last_pass_faults("bare") > block_pages  # glibc's default: each block above 32 MB is a fresh mmap
+    assert last_pass_faults("init") < block_pages // 100
