@@ -34,6 +34,7 @@ def keep_freed_memory() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
-    done = mallopt(M_TRIM_THRESHOLD, KEEP_BYTES) == 1 and mallopt(M_MMAP_THRESHOLD, KEEP_BYTES) == 1
+    # mmap first: a raised trim threshold alone turns glibc's dynamic mmap threshold off and is slower.
+    done = mallopt(M_MMAP_THRESHOLD, KEEP_BYTES) == 1 and mallopt(M_TRIM_THRESHOLD, KEEP_BYTES) == 1
     log.debug("glibc malloc thresholds raised to %d bytes: %s", KEEP_BYTES, done)
     return done
