@@ -140,7 +140,7 @@ def train_py_epoch(overrides: list[str], nproc: int = 1, pin_core: int | None = 
     """
     with tempfile.TemporaryDirectory(prefix="bench-train-") as out:
         proc = launch(REPO / "benchmarks" / "train_py_epoch.py",
-                      ["--config", "configs/dummy.yaml", *overrides, "train.epochs=2", "logging.progress=false",
+                      ["--config", "configs/dummy.yaml", "amp=bf16", *overrides, "train.epochs=2", "logging.progress=false",
                        f"output_dir={out}"], nproc, pin_core)
         rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     result = last_json_line(proc)

@@ -5,7 +5,7 @@ CPU time the training process spent on that epoch is a steadier measure of its c
 times each call of train.py's `train_one_epoch` with both clocks (around the call: nothing is added to
 the loop) and, on rank 0, prints the last epoch as a JSON line. Used by loop_overhead.py and ddp_scaling.py.
 
-    taskset -c 0 python benchmarks/train_py_epoch.py --config configs/dummy.yaml train.epochs=2
+    taskset -c 0 python benchmarks/train_py_epoch.py --config configs/dummy.yaml amp=bf16 train.epochs=2
 """
 
 from __future__ import annotations

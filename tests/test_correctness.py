@@ -75,10 +75,10 @@ def run(tmp_path_factory):
     return train
 
 
-def assert_same_model(a: Path, b: Path) -> None:
+def assert_same_model(a: Path, b: Path, steps: int = STEPS) -> None:
     """a's and b's last.pth agree within TOL: parameters, BatchNorm running means and variances, counters."""
     for run_dir in (a, b):
-        assert torch.load(run_dir / "last.pth", weights_only=True)["global_step"] == STEPS
+        assert torch.load(run_dir / "last.pth", weights_only=True)["global_step"] == steps
     weights_a, weights_b = load_weights(a), load_weights(b)
     diffs = relative_differences(weights_a, weights_b)  # also asserts equal BatchNorm batch counters
     print(f"{a.name} vs {b.name}:", ", ".join(f"{g} {v:.1e}" for g, v in diffs.items()),
@@ -90,6 +90,15 @@ def assert_same_model(a: Path, b: Path) -> None:
 def test_ddp_with_sync_bn_trains_the_single_process_model(run, name):
     """Guarantee 1: W ranks x B/W images with SyncBN == 1 process x B images, weights and BN buffers."""
     assert_same_model(run("single"), run(name))
+
+
+def test_issue_acceptance_command_one_process_equals_two_ranks(tmp_path):
+    """Guarantee 1 as users run it: configs/dummy.yaml as shipped (resnet18, 32 px, fp32, lr 0.01), 5 steps."""
+    common = ("--config", "configs/dummy.yaml", "model.sync_bn=true", "data.augment=false", "train.max_steps=5",
+              "logging.progress=false")
+    run_script("train.py", *common, "train.batch_size=16", f"output_dir={tmp_path}/one")
+    run_script("train.py", *common, "train.batch_size=8", f"output_dir={tmp_path}/two", nproc=2)
+    assert_same_model(tmp_path / "one", tmp_path / "two", steps=5)
 
 
 @pytest.mark.parametrize("name", ["gn_accum", "gn_ddp_accum"])
