@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import resource
 import subprocess
 import sys
 
+import pytest
 import timm
 import torch
 from torch.utils.data import DataLoader, default_collate
@@ -18,6 +20,7 @@ from data.transforms import train_transform
 from engine.config import DataConfig, OptimConfig
 from engine.dist import DistInfo
 from engine.optim import build_optimizer
+from engine.precision import resolve_precision
 from tests.helpers import REPO, script_env
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
@@ -93,3 +96,22 @@ def test_cpu_processes_reuse_freed_activation_memory_without_page_faults():
     block_pages = (32 << 20) // resource.getpagesize()
     assert last_pass_faults("bare") > block_pages  # glibc's default: each block above 32 MB is a fresh mmap
     assert last_pass_faults("init") < block_pages // 100
+
+
+def _kernel_cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux reports them: a source independent of torch's own probe."""
+    if not os.path.exists("/proc/cpuinfo"):
+        pytest.skip("needs Linux's /proc/cpuinfo")
+    with open("/proc/cpuinfo") as f:
+        line = next(line for line in f if line.startswith("flags"))
+    return set(line.split(":", 1)[1].split())
+
+
+def test_amp_auto_uses_bf16_on_cpu_only_where_the_cpu_has_bf16_instructions():
+    # On an AVX2-only CPU bf16 autocast is emulated and 4-10x slower than fp32 (docs/benchmarks.md),
+    # so `auto` must follow the hardware, not a fixed "bf16 on CPU".
+    native = bool(_kernel_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    cpu = torch.device("cpu")
+    assert resolve_precision("auto", cpu).name == ("bf16" if native else "fp32")
+    assert resolve_precision("bf16", cpu).name == "bf16"  # an explicit choice is kept
+    assert resolve_precision("off", cpu).name == "fp32"
