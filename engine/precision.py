@@ -2,7 +2,7 @@
 
 `amp=auto` picks bf16 on GPUs that support it, else fp16 with a GradScaler. On CPU it picks bf16 only
 where the CPU computes bf16 natively (AVX512-BF16 or AMX: 1.4-2.8x faster than fp32 for ResNets) and
-fp32 elsewhere (on an AVX2-only CPU, bf16 autocast measured 4-10x slower than fp32). fp16 autocast on
+fp32 elsewhere (on an AVX2-only CPU, bf16 autocast measured 4-15x slower than fp32). fp16 autocast on
 CPU is refused: measured about 40x slower than fp32.
 """
 
