@@ -108,7 +108,7 @@ def _kernel_cpu_flags() -> set[str]:
 
 
 def test_amp_auto_uses_bf16_on_cpu_only_where_the_cpu_has_bf16_instructions():
-    # On an AVX2-only CPU bf16 autocast is emulated and 4-10x slower than fp32 (docs/benchmarks.md),
+    # On an AVX2-only CPU bf16 autocast is emulated and 4-15x slower than fp32 (docs/benchmarks.md 4b),
     # so `auto` must follow the hardware, not a fixed "bf16 on CPU".
     native = bool(_kernel_cpu_flags() & {"avx512_bf16", "amx_bf16"})
     cpu = torch.device("cpu")
