@@ -34,7 +34,7 @@ from data.datasets import AugmentedDataset
 from engine.checkpoint import load_checkpoint
 from engine.cli import report_errors
 from engine.config import Config, config_from_dict, parse_override, set_dotted, to_dict
-from engine.dist import DistInfo, barrier, broadcast_object, init_distributed
+from engine.dist import DistInfo, barrier, broadcast_object, init_distributed, read_launch_env
 from engine.errors import UserError
 from engine.logs import setup_logging
 from engine.precision import resolve_precision
@@ -106,26 +106,36 @@ def check_classes(dataset: AugmentedDataset, class_names: list[str], root: str) 
 
 
 class PredictionWriter:
-    """Collects this rank's per-image predictions from evaluate()'s on_batch hook, in order."""
+    """Collects this rank's per-image predictions from evaluate()'s on_batch hook, in order.
+
+    Batches stay on the device until `write`: reading them on the host per batch would wait for the device.
+    """
 
     def __init__(self, dataset: AugmentedDataset, start: int, class_names: list[str]) -> None:
-        self.dataset, self.next_index, self.class_names = dataset, start, class_names
-        self.rows: list[dict[str, Any]] = []
+        self.dataset, self.start, self.class_names = dataset, start, class_names
+        self.batches: list[tuple[torch.Tensor, ...]] = []
 
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
-        top = logits.topk(min(5, logits.shape[1]), dim=1).indices  # ranked as the top-1/top-5 metrics rank
-        confidence = logits.softmax(dim=1).gather(1, top[:, :1]).squeeze(1)
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor, ranked: torch.Tensor) -> None:
+        confidence = logits.softmax(dim=1).gather(1, ranked[:, :1]).squeeze(1)
         losses = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
-        for label, indices, value, loss in zip(targets.tolist(), top.tolist(), confidence.tolist(), losses.tolist()):
-            index = self.next_index
-            self.next_index += 1
-            self.rows.append({"index": index, "path": self.dataset.path(index), "label": label, "pred": indices[0],
-                              "confidence": f"{value:.6f}", "top5": " ".join(map(str, indices)),
-                              "label_name": self.class_names[label], "pred_name": self.class_names[indices[0]],
-                              "loss": repr(loss)})
+        self.batches.append((targets, ranked, confidence, losses))
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One dict per image, with the classes ranked as the top-1/top-5 metrics ranked them."""
+        if not self.batches:
+            return []
+        targets, ranked, confidence, losses = (torch.cat(parts).tolist() for parts in zip(*self.batches))
+        rows = []
+        for offset, (label, indices, value, loss) in enumerate(zip(targets, ranked, confidence, losses)):
+            index = self.start + offset
+            rows.append({"index": index, "path": self.dataset.path(index), "label": label, "pred": indices[0],
+                         "confidence": f"{value:.6f}", "top5": " ".join(map(str, indices)),
+                         "label_name": self.class_names[label], "pred_name": self.class_names[indices[0]],
+                         "loss": repr(loss)})
+        return rows
 
     def write(self, path: Path) -> None:
-        write_csv(self.rows, path)
+        write_csv(self.rows(), path)
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
@@ -265,8 +275,8 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     ckpt = load_checkpoint(args.checkpoint)
     cfg = checkpoint_config(ckpt, args)
-    info = init_distributed(cfg.dist.backend, cfg.dist.timeout_s)
-    setup_logging(info.rank, cfg.logging.level)
+    setup_logging(read_launch_env()[0], cfg.logging.level)  # before the rendezvous, which may wait
+    info = init_distributed(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.rendezvous_timeout_s)
     if info.device.type == "cpu":
         # CPU convolutions round differently with different thread counts; one thread in every
         # process makes the outputs independent of the number of processes (torchrun for speed).

@@ -26,7 +26,7 @@ from data.transforms import DeviceNormalize
 from engine.checkpoint import Checkpointer, load_checkpoint
 from engine.cli import report_errors
 from engine.config import Config, load_config, save_config, to_dict
-from engine.dist import DistInfo, broadcast_object, broadcast_tensors, init_distributed
+from engine.dist import DistInfo, broadcast_object, broadcast_tensors, init_distributed, read_launch_env
 from engine.errors import UserError
 from engine.logs import MetricsFile, setup_logging
 from engine.metrics import SumMeter
@@ -37,7 +37,7 @@ from engine.resume import (check_resumable, find_resume_checkpoint, restore_ema,
 from engine.tracking import WandbTracker, checkpoint_run_id
 from engine.trainer import LoopConfig, TrainState, evaluate, train_one_epoch
 from models.ema import create_ema
-from models.factory import create_model, prepare_model
+from models.factory import compile_warning, create_model, prepare_model
 from models.weights import init_from
 
 log = logging.getLogger("train")
@@ -100,11 +100,13 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
         device_ids = [info.device.index] if info.device.type == "cuda" else None  # CPU DDP needs None
         train_model = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
     if cfg.model.compile:
+        if (warning := compile_warning(cfg.model, info.world_size)) and info.is_main:
+            log.warning(warning)
         train_model = torch.compile(train_model)
     if info.device.type == "cuda":
         torch.backends.cudnn.benchmark = True
 
-    optimizer = build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim, grad_scaler=precision.scaler is not None)
     batches_per_epoch = len(data.train)
     updates_per_epoch = steps_per_epoch(data.train, cfg.train.accum_steps)
     scheduler = build_scheduler(optimizer, cfg.sched, cfg.train.epochs, updates_per_epoch)
@@ -179,8 +181,8 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
-    info = init_distributed(cfg.dist.backend, cfg.dist.timeout_s)
-    setup_logging(info.rank, cfg.logging.level)
+    setup_logging(read_launch_env()[0], cfg.logging.level)  # before the rendezvous, which may wait
+    info = init_distributed(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.rendezvous_timeout_s)
     fit(cfg, info)  # report_errors leaves the process group, after reporting any error
     return 0
 

@@ -51,6 +51,21 @@ def cpu_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
 
 
+def on_cpu(obj: Any) -> Any:
+    """A copy of a state dict (nested dicts and lists) with every tensor on the CPU.
+
+    Optimizer state lives beside the parameters (on the GPU); saved as is, the file could not be loaded
+    on a machine without that device.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {key: on_cpu(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(on_cpu(value) for value in obj)
+    return obj
+
+
 def save_atomic(obj: dict[str, Any], path: str | os.PathLike) -> None:
     """torch.save to a temp file beside `path`, fsync, then os.replace it into place."""
     path = Path(path)
@@ -70,6 +85,11 @@ def save_atomic(obj: dict[str, Any], path: str | os.PathLike) -> None:
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Load a checkpoint as data only; a missing, truncated or unsafe file is a UserError."""
     path = Path(path)
+    if path.is_dir():
+        inside = sorted(p.name for p in path.glob("*.pth"))
+        hint = f" (it holds {', '.join(inside[:5])})" if inside else ""
+        raise UserError(f"checkpoint {path} is a folder, not a file{hint}; give the .pth file itself, e.g. "
+                        f"{path / (inside[0] if inside else 'best.pth')}")
     if not path.is_file():
         raise UserError(f"checkpoint {path} does not exist; check the path")
     try:
@@ -136,9 +156,9 @@ class Checkpointer:
         return {
             "model": cpu_state_dict(self.model),
             **ema,  # the EMA weights, only when the run keeps an EMA
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": on_cpu(self.optimizer.state_dict()),
             "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler else {},
+            "scaler": on_cpu(self.scaler.state_dict()) if self.scaler else {},
             **dataclasses.asdict(state),  # epoch, global_step, best_top1, epoch_step, epoch_sums, epoch_seconds
             "val_top1": val_top1,
             "world_size": self.info.world_size,

@@ -2,14 +2,17 @@
 
 A UserError becomes one line on stderr and exit code 2; `--debug` shows the traceback instead.
 A rank whose peer died (its collective fails with a connection error) says so in one line and
-exits 1: the peer's own error is the one that explains the failure.
+exits 1: the peer's own error is the one that explains the failure. SIGTERM (a scheduler, or torchrun
+stopping the other ranks) ends the run with one line and exit code 143; DataLoader workers exit quietly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
-from typing import Callable
+from typing import Callable, Iterator
 
 from engine.errors import UserError
 
@@ -26,13 +29,14 @@ def report_errors(main: Callable[[list[str]], int | None], argv: list[str] | Non
     # The final messages are print()ed to stderr, not logged: they must appear whatever the rank's
     # log level and must be the last line a user sees.
     try:
-        return main(argv) or 0
+        with stop_on_sigterm():
+            return main(argv) or 0
     except UserError as err:
         if "--debug" in argv:
             raise
         # Before the process group exists every rank fails the same way: rank 0 alone says so.
         rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
-        if rank == 0 or (dist.is_initialized() and not err.all_ranks):
+        if rank == 0 or err.before_group or (dist.is_initialized() and not err.all_ranks):
             prefix = f"[rank {rank}] " if dist.is_initialized() and dist.get_world_size() > 1 else ""
             print(f"{prefix}error: {err}", file=sys.stderr, flush=True)
         return 2
@@ -46,8 +50,38 @@ def report_errors(main: Callable[[list[str]], int | None], argv: list[str] | Non
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        prefix = f"[rank {dist.get_rank()}] " if dist.is_initialized() and dist.get_world_size() > 1 else ""
+        print(f"{prefix}stopped by SIGTERM (a scheduler or torchrun ended the job); with resume=auto the same "
+              "command continues from the last checkpoint in output_dir", file=sys.stderr, flush=True)
+        return 128 + signal.SIGTERM
     finally:
         cleanup()  # only now: the messages above need to know whether a process group existed
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived; a BaseException so that no `except Exception` on the way swallows it."""
+
+
+@contextlib.contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """Turn SIGTERM into Terminated in this process; forked DataLoader workers exit at once, without noise."""
+    main_pid = os.getpid()
+
+    def handler(signum: int, frame) -> None:
+        if os.getpid() != main_pid:
+            os._exit(128 + signum)
+        raise Terminated()
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread (e.g. called from a test's thread): leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def lost_peer(err: RuntimeError) -> bool:

@@ -122,7 +122,8 @@ class LoggingConfig:
 @dataclass
 class DistConfig:
     backend: str = "auto"  # auto (nccl with CUDA, else gloo) | nccl | gloo
-    timeout_s: int = 1800  # collective timeout before a hung job is aborted
+    timeout_s: int = 0  # collective timeout before a hung job is aborted; 0 = 1800 under torchrun, 600 without it
+    rendezvous_timeout_s: int = 300  # how long the processes may take to meet at start-up
 
 
 @dataclass
@@ -147,9 +148,9 @@ CHOICES = {
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
 }
 POSITIVE = ("train.epochs", "train.batch_size", "train.accum_steps", "data.img_size",
-            "logging.interval", "dist.timeout_s", "train.max_nonfinite", "data.prefetch_factor",
+            "logging.interval", "dist.rendezvous_timeout_s", "train.max_nonfinite", "data.prefetch_factor",
             "data.dummy_train_size", "data.dummy_val_size", "data.dummy_num_classes", "data.dummy_image_size")
-NON_NEGATIVE = ("optim.lr", "optim.weight_decay", "optim.clip_grad", "train.max_steps", "data.num_workers",
+NON_NEGATIVE = ("dist.timeout_s", "optim.lr", "optim.weight_decay", "optim.clip_grad", "train.max_steps", "data.num_workers",
                 "train.ckpt_every_steps", "train.keep_last_k",
                 "model.drop_rate", "model.drop_path_rate", "sched.warmup_epochs", "sched.min_lr")
 

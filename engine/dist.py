@@ -50,11 +50,58 @@ def read_launch_env(env: dict[str, str] | None = None) -> tuple[int, int, int, i
     return 0, 1, 0, 1
 
 
-def init_distributed(backend: str = "auto", timeout_s: int = 1800) -> DistInfo:
+def cuda_device_index(local_rank: int, device_count: int) -> int:
+    """This rank's GPU: the only visible one (Slurm binds one GPU per task), else the one at its local rank."""
+    if device_count == 1:
+        return 0
+    if local_rank < device_count:
+        return local_rank
+    raise UserError(f"this process is local rank {local_rank} but sees {device_count} visible GPU(s); start at most "
+                    f"{device_count} processes per node (torchrun --nproc_per_node={device_count}) or check "
+                    "CUDA_VISIBLE_DEVICES")
+
+
+def gpu_supported(capability: tuple[int, int], arch_list: list[str]) -> bool:
+    """Whether a torch build compiled for `arch_list` (torch.cuda.get_arch_list()) runs on this GPU.
+
+    A cubin for sm_XY runs on sm_XZ with Z >= Y; PTX for compute_XY is compiled at load time for any newer GPU.
+    """
+    major, minor = capability
+    for arch in arch_list:
+        kind, _, number = arch.partition("_")
+        if not number.isdigit():  # sm_90a-style builds run on exactly that GPU
+            continue
+        built = (int(number[:-1]), int(number[-1]))
+        if (kind == "sm" and built[0] == major and built[1] <= minor) or (kind == "compute" and built <= (major, minor)):
+            return True
+    return False
+
+
+def collective_timeout(timeout_s: int, env: dict[str, str] | None = None) -> int:
+    """dist.timeout_s, where 0 means: 1800 s under torchrun, 600 s under a launcher without an elastic agent.
+
+    torchrun's agent stops every rank within seconds when one dies, so the timeout only ends true hangs;
+    under srun the survivors of a dead rank wait in a collective until it expires (docs/gpu.md).
+    """
+    env = dict(os.environ) if env is None else env
+    if timeout_s > 0:
+        return timeout_s
+    return 1800 if "TORCHELASTIC_RUN_ID" in env else 600
+
+
+def init_distributed(backend: str = "auto", timeout_s: int = 0, rendezvous_timeout_s: int = 300) -> DistInfo:
     """Join the process group (if launched with several processes) and pick this rank's device."""
     rank, world, local_rank, local_world = read_launch_env()
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise UserError("dist.backend=nccl needs CUDA GPUs and this process sees none; use dist.backend=auto "
+                        "(gloo on CPU)")
     if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", cuda_device_index(local_rank, torch.cuda.device_count()))
+        capability, built = torch.cuda.get_device_capability(device), torch.cuda.get_arch_list()
+        if not gpu_supported(capability, built):
+            raise UserError(f"{torch.cuda.get_device_name(device)} (sm_{capability[0]}{capability[1]}) is not supported by "
+                            f"this torch build (CUDA {torch.version.cuda}, compiled for {' '.join(built)}); install a "
+                            "build compiled for it (docs/gpu.md, 'Which torch wheel')")
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
@@ -66,10 +113,33 @@ def init_distributed(backend: str = "auto", timeout_s: int = 1800) -> DistInfo:
             backend = "nccl" if device.type == "cuda" else "gloo"
         if "MASTER_ADDR" not in os.environ:
             raise UserError("MASTER_ADDR/MASTER_PORT are not set: launch with torchrun, or export them for srun")
-        timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group(backend, store=rendezvous_store(rank, world, timeout), rank=rank, world_size=world,
-                                timeout=timeout, device_id=device if device.type == "cuda" else None)
+        if backend == "nccl":  # a timed-out or failed collective aborts the process instead of hanging it
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+        store = join(rank, world, rendezvous_timeout_s)
+        timeout = datetime.timedelta(seconds=collective_timeout(timeout_s))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
+                                device_id=device if device.type == "cuda" else None)
     return DistInfo(rank, world, local_rank, local_world, device)
+
+
+def launch_vars() -> str:
+    """The environment variables that made this a multi-process launch, as NAME=value."""
+    names = ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "MASTER_ADDR", "MASTER_PORT")
+    return " ".join(f"{name}={os.environ[name]}" for name in names if name in os.environ)
+
+
+def join(rank: int, world: int, timeout_s: int) -> dist.Store:
+    """Meet the other processes at MASTER_ADDR:MASTER_PORT, giving up after timeout_s with one line."""
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', '?')}"
+    log.info("rank %d of %d: waiting up to %d s for all processes to join at %s (dist.rendezvous_timeout_s)",
+             rank, world, timeout_s, where)
+    try:
+        return rendezvous_store(rank, world, datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError) as err:  # DistStoreError / DistNetworkError (timeouts, refused connections)
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"the {world} processes did not meet at {where} within {timeout_s} s ({first}); this process "
+                        f"was started as rank {rank} of {world} by {launch_vars()}: start every rank (torchrun, "
+                        "srun), or unset those variables to train in one process", before_group=True) from None
 
 
 def rendezvous_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
@@ -77,7 +147,7 @@ def rendezvous_store(rank: int, world: int, timeout: datetime.timedelta) -> dist
 
     torchrun's workers share the agent's store, which outlives a restart: without the prefix a
     restarted rank can read the gloo/NCCL address a dead rank published, and fail to connect
-    (measured: 2 of 4 restarts failed so here).
+    (docs/reliability.md).
     """
     store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
     return dist.PrefixStore(f"restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)

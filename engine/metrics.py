@@ -7,11 +7,18 @@ import torch
 from engine.dist import all_reduce_sum
 
 
-def topk_correct(logits: torch.Tensor, target: torch.Tensor, k: int) -> torch.Tensor:
-    """How many rows have the target among the top-k logits (k capped at the class count)."""
-    k = min(k, logits.shape[1])
-    top = logits.topk(k, dim=1).indices
-    return (top == target[:, None]).any(dim=1).sum()
+def ranked_classes(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The k best classes of each row, best first (k capped at the class count).
+
+    Call it once per batch and derive every metric and written prediction from the result: two topk
+    calls may break a tie between equal logits differently.
+    """
+    return logits.topk(min(k, logits.shape[1]), dim=1).indices
+
+
+def hits(ranked: torch.Tensor, target: torch.Tensor, k: int) -> torch.Tensor:
+    """How many rows have the target among their first k ranked classes."""
+    return (ranked[:, :k] == target[:, None]).any(dim=1).sum()
 
 
 class SumMeter:
@@ -22,13 +29,12 @@ class SumMeter:
         self.sums = torch.zeros(len(names), dtype=torch.float64, device=device)
 
     def add(self, *values: torch.Tensor | float) -> None:
-        self.sums += torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.sums.device)
+        """Tensors are added where they are; Python numbers become device fills, not blocking host copies."""
+        self.sums += torch.stack([v.to(torch.float64) if isinstance(v, torch.Tensor)
+                                  else torch.full((), v, dtype=torch.float64, device=self.sums.device)
                                   for v in values])
 
     def global_sums(self) -> dict[str, float]:
         """Sums over all ranks (a collective: every rank must call it)."""
         total = all_reduce_sum(self.sums.clone()).tolist()
         return dict(zip(self.names, total))
-
-    def reset(self) -> None:
-        self.sums.zero_()

@@ -16,25 +16,32 @@ from engine.errors import UserError
 FUSED_CLASSES = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
 
-def fused_kwargs(name: str) -> dict:
+def fused_kwargs(name: str, grad_scaler: bool = False) -> dict:
     """{"fused": True} when timm maps `name` to a torch optimizer with a fused step, else {}.
 
     It is the same arithmetic, rounded differently in the last bits (not bitwise equal to the per-tensor
-    step); on this CPU it is 2-3x faster (benchmarks/optimizer_step.py).
+    step), and faster (benchmarks/optimizer_step.py). Never fused SGD under a GradScaler: the fused kernel
+    takes the scaler's found_inf flag instead of being skipped, and on a skipped first step it keeps momentum
+    buffers made with empty_like, uninitialised (fused Adam/AdamW zero theirs: tests/test_gpu_path.py).
     """
     try:
         cls = get_optimizer_class(name, bind_defaults=False)
     except Exception:  # unknown name, or an optimizer needing CUDA libraries: timm's own error comes later
         return {}
+    if cls is torch.optim.SGD and grad_scaler:
+        return {}
     return {"fused": True} if cls in FUSED_CLASSES else {}
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """timm optimizer (fused when torch has it); norm weights and biases get no weight decay if no_decay_norm_bias."""
+def build_optimizer(model: nn.Module, cfg: OptimConfig, grad_scaler: bool = False) -> torch.optim.Optimizer:
+    """timm optimizer (fused when that is safe); norm weights and biases get no weight decay if no_decay_norm_bias.
+
+    `grad_scaler`: the run steps through a GradScaler (fp16), which rules out fused SGD.
+    """
     try:
         return create_optimizer_v2(model, opt=cfg.name, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                    momentum=cfg.momentum, filter_bias_and_bn=cfg.no_decay_norm_bias,
-                                   **fused_kwargs(cfg.name))
+                                   **fused_kwargs(cfg.name, grad_scaler))
     except (AssertionError, ValueError) as err:
         raise UserError(f"optim.name {cfg.name!r} is not a timm optimizer ({err})") from None
 

@@ -1,9 +1,9 @@
 """Mixed precision in one place: which autocast dtype, whether a GradScaler is needed, how to step.
 
-`amp=auto` picks bf16 on GPUs that support it, else fp16 with a GradScaler. On CPU it picks bf16 only
-where the CPU computes bf16 natively (AVX512-BF16 or AMX: 1.4-2.8x faster than fp32 for ResNets) and
-fp32 elsewhere (on an AVX2-only CPU, bf16 autocast measured 4-15x slower than fp32). fp16 autocast on
-CPU is refused: measured about 40x slower than fp32.
+`amp=auto` picks bf16 on GPUs with bf16 Tensor Cores (compute capability 8.0, Ampere, and newer), else fp16
+with a GradScaler. On CPU it picks bf16 only where the CPU computes bf16 natively (AVX512-BF16 or AMX) and
+fp32 elsewhere, where bf16 is emulated and slower than fp32. fp16 autocast on CPU is refused: it is far
+slower than fp32 (docs/benchmarks.md has the figures).
 """
 
 from __future__ import annotations
@@ -69,10 +69,19 @@ def cpu_has_native_bf16() -> bool:
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 
+def gpu_auto_mode(capability: tuple[int, int]) -> str:
+    """`amp=auto` on a GPU of this compute capability: bf16 from Ampere (8.0) on, fp16 + GradScaler below.
+
+    Not torch.cuda.is_bf16_supported(): it is True on sm_75 (T4, RTX 20xx), where bf16 is emulated and
+    cuDNN has no bf16 convolutions.
+    """
+    return "bf16" if tuple(capability) >= (8, 0) else "fp16"
+
+
 def auto_mode(device: torch.device) -> str:
     """What `amp=auto` means on this device: the fastest precision that trains safely."""
     if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        return gpu_auto_mode(torch.cuda.get_device_capability(device))
     return "bf16" if cpu_has_native_bf16() else "off"
 
 

@@ -1,7 +1,8 @@
 """The training loop: one epoch of optimizer steps, with accumulation, AMP and exact metrics.
 
-`train_one_epoch` is the whole loop. It syncs with the host only every `log_interval` steps
-(one all-reduce of a few sums), so the hot path stays free of `.item()` calls.
+`train_one_epoch` is the whole loop. It reads one value on the host per optimizer step (the inf/NaN
+gradient check, which decides whether to step) and the metrics only every `log_interval` steps (one
+all-reduce of a few sums); nothing else in the hot path waits for the device.
 """
 
 from __future__ import annotations
@@ -19,12 +20,11 @@ from torch.utils.data import DataLoader
 from engine.dist import DistInfo
 from engine.errors import UserError
 from engine.logs import progress
-from engine.metrics import SumMeter, topk_correct
+from engine.metrics import SumMeter, hits, ranked_classes
 from engine.precision import Precision
+from engine.prefetch import Normalize, device_batches
 
 log = logging.getLogger(__name__)
-
-Normalize = Callable[[torch.Tensor], torch.Tensor]  # uint8 batch on the device -> model input (data.transforms)
 
 
 @dataclass
@@ -50,14 +50,6 @@ class LoopConfig:
     max_nonfinite: int = 5  # consecutive skipped (inf/NaN) steps before training stops
 
 
-def to_device(images: torch.Tensor, targets: torch.Tensor, device: torch.device,
-              normalize: Normalize) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copy a uint8 batch to the device (non-blocking from pinned memory on CUDA) and normalize it there."""
-    non_blocking = device.type == "cuda"
-    images = normalize(images.to(device, non_blocking=non_blocking))
-    return images, targets.to(device, non_blocking=non_blocking)
-
-
 def train_one_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer,
                     scheduler, loss_fn: Callable, precision: Precision, state: TrainState,
                     cfg: LoopConfig, info: DistInfo,
@@ -75,13 +67,13 @@ def train_one_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim
     if state.epoch_sums and info.is_main:  # the global sums of the steps done before the resume
         meter.add(*(state.epoch_sums[name] for name in meter.names))
     num_batches = len(loader)
-    bar = progress(loader, num_batches, f"epoch {state.epoch}", cfg.show_progress and info.is_main)
+    batches = device_batches(loader, info.device, cfg.normalize)
+    bar = progress(batches, num_batches, f"epoch {state.epoch}", cfg.show_progress and info.is_main)
     start = time.perf_counter() - state.epoch_seconds
     last_sums, last_time = dict(state.epoch_sums) or dict.fromkeys(meter.names, 0.0), time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     skipped = 0  # optimizer steps in a row skipped for inf/NaN gradients
     for i, (images, targets) in enumerate(bar):
-        images, targets = to_device(images, targets, info.device, cfg.normalize)
         group_start = i - i % cfg.accum_steps
         group_size = min(cfg.accum_steps, num_batches - group_start)
         last_micro_step = i == group_start + group_size - 1
@@ -92,7 +84,7 @@ def train_one_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim
                 logits = model(images)
                 loss = loss_fn(logits, targets)
             precision.backward(loss / group_size)
-        meter.add(loss.detach() * len(targets), topk_correct(logits.detach(), targets, 1), len(targets))
+        meter.add(loss.detach() * len(targets), hits(ranked_classes(logits.detach(), 1), targets, 1), len(targets))
         if not last_micro_step:
             continue
         skipped = 0 if precision.step(optimizer, model, cfg.clip_grad) else skipped + 1
@@ -139,20 +131,23 @@ def check_nonfinite(skipped: int, limit: int, step: int, info: DistInfo) -> None
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: DataLoader, precision: Precision, info: DistInfo,
-             normalize: Normalize, on_batch: Callable[[torch.Tensor, torch.Tensor], None] | None = None
-             ) -> dict[str, float]:
-    """Exact val_loss / val_top1 / val_top5 over the whole (sharded, unpadded) validation set."""
+             normalize: Normalize,
+             on_batch: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None) -> dict[str, float]:
+    """Exact val_loss / val_top1 / val_top5 over the whole (sharded, unpadded) validation set.
+
+    on_batch(logits, targets, ranked) sees each batch with the top-5 classes the metrics counted.
+    """
     model.eval()
     meter = SumMeter(("loss_sum", "top1", "top5", "count"), info.device)
-    for images, targets in loader:
-        images, targets = to_device(images, targets, info.device, normalize)
+    for images, targets in device_batches(loader, info.device, normalize):
         with precision.autocast():
             logits = model(images)
         logits = logits.float()
         loss = nn.functional.cross_entropy(logits, targets, reduction="sum")
-        meter.add(loss, topk_correct(logits, targets, 1), topk_correct(logits, targets, 5), len(targets))
+        ranked = ranked_classes(logits, 5)
+        meter.add(loss, hits(ranked, targets, 1), hits(ranked, targets, 5), len(targets))
         if on_batch is not None:
-            on_batch(logits, targets)
+            on_batch(logits, targets, ranked)
     sums = meter.global_sums()
     count = sums["count"]
     return {"val_loss": sums["loss_sum"] / count, "val_top1": 100.0 * sums["top1"] / count,

@@ -38,6 +38,20 @@ def create_model(cfg: ModelConfig, num_classes: int) -> nn.Module:
         raise UserError(f"model {cfg.name!r} rejected its options ({err}); remove them from the model section") from None
 
 
+def compile_warning(cfg: ModelConfig, world_size: int) -> str | None:
+    """Why torch.compile will disappoint with these settings, or None.
+
+    A synchronized BatchNorm all-reduces inside its forward; torch.compile cannot trace that and breaks the
+    graph at every BN layer (pytorch/pytorch#161302): with the DDP optimizer's own splits, little is left
+    to fuse, and errors have been reported for the combination.
+    """
+    if cfg.compile and cfg.sync_bn and world_size > 1:
+        return ("model.compile=true with model.sync_bn=true: torch.compile breaks the graph at every synchronized "
+                "BatchNorm (pytorch/pytorch#161302), so expect little speed-up; with 32 or more images per "
+                "process, model.sync_bn=false trains about as well and compiles whole")
+    return None
+
+
 def prepare_model(model: nn.Module, cfg: ModelConfig, device: torch.device, world_size: int) -> nn.Module:
     """SyncBN (several processes only), device placement and memory format, before DDP wraps it."""
     if cfg.sync_bn and world_size > 1:

@@ -1,0 +1,37 @@
+"""Batches onto the training device one step ahead, normalized there.
+
+On CUDA the copy of batch i+1 (from the DataLoader's pinned memory) and its normalization run on a side
+stream while batch i computes, as timm's PrefetchLoader does; the compute stream waits for the side
+stream before it uses a batch, and `record_stream` keeps the allocator from reusing a batch's memory
+while compute still reads it. On the CPU the same one-ahead order runs without streams.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+Normalize = Callable[[torch.Tensor], torch.Tensor]  # uint8 batch on the device -> model input (data.transforms)
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def device_batches(loader: Iterable[Batch], device: torch.device, normalize: Normalize) -> Iterator[Batch]:
+    """Yield the loader's (uint8 images, targets) as (normalized images, targets) on `device`."""
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+    ready: Batch | None = None
+    for images, targets in loader:
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            upcoming = (normalize(images.to(device, non_blocking=side is not None)),
+                        targets.to(device, non_blocking=side is not None))
+        if ready is not None:
+            yield ready
+        if side is not None:
+            compute = torch.cuda.current_stream(device)
+            compute.wait_stream(side)
+            for tensor in upcoming:
+                tensor.record_stream(compute)
+        ready = upcoming
+    if ready is not None:
+        yield ready

@@ -1,0 +1,178 @@
+"""The GPU tier: what only a CUDA machine can show. Run it there with `python -m pytest -m gpu -s -q`.
+
+Skipped (with the reason) where CUDA is absent; the two-process tests also need two GPUs. The runs are real
+`train.py` / `evaluate.py` processes (torchrun with NCCL for two), as on the CPU tier, on synthetic data.
+tests/test_gpu_path.py proves on the CPU what can be reproduced there.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.compare import load_weights, relative_differences
+from tests.helpers import read_jsonl, run_script, script_env
+
+CUDA = torch.cuda.is_available()
+GPUS = torch.cuda.device_count() if CUDA else 0
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: run `python -m pytest -m gpu -s` on one")]
+two_gpus = pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs, this machine has {GPUS}")
+
+TINY = ["--config", "configs/dummy.yaml", "model.name=resnet10t", "data.img_size=32", "data.dummy_image_size=40",
+        "data.dummy_train_size=256", "data.dummy_val_size=50", "data.num_workers=2", "train.batch_size=16",
+        "logging.progress=false"]
+# Without TF32 (on by default for cuDNN convolutions from Ampere on), fp32 runs differ only in summation order.
+FP32_ENV = {"NVIDIA_TF32_OVERRIDE": "0"}
+
+
+def train(out: Path, *overrides: str, nproc: int = 1, env: dict | None = None) -> Path:
+    run_script("train.py", *TINY, f"output_dir={out}", *overrides, nproc=nproc, env=script_env(**(env or {})))
+    return out
+
+
+def assert_finite(run_dir: Path) -> None:
+    ckpt = torch.load(run_dir / "last.pth", weights_only=True, map_location="cpu")
+    broken = [k for k, v in ckpt["model"].items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    assert not broken, broken
+    for state in ckpt["optimizer"]["state"].values():  # fp16 + SGD: no uninitialised momentum (~1e37)
+        for value in state.values():
+            if torch.is_tensor(value) and value.is_floating_point():
+                assert torch.isfinite(value).all() and value.abs().max() < 1e6
+
+
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=two_gpus)])
+@pytest.mark.parametrize("amp, optim", [("bf16", "sgd"), ("bf16", "adamw"), ("fp16", "sgd"), ("fp16", "adamw")])
+def test_a_few_mixed_precision_steps_keep_weights_finite(tmp_path, amp, optim, nproc):
+    if amp == "bf16" and torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("bf16 needs compute capability 8.0 (Ampere) or newer")
+    lr = "0.01" if optim == "sgd" else "0.001"
+    out = train(tmp_path / "run", f"amp={amp}", f"optim.name={optim}", f"optim.lr={lr}", "train.max_steps=6",
+                nproc=nproc)
+    assert_finite(out)
+
+
+@two_gpus
+def test_sync_bn_on_two_gpus_trains_the_single_gpu_model(tmp_path):
+    common = ["amp=off", "data.augment=false", "data.dummy_train_size=96", "train.epochs=2", "optim.lr=0.01"]
+    single = train(tmp_path / "single", *common, "train.batch_size=16", env=FP32_ENV)
+    synced = train(tmp_path / "sync", *common, "train.batch_size=8", "model.sync_bn=true", nproc=2, env=FP32_ENV)
+    unsynced = train(tmp_path / "nosync", *common, "train.batch_size=8", nproc=2, env=FP32_ENV)
+    with_sync = relative_differences(load_weights(single), load_weights(synced))
+    without = relative_differences(load_weights(single), load_weights(unsynced))
+    # Same arithmetic up to summation order (cuDNN atomics, NCCL's reduction order): far closer than a run
+    # whose BatchNorm statistics are per GPU.
+    for group, difference in with_sync.items():
+        assert difference < 1e-3, with_sync
+    assert max(without.values()) > 10 * max(with_sync.values()), (with_sync, without)
+
+
+@two_gpus
+def test_evaluate_is_identical_on_one_and_two_gpus(tmp_path):
+    run_dir = train(tmp_path / "run", "train.max_steps=4")
+    results = []
+    for nproc in (1, 2):
+        out = tmp_path / f"eval{nproc}"
+        run_script("evaluate.py", str(run_dir / "last.pth"), "--output-dir", str(out), "--batch-size", "8",
+                   nproc=nproc)
+        results.append(((out / "eval.json").read_text(), (out / "predictions.csv").read_text()))
+    assert results[0] == results[1]
+
+
+def test_resume_continues_a_gpu_run(tmp_path):
+    common = ["amp=off", "train.epochs=2", "data.dummy_train_size=96"]
+    whole = train(tmp_path / "whole", *common, env=FP32_ENV)
+    split = train(tmp_path / "split", *common, "train.max_steps=3", env=FP32_ENV)  # stops mid-epoch 0
+    train(split, *common, env=FP32_ENV)  # resume=auto continues from last.pth
+    assert [row["epoch"] for row in read_jsonl(split / "metrics.jsonl")] == [0, 1]
+    assert torch.load(split / "last.pth", weights_only=True)["global_step"] == 12
+    # cuDNN's backward kernels are not bitwise deterministic: close, not equal.
+    assert max(relative_differences(load_weights(whole), load_weights(split)).values()) < 1e-3
+
+
+def test_channels_last_and_torch_compile_train(tmp_path):
+    train(tmp_path / "cl", "model.channels_last=true", "train.max_steps=3")
+    out = train(tmp_path / "compiled", "model.compile=true", "train.max_steps=3")
+    assert_finite(out)
+
+
+def test_training_steps_sync_with_the_host_once_per_step():
+    """The documented per-step sync (the inf/NaN check) and no other: SumMeter counts, copies, normalization."""
+    import timm
+
+    from data.transforms import DeviceNormalize
+    from engine.config import OptimConfig, SchedConfig
+    from engine.dist import DistInfo
+    from engine.optim import build_optimizer, build_scheduler
+    from engine.precision import resolve_precision
+    from engine.trainer import LoopConfig, TrainState, train_one_epoch
+
+    device = torch.device("cuda", 0)
+    info = DistInfo(0, 1, 0, 1, device)
+    model = timm.create_model("resnet10t", num_classes=10).to(device, memory_format=torch.channels_last)
+    precision = resolve_precision("auto", device)
+    optimizer = build_optimizer(model, OptimConfig(), grad_scaler=precision.scaler is not None)
+    scheduler = build_scheduler(optimizer, SchedConfig(), 2, 8)
+    batches = [(torch.randint(0, 256, (16, 3, 64, 64), dtype=torch.uint8).pin_memory(),
+                torch.randint(0, 10, (16,)).pin_memory()) for _ in range(8)]
+    loop = LoopConfig(1, 0.0, 0, 1000, DeviceNormalize([0.5] * 3, [0.5] * 3, device, True), False)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    train_one_epoch(model, batches, optimizer, scheduler, loss_fn, precision, TrainState(), loop, info)  # warm-up
+    state = TrainState(epoch=1, global_step=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            train_one_epoch(model, batches, optimizer, scheduler, loss_fn, precision, state, loop, info)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    # One per step (8), plus the epoch's final read of the sums.
+    assert len(syncs) <= len(batches) + 1, [str(w.message) for w in syncs[:5]]
+
+
+def test_resnet50_batch_64_memory_and_speed(capsys):
+    """Prints peak memory and img/s of a resnet50 training step at batch 64 (amp=auto, channels_last)."""
+    import timm
+
+    from data.transforms import DeviceNormalize
+    from engine.config import OptimConfig
+    from engine.optim import build_optimizer
+    from engine.precision import resolve_precision
+
+    device = torch.device("cuda", 0)
+    torch.backends.cudnn.benchmark = True
+    model = timm.create_model("resnet50", num_classes=1000).to(device, memory_format=torch.channels_last)
+    precision = resolve_precision("auto", device)
+    optimizer = build_optimizer(model, OptimConfig(), grad_scaler=precision.scaler is not None)
+    normalize = DeviceNormalize([0.5] * 3, [0.5] * 3, device, True)
+    images = torch.randint(0, 256, (64, 3, 224, 224), dtype=torch.uint8, device=device)
+    targets = torch.randint(0, 1000, (64,), device=device)
+
+    def step() -> None:
+        with precision.autocast():
+            loss = torch.nn.functional.cross_entropy(model(normalize(images)), targets)
+        precision.backward(loss)
+        precision.step(optimizer, model, clip_grad=0.0)
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(10):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start, steps = time.perf_counter(), 30
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    report = {"gpu": torch.cuda.get_device_name(), "amp": precision.name, "batch": 64,
+              "img_per_s": round(64 * steps / seconds, 1),
+              "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+    with capsys.disabled():
+        print(f"\nresnet50 training step: {json.dumps(report)}")
+    assert report["img_per_s"] > 0

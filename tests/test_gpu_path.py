@@ -1,0 +1,229 @@
+"""The CUDA path's decisions and defects, reproduced on the CPU (tests/test_gpu.py runs the rest on a GPU).
+
+Each test drives the app's own code with a CPU analogue of what happens on a GPU: a CPU GradScaler with an
+inf first gradient, the GPU's compute capability or device count as an argument, constructed tied logits,
+a recorder of host<->device traffic, optimizer state held in fake CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import pytest
+import timm
+import torch
+from timm.optim import create_optimizer_v2
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import evaluate
+from data.datasets import DummyDataset
+from data.loader import build_eval_loader
+from data.transforms import DeviceNormalize, eval_transform
+from engine.checkpoint import Checkpointer
+from engine.config import DataConfig, OptimConfig, SchedConfig
+from engine.dist import DistInfo, cuda_device_index
+from engine.errors import UserError
+from engine.optim import build_optimizer, build_scheduler
+from engine.precision import Precision, gpu_auto_mode
+from engine.prefetch import device_batches
+from engine.trainer import LoopConfig, TrainState, evaluate as run_evaluation, train_one_epoch
+
+CPU = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+
+
+# 1. fp16 + GradScaler + fused SGD ---------------------------------------------------------------------------
+
+def _fp16_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Three steps through Precision.step with a CPU GradScaler; the first gradient holds an inf (skipped)."""
+    precision = Precision("cpu", torch.float16, torch.amp.GradScaler("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    for step in range(3):
+        x = torch.randn(8, 6, generator=generator)
+        precision.backward(model(x).square().mean())
+        if step == 0:
+            next(model.parameters()).grad[0, 0] = float("inf")  # what an fp16 overflow at the initial scale does
+        precision.step(optimizer, model, clip_grad=0.0)
+        optimizer.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("name", ["sgd", "momentum", "adam", "adamw"])
+def test_skipped_first_fp16_step_leaves_weights_and_state_as_the_plain_optimizer_does(name):
+    cfg = OptimConfig(name=name, lr=0.05, momentum=0.9, weight_decay=0.01)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    reference = copy.deepcopy(model)
+    ours = build_optimizer(model, cfg, grad_scaler=True)
+    plain = create_optimizer_v2(reference, opt=name, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                momentum=cfg.momentum, foreach=False)  # torch's per-tensor loop: the reference
+    _fp16_steps(model, ours)
+    _fp16_steps(reference, plain)
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        for key, value in plain.state[q].items():
+            torch.testing.assert_close(torch.as_tensor(ours.state[p][key]).float(),
+                                       torch.as_tensor(value).float(), rtol=1e-5, atol=1e-6)
+
+
+def test_fused_step_is_kept_where_no_grad_scaler_is_used():
+    model = torch.nn.Linear(3, 2)
+    assert build_optimizer(model, OptimConfig(name="sgd")).defaults["fused"] is True
+    assert build_optimizer(model, OptimConfig(name="adamw", lr=1e-3), grad_scaler=True).defaults["fused"] is True
+    assert not build_optimizer(model, OptimConfig(name="sgd"), grad_scaler=True).defaults.get("fused")
+
+
+# 2. amp=auto on pre-Ampere GPUs ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("capability, mode", [((6, 0), "fp16"), ((7, 0), "fp16"), ((7, 5), "fp16"),
+                                              ((8, 0), "bf16"), ((8, 6), "bf16"), ((9, 0), "bf16"),
+                                              ((12, 0), "bf16")])
+def test_amp_auto_on_a_gpu_follows_its_compute_capability(capability, mode):
+    # sm_75 (T4, RTX 20xx) emulates bf16 (torch.cuda.is_bf16_supported() is True there) without bf16 Tensor
+    # Cores: fp16 + GradScaler is the fast choice below 8.0.
+    assert gpu_auto_mode(capability) == mode
+
+
+# 3. tied logits in evaluate.py -------------------------------------------------------------------------------
+
+class TiedLogits(torch.nn.Module):
+    """Every class gets the same logit: topk must break the tie once, the same way for metrics and CSV."""
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return images.float().sum(dim=(1, 2, 3))[:, None] * 0.0 + torch.zeros(1, 1000)
+
+
+def test_tied_logits_give_one_prediction_for_the_metrics_and_the_csv(tmp_path):
+    cfg = DataConfig(name="dummy", img_size=8, crop_pct=1.0, num_workers=0)
+    # Labels 997, 998, 999, 0: only class 0 of the tied classes' low indices is present.
+    dataset = DummyDataset(4, 1000, 8, eval_transform(cfg), seed=0, offset=997)
+    loader = build_eval_loader(dataset, cfg, 4, CPU)
+    names = [f"c{i}" for i in range(1000)]
+    writer = evaluate.PredictionWriter(dataset, 0, names)
+    normalize = DeviceNormalize(cfg.mean, cfg.std, CPU.device, channels_last=False)
+    metrics = run_evaluation(TiedLogits(), loader, Precision("cpu", None), CPU, normalize, on_batch=writer)
+    writer.write(tmp_path / "predictions.part0.csv")
+    rows = evaluate.merge_parts(tmp_path, 1, len(dataset))
+    result, _ = evaluate.summarize(rows, metrics, names, "tied.pth", ema=False)  # raised on disagreement
+    csv_top1 = 100.0 * sum(row["pred"] == row["label"] for row in rows) / len(rows)
+    assert result["top1"] == csv_top1
+    assert all(row["top5"].split()[0] == row["pred"] for row in rows)
+
+
+# 4. the CUDA device of a rank --------------------------------------------------------------------------------
+
+def test_cuda_device_is_the_local_rank_or_the_only_visible_gpu():
+    assert [cuda_device_index(local_rank, 8) for local_rank in range(8)] == list(range(8))
+    assert [cuda_device_index(local_rank, 1) for local_rank in range(4)] == [0, 0, 0, 0]  # Slurm GPU binding
+    with pytest.raises(UserError, match=r"local rank 2 .* 2 visible GPU"):
+        cuda_device_index(2, 2)
+
+
+# 5. host<->device syncs in the hot loop ----------------------------------------------------------------------
+
+class HostTraffic(TorchDispatchMode):
+    """Counts the ops that move data between host and device on a GPU: a tensor made from host data
+    (aten.lift_fresh: a copy to the device) and a read of a device value (aten._local_scalar_dense: a sync)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    return [(torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8, generator=generator),
+             torch.randint(0, 4, (4,), generator=generator)) for _ in range(count)]
+
+
+def test_training_and_evaluation_steps_make_no_hidden_host_device_traffic():
+    torch.manual_seed(0)
+    model = timm.create_model("test_resnet", num_classes=4)
+    optimizer = build_optimizer(model, OptimConfig())
+    scheduler = build_scheduler(optimizer, SchedConfig(), 1, 6)
+    normalize = DeviceNormalize([0.5] * 3, [0.5] * 3, CPU.device, channels_last=False)
+    loop = LoopConfig(1, 0.0, 0, 1000, normalize, False)
+    batches = _batches(6)  # made before recording: in a real run they come from the DataLoader's workers
+    with HostTraffic() as train_traffic:
+        train_one_epoch(model, batches, optimizer, scheduler, torch.nn.CrossEntropyLoss(), Precision("cpu", None),
+                        TrainState(), loop, CPU)
+    with HostTraffic() as eval_traffic:
+        run_evaluation(model, batches, Precision("cpu", None), CPU, normalize)
+    assert train_traffic.ops["lift_fresh"] == 0 and eval_traffic.ops["lift_fresh"] == 0
+    # The one documented per-step sync: the inf/NaN gradient check (README, Performance). None in evaluation.
+    assert train_traffic.ops["_local_scalar_dense"] == 6
+    assert eval_traffic.ops["_local_scalar_dense"] == 0
+
+
+def test_device_batches_yield_every_batch_in_order_normalized():
+    normalize = DeviceNormalize([0.5] * 3, [0.25] * 3, CPU.device, channels_last=True)
+    for count in (0, 1, 3):
+        batches = _batches(count)
+        got = list(device_batches(batches, CPU.device, normalize))
+        assert len(got) == count
+        for (images, targets), (raw, labels) in zip(got, batches):
+            assert images.dtype == torch.float32 and images.is_contiguous(memory_format=torch.channels_last)
+            torch.testing.assert_close(images, (raw.float() / 255 - 0.5) / 0.25)
+            assert torch.equal(targets, labels)
+
+
+# 9. optimizer state saved on the CPU -------------------------------------------------------------------------
+
+def test_checkpoint_of_a_cuda_run_holds_only_cpu_tensors(tmp_path):
+    with FakeTensorMode(allow_non_fake_inputs=True):  # CUDA tensors without a GPU: shapes and devices only
+        model = torch.nn.Linear(3, 2, device="cuda")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+        for param in model.parameters():  # autograd would need a real GPU; the optimizer step does not
+            param.grad = torch.ones_like(param)
+        optimizer.step()
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+        checkpointer = Checkpointer(tmp_path, CPU, 0, model=model, optimizer=optimizer, scheduler=scheduler,
+                                    scaler=None, config={}, class_names=["a", "b"])
+        contents = checkpointer.contents(TrainState(), rng=[], val_top1=None)
+    devices = {str(t.device) for t in _tensors(contents)}
+    assert devices == {"cpu"}, devices
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for value in obj.values() for t in _tensors(value)]
+    if isinstance(obj, (list, tuple)):
+        return [t for value in obj for t in _tensors(value)]
+    return []
+
+
+# 7. torch.compile with synchronized BatchNorm ----------------------------------------------------------------
+
+def test_compile_with_sync_bn_on_several_processes_is_warned_about():
+    from engine.config import ModelConfig
+    from models.factory import compile_warning
+
+    assert "pytorch/pytorch#161302" in compile_warning(ModelConfig(compile=True, sync_bn=True), world_size=2)
+    assert compile_warning(ModelConfig(compile=True, sync_bn=True), world_size=1) is None  # no SyncBN in 1 process
+    assert compile_warning(ModelConfig(compile=True, sync_bn=False), world_size=8) is None
+
+
+# The pinned wheel and the GPU generations it runs on ---------------------------------------------------------
+
+CU130_ARCHS = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]  # torch 2.14.1+cu130, the pinned wheel
+
+
+@pytest.mark.parametrize("capability, supported", [((7, 0), False), ((6, 0), False), ((7, 5), True), ((8, 0), True),
+                                                   ((8, 9), True), ((9, 0), True), ((10, 0), True), ((12, 0), True)])
+def test_gpu_generations_the_pinned_wheel_runs_on(capability, supported):
+    from engine.dist import gpu_supported
+
+    # V100 (7.0) needs another build: docs/gpu.md. The L4/RTX 40xx (8.9) run sm_86 code.
+    assert gpu_supported(capability, CU130_ARCHS) is supported
+    assert gpu_supported((7, 0), ["sm_75", "compute_70"])  # PTX is compiled for newer GPUs at load time
+
+
+def test_the_installed_wheel_is_the_one_docs_gpu_md_describes():
+    assert torch.version.cuda == "13.0" and torch.cuda.get_arch_list() == CU130_ARCHS
