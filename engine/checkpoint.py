@@ -33,6 +33,8 @@ from engine.trainer import TrainState
 
 log = logging.getLogger(__name__)
 EPOCH_FILE = re.compile(r"epoch_(\d+)\.pth")
+# torch.save's zip archive, and the legacy format (a protocol-2 pickle of torch's magic number) of old .pth files.
+TORCH_FILE_STARTS = (b"PK\x03\x04", b"\x80\x02\x8a\x0a")
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -92,13 +94,20 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
                         f"{path / (inside[0] if inside else 'best.pth')}")
     if not path.is_file():
         raise UserError(f"checkpoint {path} does not exist; check the path")
+    with path.open("rb") as f:
+        head = f.read(4)
+    if head not in TORCH_FILE_STARTS:
+        raise UserError(f"checkpoint {path} is not a checkpoint: torch.save files start with a zip header, "
+                        f"this one with {head!r}; check the path") from None
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if "Unsupported global" not in str(err):
+            raise UserError(f"checkpoint {path} cannot be read ({first[:80]}); it is damaged or not a checkpoint")
         raise UserError(f"checkpoint {path} was refused: it holds objects that are not plain data "
                         f"and could run code when loaded ({first}); only load files you trust") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as err:
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError, IndexError, TypeError) as err:
         raise UserError(f"checkpoint {path} cannot be read ({type(err).__name__}: "
                         f"{str(err).strip().splitlines()[0] if str(err).strip() else 'truncated?'}); "
                         "it is truncated or not a checkpoint") from None

@@ -166,3 +166,21 @@ def test_metrics_rows_of_resumed_epochs_are_dropped(tmp_path):
     metrics.keep_epochs_before(2)
     assert metrics.rows() == [{"epoch": 0, "val_top1": 0.1}, {"epoch": 1, "val_top1": 10.1}]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
+@pytest.mark.parametrize("content", [b"hello", bytes(np.random.default_rng(0).integers(0, 256, 1000, dtype=np.uint8)),
+                                     b"PK\x03\x04" + b"\x00" * 100, b"\x80\x02\x8a\x0a" + b"\x00" * 100])
+def test_a_file_that_is_not_a_checkpoint_is_named_in_one_line(content, tmp_path):
+    path = tmp_path / "notes.pth"
+    path.write_bytes(content)
+    with pytest.raises(UserError) as caught:
+        load_checkpoint(path)
+    message = str(caught.value)
+    assert message.startswith(f"checkpoint {path} ") and "not a checkpoint" in message, message
+    assert "could run code" not in message
+
+
+def test_an_old_legacy_format_state_dict_still_loads(tmp_path):
+    path = tmp_path / "old.pth"  # e.g. torchvision's 2017 weights files
+    torch.save({"w": torch.arange(3.0)}, path, _use_new_zipfile_serialization=False)
+    assert torch.equal(load_checkpoint(path)["w"], torch.arange(3.0))
