@@ -28,6 +28,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.startup import import_timm_without_wandb, tune_cpu_process
+
+import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (engine/startup.py)
+
 from data.loader import build_eval_loader, build_val_dataset
 from data.transforms import DeviceNormalize
 from data.datasets import AugmentedDataset
@@ -280,7 +284,7 @@ def main(argv: list[str]) -> int:
     if info.device.type == "cpu":
         # CPU convolutions round differently with different thread counts; one thread in every
         # process makes the outputs independent of the number of processes (torchrun for speed).
-        torch.set_num_threads(1)
+        tune_cpu_process(threads=1)
     result = run(cfg, ckpt, args, info)  # report_errors leaves the process group, after reporting any error
     if result is not None:
         worst = sorted((c for c in result["per_class"] if c["top1"] is not None), key=lambda c: c["top1"])[:3]

@@ -21,6 +21,10 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from engine.startup import cpu_share, import_timm_without_wandb, tune_cpu_process
+
+import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (engine/startup.py)
+
 from data.loader import build_data, skipped_train_images, steps_per_epoch
 from data.transforms import DeviceNormalize
 from engine.checkpoint import Checkpointer, load_checkpoint
@@ -183,6 +187,8 @@ def main(argv: list[str]) -> int:
     cfg = load_config(args.config, args.overrides)
     setup_logging(read_launch_env()[0], cfg.logging.level)  # before the rendezvous, which may wait
     info = init_distributed(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.rendezvous_timeout_s)
+    if info.device.type == "cpu":
+        tune_cpu_process(cpu_share(info.local_world_size))
     fit(cfg, info)  # report_errors leaves the process group, after reporting any error
     return 0
 

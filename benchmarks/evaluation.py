@@ -11,7 +11,7 @@ robust to other jobs on the machine; --threads 2 uses both cores), alternating:
   its normalization was paid elsewhere;
 - bare + normalize: the same loop on the uint8 batches, normalizing each the textbook way,
   `(x.float() / 255 - mean) / std`: the same input and work as ours.
-Like evaluate.py (engine.dist.init_distributed), the process first raises glibc's malloc thresholds
+Like evaluate.py (engine.startup.tune_cpu_process), the process first raises glibc's malloc thresholds
 (engine.host_memory), which both sides share; set `GLIBC_TUNABLES=` (empty) to measure glibc's defaults.
 
     python benchmarks/evaluation.py [--repeats 5]
@@ -49,7 +49,7 @@ def main() -> None:
     from models.factory import create_model, prepare_model
 
     torch.set_num_threads(args.threads)
-    keep_freed_memory()  # as evaluate.py's init_distributed does on CPU (`GLIBC_TUNABLES= ...` measures without)
+    keep_freed_memory()  # as evaluate.py's tune_cpu_process does on CPU (`GLIBC_TUNABLES= ...` measures without)
     print(machine_line(), f"torch threads {torch.get_num_threads()}")
     info = DistInfo(0, 1, 0, 1, torch.device("cpu"))
     torch.manual_seed(0)

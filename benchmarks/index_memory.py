@@ -102,7 +102,7 @@ def run_epoch(size: int, packed: bool, workers: int, batch_size: int) -> dict:
     from engine.dist import DistInfo
     from engine.host_memory import keep_freed_memory
 
-    keep_freed_memory()  # as init_distributed does on CPU before the app builds its loaders
+    keep_freed_memory()  # as tune_cpu_process does on CPU before the app builds its loaders
     dataset = make_dataset(size, packed)
     gc.collect()
     info = DistInfo(0, 1, 0, 1, torch.device("cpu"))

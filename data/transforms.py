@@ -1,9 +1,9 @@
 """The two albumentations presets (training, evaluation) and the normalization that follows them on the device.
 
 The presets end in uint8 tensors; `DeviceNormalize` turns a batch into normalized float32 where the model
-runs. Workers then ship a quarter of the bytes (through shared memory, and host-to-device on a GPU) and
-spend about half the CPU time per image after decoding; the normalization is one elementwise pass on
-the device, as in timm's prefetcher. Nothing else touches transforms.
+runs. Workers then ship uint8 (a quarter of float32's bytes, through shared memory and, on a GPU, host to
+device) and skip the float conversion; the normalization is one elementwise pass on the device, as in
+timm's prefetcher (docs/benchmarks.md measures the difference). Nothing else touches transforms.
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 from engine.errors import UserError
-from engine.host_memory import keep_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +104,6 @@ def init_distributed(backend: str = "auto", timeout_s: int = 0, rendezvous_timeo
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        # torchrun sets OMP_NUM_THREADS=1; give each rank its share of the cores instead.
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
-        keep_freed_memory()
     if world > 1 and not dist.is_initialized():
         if backend == "auto":
             backend = "nccl" if device.type == "cuda" else "gloo"
@@ -163,9 +159,6 @@ def get_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def get_world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
 
 def is_main() -> bool:
     return get_rank() == 0
@@ -182,12 +175,6 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
 
-
-def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
-    """Max over ranks, in place (used for "any rank saw a problem" flags)."""
-    if dist.is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor
 
 
 def broadcast_tensors(tensors: Iterable[torch.Tensor], src: int = 0) -> None:

@@ -3,7 +3,7 @@
 glibc's malloc serves blocks above its mmap threshold (128 KB, raised dynamically up to 32 MB) with fresh
 mmap calls and unmaps them on free, and trims the heap top above 128 KB. A CPU forward/backward pass
 allocates and frees tens of MB per layer, so every step page-faults its whole working set back in
-(measured: 165,000 minor faults per resnet50 inference batch of 32 at 224 px, a third of its CPU time).
+(docs/benchmarks.md, "Host memory", has the page-fault counts and the speed-up).
 PyTorch's performance tuning guide recommends jemalloc or TCMalloc for this; raising glibc's two
 thresholds with `mallopt` gets the same reuse without a preloaded library.
 """

@@ -97,5 +97,5 @@ def resolve_precision(mode: str, device: torch.device) -> Precision:
             log.info("amp=bf16: this CPU has no AVX512-BF16 or AMX, so bf16 is emulated and slower than amp=off")
         return Precision(device.type, torch.bfloat16)
     if not cuda:
-        raise UserError("amp=fp16 on CPU runs about 40x slower than fp32; use amp=bf16 (or auto) or amp=off")
+        raise UserError("amp=fp16 on CPU is far slower than fp32 (no fp16 kernels); use amp=bf16 (or auto) or amp=off")
     return Precision(device.type, torch.float16, torch.amp.GradScaler("cuda"))

@@ -18,7 +18,6 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from engine.checkpoint import load_checkpoint
 from engine.config import LoggingConfig
 
 log = logging.getLogger(__name__)
@@ -144,14 +143,6 @@ def timeouts() -> dict[str, float]:
 def table_cell(value: Any) -> Any:
     """Scalars stay as they are; anything else (a top-5 list) becomes its text, which a W&B table can hold."""
     return value if value is None or isinstance(value, (str, int, float, bool)) else str(value)
-
-
-def resume_run_id(output_dir: str | os.PathLike, resume: str = "auto") -> str | None:
-    """The W&B run id of the checkpoint a training resumes from (`auto`: <output_dir>/last.pth), else None."""
-    if resume in ("none", ""):
-        return None
-    path = Path(output_dir) / "last.pth" if resume == "auto" else Path(resume)
-    return checkpoint_run_id(load_checkpoint(path)) if path.is_file() else None
 
 
 def checkpoint_run_id(checkpoint: dict[str, Any]) -> str | None:

@@ -1,8 +1,4 @@
-"""An exponential moving average of the weights (timm's ModelEmaV3), kept when model.ema_decay > 0.
-
-Imported through the `models` package, which imports `engine` first: timm.utils would
-otherwise import wandb into every run (see engine/__init__.py).
-"""
+"""An exponential moving average of the weights (timm's ModelEmaV3), kept when model.ema_decay > 0."""
 
 from __future__ import annotations
 

@@ -71,9 +71,9 @@ def test_train_batches_are_channels_last_with_default_collate_values():
 
 FAULTS_PER_PASS = """
 import resource, sys, torch
-from engine.dist import init_distributed
+from engine.startup import tune_cpu_process
 if sys.argv[1] == "init":
-    init_distributed()
+    tune_cpu_process(threads=1)
 torch.set_num_threads(1)
 conv = torch.nn.Conv2d(16, 16, 3, padding=1)
 x = torch.randn(8, 16, 256, 256)  # 32 MB, and so is every activation of the pass
@@ -87,7 +87,7 @@ print([faults_per_pass() for _ in range(3)])
 
 
 def test_cpu_processes_reuse_freed_activation_memory_without_page_faults():
-    """After init_distributed on CPU, a pass's 32 MB activations reuse freed heap memory instead of fresh pages."""
+    """After the entry points' tune_cpu_process, a pass's 32 MB activations reuse freed heap memory instead of fresh pages."""
     def last_pass_faults(mode: str) -> int:
         proc = subprocess.run([sys.executable, "-c", FAULTS_PER_PASS, mode], cwd=REPO, env=script_env(),
                               capture_output=True, text=True, timeout=120, check=True)
