@@ -45,7 +45,7 @@ from engine.precision import resolve_precision
 from engine.tracking import WandbTracker
 from engine.trainer import evaluate
 from models.factory import create_model, prepare_model
-from models.weights import load_weights
+from engine.weights import load_weights
 
 log = logging.getLogger("evaluate")
 COLUMNS = ("index", "path", "label", "pred", "confidence", "top5", "label_name", "pred_name", "loss")

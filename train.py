@@ -42,7 +42,7 @@ from engine.tracking import WandbTracker, checkpoint_run_id
 from engine.trainer import LoopConfig, TrainState, evaluate, train_one_epoch
 from models.ema import create_ema
 from models.factory import compile_warning, create_model, prepare_model
-from models.weights import init_from
+from engine.weights import init_from
 
 log = logging.getLogger("train")
 

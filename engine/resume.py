@@ -19,7 +19,7 @@ from engine.config import Config, to_dict
 from engine.dist import DistInfo, broadcast_object, is_main
 from engine.errors import UserError
 from engine.trainer import TrainState
-from models.weights import load_weights
+from engine.weights import load_weights
 
 log = logging.getLogger(__name__)
 TRAINING_KEYS = ("model", "optimizer", "epoch", "global_step", "config", "class_names", "rng")

@@ -10,33 +10,35 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
+from timm.scheduler.scheduler import Scheduler
 from torch import nn
 from torch.utils.data import DataLoader
 
 from engine.dist import DistInfo
 from engine.errors import UserError
+from engine.hooks import Hook
 from engine.logs import progress
 from engine.metrics import SumMeter, hits, ranked_classes
 from engine.precision import Precision
 from engine.prefetch import Normalize, device_batches
+from engine.state import TrainState
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class TrainState:
-    """What the loop advances; checkpointed so a resumed run continues where it stopped."""
+class TrainParts:
+    """What an optimizer step uses; `model` is the module as trained (DDP / compiled wrapper)."""
 
-    epoch: int = 0  # the next epoch to run (or the one in progress, when epoch_step > 0)
-    global_step: int = 0  # optimizer steps done
-    best_top1: float = float("-inf")
-    epoch_step: int = 0  # optimizer steps done in `epoch`; > 0 in a mid-epoch checkpoint
-    epoch_sums: dict[str, float] = field(default_factory=dict)  # train sums over all ranks of those steps
-    epoch_seconds: float = 0.0  # training time of those steps
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Scheduler
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    precision: Precision
 
 
 @dataclass
@@ -50,22 +52,17 @@ class LoopConfig:
     max_nonfinite: int = 5  # consecutive skipped (inf/NaN) steps before training stops
 
 
-def train_one_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer,
-                    scheduler, loss_fn: Callable, precision: Precision, state: TrainState,
-                    cfg: LoopConfig, info: DistInfo,
-                    on_log: Callable[[int, dict[str, float]], None] | None = None,
-                    after_step: Callable[[TrainState, SumMeter], None] | None = None) -> dict[str, float]:
+def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cfg: LoopConfig, info: DistInfo,
+                    hooks: Sequence[Hook] = ()) -> dict[str, float]:
     """Run one epoch (or until max_steps); return all-reduced train_loss, train_top1, img/s.
 
-    Every `log_interval` steps, rank 0 calls on_log(global_step, stats) with the all-reduced
-    train_loss, lr and global img/s over the steps since the previous call. A resumed epoch starts
-    with `state.epoch_sums` (the loader then yields only the remaining batches); `after_step` runs
-    after every optimizer step (e.g. to write a step checkpoint).
+    A resumed epoch starts from `state`'s synced sums (the loader then yields only the remaining batches).
+    After every optimizer step each hook's after_step runs; every `log_interval` steps, after_interval
+    gets the all-reduced train_loss, lr and global img/s since the previous interval.
     """
+    model, optimizer = parts.model, parts.optimizer
     model.train()
-    meter = SumMeter(("loss_sum", "correct", "count"), info.device)
-    if state.epoch_sums and info.is_main:  # the global sums of the steps done before the resume
-        meter.add(*(state.epoch_sums[name] for name in meter.names))
+    meter = state.start_epoch(info.device, info.is_main)
     num_batches = len(loader)
     batches = device_batches(loader, info.device, cfg.normalize)
     bar = progress(batches, num_batches, f"epoch {state.epoch}", cfg.show_progress and info.is_main)
@@ -80,39 +77,35 @@ def train_one_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim
         # DDP all-reduces gradients only on the micro-step that ends an accumulation group.
         sync = contextlib.nullcontext() if last_micro_step or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
-            with precision.autocast():
+            with parts.precision.autocast():
                 logits = model(images)
-                loss = loss_fn(logits, targets)
-            precision.backward(loss / group_size)
+                loss = parts.loss_fn(logits, targets)
+            parts.precision.backward(loss / group_size)
         meter.add(loss.detach() * len(targets), hits(ranked_classes(logits.detach(), 1), targets, 1), len(targets))
         if not last_micro_step:
             continue
-        skipped = 0 if precision.step(optimizer, model, cfg.clip_grad) else skipped + 1
+        skipped = 0 if parts.precision.step(optimizer, model, cfg.clip_grad) else skipped + 1
         optimizer.zero_grad(set_to_none=True)
-        state.global_step += 1
+        state.step_done(time.perf_counter() - start)
         if skipped:
             check_nonfinite(skipped, cfg.max_nonfinite, state.global_step, info)
-        state.epoch_step += 1
-        scheduler.step_update(num_updates=state.global_step)
-        if after_step is not None:
-            state.epoch_seconds = time.perf_counter() - start
-            after_step(state, meter)
+        parts.scheduler.step_update(num_updates=state.global_step)
+        for hook in hooks:
+            hook.after_step(state)
         if state.global_step % cfg.log_interval == 0:
-            sums = meter.global_sums()
-            bar.set_postfix(loss=f"{sums['loss_sum'] / sums['count']:.4f}",
-                            lr=f"{optimizer.param_groups[0]['lr']:.3g}",
-                            img_s=f"{sums['count'] / (time.perf_counter() - start):.0f}")
-            now, count = time.perf_counter(), sums["count"] - last_sums["count"]
-            if on_log is not None and info.is_main:
-                on_log(state.global_step, {"train_loss": (sums["loss_sum"] - last_sums["loss_sum"]) / count,
-                                           "lr": optimizer.param_groups[0]["lr"],
-                                           "img_per_s": count / (now - last_time)})
+            sums, now = state.sync_sums(), time.perf_counter()
+            count = sums["count"] - last_sums["count"]
+            stats = {"train_loss": (sums["loss_sum"] - last_sums["loss_sum"]) / count,
+                     "lr": optimizer.param_groups[0]["lr"], "img_per_s": count / (now - last_time)}
+            bar.set_postfix(loss=f"{sums['loss_sum'] / sums['count']:.4f}", lr=f"{stats['lr']:.3g}",
+                            img_s=f"{sums['count'] / (now - start):.0f}")
+            for hook in hooks:
+                hook.after_interval(state, stats)
             last_sums, last_time = sums, now
         if cfg.max_steps and state.global_step >= cfg.max_steps:
             break
-    sums = meter.global_sums()
-    seconds = time.perf_counter() - start
-    state.epoch_sums, state.epoch_seconds = sums, seconds
+    sums = state.sync_sums()
+    seconds = state.epoch_seconds = time.perf_counter() - start
     count = max(sums["count"], 1.0)
     return {"train_loss": sums["loss_sum"] / count, "train_top1": 100.0 * sums["correct"] / count,
             "train_img_per_s": sums["count"] / seconds, "epoch_time_s": seconds, "train_images": int(sums["count"])}

@@ -21,7 +21,7 @@ from engine.errors import UserError
 from engine.logs import MetricsFile
 from engine.resume import check_resumable, samples_done
 from engine.trainer import TrainState
-from models.weights import init_from, load_weights
+from engine.weights import init_from, load_weights
 from tests.helpers import REPO, script_env
 
 

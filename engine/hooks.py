@@ -1,0 +1,55 @@
+"""Per-step side effects of training, as small objects the loop calls in list order.
+
+The loop calls `after_step(state)` after every optimizer step and `after_interval(state, stats)` every
+`logging.interval` steps with the all-reduced interval stats (train_loss, lr, img_per_s), on every rank.
+fit() orders them on purpose: the EMA is updated before a step checkpoint saves it.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from engine.checkpoint import Checkpointer
+from engine.state import TrainState
+from engine.tracking import WandbTracker
+
+
+class Hook:
+    """Override what you need; both calls happen on every rank (a hook that runs a collective is safe)."""
+
+    def after_step(self, state: TrainState) -> None:
+        pass
+
+    def after_interval(self, state: TrainState, stats: dict[str, float]) -> None:
+        pass
+
+
+class EmaUpdate(Hook):
+    """model.ema_decay: fold the model's weights into the EMA after every optimizer step."""
+
+    def __init__(self, ema, model: nn.Module) -> None:
+        self.ema, self.model = ema, model
+
+    def after_step(self, state: TrainState) -> None:
+        self.ema.update(self.model, step=state.global_step)
+
+
+class StepCheckpoint(Hook):
+    """train.ckpt_every_steps: write last.pth every `every` optimizer steps (0: never mid-epoch)."""
+
+    def __init__(self, checkpointer: Checkpointer, every: int) -> None:
+        self.checkpointer, self.every = checkpointer, every
+
+    def after_step(self, state: TrainState) -> None:
+        if self.every and state.global_step % self.every == 0:
+            self.checkpointer.save(state)
+
+
+class IntervalTracking(Hook):
+    """W&B's `interval/` curves (the tracker is a no-op off rank 0 or with tracking off)."""
+
+    def __init__(self, tracker: WandbTracker) -> None:
+        self.tracker = tracker
+
+    def after_interval(self, state: TrainState, stats: dict[str, float]) -> None:
+        self.tracker.log_interval(state.global_step, stats)

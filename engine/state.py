@@ -1,0 +1,80 @@
+"""The training state: what the loop advances and a checkpoint stores, changed only through its methods.
+
+While an epoch trains, each rank keeps its running train sums on the device (`meter`); `sync_sums`
+all-reduces them into `epoch_sums`. A checkpoint stores the synced sums, so a run resumed mid-epoch
+reports the whole epoch's train_loss and train_top1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.metrics import SumMeter
+
+TRAIN_SUMS = ("loss_sum", "correct", "count")
+CHECKPOINTED = ("epoch", "global_step", "best_top1", "epoch_step", "epoch_sums", "epoch_seconds")
+
+
+@dataclass
+class TrainState:
+    epoch: int = 0  # the next epoch to run (or the one in progress, when epoch_step > 0)
+    global_step: int = 0  # optimizer steps done
+    best_top1: float = -math.inf
+    epoch_step: int = 0  # optimizer steps done in `epoch`; > 0 in a mid-epoch checkpoint
+    epoch_sums: dict[str, float] = field(default_factory=dict)  # train sums over all ranks, as of the last sync
+    epoch_seconds: float = 0.0  # training time of the epoch's steps
+    meter: SumMeter | None = field(default=None, repr=False, compare=False)  # this rank's sums while training
+
+    def start_epoch(self, device: torch.device, is_main: bool) -> SumMeter:
+        """Running sums for `epoch`, starting from the synced sums of steps done before a resume (on rank 0 only,
+        so the all-reduce counts them once)."""
+        self.meter = SumMeter(TRAIN_SUMS, device)
+        if self.epoch_sums and is_main:
+            self.meter.add(*(self.epoch_sums[name] for name in TRAIN_SUMS))
+        return self.meter
+
+    def step_done(self, seconds: float) -> None:
+        """One optimizer step more; `seconds`: the epoch's training time so far."""
+        self.global_step += 1
+        self.epoch_step += 1
+        self.epoch_seconds = seconds
+
+    def sync_sums(self) -> dict[str, float]:
+        """The epoch's train sums over all ranks (while an epoch trains, a collective: every rank calls it)."""
+        if self.meter is not None:
+            self.epoch_sums = self.meter.global_sums()
+        return self.epoch_sums
+
+    def epoch_finished(self, steps_per_epoch: int) -> bool:
+        """Whether every step of `epoch` ran (train.max_steps can stop a run mid-epoch)."""
+        return self.epoch_step >= steps_per_epoch
+
+    def finish_epoch(self) -> None:
+        self.epoch, self.epoch_step, self.epoch_sums, self.epoch_seconds, self.meter = self.epoch + 1, 0, {}, 0.0, None
+
+    def update_best(self, top1: float) -> bool:
+        """Record a validation top-1; True when it beats every earlier one."""
+        better = top1 > self.best_top1
+        self.best_top1 = max(self.best_top1, top1)
+        return better
+
+    def samples_done(self, accum_steps: int, batch_size: int, batches_per_epoch: int) -> int:
+        """How many of its samples this rank already trained on in `epoch` (a mid-epoch resume skips them)."""
+        return min(self.epoch_step * accum_steps, batches_per_epoch) * batch_size
+
+    def state_dict(self) -> dict[str, Any]:
+        """The checkpointed fields, with the running sums synced first (a collective: every rank calls it)."""
+        self.sync_sums()
+        return {name: getattr(self, name) for name in CHECKPOINTED}
+
+    def load_state_dict(self, ckpt: dict[str, Any]) -> None:
+        """Put back what state_dict() stored (older checkpoints may lack the mid-epoch fields)."""
+        self.epoch, self.global_step, self.best_top1 = ckpt["epoch"], ckpt["global_step"], ckpt["best_top1"]
+        self.epoch_step = ckpt.get("epoch_step", 0)
+        self.epoch_sums = dict(ckpt.get("epoch_sums") or {})
+        self.epoch_seconds = ckpt.get("epoch_seconds", 0.0)
+        self.meter = None
