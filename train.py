@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from data.loader import build_data, skipped_train_images, steps_per_epoch
 from data.transforms import DeviceNormalize
-from engine.checkpoint import Checkpointer, load_checkpoint
+from engine.checkpoint import Checkpointer
 from engine.cli import report_errors
 from engine.config import Config, load_config, save_config, to_dict
 from engine.dist import DistInfo, broadcast_object, broadcast_tensors, init_distributed
@@ -32,8 +32,8 @@ from engine.logs import MetricsFile, setup_logging
 from engine.metrics import SumMeter
 from engine.optim import build_optimizer, build_scheduler
 from engine.precision import resolve_precision
-from engine.resume import (check_resumable, find_resume_checkpoint, restore_ema, restore_model, restore_training,
-                           samples_done)
+from engine.resume import (check_resumable, find_resume_checkpoint, load_resume_checkpoint, restore_ema, restore_model,
+                           restore_training, samples_done)
 from engine.tracking import WandbTracker, checkpoint_run_id
 from engine.trainer import LoopConfig, TrainState, evaluate, train_one_epoch
 from models.ema import create_ema
@@ -77,7 +77,7 @@ def seed_everything(seed: int) -> None:
 
 def fit(cfg: Config, info: DistInfo) -> TrainState:
     resume_path = find_resume_checkpoint(cfg.resume, Path(cfg.output_dir))
-    ckpt = load_checkpoint(resume_path) if resume_path else None
+    ckpt = load_resume_checkpoint(resume_path) if resume_path else None
     seed_everything(cfg.seed)
     data = build_data(cfg.data, cfg.train.batch_size, cfg.seed, info)
     precision = resolve_precision(cfg.amp, info.device)

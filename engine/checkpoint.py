@@ -82,6 +82,10 @@ def save_atomic(obj: dict[str, Any], path: str | os.PathLike) -> None:
             raise writer.error from None  # e.g. ENOSPC, EFBIG ("[enforce fail at inline_container.cc] unexpected pos")
 
 
+class UnreadableCheckpoint(UserError):
+    """A checkpoint file that exists but does not load (truncated, or not a checkpoint)."""
+
+
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Load a checkpoint as data only; a missing, truncated or unsafe file is a UserError."""
     path = Path(path)
@@ -94,9 +98,9 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         raise UserError(f"checkpoint {path} was refused: it holds objects that are not plain data "
                         f"and could run code when loaded ({first}); only load files you trust") from None
     except (RuntimeError, EOFError, OSError, ValueError) as err:
-        raise UserError(f"checkpoint {path} cannot be read ({type(err).__name__}: "
-                        f"{str(err).strip().splitlines()[0] if str(err).strip() else 'truncated?'}); "
-                        "it is truncated or not a checkpoint") from None
+        raise UnreadableCheckpoint(f"checkpoint {path} cannot be read ({type(err).__name__}: "
+                                   f"{str(err).strip().splitlines()[0] if str(err).strip() else 'truncated?'}); "
+                                   "it is truncated or not a checkpoint") from None
 
 
 def nonfinite_tensors(state_dict: dict[str, torch.Tensor]) -> list[str]:

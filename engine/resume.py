@@ -2,7 +2,7 @@
 
 `resume=auto` continues from <output_dir>/last.pth when it exists, `resume=<path>` from that file,
 `resume=none` never (and refuses an output_dir that already holds a checkpoint). A checkpoint that
-does not fit (another model, other classes) stops the run before anything in output_dir is touched.
+does not fit (another model, other classes, another optimizer) stops the run before anything in output_dir is touched.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.checkpoint import set_rng_state
+from engine.checkpoint import EPOCH_FILE, UnreadableCheckpoint, load_checkpoint, set_rng_state
 from engine.config import Config, to_dict
 from engine.dist import DistInfo, broadcast_object, is_main
 from engine.errors import UserError
@@ -23,6 +23,7 @@ from models.weights import load_weights
 
 log = logging.getLogger(__name__)
 TRAINING_KEYS = ("model", "optimizer", "epoch", "global_step", "config", "class_names", "rng")
+OPTIMIZER_KEYS = ("name", "no_decay_norm_bias")  # what the optimizer state's layout depends on
 
 
 def find_resume_checkpoint(resume: str, out_dir: Path) -> Path | None:
@@ -49,6 +50,27 @@ def find_resume_checkpoint(resume: str, out_dir: Path) -> Path | None:
     return Path(path) if path else None
 
 
+def way_out(out_dir: Path) -> str:
+    """What to do when out_dir's run cannot be continued from last.pth: its newest readable epoch file, if any."""
+    numbered = sorted((int(m.group(1)), p) for p in out_dir.glob("epoch_*.pth") if (m := EPOCH_FILE.fullmatch(p.name)))
+    for _, path in reversed(numbered):
+        try:
+            load_checkpoint(path)
+        except UserError:
+            continue
+        return (f"resume={path} continues from the newest readable epoch file, or choose another output_dir "
+                "to start over")
+    return "no readable epoch_NNNN.pth is left to continue from: choose another output_dir to start over"
+
+
+def load_resume_checkpoint(path: Path) -> dict[str, Any]:
+    """load_checkpoint; for a file that cannot be read, also name the way out."""
+    try:
+        return load_checkpoint(path)
+    except UnreadableCheckpoint as err:
+        raise UserError(f"{err}; {way_out(path.parent)}") from None
+
+
 def check_resumable(ckpt: dict[str, Any], path: Path, cfg: Config, class_names: list[str],
                     world_size: int) -> None:
     """Refuse a checkpoint this run cannot continue, naming the mismatch."""
@@ -60,6 +82,14 @@ def check_resumable(ckpt: dict[str, Any], path: Path, cfg: Config, class_names: 
     if old_model != cfg.model.name:
         raise UserError(f"checkpoint {path} is a {old_model} but model.name is {cfg.model.name}; "
                         f"resume with model.name={old_model}, or use another output_dir")
+    old_optim = ckpt["config"].get("optim", {})
+    for key in OPTIMIZER_KEYS:
+        then, now = old_optim.get(key, getattr(cfg.optim, key)), getattr(cfg.optim, key)
+        if yaml_value(then).lower() != yaml_value(now).lower():
+            raise UserError(f"checkpoint {path} was trained with optim.{key}={yaml_value(then)}, this run has "
+                            f"optim.{key}={yaml_value(now)}, so its optimizer state does not fit; resume with "
+                            f"optim.{key}={yaml_value(then)}, or start from its weights with model.init_from={path} "
+                            "in another output_dir")
     old_classes = list(ckpt["class_names"])
     if len(old_classes) != len(class_names):
         raise UserError(f"checkpoint {path} has {len(old_classes)} classes but the data has {len(class_names)}; "
@@ -76,6 +106,22 @@ def check_resumable(ckpt: dict[str, Any], path: Path, cfg: Config, class_names: 
             raise UserError(f"checkpoint {path} stopped mid-epoch with (processes, train.batch_size, "
                             f"train.accum_steps) = {then}, this run has {now}; resume it with the same values "
                             "so no sample is skipped or repeated, or from an end-of-epoch checkpoint")
+
+
+def yaml_value(value: Any) -> str:
+    """A config value as a user types it (true, not True)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def check_optimizer_state(saved: dict[str, Any], optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Refuse optimizer state laid out for other parameter groups (torch would fail half-way through loading)."""
+    then = [len(group["params"]) for group in saved["param_groups"]]
+    now = [len(group["params"]) for group in optimizer.param_groups]
+    if then != now:
+        raise UserError(f"checkpoint {path} holds optimizer state for {len(then)} parameter group(s) of {then} "
+                        f"tensors, this run's optimizer has {len(now)} of {now}; resume with the optim settings "
+                        f"it was trained with, or start from its weights with model.init_from={path} in another "
+                        "output_dir")
 
 
 def config_changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
@@ -106,6 +152,7 @@ def restore_ema(ema: nn.Module, ckpt: dict[str, Any], path: Path) -> None:
 def restore_training(ckpt: dict[str, Any], path: Path, cfg: Config, optimizer: torch.optim.Optimizer, scheduler,
                      scaler: torch.amp.GradScaler | None, state: TrainState, info: DistInfo) -> None:
     """Optimizer, scaler, loop state and this rank's RNG states; the LR follows the config at global_step."""
+    check_optimizer_state(ckpt["optimizer"], optimizer, path)
     optimizer.load_state_dict(ckpt["optimizer"])
     if scaler is not None and ckpt.get("scaler"):
         scaler.load_state_dict(ckpt["scaler"])

@@ -119,3 +119,37 @@ def test_checkpoint_over_the_file_size_limit_is_one_line_and_keeps_the_old_file(
     assert line.startswith(f"error: cannot write checkpoint {run}/last.pth (File too large)"), line
     assert (run / "last.pth").read_bytes() == before
     assert not [p.name for p in run.iterdir() if p.name.endswith(".tmp")]
+
+
+# Resuming with another optimizer
+
+@pytest.mark.parametrize("change", ["optim.name=adamw", "optim.no_decay_norm_bias=false"])
+def test_resume_with_another_optimizer_is_refused_naming_the_key(change, run, data, capsys):
+    line = last_error(capsys, report_errors(train.main, [*TINY, f"data.root={data[0]}", f"output_dir={run}",
+                                                         "train.epochs=5", change]))
+    key = change.split("=")[0]
+    assert f"checkpoint {run}/last.pth was trained with {key}=" in line and f"this run has {key}=" in line
+    assert "model.init_from" in line
+
+
+def test_optimizer_state_of_other_parameter_groups_is_refused():
+    from engine.resume import check_optimizer_state
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    one_group = torch.optim.SGD(model.parameters(), lr=0.1)
+    two_groups = torch.optim.SGD([{"params": [model[0].weight]}, {"params": [model[0].bias, *model[1].parameters()]}],
+                                 lr=0.1)
+    check_optimizer_state(one_group.state_dict(), one_group, Path("x.pth"))
+    with pytest.raises(UserError, match=r"checkpoint x.pth holds optimizer state for 1 parameter group\(s\) of "
+                                        r"\[4\] tensors, this run's optimizer has 2 of \[1, 3\]"):
+        check_optimizer_state(one_group.state_dict(), two_groups, Path("x.pth"))
+
+
+def test_truncated_last_pth_names_the_newest_readable_epoch_file(run, data, capsys):
+    for name in ("last.pth", "epoch_0003.pth"):
+        (run / name).write_bytes((run / name).read_bytes()[:5000])
+    before = snapshot(run)
+    line = last_error(capsys, report_errors(train.main, [*TINY, f"data.root={data[0]}", f"output_dir={run}"]))
+    assert f"checkpoint {run}/last.pth cannot be read" in line
+    assert f"resume={run}/epoch_0002.pth continues from the newest readable epoch file" in line
+    assert snapshot(run) == before
