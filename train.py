@@ -5,7 +5,8 @@
 
 Everything the run does is in `fit`: find the checkpoint to resume (resume=auto: <output_dir>/last.pth),
 build data, model, optimizer; then per epoch train, evaluate, write metrics.jsonl and checkpoints
-(rank 0 writes, every rank joins the collectives).
+(rank 0 writes, every rank joins the collectives). `main` holds output_dir's lock while `fit` runs
+(engine/run_dir.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from engine.optim import build_optimizer, build_scheduler
 from engine.precision import resolve_precision
 from engine.resume import (check_resumable, find_resume_checkpoint, load_resume_checkpoint, restore_ema, restore_model,
                            restore_training, samples_done)
+from engine.run_dir import locked
 from engine.tracking import WandbTracker, checkpoint_run_id
 from engine.trainer import LoopConfig, TrainState, evaluate, train_one_epoch
 from models.ema import create_ema
@@ -181,7 +183,8 @@ def main(argv: list[str]) -> int:
     cfg = load_config(args.config, args.overrides)
     info = init_distributed(cfg.dist.backend, cfg.dist.timeout_s)
     setup_logging(info.rank, cfg.logging.level)
-    fit(cfg, info)  # report_errors leaves the process group, after reporting any error
+    with locked(Path(cfg.output_dir), info):  # one live run per output_dir
+        fit(cfg, info)  # report_errors leaves the process group, after reporting any error
     return 0
 
 

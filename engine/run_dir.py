@@ -1,16 +1,28 @@
-"""The run folder (output_dir): how its files are written.
+"""The run folder (output_dir): one live run at a time.
 
-Every file is replaced atomically (a temp file beside it, fsynced, then os.replace), so a crash mid-write
-leaves the previous file intact.
+A run locks `<output_dir>/.lock` before it reads anything there: a POSIX record lock held by rank 0 for
+the run's lifetime, so a second run into the folder is refused instead of resuming the first one's
+checkpoint mid-run. The kernel drops the lock when the process dies, however it dies (SIGKILL too), and
+unlike flock() it is not inherited by forked DataLoader workers, which could outlive a killed parent.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
+import logging
 import os
 import secrets
+import socket
 from pathlib import Path
 from typing import BinaryIO, Iterator
+
+from engine.dist import DistInfo, broadcast_object
+from engine.errors import UserError
+
+log = logging.getLogger(__name__)
+LOCK = ".lock"
 
 
 @contextlib.contextmanager
@@ -30,3 +42,80 @@ def atomic_file(path: Path) -> Iterator[BinaryIO]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def locked(folder: Path, info: DistInfo) -> Iterator[None]:
+    """Hold the run folder's lock (rank 0) while the block runs; refuse a folder another live run holds."""
+    lock, problem = None, None
+    if info.is_main:
+        try:
+            lock = FolderLock(folder)
+        except UserError as err:
+            problem = str(err)
+    problem = broadcast_object(problem)
+    if problem:
+        raise UserError(problem, all_ranks=True)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+class FolderLock:
+    """`<folder>/.lock`, locked by this process; creates the folder (and removes it again if the run left it empty)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.created = [p for p in (folder, *folder.parents) if not p.exists()]  # deepest first
+        self.fd: int | None = None
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            self.fd = self.lock_file()
+        except OSError as err:
+            self.release()
+            raise UserError(f"output_dir {folder} is not writable ({err.strerror}); "
+                            "choose another output_dir") from None
+
+    def lock_file(self) -> int | None:
+        """The locked lock file's descriptor (None where the filesystem has no locks); UserError if it is held."""
+        path = self.folder / LOCK
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as err:
+                owner = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                if err.errno in (errno.EACCES, errno.EAGAIN):
+                    raise UserError(f"output_dir {self.folder} is in use by another run (process {owner}); "
+                                    "wait for it to end, or choose another output_dir") from None
+                if err.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    log.warning("cannot lock %s (%s): a second run into this folder at once would not be refused",
+                                path, err.strerror)
+                    return None
+                raise
+            try:
+                same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # a run that ended removed the file after we opened it: lock the new one
+        os.ftruncate(fd, 0)
+        host = socket.gethostname()
+        os.pwrite(fd, f"{os.getpid()} on {host}\n".encode(), 0)
+        return fd
+
+    def release(self) -> None:
+        """Remove the lock file while still holding it, then unlock; remove the folders it created if empty."""
+        if self.fd is not None:
+            (self.folder / LOCK).unlink(missing_ok=True)
+            os.close(self.fd)
+            self.fd = None
+        for folder in self.created:
+            try:
+                folder.rmdir()
+            except OSError:
+                break

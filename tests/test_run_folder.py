@@ -153,3 +153,44 @@ def test_truncated_last_pth_names_the_newest_readable_epoch_file(run, data, caps
     assert f"checkpoint {run}/last.pth cannot be read" in line
     assert f"resume={run}/epoch_0002.pth continues from the newest readable epoch file" in line
     assert snapshot(run) == before
+
+
+# One live run per folder
+
+def wait_for(path: Path, proc: subprocess.Popen) -> None:
+    """Until `path` exists, while `proc` still runs (the deadline only catches a hang)."""
+    deadline = time.monotonic() + 120
+    while not path.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.01)
+
+
+@pytest.mark.slow
+def test_second_live_run_is_refused_and_a_killed_run_leaves_no_lock(tmp_path):
+    out = tmp_path / "run"
+    args = ["--config", "configs/dummy.yaml", "model.name=test_resnet", "model.channels_last=false", "amp='off'",
+            "data.img_size=16", "data.dummy_image_size=20", "data.dummy_train_size=100000", "data.dummy_val_size=10",
+            "train.batch_size=8", "train.ckpt_every_steps=1", "logging.progress=false", f"output_dir={out}"]
+    first = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=REPO, env=script_env(),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(out / "last.pth", first)  # training, and far from done (12,500 steps)
+        second = subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=REPO, env=script_env(),
+                                capture_output=True, text=True, timeout=120)
+        assert first.poll() is None  # the two runs overlapped
+        assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr[-3000:]
+        assert second.stderr.strip().splitlines()[-1] == (
+            f"error: output_dir {out} is in use by another run (process {first.pid} on {socket.gethostname()}); "
+            "wait for it to end, "
+            "or choose another output_dir")
+        first.send_signal(signal.SIGKILL)  # no clean-up: the lock must not outlive the process
+        first.wait(timeout=30)
+    finally:
+        first.kill()
+        first.communicate()
+    step = load_checkpoint(out / "last.pth")["global_step"]
+    third = subprocess.run([sys.executable, str(REPO / "train.py"), *args, f"train.max_steps={step + 1}"],
+                           cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=120)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert f"global step {step})" in third.stderr  # it resumed the killed run's checkpoint
+    assert load_checkpoint(out / "last.pth")["global_step"] == step + 1
