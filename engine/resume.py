@@ -1,8 +1,9 @@
 """Resuming a run: which checkpoint to continue, whether it fits this run, and putting its state back.
 
 `resume=auto` continues from <output_dir>/last.pth when it exists, `resume=<path>` from that file,
-`resume=none` never (and refuses an output_dir that already holds a checkpoint). A checkpoint that
-does not fit (another model, other classes, another optimizer) stops the run before anything in output_dir is touched.
+`resume=none` never. A fresh run (resume=none, or auto without last.pth) refuses an output_dir that holds
+another run's record, naming its files. A checkpoint that does not fit (another model, other classes,
+another optimizer) stops the run before anything in output_dir is touched.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from models.weights import load_weights
 
 log = logging.getLogger(__name__)
 TRAINING_KEYS = ("model", "optimizer", "epoch", "global_step", "config", "class_names", "rng")
+RUN_FILES = ("config.yaml", "metrics.jsonl", "last.pth", "best.pth")  # and epoch_NNNN.pth
 OPTIMIZER_KEYS = ("name", "no_decay_norm_bias")  # what the optimizer state's layout depends on
 
 
@@ -30,24 +32,48 @@ def find_resume_checkpoint(resume: str, out_dir: Path) -> Path | None:
     """The checkpoint to continue from, or None for a fresh run (decided by rank 0, told to all)."""
     answer: tuple[str | None, str | None] = (None, None)  # (path, problem)
     if is_main():
-        last = out_dir / "last.pth"
-        if resume == "auto":
-            answer = (str(last) if last.is_file() else None, None)
-        elif resume == "none":
-            if last.is_file():
-                answer = (None, f"output_dir {out_dir} already holds a checkpoint (last.pth) and resume=none; "
-                                "use resume=auto to continue it, or another output_dir to start over")
-        elif not Path(resume).is_file():
-            answer = (None, f"resume={resume}: no such checkpoint file; use auto, none or an existing .pth path")
-        elif last.is_file() and Path(resume).resolve().parent != out_dir.resolve():
-            answer = (None, f"output_dir {out_dir} already holds last.pth of another run; to continue {resume} "
-                            "choose an output_dir without checkpoints")
-        else:
-            answer = (resume, None)
+        answer = decide_resume(resume, out_dir)
     path, problem = broadcast_object(answer)
     if problem:
         raise UserError(problem, all_ranks=True)
     return Path(path) if path else None
+
+
+def decide_resume(resume: str, out_dir: Path) -> tuple[str | None, str | None]:
+    """(checkpoint path or None, problem or None): a fresh run only in a folder holding no run record."""
+    last = out_dir / "last.pth"
+    found = run_files(out_dir)
+    if resume == "auto":
+        if last.is_file():
+            return str(last), None
+        if found:
+            return None, (f"output_dir {out_dir} holds a run ({', '.join(found)}) but no last.pth to continue; "
+                          f"{way_out(out_dir)}")
+        return None, None
+    if resume == "none":
+        if not found:
+            return None, None
+        problem = f"output_dir {out_dir} already holds a run ({', '.join(found)}) and resume=none"
+        if not last.is_file():
+            return None, f"{problem}; {way_out(out_dir)}"
+        try:
+            load_checkpoint(last)
+        except UserError:
+            return None, f"{problem}; {last} cannot be read: {way_out(out_dir)}"
+        return None, f"{problem}; use resume=auto to continue it, or another output_dir to start over"
+    if not Path(resume).is_file():
+        return None, f"resume={resume}: no such checkpoint file; use auto, none or an existing .pth path"
+    if found and Path(resume).resolve().parent != out_dir.resolve():
+        return None, (f"output_dir {out_dir} already holds another run ({', '.join(found)}); to continue {resume} "
+                      "choose an output_dir that holds no run")
+    return resume, None
+
+
+def run_files(out_dir: Path) -> list[str]:
+    """The files of a run's record in out_dir (checkpoints, metrics.jsonl, config.yaml), by name."""
+    if not out_dir.is_dir():
+        return []
+    return sorted(p.name for p in out_dir.iterdir() if p.name in RUN_FILES or EPOCH_FILE.fullmatch(p.name))
 
 
 def way_out(out_dir: Path) -> str:

@@ -1,9 +1,14 @@
-"""The run folder (output_dir): one live run at a time.
+"""The run folder (output_dir): one live run at a time, and nothing in it changes until the run starts.
 
 A run locks `<output_dir>/.lock` before it reads anything there: a POSIX record lock held by rank 0 for
 the run's lifetime, so a second run into the folder is refused instead of resuming the first one's
 checkpoint mid-run. The kernel drops the lock when the process dies, however it dies (SIGKILL too), and
 unlike flock() it is not inherited by forked DataLoader workers, which could outlive a killed parent.
+
+The run starts at its first write (its first checkpoint or metrics row). Until then config.yaml and
+metrics.jsonl stay as they are, so a run that fails while building, restoring or training its first
+steps leaves the previous run's record byte for byte. At the start metrics.jsonl keeps the rows of the
+epochs before the one the run resumes, and config.yaml becomes this run's, each replaced atomically.
 """
 
 from __future__ import annotations
@@ -16,10 +21,13 @@ import os
 import secrets
 import socket
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
+
+import yaml
 
 from engine.dist import DistInfo, broadcast_object
 from engine.errors import UserError
+from engine.logs import MetricsFile
 
 log = logging.getLogger(__name__)
 LOCK = ".lock"
@@ -119,3 +127,47 @@ class FolderLock:
                 folder.rmdir()
             except OSError:
                 break
+
+
+class RunRecord:
+    """config.yaml and metrics.jsonl: untouched until the run's first write, then replaced atomically.
+
+    Every method is a collective: rank 0 writes, every rank learns whether it could.
+    """
+
+    def __init__(self, folder: Path, info: DistInfo, config: dict[str, Any], first_epoch: int) -> None:
+        self.folder, self.info, self.config, self.first_epoch = folder, info, config, first_epoch
+        self.metrics = MetricsFile(folder / "metrics.jsonl")
+        self.started = False
+
+    def start(self) -> None:
+        """Call before the run's first write; a no-op after the first call."""
+        if not self.started:
+            self.write(self.start_files)
+            self.started = True
+
+    def append(self, row: dict[str, Any]) -> None:
+        """One epoch's metrics row (the run starts here if it has not yet)."""
+        self.start()
+        self.write(lambda: self.metrics.append(row))
+
+    def start_files(self) -> None:
+        """metrics.jsonl keeps the epochs before this run's first (each epoch's row is written once); config.yaml."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.metrics.keep_epochs_before(self.first_epoch)
+        with atomic_file(self.folder / "config.yaml") as f:
+            f.write(yaml.safe_dump(self.config, sort_keys=False).encode())
+
+    def write(self, action: Callable[[], None]) -> None:
+        """Run `action` on rank 0; an OSError becomes one line on every rank's behalf."""
+        problem = None
+        if self.info.is_main:
+            try:
+                action()
+            except OSError as err:
+                name = err.filename2 or err.filename or self.folder
+                problem = (f"cannot write {name} ({err.strerror or err}); free disk space, make output_dir "
+                           "writable, or choose another output_dir")
+        problem = broadcast_object(problem)
+        if problem:
+            raise UserError(problem, all_ranks=True)

@@ -145,6 +145,69 @@ def test_optimizer_state_of_other_parameter_groups_is_refused():
         check_optimizer_state(one_group.state_dict(), two_groups, Path("x.pth"))
 
 
+# Nothing in the folder changes until the run starts (its first write)
+
+def test_resume_none_refuses_a_folder_holding_any_run_record(run, data, capsys):
+    for name in ("last.pth", "epoch_0000.pth", "epoch_0001.pth", "epoch_0002.pth", "epoch_0003.pth"):
+        (run / name).unlink()
+    before = snapshot(run)
+    line = last_error(capsys, report_errors(train.main, [*TINY, f"data.root={data[1]}", f"output_dir={run}",
+                                                         "resume=none"]))
+    assert f"output_dir {run} already holds a run (best.pth, config.yaml, metrics.jsonl) and resume=none" in line
+    assert "another output_dir" in line
+    assert snapshot(run) == before
+
+
+def test_resume_auto_without_last_pth_refuses_a_folder_holding_a_run_record(run, data, capsys):
+    for name in ("last.pth", "epoch_0000.pth", "epoch_0001.pth", "epoch_0002.pth"):
+        (run / name).unlink()
+    before = snapshot(run)
+    line = last_error(capsys, report_errors(train.main, [*TINY, f"data.root={data[1]}", f"output_dir={run}"]))
+    found = "best.pth, config.yaml, epoch_0003.pth, metrics.jsonl"
+    assert f"output_dir {run} holds a run ({found}) but no last.pth" in line
+    assert f"resume={run}/epoch_0003.pth" in line
+    assert snapshot(run) == before
+
+
+def test_resume_from_elsewhere_refuses_a_folder_holding_a_run_record(run, finished, data, capsys):
+    for name in ("last.pth", "epoch_0000.pth", "epoch_0001.pth", "epoch_0002.pth", "epoch_0003.pth"):
+        (run / name).unlink()
+    before = snapshot(run)
+    line = last_error(capsys, report_errors(train.main, [*TINY, f"data.root={data[1]}", f"output_dir={run}",
+                                                         f"resume={finished}/epoch_0001.pth"]))
+    assert f"output_dir {run} already holds another run (best.pth, config.yaml, metrics.jsonl)" in line
+    assert snapshot(run) == before
+
+
+FAILING_STARTS = {  # name: (overrides, text of the error line)
+    "every image unreadable": (["train.epochs=5", "optim.lr=0.05"], "cannot read image"),
+    "resume from an earlier epoch file": (["resume={run}/epoch_0000.pth"], "cannot read image"),
+    "another optimizer": (["train.epochs=5", "optim.name=adamw"], "optim.name"),
+}
+
+
+@pytest.mark.parametrize("name", FAILING_STARTS)
+def test_a_run_that_fails_to_start_leaves_the_folder_byte_identical(name, run, data, capsys):
+    overrides, expected = FAILING_STARTS[name]
+    before = snapshot(run)
+    argv = [*TINY, f"data.root={data[1]}", f"output_dir={run}", *(o.format(run=run) for o in overrides)]
+    assert expected in last_error(capsys, report_errors(train.main, argv))
+    assert snapshot(run) == before  # config.yaml, metrics.jsonl (4 rows), last.pth at epoch 4, everything
+
+
+def test_a_resumed_run_rewrites_config_and_metrics_once_it_writes(run, data):
+    assert report_errors(train.main, [*TINY, f"data.root={data[0]}", f"output_dir={run}", "train.epochs=5",
+                                      "train.keep_last_k=4"]) == 0
+    assert [row["epoch"] for row in read_jsonl(run / "metrics.jsonl")] == [0, 1, 2, 3, 4]
+    assert "epochs: 5" in (run / "config.yaml").read_text()
+    assert report_errors(train.main, [*TINY, f"data.root={data[0]}", f"output_dir={run}", "train.epochs=4",
+                                      "train.keep_last_k=4", f"resume={run}/epoch_0001.pth"]) == 0
+    assert [row["epoch"] for row in read_jsonl(run / "metrics.jsonl")] == [0, 1, 2, 3]  # epochs 2, 3 anew
+    assert "epochs: 4" in (run / "config.yaml").read_text()
+    assert sorted(p.name for p in run.iterdir()) == ["best.pth", "config.yaml", "epoch_0001.pth", "epoch_0002.pth",
+                                                     "epoch_0003.pth", "epoch_0004.pth", "last.pth", "metrics.jsonl"]
+
+
 def test_truncated_last_pth_names_the_newest_readable_epoch_file(run, data, capsys):
     for name in ("last.pth", "epoch_0003.pth"):
         (run / name).write_bytes((run / name).read_bytes()[:5000])
@@ -152,7 +215,31 @@ def test_truncated_last_pth_names_the_newest_readable_epoch_file(run, data, caps
     line = last_error(capsys, report_errors(train.main, [*TINY, f"data.root={data[0]}", f"output_dir={run}"]))
     assert f"checkpoint {run}/last.pth cannot be read" in line
     assert f"resume={run}/epoch_0002.pth continues from the newest readable epoch file" in line
+    line = last_error(capsys, report_errors(train.main, [*TINY, f"data.root={data[0]}", f"output_dir={run}",
+                                                         "resume=none"]))
+    assert "resume=auto" not in line and f"{run}/last.pth cannot be read" in line
+    assert f"resume={run}/epoch_0002.pth" in line
     assert snapshot(run) == before
+
+
+def test_run_file_that_cannot_be_written_is_one_line(run, data, capsys):
+    """Root-proof: a directory where metrics.jsonl should be (chmod does not stop root)."""
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").mkdir()
+    line = last_error(capsys, report_errors(train.main, [*TINY, f"data.root={data[0]}", f"output_dir={run}",
+                                                         "train.epochs=5"]))
+    assert line.startswith(f"error: cannot write {run}/metrics.jsonl (Is a directory)"), line
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a 0555 folder anyway")
+def test_read_only_run_folder_is_one_line(run, data, capsys):
+    run.chmod(0o555)
+    try:
+        line = last_error(capsys, report_errors(train.main, [*TINY, f"data.root={data[0]}", f"output_dir={run}",
+                                                             "train.epochs=5"]))
+    finally:
+        run.chmod(0o755)
+    assert f"output_dir {run} is not writable (Permission denied)" in line
 
 
 # One live run per folder
