@@ -5,7 +5,8 @@
 
 Everything the run does is in `fit`: find the checkpoint to resume (resume=auto: <output_dir>/last.pth),
 build data, model, optimizer; then per epoch train, evaluate, write metrics.jsonl and checkpoints
-(rank 0 writes, every rank joins the collectives).
+(rank 0 writes, every rank joins the collectives). `main` holds output_dir's lock while `fit` runs, and
+nothing in output_dir changes before the run's first write (engine/run_dir.py).
 """
 
 from __future__ import annotations
@@ -27,17 +28,17 @@ import_timm_without_wandb()  # first: the imports below reach timm, which would 
 
 from data.loader import build_data, skipped_train_images, steps_per_epoch
 from data.transforms import DeviceNormalize
-from engine.checkpoint import Checkpointer, load_checkpoint
+from engine.checkpoint import Checkpointer
 from engine.cli import report_errors
-from engine.config import Config, load_config, save_config, to_dict
-from engine.dist import DistInfo, broadcast_object, broadcast_tensors, init_distributed, read_launch_env
-from engine.errors import UserError
-from engine.logs import MetricsFile, setup_logging
+from engine.config import Config, load_config, to_dict
+from engine.dist import DistInfo, broadcast_tensors, init_distributed, read_launch_env
+from engine.logs import setup_logging
 from engine.metrics import SumMeter
 from engine.optim import build_optimizer, build_scheduler
 from engine.precision import resolve_precision
-from engine.resume import (check_resumable, find_resume_checkpoint, restore_ema, restore_model, restore_training,
-                           samples_done)
+from engine.resume import (check_resumable, find_resume_checkpoint, load_resume_checkpoint, restore_ema, restore_model,
+                           restore_training, samples_done)
+from engine.run_dir import RunRecord, locked
 from engine.tracking import WandbTracker, checkpoint_run_id
 from engine.trainer import LoopConfig, TrainState, evaluate, train_one_epoch
 from models.ema import create_ema
@@ -56,22 +57,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def prepare_output_dir(cfg: Config, info: DistInfo) -> Path:
-    """Rank 0 creates the run folder and writes config.yaml; every rank learns if that failed."""
-    out = Path(cfg.output_dir)
-    problem = None
-    if info.is_main:
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, out)
-        except OSError as err:
-            problem = f"output_dir {out} is not writable ({err.strerror}); choose another output_dir"
-    problem = broadcast_object(problem)
-    if problem:
-        raise UserError(problem, all_ranks=True)
-    return out
-
-
 def seed_everything(seed: int) -> None:
     """Same seed on every rank, so models start identical (DDP also broadcasts rank 0's weights)."""
     random.seed(seed)
@@ -80,8 +65,9 @@ def seed_everything(seed: int) -> None:
 
 
 def fit(cfg: Config, info: DistInfo) -> TrainState:
-    resume_path = find_resume_checkpoint(cfg.resume, Path(cfg.output_dir))
-    ckpt = load_checkpoint(resume_path) if resume_path else None
+    out = Path(cfg.output_dir)
+    resume_path = find_resume_checkpoint(cfg.resume, out)
+    ckpt = load_resume_checkpoint(resume_path) if resume_path else None
     seed_everything(cfg.seed)
     data = build_data(cfg.data, cfg.train.batch_size, cfg.seed, info)
     precision = resolve_precision(cfg.amp, info.device)
@@ -93,7 +79,6 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
             log.info("resuming from %s: model.init_from is not used", resume_path)
     elif cfg.model.init_from:
         init_from(model, cfg.model.init_from)
-    out = prepare_output_dir(cfg, info)  # only now: a run that cannot start leaves output_dir untouched
     model = prepare_model(model, cfg.model, info.device, info.world_size)
     ema = create_ema(model, cfg.model.ema_decay)
     if ema is not None and ckpt is not None:
@@ -124,9 +109,9 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
     checkpointer = Checkpointer(out, info, cfg.train.keep_last_k, model=model, optimizer=optimizer,
                                 scheduler=scheduler, scaler=precision.scaler, config=to_dict(cfg),
                                 class_names=data.class_names, ema=ema.module if ema is not None else None)
-    metrics = MetricsFile(out / "metrics.jsonl")
-    if info.is_main:
-        metrics.keep_epochs_before(state.epoch)  # each epoch's row is written once, by whoever finishes it
+    # Nothing in output_dir changes before the run's first write (record.start): a run that fails to
+    # start leaves the previous run's config.yaml, metrics.jsonl and checkpoints as they were.
+    record = RunRecord(out, info, to_dict(cfg), first_epoch=state.epoch)
     global_batch = cfg.train.batch_size * info.world_size * cfg.train.accum_steps
     log.info("model %s (%.1fM params), %d process(es) on %s, %s, global batch %d, %d steps/epoch",
              cfg.model.name, sum(p.numel() for p in model.parameters()) / 1e6, info.world_size,
@@ -141,6 +126,7 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
             ema.update(model, step=state.global_step)
         if cfg.train.ckpt_every_steps and state.global_step % cfg.train.ckpt_every_steps == 0:
             state.epoch_sums = meter.global_sums()  # every rank is at this step: the collective is safe
+            record.start()
             checkpointer.save(state)
 
     while state.epoch < cfg.train.epochs:
@@ -169,8 +155,8 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
                             state.epoch, row["skipped_images"])
         if finished:
             state.epoch, state.epoch_step, state.epoch_sums, state.epoch_seconds = state.epoch + 1, 0, {}, 0.0
+        record.append(row)
         if info.is_main:
-            metrics.append(row)
             tracker.log_epoch(state.global_step, row, state.best_top1)
             log.info("epoch %d: train_loss %.4f train_top1 %.2f | val_loss %.4f val_top1 %.2f val_top5 %.2f | "
                      "%.0f img/s, %.1fs", row["epoch"], row["train_loss"], row["train_top1"], row["val_loss"],
@@ -189,7 +175,8 @@ def main(argv: list[str]) -> int:
     info = init_distributed(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.rendezvous_timeout_s)
     if info.device.type == "cpu":
         tune_cpu_process(cpu_share(info.local_world_size))
-    fit(cfg, info)  # report_errors leaves the process group, after reporting any error
+    with locked(Path(cfg.output_dir), info):  # one live run per output_dir
+        fit(cfg, info)  # report_errors leaves the process group, after reporting any error
     return 0
 
 

@@ -11,6 +11,7 @@ import gc
 import itertools
 import logging
 import math
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -106,8 +107,17 @@ def build_val_dataset(cfg: DataConfig, seed: int, local_rank: int = 0) -> Augmen
 
 
 def _worker_init(worker_id: int) -> None:
-    """OpenCV's own thread pool would fight the DataLoader workers for the same cores."""
+    """OpenCV's own thread pool would fight the DataLoader workers for the same cores; and a worker whose
+    parent has gone stays quiet."""
     cv2.setNumThreads(1)
+    threading.excepthook = _quiet_if_parent_gone
+
+
+def _quiet_if_parent_gone(args: threading.ExceptHookArgs) -> None:
+    """A worker hands batches to its parent through multiprocessing's resource-sharing thread; when the parent
+    dies (SIGTERM, a failed rank) that thread meets a closed connection and would print its traceback."""
+    if not issubclass(args.exc_type, (ConnectionError, EOFError)):
+        threading.__excepthook__(args)
 
 
 def share_heap_with_workers() -> None:

@@ -19,9 +19,8 @@ import os
 import pickle
 import random
 import re
-import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -29,6 +28,8 @@ from torch import nn
 
 from engine.dist import DistInfo, all_gather_object, broadcast_object
 from engine.errors import UserError
+from engine.signals import sigterm_deferred
+from engine.run_dir import atomic_file
 from engine.trainer import TrainState
 
 log = logging.getLogger(__name__)
@@ -68,20 +69,39 @@ def on_cpu(obj: Any) -> Any:
     return obj
 
 
+class WriteErrors:
+    """A binary file that keeps the OSError of a failed write: torch.save reports it as a bare RuntimeError."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.error = f, None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def save_atomic(obj: dict[str, Any], path: str | os.PathLike) -> None:
-    """torch.save to a temp file beside `path`, fsync, then os.replace it into place."""
+    """torch.save to a temp file beside `path`, fsync, then os.replace it into place; a failed write is an OSError."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with sigterm_deferred(), atomic_file(path) as f:
+        writer = WriteErrors(f)
+        try:
+            torch.save(obj, writer)
+        except RuntimeError:
+            if writer.error is None:
+                raise
+            raise writer.error from None  # e.g. ENOSPC, EFBIG ("[enforce fail at inline_container.cc] unexpected pos")
+
+
+class UnreadableCheckpoint(UserError):
+    """A checkpoint file that exists but does not load (truncated, or not a checkpoint)."""
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
@@ -104,13 +124,14 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     except pickle.UnpicklingError as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         if "Unsupported global" not in str(err):
-            raise UserError(f"checkpoint {path} cannot be read ({first[:80]}); it is damaged or not a checkpoint")
+            raise UnreadableCheckpoint(f"checkpoint {path} cannot be read ({first[:80]}); it is damaged or not a "
+                                       "checkpoint") from None
         raise UserError(f"checkpoint {path} was refused: it holds objects that are not plain data "
                         f"and could run code when loaded ({first}); only load files you trust") from None
     except (RuntimeError, EOFError, OSError, ValueError, KeyError, IndexError, TypeError) as err:
-        raise UserError(f"checkpoint {path} cannot be read ({type(err).__name__}: "
-                        f"{str(err).strip().splitlines()[0] if str(err).strip() else 'truncated?'}); "
-                        "it is truncated or not a checkpoint") from None
+        raise UnreadableCheckpoint(f"checkpoint {path} cannot be read ({type(err).__name__}: "
+                                   f"{str(err).strip().splitlines()[0] if str(err).strip() else 'truncated?'}); "
+                                   "it is truncated or not a checkpoint") from None
 
 
 def nonfinite_tensors(state_dict: dict[str, torch.Tensor]) -> list[str]:
@@ -158,6 +179,7 @@ class Checkpointer:
         self.ema = ema
         self.config, self.class_names = config, class_names
         self.wandb_id: str | None = None  # the W&B run a resumed run continues (set by the W&B logger)
+        self.saved_step: int | None = None  # global step of the last checkpoint this run wrote
 
     def contents(self, state: TrainState, rng: list[dict[str, Any]], val_top1: float | None) -> dict[str, Any]:
         """The checkpoint dict: plain tensors, numbers, strings, lists and dicts only."""
@@ -183,6 +205,7 @@ class Checkpointer:
         rng = all_gather_object(rng_state())
         problem = None
         if self.info.is_main:
+            path = self.out_dir / "last.pth"
             try:
                 ckpt = self.contents(state, rng, val_top1)
                 names = ["last.pth"] + (["best.pth"] if best else [])
@@ -190,21 +213,34 @@ class Checkpointer:
                     names.append(f"epoch_{state.epoch - 1:04d}.pth")  # the epoch just finished, as in metrics.jsonl
                 broken = nonfinite_tensors(ckpt["model"])
                 if broken:
+                    then = "then resume from it" if (self.out_dir / "last.pth").is_file() else "then start again"
                     raise UserError(f"the model holds inf/NaN values ({', '.join(broken[:3])}) at global step "
-                                    f"{state.global_step}; {self.out_dir / 'last.pth'} keeps the last good state. "
-                                    "Lower optim.lr or set optim.clip_grad, then resume from it")
+                                    f"{state.global_step}; {self.kept_state()}. Lower optim.lr or set "
+                                    f"optim.clip_grad, {then}")
                 for name in names:
-                    save_atomic(ckpt, self.out_dir / name)
+                    path = self.out_dir / name
+                    save_atomic(ckpt, path)
+                    if name == "last.pth":
+                        self.saved_step = state.global_step
                 if epoch_file and self.keep_last_k > 0:
                     self.prune_epoch_files(state.epoch - 1)
             except UserError as err:
                 problem = str(err)
             except OSError as err:
-                problem = (f"cannot write checkpoint in {self.out_dir} ({err.strerror or err}); "
-                           "free disk space or choose another output_dir")
+                problem = (f"cannot write checkpoint {path} ({err.strerror or err}); free disk space (or raise "
+                           f"the quota or file-size limit) or choose another output_dir; {self.kept_state()}")
         problem = broadcast_object(problem)  # also the barrier: no rank runs ahead of the write
         if problem:
             raise UserError(problem, all_ranks=True)
+
+    def kept_state(self) -> str:
+        """What a stopped run leaves to resume from, as found on disk."""
+        last = self.out_dir / "last.pth"
+        if self.saved_step is not None:
+            return f"{last} keeps the last good state (global step {self.saved_step})"
+        if last.is_file():
+            return f"{last} is as it was before this run"
+        return "no checkpoint was written"
 
     def prune_epoch_files(self, current: int) -> None:
         """Keep the newest keep_last_k epoch files up to `current` (later ones are overwritten as the run goes)."""

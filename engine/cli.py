@@ -8,13 +8,13 @@ stopping the other ranks) ends the run with one line and exit code 143; DataLoad
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
-from typing import Callable, Iterator
+from typing import Callable
 
 from engine.errors import UserError
+from engine.signals import Terminated, stop_on_sigterm
 
 PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Timed out", "timed out")
 
@@ -57,31 +57,6 @@ def report_errors(main: Callable[[list[str]], int | None], argv: list[str] | Non
         return 128 + signal.SIGTERM
     finally:
         cleanup()  # only now: the messages above need to know whether a process group existed
-
-
-class Terminated(BaseException):
-    """SIGTERM arrived; a BaseException so that no `except Exception` on the way swallows it."""
-
-
-@contextlib.contextmanager
-def stop_on_sigterm() -> Iterator[None]:
-    """Turn SIGTERM into Terminated in this process; forked DataLoader workers exit at once, without noise."""
-    main_pid = os.getpid()
-
-    def handler(signum: int, frame) -> None:
-        if os.getpid() != main_pid:
-            os._exit(128 + signum)
-        raise Terminated()
-
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread (e.g. called from a test's thread): leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def lost_peer(err: RuntimeError) -> bool:

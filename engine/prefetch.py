@@ -3,12 +3,11 @@
 On CUDA the copy of batch i+1 (from the DataLoader's pinned memory) and its normalization run on a side
 stream while batch i computes, as timm's PrefetchLoader does; the compute stream waits for the side
 stream before it uses a batch, and `record_stream` keeps the allocator from reusing a batch's memory
-while compute still reads it. On the CPU the same one-ahead order runs without streams.
+while compute still reads it. On the CPU batches are normalized as they come: there is nothing to overlap.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -19,19 +18,21 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 def device_batches(loader: Iterable[Batch], device: torch.device, normalize: Normalize) -> Iterator[Batch]:
     """Yield the loader's (uint8 images, targets) as (normalized images, targets) on `device`."""
-    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+    if device.type != "cuda":  # nothing to overlap: no read-ahead either
+        for images, targets in loader:
+            yield normalize(images.to(device)), targets.to(device)
+        return
+    side = torch.cuda.Stream(device)
     ready: Batch | None = None
     for images, targets in loader:
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            upcoming = (normalize(images.to(device, non_blocking=side is not None)),
-                        targets.to(device, non_blocking=side is not None))
+        with torch.cuda.stream(side):
+            upcoming = normalize(images.to(device, non_blocking=True)), targets.to(device, non_blocking=True)
         if ready is not None:
             yield ready
-        if side is not None:
-            compute = torch.cuda.current_stream(device)
-            compute.wait_stream(side)
-            for tensor in upcoming:
-                tensor.record_stream(compute)
+        compute = torch.cuda.current_stream(device)
+        compute.wait_stream(side)
+        for tensor in upcoming:
+            tensor.record_stream(compute)
         ready = upcoming
     if ready is not None:
         yield ready

@@ -1,8 +1,9 @@
 """Resuming a run: which checkpoint to continue, whether it fits this run, and putting its state back.
 
 `resume=auto` continues from <output_dir>/last.pth when it exists, `resume=<path>` from that file,
-`resume=none` never (and refuses an output_dir that already holds a checkpoint). A checkpoint that
-does not fit (another model, other classes) stops the run before anything in output_dir is touched.
+`resume=none` never. A fresh run (resume=none, or auto without last.pth) refuses an output_dir that holds
+another run's record, naming its files. A checkpoint that does not fit (another model, other classes,
+another optimizer) stops the run before anything in output_dir is touched.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.checkpoint import set_rng_state
+from engine.checkpoint import EPOCH_FILE, UnreadableCheckpoint, load_checkpoint, set_rng_state
 from engine.config import Config, to_dict
 from engine.dist import DistInfo, broadcast_object, is_main
 from engine.errors import UserError
@@ -23,30 +24,77 @@ from engine.weights import load_weights
 
 log = logging.getLogger(__name__)
 TRAINING_KEYS = ("model", "optimizer", "epoch", "global_step", "config", "class_names", "rng")
+RUN_FILES = ("config.yaml", "metrics.jsonl", "last.pth", "best.pth")  # and epoch_NNNN.pth
+OPTIMIZER_KEYS = ("name", "no_decay_norm_bias")  # what the optimizer state's layout depends on
 
 
 def find_resume_checkpoint(resume: str, out_dir: Path) -> Path | None:
     """The checkpoint to continue from, or None for a fresh run (decided by rank 0, told to all)."""
     answer: tuple[str | None, str | None] = (None, None)  # (path, problem)
     if is_main():
-        last = out_dir / "last.pth"
-        if resume == "auto":
-            answer = (str(last) if last.is_file() else None, None)
-        elif resume == "none":
-            if last.is_file():
-                answer = (None, f"output_dir {out_dir} already holds a checkpoint (last.pth) and resume=none; "
-                                "use resume=auto to continue it, or another output_dir to start over")
-        elif not Path(resume).is_file():
-            answer = (None, f"resume={resume}: no such checkpoint file; use auto, none or an existing .pth path")
-        elif last.is_file() and Path(resume).resolve().parent != out_dir.resolve():
-            answer = (None, f"output_dir {out_dir} already holds last.pth of another run; to continue {resume} "
-                            "choose an output_dir without checkpoints")
-        else:
-            answer = (resume, None)
+        answer = decide_resume(resume, out_dir)
     path, problem = broadcast_object(answer)
     if problem:
         raise UserError(problem, all_ranks=True)
     return Path(path) if path else None
+
+
+def decide_resume(resume: str, out_dir: Path) -> tuple[str | None, str | None]:
+    """(checkpoint path or None, problem or None): a fresh run only in a folder holding no run record."""
+    last = out_dir / "last.pth"
+    found = run_files(out_dir)
+    if resume == "auto":
+        if last.is_file():
+            return str(last), None
+        if found:
+            return None, (f"output_dir {out_dir} holds a run ({', '.join(found)}) but no last.pth to continue; "
+                          f"{way_out(out_dir)}")
+        return None, None
+    if resume == "none":
+        if not found:
+            return None, None
+        problem = f"output_dir {out_dir} already holds a run ({', '.join(found)}) and resume=none"
+        if not last.is_file():
+            return None, f"{problem}; {way_out(out_dir)}"
+        try:
+            load_checkpoint(last)
+        except UserError:
+            return None, f"{problem}; {last} cannot be read: {way_out(out_dir)}"
+        return None, f"{problem}; use resume=auto to continue it, or another output_dir to start over"
+    if not Path(resume).is_file():
+        return None, f"resume={resume}: no such checkpoint file; use auto, none or an existing .pth path"
+    if found and Path(resume).resolve().parent != out_dir.resolve():
+        return None, (f"output_dir {out_dir} already holds another run ({', '.join(found)}); to continue {resume} "
+                      "choose an output_dir that holds no run")
+    return resume, None
+
+
+def run_files(out_dir: Path) -> list[str]:
+    """The files of a run's record in out_dir (checkpoints, metrics.jsonl, config.yaml), by name."""
+    if not out_dir.is_dir():
+        return []
+    return sorted(p.name for p in out_dir.iterdir() if p.name in RUN_FILES or EPOCH_FILE.fullmatch(p.name))
+
+
+def way_out(out_dir: Path) -> str:
+    """What to do when out_dir's run cannot be continued from last.pth: its newest readable epoch file, if any."""
+    numbered = sorted((int(m.group(1)), p) for p in out_dir.glob("epoch_*.pth") if (m := EPOCH_FILE.fullmatch(p.name)))
+    for _, path in reversed(numbered):
+        try:
+            load_checkpoint(path)
+        except UserError:
+            continue
+        return (f"resume={path} continues from the newest readable epoch file, or choose another output_dir "
+                "to start over")
+    return "no readable epoch_NNNN.pth is left to continue from: choose another output_dir to start over"
+
+
+def load_resume_checkpoint(path: Path) -> dict[str, Any]:
+    """load_checkpoint; for a file that cannot be read, also name the way out."""
+    try:
+        return load_checkpoint(path)
+    except UnreadableCheckpoint as err:
+        raise UserError(f"{err}; {way_out(path.parent)}") from None
 
 
 def check_resumable(ckpt: dict[str, Any], path: Path, cfg: Config, class_names: list[str],
@@ -60,6 +108,14 @@ def check_resumable(ckpt: dict[str, Any], path: Path, cfg: Config, class_names: 
     if old_model != cfg.model.name:
         raise UserError(f"checkpoint {path} is a {old_model} but model.name is {cfg.model.name}; "
                         f"resume with model.name={old_model}, or use another output_dir")
+    old_optim = ckpt["config"].get("optim", {})
+    for key in OPTIMIZER_KEYS:
+        then, now = old_optim.get(key, getattr(cfg.optim, key)), getattr(cfg.optim, key)
+        if yaml_value(then).lower() != yaml_value(now).lower():
+            raise UserError(f"checkpoint {path} was trained with optim.{key}={yaml_value(then)}, this run has "
+                            f"optim.{key}={yaml_value(now)}, so its optimizer state does not fit; resume with "
+                            f"optim.{key}={yaml_value(then)}, or start from its weights with model.init_from={path} "
+                            "in another output_dir")
     old_classes = list(ckpt["class_names"])
     if len(old_classes) != len(class_names):
         raise UserError(f"checkpoint {path} has {len(old_classes)} classes but the data has {len(class_names)}; "
@@ -76,6 +132,22 @@ def check_resumable(ckpt: dict[str, Any], path: Path, cfg: Config, class_names: 
             raise UserError(f"checkpoint {path} stopped mid-epoch with (processes, train.batch_size, "
                             f"train.accum_steps) = {then}, this run has {now}; resume it with the same values "
                             "so no sample is skipped or repeated, or from an end-of-epoch checkpoint")
+
+
+def yaml_value(value: Any) -> str:
+    """A config value as a user types it (true, not True)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def check_optimizer_state(saved: dict[str, Any], optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Refuse optimizer state laid out for other parameter groups (torch would fail half-way through loading)."""
+    then = [len(group["params"]) for group in saved["param_groups"]]
+    now = [len(group["params"]) for group in optimizer.param_groups]
+    if then != now:
+        raise UserError(f"checkpoint {path} holds optimizer state for {len(then)} parameter group(s) of {then} "
+                        f"tensors, this run's optimizer has {len(now)} of {now}; resume with the optim settings "
+                        f"it was trained with, or start from its weights with model.init_from={path} in another "
+                        "output_dir")
 
 
 def config_changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
@@ -106,6 +178,7 @@ def restore_ema(ema: nn.Module, ckpt: dict[str, Any], path: Path) -> None:
 def restore_training(ckpt: dict[str, Any], path: Path, cfg: Config, optimizer: torch.optim.Optimizer, scheduler,
                      scaler: torch.amp.GradScaler | None, state: TrainState, info: DistInfo) -> None:
     """Optimizer, scaler, loop state and this rank's RNG states; the LR follows the config at global_step."""
+    check_optimizer_state(ckpt["optimizer"], optimizer, path)
     optimizer.load_state_dict(ckpt["optimizer"])
     if scaler is not None and ckpt.get("scaler"):
         scaler.load_state_dict(ckpt["scaler"])

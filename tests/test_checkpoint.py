@@ -66,7 +66,7 @@ def test_process_killed_mid_save_leaves_the_old_file_loadable(tmp_path):
         proc.kill()
     assert proc.returncode == -signal.SIGKILL
     assert torch.equal(load_checkpoint(path)["w"], torch.arange(5))
-    with pytest.raises(UserError, match="cannot be read"):
+    with pytest.raises(UserError, match="is not a checkpoint|cannot be read"):
         load_checkpoint(temps[0])  # what the crash left is not a checkpoint, and last.pth never pointed to it
 
 

@@ -134,7 +134,9 @@ def test_resume_none_refuses_an_output_dir_with_a_checkpoint(straight, capsys):
     before = (straight / "last.pth").read_bytes()
     assert report_errors(train.main, [*RUN, f"output_dir={straight}", "resume=none"]) == 2
     error = capsys.readouterr().err.strip()
-    assert "\n" not in error and "already holds a checkpoint (last.pth) and resume=none" in error
+    assert "\n" not in error, error
+    assert "already holds a run (best.pth, config.yaml, last.pth, metrics.jsonl) and resume=none; use resume=auto" \
+        in error
     assert (straight / "last.pth").read_bytes() == before
 
 

@@ -1,0 +1,173 @@
+"""The run folder (output_dir): one live run at a time, and nothing in it changes until the run starts.
+
+A run locks `<output_dir>/.lock` before it reads anything there: a POSIX record lock held by rank 0 for
+the run's lifetime, so a second run into the folder is refused instead of resuming the first one's
+checkpoint mid-run. The kernel drops the lock when the process dies, however it dies (SIGKILL too), and
+unlike flock() it is not inherited by forked DataLoader workers, which could outlive a killed parent.
+
+The run starts at its first write (its first checkpoint or metrics row). Until then config.yaml and
+metrics.jsonl stay as they are, so a run that fails while building, restoring or training its first
+steps leaves the previous run's record byte for byte. At the start metrics.jsonl keeps the rows of the
+epochs before the one the run resumes, and config.yaml becomes this run's, each replaced atomically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import secrets
+import socket
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Iterator
+
+import yaml
+
+from engine.dist import DistInfo, broadcast_object
+from engine.errors import UserError
+from engine.logs import MetricsFile
+
+log = logging.getLogger(__name__)
+LOCK = ".lock"
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[BinaryIO]:
+    """A new file beside `path`, fsynced and moved over it only if the block succeeds.
+
+    Created with mode 0666 minus the umask, like any other file the run writes (mkstemp would give 0600).
+    """
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def locked(folder: Path, info: DistInfo) -> Iterator[None]:
+    """Hold the run folder's lock (rank 0) while the block runs; refuse a folder another live run holds."""
+    lock, problem = None, None
+    if info.is_main:
+        try:
+            lock = FolderLock(folder)
+        except UserError as err:
+            problem = str(err)
+    problem = broadcast_object(problem)
+    if problem:
+        raise UserError(problem, all_ranks=True)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+class FolderLock:
+    """`<folder>/.lock`, locked by this process; creates the folder (and removes it again if the run left it empty)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.created = [p for p in (folder, *folder.parents) if not p.exists()]  # deepest first
+        self.fd: int | None = None
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            self.fd = self.lock_file()
+        except OSError as err:
+            self.release()
+            raise UserError(f"output_dir {folder} is not writable ({err.strerror}); "
+                            "choose another output_dir") from None
+
+    def lock_file(self) -> int | None:
+        """The locked lock file's descriptor (None where the filesystem has no locks); UserError if it is held."""
+        path = self.folder / LOCK
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as err:
+                owner = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                if err.errno in (errno.EACCES, errno.EAGAIN):
+                    raise UserError(f"output_dir {self.folder} is in use by another run (process {owner}); "
+                                    "wait for it to end, or choose another output_dir") from None
+                if err.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    log.warning("cannot lock %s (%s): a second run into this folder at once would not be refused",
+                                path, err.strerror)
+                    return None
+                raise
+            try:
+                same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # a run that ended removed the file after we opened it: lock the new one
+        os.ftruncate(fd, 0)
+        host = socket.gethostname()
+        os.pwrite(fd, f"{os.getpid()} on {host}\n".encode(), 0)
+        return fd
+
+    def release(self) -> None:
+        """Remove the lock file while still holding it, then unlock; remove the folders it created if empty."""
+        if self.fd is not None:
+            (self.folder / LOCK).unlink(missing_ok=True)
+            os.close(self.fd)
+            self.fd = None
+        for folder in self.created:
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+
+
+class RunRecord:
+    """config.yaml and metrics.jsonl: untouched until the run's first write, then replaced atomically.
+
+    Every method is a collective: rank 0 writes, every rank learns whether it could.
+    """
+
+    def __init__(self, folder: Path, info: DistInfo, config: dict[str, Any], first_epoch: int) -> None:
+        self.folder, self.info, self.config, self.first_epoch = folder, info, config, first_epoch
+        self.metrics = MetricsFile(folder / "metrics.jsonl")
+        self.started = False
+
+    def start(self) -> None:
+        """Call before the run's first write; a no-op after the first call."""
+        if not self.started:
+            self.write(self.start_files)
+            self.started = True
+
+    def append(self, row: dict[str, Any]) -> None:
+        """One epoch's metrics row (the run starts here if it has not yet)."""
+        self.start()
+        self.write(lambda: self.metrics.append(row))
+
+    def start_files(self) -> None:
+        """metrics.jsonl keeps the epochs before this run's first (each epoch's row is written once); config.yaml."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.metrics.keep_epochs_before(self.first_epoch)
+        with atomic_file(self.folder / "config.yaml") as f:
+            f.write(yaml.safe_dump(self.config, sort_keys=False).encode())
+
+    def write(self, action: Callable[[], None]) -> None:
+        """Run `action` on rank 0; an OSError becomes one line on every rank's behalf."""
+        problem = None
+        if self.info.is_main:
+            try:
+                action()
+            except OSError as err:
+                name = err.filename2 or err.filename or self.folder
+                problem = (f"cannot write {name} ({err.strerror or err}); free disk space, make output_dir "
+                           "writable, or choose another output_dir")
+        problem = broadcast_object(problem)
+        if problem:
+            raise UserError(problem, all_ranks=True)

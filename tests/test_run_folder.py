@@ -1,0 +1,283 @@
+"""A run never destroys a previous run's record: output_dir is locked, and untouched until the run starts.
+
+Most runs go through `train.main` in-process via report_errors (what `python train.py` runs) on a tiny
+image folder; the lock and the file-size limit need real processes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from engine.checkpoint import Checkpointer, load_checkpoint, save_atomic
+from engine.cli import report_errors
+from engine.dist import DistInfo
+from engine.errors import UserError
+from engine.trainer import TrainState
+from tests.helpers import REPO, make_image_folder, read_jsonl, script_env
+
+TINY = ["--config", "configs/dummy.yaml", "model.name=test_resnet", "model.channels_last=false", "amp='off'",
+        "data.name=imagefolder", "data.img_size=16", "data.num_workers=0", "train.batch_size=4",
+        "logging.progress=false"]
+
+
+def last_error(capsys, code: int) -> str:
+    """The one line the user sees; asserts the exit code and that no traceback was printed."""
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    return err.strip().splitlines()[-1]
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder`, by relative path, with its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> tuple[Path, Path]:
+    """A good image folder, and a copy whose every training image is unreadable (a run fails in its first step)."""
+    root = tmp_path_factory.mktemp("data")
+    counts = {"train": {"a": 8, "b": 8}, "val": {"a": 2, "b": 2}}
+    good, bad = make_image_folder(root / "good", counts, size=20), make_image_folder(root / "bad", counts, size=20)
+    for path in (bad / "train").rglob("*.png"):
+        path.write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+    return good, bad
+
+
+@pytest.fixture(scope="module")
+def finished(data, tmp_path_factory) -> Path:
+    """A finished 4-epoch run: last.pth, best.pth, epoch_0000..0003.pth, 4 metrics rows, config.yaml."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    assert report_errors(train.main, [*TINY, f"data.root={data[0]}", "train.epochs=4", "train.keep_last_k=4",
+                                      f"output_dir={out}"]) == 0
+    assert len(read_jsonl(out / "metrics.jsonl")) == 4
+    return out
+
+
+@pytest.fixture
+def run(finished, tmp_path) -> Path:
+    """A copy of the finished run to break."""
+    return Path(shutil.copytree(finished, tmp_path / "run"))
+
+
+# Checkpoint files: mode, failed writes, what a stopped run says is on disk
+
+def test_divergence_message_says_what_is_on_disk(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+    checkpointer = Checkpointer(tmp_path, DistInfo(0, 1, 0, 1, torch.device("cpu")), 0, model=model,
+                                optimizer=optimizer, scheduler=scheduler, scaler=None, config={},
+                                class_names=["a", "b"])
+    model[1].running_mean.fill_(float("nan"))
+    with pytest.raises(UserError, match="no checkpoint was written") as err:
+        checkpointer.save(TrainState(global_step=2))
+    assert "last.pth" not in str(err.value) and not list(tmp_path.iterdir())
+    model[1].running_mean.fill_(0.0)
+    checkpointer.save(TrainState(global_step=3))
+    model[1].running_mean.fill_(float("nan"))
+    with pytest.raises(UserError, match=f"{tmp_path}/last.pth keeps the last good state \\(global step 3\\)"):
+        checkpointer.save(TrainState(global_step=4))
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_checkpoints_get_the_mode_of_other_run_files(umask, tmp_path):
+    old = os.umask(umask)
+    try:
+        save_atomic({"w": torch.zeros(3)}, tmp_path / "last.pth")
+        (tmp_path / "metrics.jsonl").write_text("{}\n")
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
+    assert modes == {"last.pth": 0o666 & ~umask, "metrics.jsonl": 0o666 & ~umask}
+
+
+def test_checkpoint_over_the_file_size_limit_is_one_line_and_keeps_the_old_file(run, data):
+    """RLIMIT_FSIZE (SIGXFSZ ignored, so writes fail with EFBIG): torch.save reports a bare RuntimeError."""
+    limit = 64 * 1024  # config.yaml and metrics.jsonl fit, a checkpoint does not
+    assert (run / "last.pth").stat().st_size > limit
+
+    before = (run / "last.pth").read_bytes()
+    # bash: the ignored signal and the limit carry over to the exec'd python (no preexec_fn in a threaded pytest)
+    limited = ["bash", "-c", f"trap '' XFSZ; ulimit -f {limit // 1024}; exec \"$@\"", "bash"]
+    proc = subprocess.run([*limited, sys.executable, str(REPO / "train.py"), *TINY, f"data.root={data[0]}",
+                           f"output_dir={run}", "train.epochs=5"], cwd=REPO, env=script_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: cannot write checkpoint {run}/last.pth (File too large)"), line
+    assert (run / "last.pth").read_bytes() == before
+    assert not [p.name for p in run.iterdir() if p.name.endswith(".tmp")]
+
+
+# Resuming with another optimizer
+
+@pytest.mark.parametrize("change", ["optim.name=adamw", "optim.no_decay_norm_bias=false"])
+def test_resume_with_another_optimizer_is_refused_naming_the_key(change, run, data, capsys):
+    line = last_error(capsys, report_errors(train.main, [*TINY, f"data.root={data[0]}", f"output_dir={run}",
+                                                         "train.epochs=5", change]))
+    key = change.split("=")[0]
+    assert f"checkpoint {run}/last.pth was trained with {key}=" in line and f"this run has {key}=" in line
+    assert "model.init_from" in line
+
+
+def test_optimizer_state_of_other_parameter_groups_is_refused():
+    from engine.resume import check_optimizer_state
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    one_group = torch.optim.SGD(model.parameters(), lr=0.1)
+    two_groups = torch.optim.SGD([{"params": [model[0].weight]}, {"params": [model[0].bias, *model[1].parameters()]}],
+                                 lr=0.1)
+    check_optimizer_state(one_group.state_dict(), one_group, Path("x.pth"))
+    with pytest.raises(UserError, match=r"checkpoint x.pth holds optimizer state for 1 parameter group\(s\) of "
+                                        r"\[4\] tensors, this run's optimizer has 2 of \[1, 3\]"):
+        check_optimizer_state(one_group.state_dict(), two_groups, Path("x.pth"))
+
+
+# Nothing in the folder changes until the run starts (its first write)
+
+def test_resume_none_refuses_a_folder_holding_any_run_record(run, data, capsys):
+    for name in ("last.pth", "epoch_0000.pth", "epoch_0001.pth", "epoch_0002.pth", "epoch_0003.pth"):
+        (run / name).unlink()
+    before = snapshot(run)
+    line = last_error(capsys, report_errors(train.main, [*TINY, f"data.root={data[1]}", f"output_dir={run}",
+                                                         "resume=none"]))
+    assert f"output_dir {run} already holds a run (best.pth, config.yaml, metrics.jsonl) and resume=none" in line
+    assert "another output_dir" in line
+    assert snapshot(run) == before
+
+
+def test_resume_auto_without_last_pth_refuses_a_folder_holding_a_run_record(run, data, capsys):
+    for name in ("last.pth", "epoch_0000.pth", "epoch_0001.pth", "epoch_0002.pth"):
+        (run / name).unlink()
+    before = snapshot(run)
+    line = last_error(capsys, report_errors(train.main, [*TINY, f"data.root={data[1]}", f"output_dir={run}"]))
+    found = "best.pth, config.yaml, epoch_0003.pth, metrics.jsonl"
+    assert f"output_dir {run} holds a run ({found}) but no last.pth" in line
+    assert f"resume={run}/epoch_0003.pth" in line
+    assert snapshot(run) == before
+
+
+def test_resume_from_elsewhere_refuses_a_folder_holding_a_run_record(run, finished, data, capsys):
+    for name in ("last.pth", "epoch_0000.pth", "epoch_0001.pth", "epoch_0002.pth", "epoch_0003.pth"):
+        (run / name).unlink()
+    before = snapshot(run)
+    line = last_error(capsys, report_errors(train.main, [*TINY, f"data.root={data[1]}", f"output_dir={run}",
+                                                         f"resume={finished}/epoch_0001.pth"]))
+    assert f"output_dir {run} already holds another run (best.pth, config.yaml, metrics.jsonl)" in line
+    assert snapshot(run) == before
+
+
+FAILING_STARTS = {  # name: (overrides, text of the error line)
+    "every image unreadable": (["train.epochs=5", "optim.lr=0.05"], "cannot read image"),
+    "resume from an earlier epoch file": (["resume={run}/epoch_0000.pth"], "cannot read image"),
+    "another optimizer": (["train.epochs=5", "optim.name=adamw"], "optim.name"),
+}
+
+
+@pytest.mark.parametrize("name", FAILING_STARTS)
+def test_a_run_that_fails_to_start_leaves_the_folder_byte_identical(name, run, data, capsys):
+    overrides, expected = FAILING_STARTS[name]
+    before = snapshot(run)
+    argv = [*TINY, f"data.root={data[1]}", f"output_dir={run}", *(o.format(run=run) for o in overrides)]
+    assert expected in last_error(capsys, report_errors(train.main, argv))
+    assert snapshot(run) == before  # config.yaml, metrics.jsonl (4 rows), last.pth at epoch 4, everything
+
+
+def test_a_resumed_run_rewrites_config_and_metrics_once_it_writes(run, data):
+    assert report_errors(train.main, [*TINY, f"data.root={data[0]}", f"output_dir={run}", "train.epochs=5",
+                                      "train.keep_last_k=4"]) == 0
+    assert [row["epoch"] for row in read_jsonl(run / "metrics.jsonl")] == [0, 1, 2, 3, 4]
+    assert "epochs: 5" in (run / "config.yaml").read_text()
+    assert report_errors(train.main, [*TINY, f"data.root={data[0]}", f"output_dir={run}", "train.epochs=4",
+                                      "train.keep_last_k=4", f"resume={run}/epoch_0001.pth"]) == 0
+    assert [row["epoch"] for row in read_jsonl(run / "metrics.jsonl")] == [0, 1, 2, 3]  # epochs 2, 3 anew
+    assert "epochs: 4" in (run / "config.yaml").read_text()
+    assert sorted(p.name for p in run.iterdir()) == ["best.pth", "config.yaml", "epoch_0001.pth", "epoch_0002.pth",
+                                                     "epoch_0003.pth", "epoch_0004.pth", "last.pth", "metrics.jsonl"]
+
+
+def test_truncated_last_pth_names_the_newest_readable_epoch_file(run, data, capsys):
+    for name in ("last.pth", "epoch_0003.pth"):
+        (run / name).write_bytes((run / name).read_bytes()[:5000])
+    before = snapshot(run)
+    line = last_error(capsys, report_errors(train.main, [*TINY, f"data.root={data[0]}", f"output_dir={run}"]))
+    assert f"checkpoint {run}/last.pth cannot be read" in line
+    assert f"resume={run}/epoch_0002.pth continues from the newest readable epoch file" in line
+    line = last_error(capsys, report_errors(train.main, [*TINY, f"data.root={data[0]}", f"output_dir={run}",
+                                                         "resume=none"]))
+    assert "resume=auto" not in line and f"{run}/last.pth cannot be read" in line
+    assert f"resume={run}/epoch_0002.pth" in line
+    assert snapshot(run) == before
+
+
+def test_run_file_that_cannot_be_written_is_one_line(run, data, capsys):
+    """Root-proof: a directory where metrics.jsonl should be (chmod does not stop root)."""
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").mkdir()
+    line = last_error(capsys, report_errors(train.main, [*TINY, f"data.root={data[0]}", f"output_dir={run}",
+                                                         "train.epochs=5"]))
+    assert line.startswith(f"error: cannot write {run}/metrics.jsonl (Is a directory)"), line
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a 0555 folder anyway")
+def test_read_only_run_folder_is_one_line(run, data, capsys):
+    run.chmod(0o555)
+    try:
+        line = last_error(capsys, report_errors(train.main, [*TINY, f"data.root={data[0]}", f"output_dir={run}",
+                                                             "train.epochs=5"]))
+    finally:
+        run.chmod(0o755)
+    assert f"output_dir {run} is not writable (Permission denied)" in line
+
+
+# One live run per folder
+
+def wait_for(path: Path, proc: subprocess.Popen) -> None:
+    """Until `path` exists, while `proc` still runs (the deadline only catches a hang)."""
+    deadline = time.monotonic() + 120
+    while not path.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.01)
+
+
+@pytest.mark.slow
+def test_second_live_run_is_refused_and_a_killed_run_leaves_no_lock(tmp_path):
+    out = tmp_path / "run"
+    args = ["--config", "configs/dummy.yaml", "model.name=test_resnet", "model.channels_last=false", "amp='off'",
+            "data.img_size=16", "data.dummy_image_size=20", "data.dummy_train_size=100000", "data.dummy_val_size=10",
+            "train.batch_size=8", "train.ckpt_every_steps=1", "logging.progress=false", f"output_dir={out}"]
+    first = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=REPO, env=script_env(),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(out / "last.pth", first)  # training, and far from done (12,500 steps)
+        second = subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=REPO, env=script_env(),
+                                capture_output=True, text=True, timeout=120)
+        assert first.poll() is None  # the two runs overlapped
+        assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr[-3000:]
+        assert second.stderr.strip().splitlines()[-1] == (
+            f"error: output_dir {out} is in use by another run (process {first.pid} on {socket.gethostname()}); "
+            "wait for it to end, "
+            "or choose another output_dir")
+        first.send_signal(signal.SIGKILL)  # no clean-up: the lock must not outlive the process
+        first.wait(timeout=30)
+    finally:
+        first.kill()
+        first.communicate()
+    step = load_checkpoint(out / "last.pth")["global_step"]
+    third = subprocess.run([sys.executable, str(REPO / "train.py"), *args, f"train.max_steps={step + 1}"],
+                           cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=120)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert f"global step {step})" in third.stderr  # it resumed the killed run's checkpoint
+    assert load_checkpoint(out / "last.pth")["global_step"] == step + 1
