@@ -38,7 +38,7 @@ from data.datasets import AugmentedDataset
 from engine.checkpoint import load_checkpoint
 from engine.cli import report_errors
 from engine.config import Config, config_from_dict, parse_override, set_dotted, to_dict
-from engine.dist import DistInfo, barrier, broadcast_object, init_distributed, read_launch_env
+from engine.dist import DistInfo, barrier, init_distributed, rank0_decides, read_launch_env
 from engine.errors import UserError
 from engine.logs import setup_logging
 from engine.precision import resolve_precision
@@ -227,19 +227,18 @@ def plot_confusion(confusion: np.ndarray, class_names: list[str], path: Path, ti
     plt.close(fig)
 
 
+def make_output_dir(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"--output-dir {out} is not writable ({err.strerror}); choose another one") from None
+
+
 def run(cfg: Config, ckpt: dict[str, Any], args: argparse.Namespace, info: DistInfo) -> dict[str, Any] | None:
     """Evaluate on every rank; rank 0 returns the eval.json contents."""
     class_names = list(ckpt["class_names"])
     out = Path(args.output_dir or Path(args.checkpoint).parent / f"eval-{Path(args.checkpoint).stem}")
-    problem = None
-    if info.is_main:
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            problem = f"--output-dir {out} is not writable ({err.strerror}); choose another one"
-    problem = broadcast_object(problem)
-    if problem:
-        raise UserError(problem, all_ranks=True)
+    rank0_decides(lambda: make_output_dir(out))
     dataset = build_val_dataset(cfg.data, cfg.seed, info.local_rank)
     check_classes(dataset, class_names, cfg.data.root)
     loader = build_eval_loader(dataset, cfg.data, cfg.train.batch_size, info)

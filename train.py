@@ -30,20 +30,19 @@ from data.loader import build_data, skipped_train_images, steps_per_epoch
 from data.transforms import DeviceNormalize
 from engine.checkpoint import Checkpointer
 from engine.cli import report_errors
-from engine.config import Config, load_config, to_dict
+from engine.config import Config, ModelConfig, load_config, to_dict
 from engine.dist import DistInfo, broadcast_tensors, init_distributed, read_launch_env
+from engine.hooks import EmaUpdate, IntervalTracking, StepCheckpoint
 from engine.logs import setup_logging
-from engine.metrics import SumMeter
 from engine.optim import build_optimizer, build_scheduler
 from engine.precision import resolve_precision
-from engine.resume import (check_resumable, find_resume_checkpoint, load_resume_checkpoint, restore_ema, restore_model,
-                           restore_training, samples_done)
+from engine.resume import Resume
 from engine.run_dir import RunRecord, locked
-from engine.tracking import WandbTracker, checkpoint_run_id
-from engine.trainer import LoopConfig, TrainState, evaluate, train_one_epoch
+from engine.state import TrainState
+from engine.tracking import WandbTracker
+from engine.trainer import LoopConfig, TrainParts, evaluate, train_one_epoch
 from models.ema import create_ema
 from models.factory import compile_warning, create_model, prepare_model
-from engine.weights import init_from
 
 log = logging.getLogger("train")
 
@@ -64,80 +63,66 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def wrap_for_training(model: nn.Module, cfg: ModelConfig, info: DistInfo) -> nn.Module:
+    """DDP over several processes, then torch.compile if asked: the module the loop calls."""
+    train_model = model
+    if info.world_size > 1:
+        device_ids = [info.device.index] if info.device.type == "cuda" else None  # CPU DDP needs None
+        train_model = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+    if cfg.compile:
+        if (warning := compile_warning(cfg, info.world_size)) and info.is_main:
+            log.warning(warning)
+        train_model = torch.compile(train_model)
+    return train_model
+
+
 def fit(cfg: Config, info: DistInfo) -> TrainState:
     out = Path(cfg.output_dir)
-    resume_path = find_resume_checkpoint(cfg.resume, out)
-    ckpt = load_resume_checkpoint(resume_path) if resume_path else None
+    start = Resume.find(cfg.resume, out)
     seed_everything(cfg.seed)
     data = build_data(cfg.data, cfg.train.batch_size, cfg.seed, info)
     precision = resolve_precision(cfg.amp, info.device)
     model = create_model(cfg.model, data.num_classes)
-    if ckpt is not None:
-        check_resumable(ckpt, resume_path, cfg, data.class_names, info.world_size)
-        restore_model(model, ckpt, resume_path)
-        if cfg.model.init_from:
-            log.info("resuming from %s: model.init_from is not used", resume_path)
-    elif cfg.model.init_from:
-        init_from(model, cfg.model.init_from)
+    start.load_model(model, cfg, data.class_names, info.world_size)
     model = prepare_model(model, cfg.model, info.device, info.world_size)
     ema = create_ema(model, cfg.model.ema_decay)
-    if ema is not None and ckpt is not None:
-        restore_ema(ema.module, ckpt, resume_path)
+    start.load_ema(ema.module if ema is not None else None)
     torch.manual_seed(cfg.seed + info.rank)  # dropout / drop-path differ per rank, reproducibly
-    train_model: nn.Module = model
-    if info.world_size > 1:
-        device_ids = [info.device.index] if info.device.type == "cuda" else None  # CPU DDP needs None
-        train_model = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
-    if cfg.model.compile:
-        if (warning := compile_warning(cfg.model, info.world_size)) and info.is_main:
-            log.warning(warning)
-        train_model = torch.compile(train_model)
     if info.device.type == "cuda":
         torch.backends.cudnn.benchmark = True
-
     optimizer = build_optimizer(model, cfg.optim, grad_scaler=precision.scaler is not None)
-    batches_per_epoch = len(data.train)
     updates_per_epoch = steps_per_epoch(data.train, cfg.train.accum_steps)
-    scheduler = build_scheduler(optimizer, cfg.sched, cfg.train.epochs, updates_per_epoch)
-    loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
+    parts = TrainParts(wrap_for_training(model, cfg.model, info), optimizer,
+                       build_scheduler(optimizer, cfg.sched, cfg.train.epochs, updates_per_epoch),
+                       nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing), precision)
+    state = start.load_training(parts, cfg, info)
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
     loop = LoopConfig(cfg.train.accum_steps, cfg.optim.clip_grad, cfg.train.max_steps, cfg.logging.interval,
                       normalize, cfg.logging.progress, cfg.train.max_nonfinite)
-    state = TrainState()
-    if ckpt is not None:
-        restore_training(ckpt, resume_path, cfg, optimizer, scheduler, precision.scaler, state, info)
-    checkpointer = Checkpointer(out, info, cfg.train.keep_last_k, model=model, optimizer=optimizer,
-                                scheduler=scheduler, scaler=precision.scaler, config=to_dict(cfg),
-                                class_names=data.class_names, ema=ema.module if ema is not None else None)
-    # Nothing in output_dir changes before the run's first write (record.start): a run that fails to
-    # start leaves the previous run's config.yaml, metrics.jsonl and checkpoints as they were.
-    record = RunRecord(out, info, to_dict(cfg), first_epoch=state.epoch)
     global_batch = cfg.train.batch_size * info.world_size * cfg.train.accum_steps
     log.info("model %s (%.1fM params), %d process(es) on %s, %s, global batch %d, %d steps/epoch",
              cfg.model.name, sum(p.numel() for p in model.parameters()) / 1e6, info.world_size,
              info.device.type, precision.name, global_batch, updates_per_epoch)
     tracker = WandbTracker(cfg.logging, info.is_main)  # W&B on rank 0; never raises
-    resumed_run = checkpoint_run_id(ckpt) if ckpt is not None else None
-    tracker.start({**to_dict(cfg), "world_size": info.world_size}, out, resume_id=resumed_run)
-    checkpointer.wandb_id = tracker.run_id or resumed_run  # tracking off now: keep the id for a later resume
-
-    def after_step(state: TrainState, meter: SumMeter) -> None:
-        if ema is not None:
-            ema.update(model, step=state.global_step)
-        if cfg.train.ckpt_every_steps and state.global_step % cfg.train.ckpt_every_steps == 0:
-            state.epoch_sums = meter.global_sums()  # every rank is at this step: the collective is safe
-            record.start()
-            checkpointer.save(state)
+    tracker.start({**to_dict(cfg), "world_size": info.world_size}, out, resume_id=start.wandb_id)
+    checkpointer = Checkpointer(out, info, cfg.train.keep_last_k, model=model, optimizer=optimizer,
+                                scheduler=parts.scheduler, scaler=precision.scaler, config=to_dict(cfg),
+                                class_names=data.class_names, ema=ema.module if ema is not None else None,
+                                wandb_id=tracker.run_id or start.wandb_id)  # kept for a resume with tracking on
+    # Nothing in output_dir changes before the run's first write (record.start): a run that fails to
+    # start leaves the previous run's config.yaml, metrics.jsonl and checkpoints as they were.
+    record = RunRecord(out, to_dict(cfg), first_epoch=state.epoch)
+    hooks = [*([EmaUpdate(ema, model)] if ema is not None else []),  # before the checkpoint that saves it
+             StepCheckpoint(record, checkpointer, cfg.train.ckpt_every_steps), IntervalTracking(tracker)]
 
     while state.epoch < cfg.train.epochs:
         if cfg.train.max_steps and state.global_step >= cfg.train.max_steps:
             log.info("stopping at train.max_steps=%d", cfg.train.max_steps)
             break
-        skip = samples_done(state, cfg.train.accum_steps, cfg.train.batch_size, batches_per_epoch)
-        data.train.sampler.set_epoch(state.epoch, start=skip)
-        train_stats = train_one_epoch(train_model, data.train, optimizer, scheduler, loss_fn, precision,
-                                      state, loop, info, on_log=tracker.log_interval, after_step=after_step)
-        val_stats = evaluate(train_model, data.val, precision, info, normalize)
+        data.train.sampler.set_epoch(state.epoch, start=state.samples_done(
+            cfg.train.accum_steps, cfg.train.batch_size, len(data.train)))
+        train_stats = train_one_epoch(parts, data.train, state, loop, info, hooks)
+        val_stats = evaluate(parts.model, data.val, precision, info, normalize)
         row = {"epoch": state.epoch, **train_stats, **val_stats, "lr": optimizer.param_groups[0]["lr"]}
         if ema is not None:
             # BatchNorm buffers differ per rank between DDP's broadcasts, and so do the EMAs of them:
@@ -145,16 +130,15 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
             broadcast_tensors(ema.module.state_dict().values())
             ema_stats = evaluate(ema.module, data.val, precision, info, normalize)
             row.update({f"ema_{k}": ema_stats[k] for k in ("val_loss", "val_top1", "val_top5")})
-        is_best = val_stats["val_top1"] > state.best_top1
-        state.best_top1 = max(state.best_top1, val_stats["val_top1"])
-        finished = state.epoch_step >= updates_per_epoch  # else max_steps stopped it: resume continues it
+        is_best = state.update_best(val_stats["val_top1"])
+        finished = state.epoch_finished(updates_per_epoch)  # else max_steps stopped it: resume continues it
         if finished and cfg.data.skip_corrupt:
             row["skipped_images"] = skipped_train_images(data.train, info.world_size, train_stats["train_images"])
             if row["skipped_images"] and info.is_main:
                 log.warning("epoch %d: %d unreadable training image(s) skipped (data.skip_corrupt=true)",
                             state.epoch, row["skipped_images"])
         if finished:
-            state.epoch, state.epoch_step, state.epoch_sums, state.epoch_seconds = state.epoch + 1, 0, {}, 0.0
+            state.finish_epoch()
         record.append(row)
         if info.is_main:
             tracker.log_epoch(state.global_step, row, state.best_top1)
@@ -175,7 +159,7 @@ def main(argv: list[str]) -> int:
     info = init_distributed(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.rendezvous_timeout_s)
     if info.device.type == "cpu":
         tune_cpu_process(cpu_share(info.local_world_size))
-    with locked(Path(cfg.output_dir), info):  # one live run per output_dir
+    with locked(Path(cfg.output_dir)):  # one live run per output_dir
         fit(cfg, info)  # report_errors leaves the process group, after reporting any error
     return 0
 

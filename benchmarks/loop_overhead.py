@@ -68,7 +68,8 @@ def host_syncs_per_step(steps: int = 10, log_interval: int = 5) -> tuple[int, in
     from engine.dist import DistInfo
     from engine.optim import build_optimizer, build_scheduler
     from engine.precision import resolve_precision
-    from engine.trainer import LoopConfig, TrainState, train_one_epoch
+    from engine.state import TrainState
+    from engine.trainer import LoopConfig, TrainParts, train_one_epoch
 
     info = DistInfo(0, 1, 0, 1, torch.device("cpu"))
     model = timm.create_model("resnet10t", num_classes=10).to(memory_format=torch.channels_last)
@@ -78,10 +79,10 @@ def host_syncs_per_step(steps: int = 10, log_interval: int = 5) -> tuple[int, in
                for _ in range(steps)]
     data = DataConfig()
     loop = LoopConfig(1, 0.0, 0, log_interval, DeviceNormalize(data.mean, data.std, info.device, True), False)
-    args = (torch.nn.CrossEntropyLoss(), resolve_precision("auto", info.device), TrainState(), loop, info)
-    train_one_epoch(model, batches, optimizer, scheduler, *args)
+    parts = TrainParts(model, optimizer, scheduler, torch.nn.CrossEntropyLoss(), resolve_precision("auto", info.device))
+    train_one_epoch(parts, batches, TrainState(), loop, info)
     with profile() as prof:
-        train_one_epoch(model, batches, optimizer, scheduler, *args)
+        train_one_epoch(parts, batches, TrainState(), loop, info)
     syncs = sum(e.count for e in prof.key_averages() if e.key == "aten::_local_scalar_dense")
     return syncs, steps
 

@@ -39,7 +39,8 @@ def make_side(model_name: str, amp: str, channels_last: bool, batches: list) -> 
     from engine.dist import DistInfo
     from engine.optim import build_optimizer, build_scheduler
     from engine.precision import resolve_precision
-    from engine.trainer import LoopConfig, TrainState, train_one_epoch
+    from engine.state import TrainState
+    from engine.trainer import LoopConfig, TrainParts, train_one_epoch
     from models.factory import create_model, prepare_model
 
     info = DistInfo(0, 1, 0, 1, torch.device("cpu"))
@@ -51,10 +52,10 @@ def make_side(model_name: str, amp: str, channels_last: bool, batches: list) -> 
     precision = resolve_precision(amp, info.device)
     data = DataConfig()
     loop = LoopConfig(1, 0.0, 0, 1000, DeviceNormalize(data.mean, data.std, info.device, channels_last), False)
-    loss_fn = torch.nn.CrossEntropyLoss()
+    parts = TrainParts(model, optimizer, scheduler, torch.nn.CrossEntropyLoss(), precision)
 
     def run() -> int:
-        stats = train_one_epoch(model, batches, optimizer, scheduler, loss_fn, precision, TrainState(), loop, info)
+        stats = train_one_epoch(parts, batches, TrainState(), loop, info)
         return int(stats["train_img_per_s"] * stats["epoch_time_s"] + 0.5)
 
     return run

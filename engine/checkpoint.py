@@ -13,7 +13,6 @@ seeded by (seed, epoch) and each augmentation by (seed, epoch, index).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import pickle
@@ -26,11 +25,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.dist import DistInfo, all_gather_object, broadcast_object
+from engine.dist import DistInfo, all_gather_object, rank0_decides
 from engine.errors import UserError
 from engine.signals import sigterm_deferred
 from engine.run_dir import atomic_file
-from engine.trainer import TrainState
+from engine.state import TrainState
 
 log = logging.getLogger(__name__)
 EPOCH_FILE = re.compile(r"epoch_(\d+)\.pth")
@@ -173,16 +172,17 @@ class Checkpointer:
 
     def __init__(self, out_dir: Path, info: DistInfo, keep_last_k: int, *, model: nn.Module,
                  optimizer: torch.optim.Optimizer, scheduler, scaler: torch.amp.GradScaler | None,
-                 config: dict[str, Any], class_names: list[str], ema: nn.Module | None = None) -> None:
+                 config: dict[str, Any], class_names: list[str], ema: nn.Module | None = None,
+                 wandb_id: str | None = None) -> None:
         self.out_dir, self.info, self.keep_last_k = Path(out_dir), info, keep_last_k
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.ema = ema
         self.config, self.class_names = config, class_names
-        self.wandb_id: str | None = None  # the W&B run a resumed run continues (set by the W&B logger)
+        self.wandb_id = wandb_id  # the W&B run a later resume continues (kept even when tracking is now off)
         self.saved_step: int | None = None  # global step of the last checkpoint this run wrote
 
-    def contents(self, state: TrainState, rng: list[dict[str, Any]], val_top1: float | None) -> dict[str, Any]:
-        """The checkpoint dict: plain tensors, numbers, strings, lists and dicts only."""
+    def contents(self, fields: dict[str, Any], rng: list[dict[str, Any]], val_top1: float | None) -> dict[str, Any]:
+        """The checkpoint dict (`fields`: TrainState.state_dict()): plain tensors, numbers, strings, lists, dicts."""
         ema = {"ema": cpu_state_dict(self.ema)} if self.ema is not None else {}
         return {
             "model": cpu_state_dict(self.model),
@@ -190,7 +190,7 @@ class Checkpointer:
             "optimizer": on_cpu(self.optimizer.state_dict()),
             "scheduler": self.scheduler.state_dict(),
             "scaler": on_cpu(self.scaler.state_dict()) if self.scaler else {},
-            **dataclasses.asdict(state),  # epoch, global_step, best_top1, epoch_step, epoch_sums, epoch_seconds
+            **fields,  # epoch, global_step, best_top1, epoch_step, epoch_sums, epoch_seconds
             "val_top1": val_top1,
             "world_size": self.info.world_size,
             "rng": rng,  # one entry per rank
@@ -202,36 +202,36 @@ class Checkpointer:
     def save(self, state: TrainState, val_top1: float | None = None, best: bool = False,
              epoch_file: bool = False) -> None:
         """Write last.pth (and best.pth, and an epoch file for a finished epoch); a collective."""
+        fields = state.state_dict()  # syncs the epoch's running sums: a collective too
         rng = all_gather_object(rng_state())
-        problem = None
-        if self.info.is_main:
-            path = self.out_dir / "last.pth"
-            try:
-                ckpt = self.contents(state, rng, val_top1)
-                names = ["last.pth"] + (["best.pth"] if best else [])
-                if epoch_file and self.keep_last_k > 0:
-                    names.append(f"epoch_{state.epoch - 1:04d}.pth")  # the epoch just finished, as in metrics.jsonl
-                broken = nonfinite_tensors(ckpt["model"])
-                if broken:
-                    then = "then resume from it" if (self.out_dir / "last.pth").is_file() else "then start again"
-                    raise UserError(f"the model holds inf/NaN values ({', '.join(broken[:3])}) at global step "
-                                    f"{state.global_step}; {self.kept_state()}. Lower optim.lr or set "
-                                    f"optim.clip_grad, {then}")
-                for name in names:
-                    path = self.out_dir / name
-                    save_atomic(ckpt, path)
-                    if name == "last.pth":
-                        self.saved_step = state.global_step
-                if epoch_file and self.keep_last_k > 0:
-                    self.prune_epoch_files(state.epoch - 1)
-            except UserError as err:
-                problem = str(err)
-            except OSError as err:
-                problem = (f"cannot write checkpoint {path} ({err.strerror or err}); free disk space (or raise "
-                           f"the quota or file-size limit) or choose another output_dir; {self.kept_state()}")
-        problem = broadcast_object(problem)  # also the barrier: no rank runs ahead of the write
-        if problem:
-            raise UserError(problem, all_ranks=True)
+        rank0_decides(lambda: self.write(fields, rng, val_top1, best, epoch_file))
+
+    def write(self, fields: dict[str, Any], rng: list[dict[str, Any]], val_top1: float | None, best: bool,
+              epoch_file: bool) -> None:
+        """Rank 0's part of save(): refuse inf/NaN weights, write the files, prune old epoch files."""
+        ckpt = self.contents(fields, rng, val_top1)
+        finished_epoch = fields["epoch"] - 1  # the epoch just finished, as in metrics.jsonl
+        names = ["last.pth"] + (["best.pth"] if best else [])
+        if epoch_file and self.keep_last_k > 0:
+            names.append(f"epoch_{finished_epoch:04d}.pth")
+        broken = nonfinite_tensors(ckpt["model"])
+        if broken:
+            then = "then resume from it" if (self.out_dir / "last.pth").is_file() else "then start again"
+            raise UserError(f"the model holds inf/NaN values ({', '.join(broken[:3])}) at global step "
+                            f"{fields['global_step']}; {self.kept_state()}. Lower optim.lr or set "
+                            f"optim.clip_grad, {then}")
+        path = self.out_dir / "last.pth"
+        try:
+            for name in names:
+                path = self.out_dir / name
+                save_atomic(ckpt, path)
+                if name == "last.pth":
+                    self.saved_step = fields["global_step"]
+        except OSError as err:
+            raise UserError(f"cannot write checkpoint {path} ({err.strerror or err}); free disk space (or raise "
+                            f"the quota or file-size limit) or choose another output_dir; {self.kept_state()}") from None
+        if epoch_file and self.keep_last_k > 0:
+            self.prune_epoch_files(finished_epoch)
 
     def kept_state(self) -> str:
         """What a stopped run leaves to resume from, as found on disk."""

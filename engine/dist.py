@@ -12,7 +12,7 @@ import datetime
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,7 @@ import torch.distributed as dist
 from engine.errors import UserError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,24 @@ def broadcast_tensors(tensors: Iterable[torch.Tensor], src: int = 0) -> None:
     if dist.is_initialized():
         for tensor in tensors:
             dist.broadcast(tensor, src=src)
+
+
+def rank0_decides(decide: Callable[[], T]) -> T:
+    """Rank 0 runs decide(); every rank returns its result, or raises the UserError it raised (reported once).
+
+    The one way the app checks something on rank 0 only (a folder, a file, a write) and lets every rank act
+    on the answer. Also a barrier: no rank runs ahead of the decision.
+    """
+    answer: tuple[Any, str | None] = (None, None)
+    if is_main():
+        try:
+            answer = (decide(), None)
+        except UserError as err:
+            answer = (None, str(err))
+    result, problem = broadcast_object(answer)
+    if problem is not None:
+        raise UserError(problem, all_ranks=True)
+    return result
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:

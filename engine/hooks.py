@@ -7,11 +7,16 @@ fit() orders them on purpose: the EMA is updated before a step checkpoint saves 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 
-from engine.checkpoint import Checkpointer
 from engine.state import TrainState
-from engine.tracking import WandbTracker
+
+if TYPE_CHECKING:  # the loop needs only Hook: keep checkpoint/tracking out of its imports
+    from engine.checkpoint import Checkpointer
+    from engine.run_dir import RunRecord
+    from engine.tracking import WandbTracker
 
 
 class Hook:
@@ -35,13 +40,17 @@ class EmaUpdate(Hook):
 
 
 class StepCheckpoint(Hook):
-    """train.ckpt_every_steps: write last.pth every `every` optimizer steps (0: never mid-epoch)."""
+    """train.ckpt_every_steps: write last.pth every `every` optimizer steps (0: never mid-epoch).
 
-    def __init__(self, checkpointer: Checkpointer, every: int) -> None:
-        self.checkpointer, self.every = checkpointer, every
+    The run starts (config.yaml and metrics.jsonl become this run's) at its first write, which may be this one.
+    """
+
+    def __init__(self, record: RunRecord, checkpointer: Checkpointer, every: int) -> None:
+        self.record, self.checkpointer, self.every = record, checkpointer, every
 
     def after_step(self, state: TrainState) -> None:
         if self.every and state.global_step % self.every == 0:
+            self.record.start()
             self.checkpointer.save(state)
 
 

@@ -17,10 +17,11 @@ from torch import nn
 
 from engine.checkpoint import EPOCH_FILE, UnreadableCheckpoint, load_checkpoint, set_rng_state
 from engine.config import Config, to_dict
-from engine.dist import DistInfo, broadcast_object, is_main
+from engine.dist import DistInfo, rank0_decides
 from engine.errors import UserError
-from engine.trainer import TrainState
-from engine.weights import load_weights
+from engine.state import TrainState
+from engine.trainer import TrainParts
+from engine.weights import init_from, load_weights
 
 log = logging.getLogger(__name__)
 TRAINING_KEYS = ("model", "optimizer", "epoch", "global_step", "config", "class_names", "rng")
@@ -30,43 +31,38 @@ OPTIMIZER_KEYS = ("name", "no_decay_norm_bias")  # what the optimizer state's la
 
 def find_resume_checkpoint(resume: str, out_dir: Path) -> Path | None:
     """The checkpoint to continue from, or None for a fresh run (decided by rank 0, told to all)."""
-    answer: tuple[str | None, str | None] = (None, None)  # (path, problem)
-    if is_main():
-        answer = decide_resume(resume, out_dir)
-    path, problem = broadcast_object(answer)
-    if problem:
-        raise UserError(problem, all_ranks=True)
+    path = rank0_decides(lambda: decide_resume(resume, out_dir))
     return Path(path) if path else None
 
 
-def decide_resume(resume: str, out_dir: Path) -> tuple[str | None, str | None]:
-    """(checkpoint path or None, problem or None): a fresh run only in a folder holding no run record."""
+def decide_resume(resume: str, out_dir: Path) -> str | None:
+    """The checkpoint path to continue, or None: a fresh run only in a folder holding no run record."""
     last = out_dir / "last.pth"
     found = run_files(out_dir)
     if resume == "auto":
         if last.is_file():
-            return str(last), None
+            return str(last)
         if found:
-            return None, (f"output_dir {out_dir} holds a run ({', '.join(found)}) but no last.pth to continue; "
-                          f"{way_out(out_dir)}")
-        return None, None
+            raise UserError(f"output_dir {out_dir} holds a run ({', '.join(found)}) but no last.pth to continue; "
+                            f"{way_out(out_dir)}")
+        return None
     if resume == "none":
         if not found:
-            return None, None
+            return None
         problem = f"output_dir {out_dir} already holds a run ({', '.join(found)}) and resume=none"
         if not last.is_file():
-            return None, f"{problem}; {way_out(out_dir)}"
+            raise UserError(f"{problem}; {way_out(out_dir)}")
         try:
             load_checkpoint(last)
         except UserError:
-            return None, f"{problem}; {last} cannot be read: {way_out(out_dir)}"
-        return None, f"{problem}; use resume=auto to continue it, or another output_dir to start over"
+            raise UserError(f"{problem}; {last} cannot be read: {way_out(out_dir)}") from None
+        raise UserError(f"{problem}; use resume=auto to continue it, or another output_dir to start over")
     if not Path(resume).is_file():
-        return None, f"resume={resume}: no such checkpoint file; use auto, none or an existing .pth path"
+        raise UserError(f"resume={resume}: no such checkpoint file; use auto, none or an existing .pth path")
     if found and Path(resume).resolve().parent != out_dir.resolve():
-        return None, (f"output_dir {out_dir} already holds another run ({', '.join(found)}); to continue {resume} "
-                      "choose an output_dir that holds no run")
-    return resume, None
+        raise UserError(f"output_dir {out_dir} already holds another run ({', '.join(found)}); to continue "
+                        f"{resume} choose an output_dir that holds no run")
+    return resume
 
 
 def run_files(out_dir: Path) -> list[str]:
@@ -162,48 +158,70 @@ def config_changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -
     return changes
 
 
-def restore_model(model: nn.Module, ckpt: dict[str, Any], path: Path) -> None:
-    """The checkpoint's weights, exactly (before DDP wraps the model)."""
-    load_weights(model, ckpt["model"], f"checkpoint {path}")
+class Resume:
+    """What a run starts from: the checkpoint it continues (found, checked and put back here), or nothing.
 
+    fit() calls, in order: `find`, `load_model` (after the data gave the class names), `load_ema`,
+    `load_training`. A fresh run passes through each as a no-op (load_model applies model.init_from).
+    """
 
-def restore_ema(ema: nn.Module, ckpt: dict[str, Any], path: Path) -> None:
-    """The checkpoint's EMA weights; a run that turns the EMA on at resume starts it from the model."""
-    if "ema" in ckpt:
-        load_weights(ema, ckpt["ema"], f"checkpoint {path} (EMA weights)")
-    else:
-        log.info("checkpoint %s has no EMA weights: the EMA starts from the resumed model", path)
+    def __init__(self, path: Path | None, ckpt: dict[str, Any] | None) -> None:
+        self.path, self.ckpt = path, ckpt
 
+    @classmethod
+    def find(cls, resume: str, out_dir: Path) -> Resume:
+        path = find_resume_checkpoint(resume, out_dir)
+        return cls(path, load_resume_checkpoint(path) if path else None)
 
-def restore_training(ckpt: dict[str, Any], path: Path, cfg: Config, optimizer: torch.optim.Optimizer, scheduler,
-                     scaler: torch.amp.GradScaler | None, state: TrainState, info: DistInfo) -> None:
-    """Optimizer, scaler, loop state and this rank's RNG states; the LR follows the config at global_step."""
-    check_optimizer_state(ckpt["optimizer"], optimizer, path)
-    optimizer.load_state_dict(ckpt["optimizer"])
-    if scaler is not None and ckpt.get("scaler"):
-        scaler.load_state_dict(ckpt["scaler"])
-    state.epoch, state.global_step, state.best_top1 = ckpt["epoch"], ckpt["global_step"], ckpt["best_top1"]
-    state.epoch_step = ckpt.get("epoch_step", 0)
-    state.epoch_sums = dict(ckpt.get("epoch_sums") or {})
-    state.epoch_seconds = ckpt.get("epoch_seconds", 0.0)
-    # The schedule is a function of the config and the step (timm's schedulers keep no other
-    # state): rebuilt from the config, a resumed run may extend train.epochs.
-    scheduler.step_update(num_updates=state.global_step)
-    rng = ckpt["rng"]
-    if info.rank < len(rng):
-        set_rng_state(rng[info.rank])
-    if len(rng) != info.world_size:
-        log.warning("checkpoint %s was written by %d process(es), this run has %d: training continues, "
-                    "but dropout and drop-path draws differ from an uninterrupted run", path, len(rng),
-                    info.world_size)
-    changes = config_changes(ckpt["config"], to_dict(cfg))
-    where = f"start of epoch {state.epoch}"
-    if state.epoch_step:
-        where = f"epoch {state.epoch}, step {state.epoch_step} of it"
-    log.info("resuming from %s (%s, global step %d)%s", path, where, state.global_step,
-             f"; config changes: {', '.join(changes)}" if changes else "")
+    @property
+    def wandb_id(self) -> str | None:
+        """The W&B run the checkpoint belongs to (None: fresh run, or tracking was off)."""
+        value = self.ckpt.get("wandb_id") if self.ckpt else None
+        return value if isinstance(value, str) and value else None
 
+    def load_model(self, model: nn.Module, cfg: Config, class_names: list[str], world_size: int) -> None:
+        """The checkpoint's weights, exactly, once it is known to fit this run; else model.init_from's."""
+        if self.ckpt is None:
+            if cfg.model.init_from:
+                init_from(model, cfg.model.init_from)
+            return
+        check_resumable(self.ckpt, self.path, cfg, class_names, world_size)
+        load_weights(model, self.ckpt["model"], f"checkpoint {self.path}")
+        if cfg.model.init_from:
+            log.info("resuming from %s: model.init_from is not used", self.path)
 
-def samples_done(state: TrainState, accum_steps: int, batch_size: int, batches_per_epoch: int) -> int:
-    """How many of its samples this rank already trained on in state.epoch (a mid-epoch resume skips them)."""
-    return min(state.epoch_step * accum_steps, batches_per_epoch) * batch_size
+    def load_ema(self, ema: nn.Module | None) -> None:
+        """The checkpoint's EMA weights; a run that turns the EMA on at resume starts it from the model."""
+        if ema is None or self.ckpt is None:
+            return
+        if "ema" in self.ckpt:
+            load_weights(ema, self.ckpt["ema"], f"checkpoint {self.path} (EMA weights)")
+        else:
+            log.info("checkpoint %s has no EMA weights: the EMA starts from the resumed model", self.path)
+
+    def load_training(self, parts: TrainParts, cfg: Config, info: DistInfo) -> TrainState:
+        """The loop state, optimizer, GradScaler and this rank's RNG states (a fresh state for a fresh run)."""
+        state = TrainState()
+        if self.ckpt is None:
+            return state
+        ckpt, path = self.ckpt, self.path
+        check_optimizer_state(ckpt["optimizer"], parts.optimizer, path)
+        parts.optimizer.load_state_dict(ckpt["optimizer"])
+        if parts.precision.scaler is not None and ckpt.get("scaler"):
+            parts.precision.scaler.load_state_dict(ckpt["scaler"])
+        state.load_state_dict(ckpt)
+        # The schedule is a function of the config and the step (timm's schedulers keep no other
+        # state): rebuilt from the config, a resumed run may extend train.epochs.
+        parts.scheduler.step_update(num_updates=state.global_step)
+        rng = ckpt["rng"]
+        if info.rank < len(rng):
+            set_rng_state(rng[info.rank])
+        if len(rng) != info.world_size:
+            log.warning("checkpoint %s was written by %d process(es), this run has %d: training continues, "
+                        "but dropout and drop-path draws differ from an uninterrupted run", path, len(rng),
+                        info.world_size)
+        changes = config_changes(ckpt["config"], to_dict(cfg))
+        where = f"epoch {state.epoch}, step {state.epoch_step} of it" if state.epoch_step else f"start of epoch {state.epoch}"
+        log.info("resuming from %s (%s, global step %d)%s", path, where, state.global_step,
+                 f"; config changes: {', '.join(changes)}" if changes else "")
+        return state

@@ -25,7 +25,7 @@ from typing import Any, BinaryIO, Callable, Iterator
 
 import yaml
 
-from engine.dist import DistInfo, broadcast_object
+from engine.dist import rank0_decides
 from engine.errors import UserError
 from engine.logs import MetricsFile
 
@@ -53,21 +53,14 @@ def atomic_file(path: Path) -> Iterator[BinaryIO]:
 
 
 @contextlib.contextmanager
-def locked(folder: Path, info: DistInfo) -> Iterator[None]:
+def locked(folder: Path) -> Iterator[None]:
     """Hold the run folder's lock (rank 0) while the block runs; refuse a folder another live run holds."""
-    lock, problem = None, None
-    if info.is_main:
-        try:
-            lock = FolderLock(folder)
-        except UserError as err:
-            problem = str(err)
-    problem = broadcast_object(problem)
-    if problem:
-        raise UserError(problem, all_ranks=True)
+    held: list[FolderLock] = []  # rank 0's lock (it holds a file descriptor, so it stays on rank 0)
+    rank0_decides(lambda: held.append(FolderLock(folder)))
     try:
         yield
     finally:
-        if lock is not None:
+        for lock in held:
             lock.release()
 
 
@@ -135,8 +128,8 @@ class RunRecord:
     Every method is a collective: rank 0 writes, every rank learns whether it could.
     """
 
-    def __init__(self, folder: Path, info: DistInfo, config: dict[str, Any], first_epoch: int) -> None:
-        self.folder, self.info, self.config, self.first_epoch = folder, info, config, first_epoch
+    def __init__(self, folder: Path, config: dict[str, Any], first_epoch: int) -> None:
+        self.folder, self.config, self.first_epoch = folder, config, first_epoch
         self.metrics = MetricsFile(folder / "metrics.jsonl")
         self.started = False
 
@@ -160,14 +153,12 @@ class RunRecord:
 
     def write(self, action: Callable[[], None]) -> None:
         """Run `action` on rank 0; an OSError becomes one line on every rank's behalf."""
-        problem = None
-        if self.info.is_main:
+        def attempt() -> None:
             try:
                 action()
             except OSError as err:
                 name = err.filename2 or err.filename or self.folder
-                problem = (f"cannot write {name} ({err.strerror or err}); free disk space, make output_dir "
-                           "writable, or choose another output_dir")
-        problem = broadcast_object(problem)
-        if problem:
-            raise UserError(problem, all_ranks=True)
+                raise UserError(f"cannot write {name} ({err.strerror or err}); free disk space, make output_dir "
+                                "writable, or choose another output_dir") from None
+
+        rank0_decides(attempt)

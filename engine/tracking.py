@@ -144,8 +144,3 @@ def table_cell(value: Any) -> Any:
     """Scalars stay as they are; anything else (a top-5 list) becomes its text, which a W&B table can hold."""
     return value if value is None or isinstance(value, (str, int, float, bool)) else str(value)
 
-
-def checkpoint_run_id(checkpoint: dict[str, Any]) -> str | None:
-    """The `wandb_id` field of a loaded checkpoint, or None (tracking was off, or an older checkpoint)."""
-    value = checkpoint.get("wandb_id")
-    return value if isinstance(value, str) and value else None

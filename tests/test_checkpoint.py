@@ -19,8 +19,8 @@ from engine.checkpoint import load_checkpoint, rng_state, save_atomic, set_rng_s
 from engine.config import Config, ModelConfig, TrainConfig, to_dict
 from engine.errors import UserError
 from engine.logs import MetricsFile
-from engine.resume import check_resumable, samples_done
-from engine.trainer import TrainState
+from engine.resume import check_resumable
+from engine.state import TrainState
 from engine.weights import init_from, load_weights
 from tests.helpers import REPO, script_env
 
@@ -144,7 +144,7 @@ def test_epoch_sampler_start_skips_exactly_the_consumed_samples():
     order = list(full)
     resumed = EpochSampler(range(103), num_replicas=2, rank=1, shuffle=True, seed=5, drop_last=True)
     state = TrainState(epoch=4, epoch_step=3)
-    resumed.set_epoch(4, start=samples_done(state, accum_steps=2, batch_size=4, batches_per_epoch=12))
+    resumed.set_epoch(4, start=state.samples_done(accum_steps=2, batch_size=4, batches_per_epoch=12))
     assert len(resumed) == len(order) - 24 and list(resumed) == order[24:]
     resumed.set_epoch(5)  # the next epoch starts from the beginning again
     assert len(list(resumed)) == len(order)

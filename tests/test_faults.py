@@ -21,7 +21,7 @@ from data.loader import EpochSampler
 from engine.checkpoint import Checkpointer, load_checkpoint
 from engine.dist import DistInfo
 from engine.errors import UserError
-from engine.trainer import TrainState
+from engine.state import TrainState
 from tests.helpers import REPO, make_image_folder, read_jsonl, run_script, script_env
 
 TINY = ["--config", "configs/dummy.yaml", "model.name=test_resnet", "model.channels_last=false", "amp='off'",

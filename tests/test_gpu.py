@@ -110,7 +110,8 @@ def test_training_steps_sync_with_the_host_once_per_step():
     from engine.dist import DistInfo
     from engine.optim import build_optimizer, build_scheduler
     from engine.precision import resolve_precision
-    from engine.trainer import LoopConfig, TrainState, train_one_epoch
+    from engine.state import TrainState
+    from engine.trainer import LoopConfig, TrainParts, train_one_epoch
 
     device = torch.device("cuda", 0)
     info = DistInfo(0, 1, 0, 1, device)
@@ -121,14 +122,14 @@ def test_training_steps_sync_with_the_host_once_per_step():
     batches = [(torch.randint(0, 256, (16, 3, 64, 64), dtype=torch.uint8).pin_memory(),
                 torch.randint(0, 10, (16,)).pin_memory()) for _ in range(8)]
     loop = LoopConfig(1, 0.0, 0, 1000, DeviceNormalize([0.5] * 3, [0.5] * 3, device, True), False)
-    loss_fn = torch.nn.CrossEntropyLoss()
-    train_one_epoch(model, batches, optimizer, scheduler, loss_fn, precision, TrainState(), loop, info)  # warm-up
+    parts = TrainParts(model, optimizer, scheduler, torch.nn.CrossEntropyLoss(), precision)
+    train_one_epoch(parts, batches, TrainState(), loop, info)  # warm-up
     state = TrainState(epoch=1, global_step=8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            train_one_epoch(model, batches, optimizer, scheduler, loss_fn, precision, state, loop, info)
+            train_one_epoch(parts, batches, state, loop, info)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchroniz" in str(w.message)]

@@ -28,7 +28,8 @@ from engine.errors import UserError
 from engine.optim import build_optimizer, build_scheduler
 from engine.precision import Precision, gpu_auto_mode
 from engine.prefetch import device_batches
-from engine.trainer import LoopConfig, TrainState, evaluate as run_evaluation, train_one_epoch
+from engine.state import TrainState
+from engine.trainer import LoopConfig, TrainParts, evaluate as run_evaluation, train_one_epoch
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 
@@ -150,8 +151,8 @@ def test_training_and_evaluation_steps_make_no_hidden_host_device_traffic():
     loop = LoopConfig(1, 0.0, 0, 1000, normalize, False)
     batches = _batches(6)  # made before recording: in a real run they come from the DataLoader's workers
     with HostTraffic() as train_traffic:
-        train_one_epoch(model, batches, optimizer, scheduler, torch.nn.CrossEntropyLoss(), Precision("cpu", None),
-                        TrainState(), loop, CPU)
+        parts = TrainParts(model, optimizer, scheduler, torch.nn.CrossEntropyLoss(), Precision("cpu", None))
+        train_one_epoch(parts, batches, TrainState(), loop, CPU)
     with HostTraffic() as eval_traffic:
         run_evaluation(model, batches, Precision("cpu", None), CPU, normalize)
     assert train_traffic.ops["lift_fresh"] == 0 and eval_traffic.ops["lift_fresh"] == 0
@@ -184,7 +185,7 @@ def test_checkpoint_of_a_cuda_run_holds_only_cpu_tensors(tmp_path):
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
         checkpointer = Checkpointer(tmp_path, CPU, 0, model=model, optimizer=optimizer, scheduler=scheduler,
                                     scaler=None, config={}, class_names=["a", "b"])
-        contents = checkpointer.contents(TrainState(), rng=[], val_top1=None)
+        contents = checkpointer.contents(TrainState().state_dict(), rng=[], val_top1=None)
     devices = {str(t.device) for t in _tensors(contents)}
     assert devices == {"cpu"}, devices
 

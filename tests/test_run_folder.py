@@ -24,7 +24,7 @@ from engine.checkpoint import Checkpointer, load_checkpoint, save_atomic
 from engine.cli import report_errors
 from engine.dist import DistInfo
 from engine.errors import UserError
-from engine.trainer import TrainState
+from engine.state import TrainState
 from tests.helpers import REPO, make_image_folder, read_jsonl, script_env
 
 TINY = ["--config", "configs/dummy.yaml", "model.name=test_resnet", "model.channels_last=false", "amp='off'",
