@@ -87,8 +87,9 @@ def build_datasets(cfg: DataConfig, seed: int, local_rank: int = 0) -> tuple[Aug
     if train_classes != val.classes:
         only = sorted(set(train_classes) ^ set(val.classes))
         raise UserError(f"{root}/train and {root}/val have different class folders (differing: {', '.join(only[:10])})")
-    train = ImageFolderDataset(root / "train", train_transform(cfg), seed, train_classes)
-    train.skip_corrupt = cfg.skip_corrupt  # never for val: an evaluation counts every image
+    # skip_corrupt never for val: an evaluation counts every image
+    train = ImageFolderDataset(root / "train", train_transform(cfg), seed, train_classes,
+                               skip_corrupt=cfg.skip_corrupt, max_pixels=cfg.max_image_pixels)
     return train, val
 
 
@@ -102,7 +103,8 @@ def build_val_dataset(cfg: DataConfig, seed: int, local_rank: int = 0) -> Augmen
         with local_main_first(local_rank):
             if local_rank == 0:
                 export_digits(root)
-    return ImageFolderDataset(root / "val", eval_transform(cfg), seed, find_classes(root / "val"))
+    return ImageFolderDataset(root / "val", eval_transform(cfg), seed, find_classes(root / "val"),
+                              max_pixels=cfg.max_image_pixels)
 
 
 def _worker_init(worker_id: int) -> None:
