@@ -112,6 +112,17 @@ def _worker_init(worker_id: int) -> None:
     cv2.setNumThreads(1)
 
 
+def before_workers_fork() -> None:
+    """Make this process safe and cheap to fork into DataLoader workers.
+
+    OpenCV's thread pool does not survive fork: a worker forked while the pool's threads sleep (any
+    OpenCV call in this process earlier, e.g. decoding with num_workers=0 before) hangs forever in its
+    first OpenCV call. With workers this process decodes nothing, so it gives the pool up first.
+    """
+    cv2.setNumThreads(1)
+    share_heap_with_workers()
+
+
 def share_heap_with_workers() -> None:
     """Freeze the garbage collector's view of this process's objects before DataLoader workers fork.
 
@@ -144,6 +155,35 @@ def _loader_kwargs(cfg: DataConfig, device: torch.device, seed: int) -> dict:
     return kwargs
 
 
+class OneLineErrorLoader(DataLoader):
+    """DataLoader whose workers' UserErrors reach the user as the one line they hold.
+
+    torch re-raises a worker's exception in this process as the same type with the worker's whole
+    traceback as its message (torch._utils.ExceptionWrapper.reraise); the last line of that traceback
+    is the original message.
+    """
+
+    def __iter__(self) -> Iterator:
+        batches = super().__iter__()
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except UserError as err:
+                raise UserError(worker_message(str(err))) from err
+            yield batch
+
+
+def worker_message(text: str) -> str:
+    """The original message in torch's "Caught UserError in DataLoader worker process N. Original Traceback ..."."""
+    if not text.startswith("Caught UserError in DataLoader worker"):
+        return text
+    prefix = f"{UserError.__module__}.{UserError.__qualname__}: "
+    lines = [line for line in text.splitlines() if line.startswith(prefix)]
+    return lines[-1][len(prefix):] if lines else text
+
+
 def build_train_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: int, seed: int,
                        info: DistInfo) -> DataLoader:
     """Shuffled, drop_last loader over this rank's share of the training set."""
@@ -153,9 +193,9 @@ def build_train_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: i
         raise UserError(f"each rank gets {len(sampler)} training images but train.batch_size is {batch_size}; "
                         "lower train.batch_size or use fewer processes")
     if cfg.num_workers > 0:
-        share_heap_with_workers()
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, collate_fn=collate_readable,
-                      **_loader_kwargs(cfg, info.device, seed + info.rank))
+        before_workers_fork()
+    return OneLineErrorLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
+                              collate_fn=collate_readable, **_loader_kwargs(cfg, info.device, seed + info.rank))
 
 
 def collate_readable(samples: list) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,9 +220,9 @@ def build_eval_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: in
                         "use fewer processes")
     sampler = ShardSampler(len(dataset), info.rank, info.world_size, batch_size)
     if cfg.num_workers > 0:
-        share_heap_with_workers()
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=False,
-                      collate_fn=collate_channels_last, **_loader_kwargs(cfg, info.device, info.rank))
+        before_workers_fork()
+    return OneLineErrorLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=False,
+                              collate_fn=collate_channels_last, **_loader_kwargs(cfg, info.device, info.rank))
 
 
 @dataclass
