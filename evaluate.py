@@ -145,7 +145,7 @@ class PredictionWriter:
 def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
     """CSV with COLUMNS, written to a temp file and moved into place."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", newline="") as f:
+    with tmp.open("w", newline="", errors="surrogateescape") as f:  # file names that are not UTF-8, byte for byte
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
@@ -157,7 +157,7 @@ def merge_parts(out: Path, world_size: int, size: int) -> list[dict[str, str]]:
     parts = [out / f"predictions.part{rank}.csv" for rank in range(world_size)]
     rows: list[dict[str, str]] = []
     for part in parts:
-        with part.open(newline="") as f:
+        with part.open(newline="", errors="surrogateescape") as f:
             rows += list(csv.DictReader(f))
     rows.sort(key=lambda row: int(row["index"]))
     if [int(row["index"]) for row in rows] != list(range(size)):
@@ -195,6 +195,11 @@ def summarize(rows: list[dict[str, str]], metrics: dict[str, float], class_names
     return result, confusion
 
 
+def readable(name: str) -> str:
+    """A class or file name for a person: bytes that are not UTF-8 (kept as surrogates) shown as U+FFFD."""
+    return os.fsencode(name).decode("utf-8", errors="replace")
+
+
 def plot_confusion(confusion: np.ndarray, class_names: list[str], path: Path, title: str) -> None:
     """A confusion matrix a person can read: class names on both axes, counts in the cells when they fit."""
     import matplotlib
@@ -203,6 +208,7 @@ def plot_confusion(confusion: np.ndarray, class_names: list[str], path: Path, ti
     logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its font-cache notice is not ours to print
     import matplotlib.pyplot as plt
 
+    class_names = [readable(name) for name in class_names]
     n = len(class_names)
     side = min(4 + 0.45 * n, 30)
     fig, ax = plt.subplots(figsize=(side, side), dpi=100)
@@ -288,7 +294,7 @@ def main(argv: list[str]) -> int:
     if result is not None:
         worst = sorted((c for c in result["per_class"] if c["top1"] is not None), key=lambda c: c["top1"])[:3]
         print(f"top1 {result['top1']:.2f}%  top5 {result['top5']:.2f}%  loss {result['loss']:.4f}  n {result['n']}")
-        print("lowest per-class top1: " + ", ".join(f"{c['class']} {c['top1']:.1f}%" for c in worst))
+        print("lowest per-class top1: " + ", ".join(f"{readable(c['class'])} {c['top1']:.1f}%" for c in worst))
         print(f"wrote eval.json, predictions.csv, confusion_matrix.png to {result['output_dir']}")
     return 0
 

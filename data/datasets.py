@@ -8,16 +8,21 @@ sees new augmentations, and a resumed run sees exactly the ones it would have se
 from __future__ import annotations
 
 import abc
+import io
 import logging
 import os
 import random
+import warnings
 from pathlib import Path
+
 import albumentations as A
 import cv2
 import numpy as np
 import torch
+from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
+from engine.config import DataConfig
 from engine.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -25,14 +30,15 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
 
 class PackedStrings:
-    """Many strings in two numpy arrays (utf-8 bytes + offsets).
+    """Many strings in two numpy arrays (file-system bytes + offsets).
 
     A Python list of str would be copied page by page into every DataLoader worker as reference
-    counts are touched (pytorch/pytorch#13246); two flat arrays are never written to.
+    counts are touched (pytorch/pytorch#13246); two flat arrays are never written to. Strings are
+    stored as os.fsencode bytes, so a file name that is not UTF-8 (valid on Linux) round-trips.
     """
 
     def __init__(self, strings: list[str]) -> None:
-        encoded = [s.encode("utf-8") for s in strings]
+        encoded = [os.fsencode(s) for s in strings]
         self.offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
         np.cumsum([len(b) for b in encoded], out=self.offsets[1:])
         self.data = np.frombuffer(b"".join(encoded), dtype=np.uint8) if encoded else np.zeros(0, np.uint8)
@@ -41,7 +47,7 @@ class PackedStrings:
         return len(self.offsets) - 1
 
     def __getitem__(self, i: int) -> str:
-        return self.data[self.offsets[i]:self.offsets[i + 1]].tobytes().decode("utf-8")
+        return os.fsdecode(self.data[self.offsets[i]:self.offsets[i + 1]].tobytes())
 
 
 class AugmentedDataset(Dataset, abc.ABC):
@@ -86,31 +92,164 @@ def find_classes(split_dir: Path) -> list[str]:
     if not split_dir.is_dir():
         raise UserError(f"data folder {split_dir} does not exist; expected <data.root>/train/<class>/* "
                         "and <data.root>/val/<class>/* (set data.root)")
-    classes = sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and not e.name.startswith("."))
+    classes = []
+    for entry in list_folder(split_dir):
+        if entry.name.startswith("."):
+            continue
+        if is_dir(entry):
+            classes.append(entry.name)
+        elif reason := broken_link(entry):  # a class whose images would be missing without a word
+            raise UserError(f"{entry.path} is a broken symbolic link ({reason}); fix or remove it")
     if not classes:
         raise UserError(f"{split_dir} has no class folders; put each class's images in {split_dir}/<class>/")
-    return classes
+    return sorted(classes)
 
 
-def scan_images(split_dir: Path, classes: list[str]) -> tuple[list[str], np.ndarray]:
-    """Relative paths and labels of every image under split_dir/<class>/, sorted."""
+def scan_images(split_dir: Path, classes: list[str], skip_broken: bool = False) -> tuple[list[str], np.ndarray]:
+    """Relative paths and labels of every image under split_dir/<class>/, sorted.
+
+    A broken symbolic link (target gone, or a loop) is an image that cannot be read: an error naming it,
+    or with skip_broken (data.skip_corrupt, training only) a warning naming it.
+    """
     paths: list[str] = []
     labels: list[int] = []
+    broken: list[str] = []
     for label, name in enumerate(classes):
-        files = sorted(
-            os.path.join(name, e.name) for e in os.scandir(split_dir / name)
-            if e.is_file() and e.name.lower().endswith(IMAGE_EXTENSIONS)
-        )
+        files = []
+        for entry in list_folder(split_dir / name):
+            if not entry.name.lower().endswith(IMAGE_EXTENSIONS):
+                continue
+            if is_file(entry):
+                files.append(os.path.join(name, entry.name))
+            elif reason := broken_link(entry):
+                broken.append(f"{entry.path} is a broken symbolic link ({reason})")
         if not files:
             raise UserError(f"class folder {split_dir / name} has no images ({', '.join(IMAGE_EXTENSIONS)})")
-        paths += files
+        paths += sorted(files)
         labels += [label] * len(files)
+    if broken:
+        more = f", and {len(broken) - 1} more under {split_dir}" if len(broken) > 1 else ""
+        if not skip_broken:
+            raise UserError(f"{broken[0]}{more}; fix or remove it (data.skip_corrupt=true skips such files in "
+                            "training, never in validation)")
+        log.warning("data.skip_corrupt: %s%s; skipped", broken[0], more)
     return paths, np.asarray(labels, dtype=np.int64)
 
 
-def read_image(path: str) -> np.ndarray:
-    """Decode any JPEG/PNG (grayscale, RGB or RGBA) into HWC uint8 RGB (decoded as RGB: no BGR copy)."""
-    image = cv2.imread(path, cv2.IMREAD_COLOR_RGB)
+def list_folder(folder: Path) -> list[os.DirEntry]:
+    """The entries of a folder; one that cannot be listed (permissions) is named in one line."""
+    try:
+        with os.scandir(folder) as entries:
+            return list(entries)
+    except OSError as err:
+        raise UserError(f"cannot list folder {folder} ({err.strerror})") from None
+
+
+def is_file(entry: os.DirEntry) -> bool:
+    """entry.is_file(), False for a symbolic link loop (which raises)."""
+    try:
+        return entry.is_file()
+    except OSError:
+        return False
+
+
+def is_dir(entry: os.DirEntry) -> bool:
+    """entry.is_dir(), False for a symbolic link loop (which raises)."""
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
+
+
+def broken_link(entry: os.DirEntry) -> str | None:
+    """Why a symbolic link leads nowhere (its target is gone, or links loop); None for anything else."""
+    if not entry.is_symlink():
+        return None
+    try:
+        os.stat(entry.path)
+    except OSError as err:
+        return err.strerror
+    return None
+
+
+JPEG_FRAME_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # SOF0-SOF15 (not DHT, JPG, DAC)
+
+
+def jpeg_header(data: bytes) -> tuple[int, int, bool]:
+    """(width, height, complete): the frame header's size, and whether an end marker follows the first scan.
+
+    Scan data never holds FF D9 (an FF in it is followed by 00 or a restart marker), so a file cut
+    anywhere after its headers has no end marker after its first scan; padding or data appended after
+    the end marker is fine, and an FF D9 inside an EXIF thumbnail comes before the scan.
+    """
+    width = height = 0
+    i = 2
+    while i + 4 <= len(data):
+        marker = data[i + 1]
+        if data[i] != 0xFF:  # stray bytes between segments: libjpeg skips to the next marker too
+            i = data.find(b"\xff", i)
+            if i < 0:
+                break
+        elif marker == 0xFF:  # fill byte
+            i += 1
+        elif marker == 0x01 or 0xD0 <= marker <= 0xD9:  # markers without a length
+            i += 2
+        else:
+            length = int.from_bytes(data[i + 2:i + 4], "big")
+            if marker in JPEG_FRAME_MARKERS and i + 9 <= len(data):
+                height, width = int.from_bytes(data[i + 5:i + 7], "big"), int.from_bytes(data[i + 7:i + 9], "big")
+            elif marker == 0xDA:  # start of scan
+                return width, height, data.rfind(b"\xff\xd9", i + 2 + length) >= 0
+            i += 2 + length
+    return width, height, False
+
+
+def image_header(data: bytes) -> tuple[int, int, bool]:
+    """(width, height, complete) from the bytes of an image file, without decoding it.
+
+    JPEG and PNG are parsed here (complete: the end marker or IEND chunk is present); other formats
+    go through PIL, which reads the header only (and refuses over 2x its MAX_IMAGE_PIXELS itself).
+    (0, 0, True) for what PIL does not know either: OpenCV then decodes it or refuses it.
+    """
+    if data.startswith(b"\xff\xd8"):
+        return jpeg_header(data)
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        if data[12:16] != b"IHDR" or len(data) < 24:  # junk after the signature: no size to trust, nothing to decode
+            return 0, 0, False
+        width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+        return width, height, data.rfind(b"IEND", 33) >= 0
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as image:
+                return image.width, image.height, True
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
+        return 0, 0, True
+
+
+def read_image(path: str, max_pixels: int = DataConfig.max_image_pixels) -> np.ndarray:
+    """Decode any JPEG/PNG (grayscale, RGB or RGBA) into HWC uint8 RGB (decoded as RGB: no BGR copy).
+
+    The bytes are read once and checked before decoding: OpenCV decodes a truncated JPEG with its
+    missing part grey (printing a warning that names no file), and a small file can declare a size
+    that needs gigabytes of memory.
+    """
+    try:
+        with open(path, "rb") as file:
+            data = file.read()
+        width, height, complete = image_header(data)
+    except OSError as err:
+        raise UserError(f"cannot read image {path} ({err.strerror}); remove or replace it") from None
+    except Image.DecompressionBombError as err:
+        raise UserError(f"image {path} is too large ({err}); shrink or remove it") from None
+    if width * height > max_pixels:
+        raise UserError(f"image {path} is {width}x{height} pixels, more than data.max_image_pixels={max_pixels}; "
+                        "shrink or remove it, or raise data.max_image_pixels")
+    try:
+        image = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR_RGB) if data and complete else None
+    except cv2.error as err:  # OpenCV's own size limit, or out of memory
+        raise UserError(f"cannot decode image {path} (OpenCV: {getattr(err, 'err', err)}); remove or replace it") \
+            from None
     if image is None:
         raise UserError(f"cannot read image {path} (corrupt, truncated or not an image); remove or replace it")
     return image
@@ -119,19 +258,21 @@ def read_image(path: str) -> np.ndarray:
 class ImageFolderDataset(AugmentedDataset):
     """`<root>/<split>/<class>/*` images; the index is kept in numpy arrays (see PackedStrings)."""
 
-    def __init__(self, split_dir: str | Path, transform: A.Compose, seed: int,
-                 classes: list[str] | None = None) -> None:
+    def __init__(self, split_dir: str | Path, transform: A.Compose, seed: int, classes: list[str] | None = None,
+                 *, skip_corrupt: bool = False, max_pixels: int = DataConfig.max_image_pixels) -> None:
         super().__init__(transform, seed)
         self.root = Path(split_dir)
+        self.skip_corrupt = skip_corrupt
+        self.max_pixels = max_pixels
         self.classes = classes if classes is not None else find_classes(self.root)
-        paths, self.labels = scan_images(self.root, self.classes)
+        paths, self.labels = scan_images(self.root, self.classes, skip_broken=skip_corrupt)
         self.paths = PackedStrings(paths)
 
     def path(self, index: int) -> str:
         return str(self.root / self.paths[index])
 
     def load_image(self, index: int) -> np.ndarray:
-        return read_image(self.path(index))
+        return read_image(self.path(index), self.max_pixels)
 
 
 class DummyDataset(AugmentedDataset):

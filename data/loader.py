@@ -88,8 +88,9 @@ def build_datasets(cfg: DataConfig, seed: int, local_rank: int = 0) -> tuple[Aug
     if train_classes != val.classes:
         only = sorted(set(train_classes) ^ set(val.classes))
         raise UserError(f"{root}/train and {root}/val have different class folders (differing: {', '.join(only[:10])})")
-    train = ImageFolderDataset(root / "train", train_transform(cfg), seed, train_classes)
-    train.skip_corrupt = cfg.skip_corrupt  # never for val: an evaluation counts every image
+    # skip_corrupt never for val: an evaluation counts every image
+    train = ImageFolderDataset(root / "train", train_transform(cfg), seed, train_classes,
+                               skip_corrupt=cfg.skip_corrupt, max_pixels=cfg.max_image_pixels)
     return train, val
 
 
@@ -103,7 +104,8 @@ def build_val_dataset(cfg: DataConfig, seed: int, local_rank: int = 0) -> Augmen
         with local_main_first(local_rank):
             if local_rank == 0:
                 export_digits(root)
-    return ImageFolderDataset(root / "val", eval_transform(cfg), seed, find_classes(root / "val"))
+    return ImageFolderDataset(root / "val", eval_transform(cfg), seed, find_classes(root / "val"),
+                              max_pixels=cfg.max_image_pixels)
 
 
 def _worker_init(worker_id: int) -> None:
@@ -120,13 +122,23 @@ def _quiet_if_parent_gone(args: threading.ExceptHookArgs) -> None:
         threading.__excepthook__(args)
 
 
+def before_workers_fork() -> None:
+    """Make this process safe and cheap to fork into DataLoader workers.
+
+    OpenCV's thread pool does not survive fork: a worker forked while the pool's threads sleep (any
+    OpenCV call in this process earlier, e.g. decoding with num_workers=0 before) hangs forever in its
+    first OpenCV call. With workers this process decodes nothing, so it gives the pool up first.
+    """
+    cv2.setNumThreads(1)
+    share_heap_with_workers()
+
+
 def share_heap_with_workers() -> None:
     """Freeze the garbage collector's view of this process's objects before DataLoader workers fork.
 
     A GC pass in a forked worker writes to the header of every object it inherited, which copies the
-    parent's heap into the worker page by page: 61 MB of private memory per worker over an epoch here,
-    8-15 MB frozen (benchmarks/index_memory.py). Garbage is collected first: frozen objects are only
-    ever freed by reference counting.
+    parent's heap into the worker page by page (benchmarks/index_memory.py measures it; docs/benchmarks.md).
+    Garbage is collected first: frozen objects are only ever freed by reference counting.
     """
     gc.collect()
     gc.freeze()
@@ -152,6 +164,35 @@ def _loader_kwargs(cfg: DataConfig, device: torch.device, seed: int) -> dict:
     return kwargs
 
 
+class OneLineErrorLoader(DataLoader):
+    """DataLoader whose workers' UserErrors reach the user as the one line they hold.
+
+    torch re-raises a worker's exception in this process as the same type with the worker's whole
+    traceback as its message (torch._utils.ExceptionWrapper.reraise); the last line of that traceback
+    is the original message.
+    """
+
+    def __iter__(self) -> Iterator:
+        batches = super().__iter__()
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except UserError as err:
+                raise UserError(worker_message(str(err))) from err
+            yield batch
+
+
+def worker_message(text: str) -> str:
+    """The original message in torch's "Caught UserError in DataLoader worker process N. Original Traceback ..."."""
+    if not text.startswith("Caught UserError in DataLoader worker"):
+        return text
+    prefix = f"{UserError.__module__}.{UserError.__qualname__}: "
+    lines = [line for line in text.splitlines() if line.startswith(prefix)]
+    return lines[-1][len(prefix):] if lines else text
+
+
 def build_train_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: int, seed: int,
                        info: DistInfo) -> DataLoader:
     """Shuffled, drop_last loader over this rank's share of the training set."""
@@ -161,9 +202,9 @@ def build_train_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: i
         raise UserError(f"each rank gets {len(sampler)} training images but train.batch_size is {batch_size}; "
                         "lower train.batch_size or use fewer processes")
     if cfg.num_workers > 0:
-        share_heap_with_workers()
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, collate_fn=collate_readable,
-                      **_loader_kwargs(cfg, info.device, seed + info.rank))
+        before_workers_fork()
+    return OneLineErrorLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
+                              collate_fn=collate_readable, **_loader_kwargs(cfg, info.device, seed + info.rank))
 
 
 def collate_readable(samples: list) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,9 +229,9 @@ def build_eval_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: in
                         "use fewer processes")
     sampler = ShardSampler(len(dataset), info.rank, info.world_size, batch_size)
     if cfg.num_workers > 0:
-        share_heap_with_workers()
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=False,
-                      collate_fn=collate_channels_last, **_loader_kwargs(cfg, info.device, info.rank))
+        before_workers_fork()
+    return OneLineErrorLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=False,
+                              collate_fn=collate_channels_last, **_loader_kwargs(cfg, info.device, info.rank))
 
 
 @dataclass

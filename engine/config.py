@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import typing
@@ -23,7 +24,20 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
 class YamlLoader(yaml.SafeLoader):
-    """SafeLoader whose only booleans are true/false (YAML 1.2), so `amp: off` stays the string "off"."""
+    """SafeLoader whose only booleans are true/false (YAML 1.2), so `amp: off` stays the string "off",
+    and which refuses a key given twice in one mapping (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # keys beside a `<<` merge override the merged ones: YAML's meaning, not a mistake
+            key = self.construct_object(key_node)
+            if key in first_line:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}, first on line {first_line[key] + 1}", key_node.start_mark)
+            first_line[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
 
 
 YamlLoader.yaml_implicit_resolvers = {
@@ -66,6 +80,7 @@ class DataConfig:
     std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
     num_workers: int = 2  # DataLoader workers per process
     skip_corrupt: bool = False  # train: drop unreadable images (counted per epoch) instead of stopping; val never
+    max_image_pixels: int = 89_478_485  # larger images are unreadable, found from the header (PIL's default limit)
     persistent_workers: bool = True
     prefetch_factor: int = 2
     dummy_train_size: int = 1024
@@ -149,10 +164,14 @@ CHOICES = {
 }
 POSITIVE = ("train.epochs", "train.batch_size", "train.accum_steps", "data.img_size",
             "logging.interval", "dist.rendezvous_timeout_s", "train.max_nonfinite", "data.prefetch_factor",
-            "data.dummy_train_size", "data.dummy_val_size", "data.dummy_num_classes", "data.dummy_image_size")
-NON_NEGATIVE = ("dist.timeout_s", "optim.lr", "optim.weight_decay", "optim.clip_grad", "train.max_steps", "data.num_workers",
-                "train.ckpt_every_steps", "train.keep_last_k",
-                "model.drop_rate", "model.drop_path_rate", "sched.warmup_epochs", "sched.min_lr")
+            "data.dummy_train_size", "data.dummy_val_size", "data.dummy_num_classes", "data.dummy_image_size",
+            "data.max_image_pixels")
+NON_NEGATIVE = ("dist.timeout_s", "optim.lr", "optim.weight_decay", "optim.clip_grad", "train.max_steps",
+                "data.num_workers", "train.ckpt_every_steps", "train.keep_last_k", "data.color_jitter",
+                "sched.warmup_epochs", "sched.warmup_lr", "sched.min_lr")
+FRACTIONS = ("model.drop_rate", "model.drop_path_rate", "train.label_smoothing", "model.ema_decay")  # in [0, 1)
+MAX_SEED = 2**32 - 1  # np.random.seed (train.py) takes nothing larger
+OPENCV_MAX_PIXELS = 2**30  # OpenCV refuses larger images (CV_IO_MAX_IMAGE_PIXELS)
 
 
 def resolve_config_path(name: str) -> Path:
@@ -173,7 +192,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     if path:
         file = resolve_config_path(path)
         try:
-            raw = read_yaml(file.read_text()) or {}
+            raw = read_yaml(read_text(file)) or {}
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark else ""
@@ -186,16 +205,42 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     return config_from_dict(raw)
 
 
+def read_text(file: Path) -> str:
+    """The config file's text; a file that is not UTF-8 or cannot be read is named in one line."""
+    try:
+        data = file.read_bytes()
+    except OSError as err:
+        raise UserError(f"cannot read config file {file} ({err.strerror})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise UserError(f"config file {file} is not UTF-8 text (line {line}, byte 0x{data[err.start]:02x}); "
+                        "save it as UTF-8") from None
+
+
 def parse_override(item: str) -> tuple[str, Any]:
-    """`optim.lr=0.2` -> ("optim.lr", 0.2); the value is read as YAML (numbers, lists, booleans)."""
+    """`optim.lr=0.2` -> ("optim.lr", 0.2); the value is read as YAML (numbers, lists, booleans).
+
+    A value YAML would cut at a comment (`output_dir=runs/exp #1` -> `runs/exp`) stays the raw text:
+    intact for a string key, refused by the type check for any other.
+    """
     if "=" not in item:
         raise UserError(f"override {item!r} must look like key=value, e.g. optim.lr=0.2")
     key, text = item.split("=", 1)
     try:
-        value = read_yaml(text) if text else ""
+        value = read_yaml(text) if text.strip() and not has_yaml_comment(text) else text
     except yaml.YAMLError:
         value = text
     return key.strip(), value
+
+
+def has_yaml_comment(text: str) -> bool:
+    """Whether YAML would drop part of text as a comment: a `#` outside every token."""
+    if "#" not in text:
+        return False
+    spans = [(token.start_mark.index, token.end_mark.index) for token in yaml.scan(text, Loader=YamlLoader)]
+    return any(char == "#" and not any(start <= i < end for start, end in spans) for i, char in enumerate(text))
 
 
 def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
@@ -237,13 +282,13 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
 
 def _coerce(key: str, hint: Any, value: Any) -> Any:
     """Check one leaf value against its annotation; ints are accepted where floats are expected."""
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint is float and isinstance(value, str):
-        try:  # PyYAML reads 1e-3 (no dot) as a string
-            return float(value)
-        except ValueError:
+    if hint is float and isinstance(value, (int, str)) and not isinstance(value, bool):
+        try:  # (PyYAML reads 1e-3, without a dot, as a string)
+            value = float(value)
+        except (ValueError, OverflowError):
             pass
+    if hint is float and isinstance(value, float) and not math.isfinite(value):
+        raise UserError(f"config key {key!r} must be a finite number, got {value!r}")
     if hint in (int, float, str, bool):
         if isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
             return value
@@ -274,18 +319,26 @@ def validate(cfg: Config) -> None:
     for key in NON_NEGATIVE:
         if _get(cfg, key) < 0:
             raise UserError(f"config key {key!r} must be >= 0, got {_get(cfg, key)!r}")
+    if not 0 <= cfg.data.hflip <= 1:
+        raise UserError(f"config key 'data.hflip' must be in [0, 1], got {cfg.data.hflip!r}")
+    for key in FRACTIONS:
+        if not 0 <= _get(cfg, key) < 1:
+            raise UserError(f"config key {key!r} must be in [0, 1), got {_get(cfg, key)!r}")
+    if not 0 <= cfg.seed <= MAX_SEED:
+        raise UserError(f"config key 'seed' must be in [0, {MAX_SEED}], got {cfg.seed}")
+    if not cfg.output_dir.strip():  # an unset shell variable: checkpoints would land in the current folder
+        raise UserError("config key 'output_dir' is empty; give the folder for this run's checkpoints and metrics")
+    if cfg.data.max_image_pixels > OPENCV_MAX_PIXELS:
+        raise UserError(f"config key 'data.max_image_pixels' must be at most {OPENCV_MAX_PIXELS} (OpenCV's own "
+                        f"limit), got {cfg.data.max_image_pixels}")
     if not 0 < cfg.data.crop_pct <= 1:
         raise UserError(f"config key 'data.crop_pct' must be in (0, 1], got {cfg.data.crop_pct}")
-    if not 0 <= cfg.train.label_smoothing < 1:
-        raise UserError(f"config key 'train.label_smoothing' must be in [0, 1), got {cfg.train.label_smoothing}")
     for key in ("data.scale", "data.ratio"):
         low_high = _get(cfg, key)
         if len(low_high) != 2 or not 0 < low_high[0] <= low_high[1]:
             raise UserError(f"config key {key!r} must be [low, high] with 0 < low <= high, got {low_high}")
     if cfg.logging.wandb:
         validate_wandb(cfg.logging)
-    if not 0 <= cfg.model.ema_decay < 1:
-        raise UserError(f"config key 'model.ema_decay' must be in [0, 1), got {cfg.model.ema_decay}")
     if not cfg.resume:
         raise UserError("config key 'resume' is empty; use auto, none or the path of a checkpoint")
     if len(cfg.data.mean) != 3 or len(cfg.data.std) != 3 or min(cfg.data.std) <= 0:

@@ -93,3 +93,24 @@ def run_ranks(fn, world: int, tmp_path: Path, *args) -> list:
     mp.start_processes(_rank_entry, args=(world, free_port(), fn, args, str(out_dir)), nprocs=world,
                        start_method="spawn", join=True)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A 1-bit grayscale PNG that declares width x height but holds only a few rows (a decompression bomb's header)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    rows = zlib.compress(b"\0" * (1 + (width + 7) // 8) * 8)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0))
+            + chunk(b"IDAT", rows) + chunk(b"IEND", b""))
+
+
+def write_jpeg(path: Path, size: int = 64, seed: int = 0) -> bytes:
+    """A textured size x size JPEG (so most of its bytes are scan data); returns the file's bytes."""
+    rng = np.random.default_rng(seed)
+    image = cv2.GaussianBlur(rng.integers(0, 256, (size, size, 3), dtype=np.uint8), (5, 5), 2)
+    cv2.imwrite(str(path), image, [cv2.IMWRITE_JPEG_QUALITY, 90])
+    return Path(path).read_bytes()

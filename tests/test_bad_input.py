@@ -22,9 +22,9 @@ from engine.cli import report_errors
 from engine.config import DataConfig
 from engine.dist import DistInfo
 from engine.errors import UserError
-from tests.helpers import make_image_folder, read_jsonl
+from tests.helpers import make_image_folder, png_header, read_jsonl, write_jpeg
 
-TINY = ["--config", "configs/dummy.yaml", "model.name=test_resnet", "model.channels_last=false", "amp='off'",
+TINY = ["--config", "dummy", "model.name=test_resnet", "model.channels_last=false", "amp='off'",
         "data.img_size=16", "data.dummy_image_size=20", "data.dummy_train_size=32", "data.dummy_val_size=10",
         "data.num_workers=0", "train.batch_size=8", "train.epochs=1", "logging.progress=false"]
 
@@ -50,6 +50,19 @@ def folders(tmp_path_factory) -> Path:
     (root / "noclasses/train").mkdir(parents=True)
     (root / "noclasses/val").mkdir()
     (root / "notes.txt").write_text("a regular file")
+    make_image_folder(root / "truncjpeg", {"train": {"a": 8, "b": 8}, "val": {"a": 2, "b": 2}}, size=20)
+    whole = write_jpeg(root / "truncjpeg/val/a/002.jpg")
+    (root / "truncjpeg/val/a/002.jpg").write_bytes(whole[:len(whole) // 3])
+    make_image_folder(root / "huge", {"train": {"a": 8, "b": 8}, "val": {"a": 2, "b": 2}}, size=20)
+    (root / "huge/train/a/007.png").write_bytes(png_header(40000, 40000))  # over OpenCV's 2**30 pixels too
+    make_image_folder(root / "fileloop", {"train": {"a": 8, "b": 8}, "val": {"a": 2, "b": 2}}, size=20)
+    os.symlink("loop.png", root / "fileloop/train/a/loop.png")
+    make_image_folder(root / "classloop", {"train": {"a": 8, "b": 8}, "val": {"a": 2, "b": 2}}, size=20)
+    os.symlink("c", root / "classloop/val/c")
+    make_image_folder(root / "dangling", {"train": {"a": 8, "b": 8}, "val": {"a": 2, "b": 2}}, size=20)
+    os.symlink("moved-away.png", root / "dangling/val/a/gone.png")
+    make_image_folder(root / "dangling_train", {"train": {"a": 8, "b": 8}, "val": {"a": 2, "b": 2}}, size=20)
+    os.symlink("moved-away.png", root / "dangling_train/train/a/gone.png")
     return root
 
 
@@ -66,24 +79,61 @@ CASES = {  # name: (arguments after TINY, text the last line must contain)
     "no class folders": (["data.name=imagefolder", "data.root={root}/noclasses"], "has no class folders"),
     "empty class folder": (["data.name=imagefolder", "data.root={root}/empty"], "class folder {root}/empty/val/b has no images"),
     "class sets differ": (["data.name=imagefolder", "data.root={root}/differ"], "different class folders (differing: b, c)"),
-    "corrupt image": (["data.name=imagefolder", "data.root={root}/corrupt", "train.batch_size=4"],
-                      "cannot read image {root}/corrupt/train/b/003.png"),
     "resume path missing": (["resume={root}/none.pth"], "resume={root}/none.pth: no such checkpoint file"),
     "init_from missing": (["model.init_from={root}/none.pth"], "{root}/none.pth does not exist"),
     "shard smaller than a batch": (["data.dummy_train_size=4"], "each rank gets 4 training images but "
                                                                "train.batch_size is 8"),
     "output_dir under a file": (["output_dir={root}/notes.txt/run"], "output_dir {root}/notes.txt/run is not writable"),
+    "empty output_dir": (["output_dir="], "config key 'output_dir' is empty"),
+    "comment in a number": (["train.epochs=1 #2"], "config key 'train.epochs' must be int, got '1 #2'"),
+    "seed above 2**32 - 1": (["seed=4294967296"], "config key 'seed' must be in [0, 4294967295], got 4294967296"),
+    "negative seed": (["seed=-1"], "config key 'seed' must be in [0, 4294967295], got -1"),
+    "drop rate above 1": (["model.drop_rate=2"], "config key 'model.drop_rate' must be in [0, 1), got 2.0"),
+    "flip probability above 1": (["data.hflip=5"], "config key 'data.hflip' must be in [0, 1], got 5.0"),
+    "NaN learning rate": (["optim.lr=.nan"], "config key 'optim.lr' must be a finite number, got nan"),
+}
+DATA_CASES = {  # name: (arguments after TINY, text the last line must contain)
+    "corrupt image": (["data.root={root}/corrupt"], "cannot read image {root}/corrupt/train/b/003.png"),
+    "JPEG truncated to a third": (["data.root={root}/truncjpeg"], "cannot read image {root}/truncjpeg/val/a/002.jpg"),
+    "image over data.max_image_pixels": (["data.root={root}/huge"], "image {root}/huge/train/a/007.png is "
+                                         "40000x40000 pixels, more than data.max_image_pixels=89478485"),
+    "symlink loop": (["data.root={root}/fileloop"], "{root}/fileloop/train/a/loop.png is a broken symbolic link "
+                     "(Too many levels of symbolic links)"),
+    "class folder symlink loop": (["data.root={root}/classloop"], "{root}/classloop/val/c is a broken symbolic link"),
+    "dangling symlink in val": (["data.root={root}/dangling", "data.skip_corrupt=true"],
+                                "{root}/dangling/val/a/gone.png is a broken symbolic link (No such file"),
+    "dangling symlink in train": (["data.root={root}/dangling_train"],
+                                  "{root}/dangling_train/train/a/gone.png is a broken symbolic link"),
 }
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_bad_input_is_one_line_naming_the_culprit(name, folders, tmp_path, capsys):
-    args, expected = CASES[name]
-    args = [a.format(root=folders) for a in args]
+def check_one_line(args: list[str], expected: str, root: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    """Run train.py's main on TINY + args from an empty working folder; the last line must hold `expected`."""
+    args = [a.format(root=root) for a in args]
     out = [] if any(a.startswith("output_dir=") for a in args) else [f"output_dir={tmp_path / 'run'}"]
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
     line = last_error(capsys, report_errors(train.main, [*TINY, *out, *args]))
-    assert line.startswith("error: ") and expected.format(root=folders) in line, line
-    assert not (tmp_path / "run").exists()  # the corrupt image too: found while training, before the first write
+    assert line.startswith("error: ") and expected.format(root=root) in line, line
+    assert not any((tmp_path / "cwd").iterdir())  # nothing lands in the working folder
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_bad_input_is_one_line_naming_the_culprit(name, folders, tmp_path, capsys, monkeypatch):
+    args, expected = CASES[name]
+    check_one_line(args, expected, folders, tmp_path, capsys, monkeypatch)
+    assert not (tmp_path / "run").exists()  # stopped before its first write: the folder it made is gone again
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("name", DATA_CASES)
+def test_bad_data_is_one_line_naming_the_file(name, workers, folders, tmp_path, capsys, monkeypatch):
+    """The same line with DataLoader workers, where torch re-raises a worker's error with its traceback inside."""
+    args, expected = DATA_CASES[name]
+    args = ["data.name=imagefolder", "train.batch_size=4", f"data.num_workers={workers}", *args]
+    check_one_line(args, expected, folders, tmp_path, capsys, monkeypatch)
+    # Found while training or before: the run stopped before its first write, and the folder it made is gone.
+    assert not (tmp_path / "run").exists()
 
 
 def test_yaml_syntax_error_names_the_line(tmp_path, capsys):
@@ -93,14 +143,73 @@ def test_yaml_syntax_error_names_the_line(tmp_path, capsys):
     assert f"{config}: line 3 is not valid YAML" in line
 
 
-def test_skip_corrupt_trains_and_counts_the_skipped_image(folders, tmp_path, capsys):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_skip_corrupt_trains_and_counts_the_skipped_image(workers, folders, tmp_path, capsys):
     out = tmp_path / "run"
     argv = [*TINY, "data.name=imagefolder", f"data.root={folders}/corrupt", "train.batch_size=4", "train.epochs=2",
-            "data.skip_corrupt=true", f"output_dir={out}"]
+            "data.skip_corrupt=true", f"data.num_workers={workers}", f"output_dir={out}"]
     assert report_errors(train.main, argv) == 0
     rows = read_jsonl(out / "metrics.jsonl")
     assert [(r["skipped_images"], r["train_images"]) for r in rows] == [(1, 15), (1, 15)]
     assert "epoch 1: 1 unreadable training image(s) skipped" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_skip_corrupt_skips_truncated_huge_and_dangling_images(workers, tmp_path, capsys):
+    """A truncated JPEG and an image over data.max_image_pixels are skipped and counted; a dangling link is named."""
+    root = make_image_folder(tmp_path / "data", {"train": {"a": 7, "b": 7}, "val": {"a": 2, "b": 2}}, size=20)
+    whole = write_jpeg(root / "train/a/cut.jpg")
+    (root / "train/a/cut.jpg").write_bytes(whole[:len(whole) // 3])
+    (root / "train/b/huge.png").write_bytes(png_header(40000, 40000))
+    os.symlink("moved-away.png", root / "train/b/gone.png")
+    out = tmp_path / "run"
+    argv = [*TINY, "data.name=imagefolder", f"data.root={root}", "train.batch_size=4", "train.epochs=2",
+            "data.skip_corrupt=true", f"data.num_workers={workers}", f"output_dir={out}"]
+    assert report_errors(train.main, argv) == 0
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [(r["skipped_images"], r["train_images"]) for r in rows] == [(2, 14), (2, 14)]
+    err = capsys.readouterr().err
+    assert f"{root}/train/b/gone.png is a broken symbolic link" in err and "epoch 1: 2 unreadable" in err
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_file_and_class_names_that_are_not_utf8_train(workers, tmp_path, capsys):
+    """Linux names are bytes: a name that is not UTF-8 must train like any other (surrogateescape, as os.fsdecode)."""
+    root = make_image_folder(tmp_path / "data", {"train": {"a": 8, "b": 8}, "val": {"a": 2, "b": 2}}, size=20)
+    for split in ("train", "val"):
+        os.rename(root / split / "a" / "000.png", os.fsencode(root / split / "a") + b"/caf\xe9.png")  # latin-1
+        os.rename(root / split / "b", os.fsencode(root / split) + b"/b\xff")
+    out = tmp_path / "run"
+    argv = [*TINY, "data.name=imagefolder", f"data.root={root}", "train.batch_size=4", f"data.num_workers={workers}",
+            f"output_dir={out}"]
+    assert report_errors(train.main, argv) == 0, capsys.readouterr().err
+    assert [r["train_images"] for r in read_jsonl(out / "metrics.jsonl")] == [16]
+    assert torch.load(out / "last.pth", weights_only=True)["class_names"] == ["a", os.fsdecode(b"b\xff")]
+    if workers == 0:  # evaluate.py writes such paths into predictions.csv byte for byte
+        assert report_errors(evaluate.main, [str(out / "last.pth"), "--output-dir", str(tmp_path / "eval")]) == 0
+        written = (tmp_path / "eval" / "predictions.csv").read_bytes()
+        assert b"/caf\xe9.png" in written and b"/b\xff/" in written
+
+
+def train_with_config_file(config: Path, tmp_path: Path) -> int:
+    """train.py --config <config> with TINY's overrides (a tiny run should the file be accepted)."""
+    return report_errors(train.main, ["--config", str(config), *TINY[2:], "data.name=dummy",
+                                      f"output_dir={tmp_path / 'run'}"])
+
+
+def test_config_file_that_is_not_utf8_is_named(tmp_path, capsys):
+    config = tmp_path / "latin1.yaml"
+    config.write_bytes("optim:\n  lr: 0.1  # r\u00e9glage\n".encode("latin-1"))
+    line = last_error(capsys, train_with_config_file(config, tmp_path))
+    assert f"config file {config} is not UTF-8 text (line 2, byte 0xe9)" in line, line
+
+
+def test_duplicate_yaml_key_names_both_lines(tmp_path, capsys):
+    config = tmp_path / "twice.yaml"
+    config.write_text("optim:\n  lr: 0.1\ntrain:\n  epochs: 2\noptim:\n  momentum: 0.8\n")
+    line = last_error(capsys, train_with_config_file(config, tmp_path))
+    assert f"{config}: line 5 is not valid YAML (duplicate key 'optim', first on line 1)" in line, line
+    assert not (tmp_path / "run").exists()
 
 
 def test_more_processes_than_validation_images():

@@ -47,6 +47,23 @@ def test_bare_name_is_looked_up_in_configs():
     ("model.sync_bn=maybe", "config key 'model.sync_bn' must be bool, got 'maybe'"),
     ("train=3", "config key 'train' must be a section"),
     ("epochs", "override 'epochs' must look like key=value"),
+    ("train.epochs=3 #4", "config key 'train.epochs' must be int, got '3 #4'"),  # never silently cut at '#'
+    ("data.scale=[0.2, 1.0] #x", "config key 'data.scale' must be a list of float, got '[0.2, 1.0] #x'"),
+    ("optim.lr=.nan", "config key 'optim.lr' must be a finite number, got nan"),
+    ("optim.lr=nan", "config key 'optim.lr' must be a finite number, got nan"),
+    ("optim.lr=1e999", "config key 'optim.lr' must be a finite number, got inf"),
+    ("sched.min_lr=-.inf", "config key 'sched.min_lr' must be a finite number, got -inf"),
+    ("data.scale=[0.2, .inf]", "config key 'data.scale[1]' must be a finite number, got inf"),
+    ("seed=-1", "config key 'seed' must be in [0, 4294967295], got -1"),
+    ("seed=4294967296", "config key 'seed' must be in [0, 4294967295], got 4294967296"),
+    ("model.drop_rate=2", "config key 'model.drop_rate' must be in [0, 1), got 2.0"),
+    ("model.drop_path_rate=1", "config key 'model.drop_path_rate' must be in [0, 1), got 1.0"),
+    ("data.hflip=5", "config key 'data.hflip' must be in [0, 1], got 5.0"),
+    ("data.hflip=-0.5", "config key 'data.hflip' must be in [0, 1], got -0.5"),
+    ("output_dir=", "config key 'output_dir' is empty"),
+    ("output_dir=  ", "config key 'output_dir' is empty"),
+    ("data.max_image_pixels=0", "config key 'data.max_image_pixels' must be > 0, got 0"),
+    ("data.max_image_pixels=2000000000", "config key 'data.max_image_pixels' must be at most 1073741824"),
 ])
 def test_errors_name_the_key(override, message):
     with pytest.raises(UserError) as err:
@@ -67,3 +84,34 @@ def test_saved_config_round_trips(tmp_path):
     path = save_config(cfg, tmp_path)
     assert config_from_dict(yaml.safe_load(path.read_text())) == cfg
     assert config_from_dict(to_dict(Config())) == Config()
+
+
+def test_override_values_with_a_hash_arrive_intact():
+    # YAML would read ` #1` as a comment and cut `runs/exp #1` to `runs/exp` (then `exp #2` resumed `exp #1`).
+    assert load_config(None, ["output_dir=runs/exp #1"]).output_dir == "runs/exp #1"
+    assert load_config(None, ["output_dir=#1"]).output_dir == "#1"
+    assert load_config(None, ["logging.wandb_notes=lr 0.1 # try 0.2 next"]).logging.wandb_notes == "lr 0.1 # try 0.2 next"
+    assert load_config(None, ["output_dir=runs/exp#1"]).output_dir == "runs/exp#1"  # (no comment without a space)
+    assert load_config(None, ["amp='off'", "logging.wandb_tags=[a, 'b #2']"]).logging.wandb_tags == ["a", "b #2"]
+
+
+def test_seed_and_probability_bounds_are_accepted():
+    cfg = load_config(None, ["seed=4294967295", "data.hflip=1", "model.drop_rate=0.99", "optim.lr=1e-3"])
+    assert cfg.seed == 2**32 - 1 and cfg.data.hflip == 1.0 and cfg.optim.lr == 0.001
+
+
+def test_duplicate_keys_are_refused_but_merge_keys_may_be_overridden(tmp_path):
+    with pytest.raises(UserError, match=r"c.yaml: line 4 is not valid YAML \(duplicate key 'lr', first on line 2\)"):
+        load_config(write(tmp_path, "optim:\n  lr: 0.1\n  momentum: 0.8\n  lr: 0.2\n"))
+    with pytest.raises(UserError, match="line 3 is not valid YAML .duplicate key 'optim', first on line 1"):
+        load_config(write(tmp_path, "optim: {lr: 0.1}\ntrain: {epochs: 2}\noptim: {momentum: 0.8}\n"))
+    # An explicit key beside a `<<` merge overrides the merged one: that is YAML's meaning, not a duplicate.
+    cfg = load_config(write(tmp_path, "optim:\n  <<: {lr: 0.1, momentum: 0.8}\n  lr: 0.3\n"))
+    assert cfg.optim.lr == 0.3 and cfg.optim.momentum == 0.8
+
+
+def test_config_file_that_is_not_utf8(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b"train:\n  epochs: 3\noutput_dir: runs/caf\xe9\n")
+    with pytest.raises(UserError, match=r"config file .*c.yaml is not UTF-8 text \(line 3, byte 0xe9\)"):
+        load_config(str(path))

@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
+import os
+
 import albumentations as A
 import cv2
 import numpy as np
 import pytest
 import torch
 
-from data.datasets import DummyDataset, ImageFolderDataset, PackedStrings
+from data.datasets import DummyDataset, ImageFolderDataset, PackedStrings, read_image
 from data.digits import VAL_SIZE, export_digits
 from data.loader import EpochSampler, ShardSampler, build_datasets, collate_channels_last
 from data.transforms import DeviceNormalize, eval_transform, train_transform
 from engine.config import DataConfig
 from engine.errors import UserError
-from tests.helpers import make_image_folder
+from tests.helpers import make_image_folder, png_header, write_jpeg
 
 
 def test_packed_strings_round_trip():
-    strings = ["a/b.png", "", "ünïcödé/ф.jpg", "x" * 300]
+    strings = ["a/b.png", "", "ünïcödé/ф.jpg", "x" * 300, os.fsdecode(b"caf\xe9/\xff.png")]  # not UTF-8
     packed = PackedStrings(strings)
     assert [packed[i] for i in range(len(packed))] == strings
     assert packed.data.dtype == np.uint8 and packed.offsets.dtype == np.int64
@@ -59,6 +61,55 @@ def test_corrupt_image_names_the_file(tmp_path):
     dataset = ImageFolderDataset(root / "train", eval_transform(DataConfig(img_size=8)), 0)
     with pytest.raises(UserError, match="broken.png"):
         dataset[1]
+
+
+def test_truncated_jpeg_and_png_are_unreadable(tmp_path):
+    """OpenCV decodes a cut JPEG as grey and only prints a warning: the end marker must follow the scan data."""
+    whole = write_jpeg(tmp_path / "whole.jpg")
+    assert read_image(str(tmp_path / "whole.jpg")).shape == (64, 64, 3)
+    cut = {"third.jpg": whole[:len(whole) // 3], "no-end-marker.jpg": whole[:-2],
+           # a marker segment before the scan holding FF D9 (as an EXIF thumbnail does) is not the end marker
+           "thumbnail.jpg": whole[:2] + b"\xff\xfe\x00\x06\xff\xd9\xff\xd9" + whole[2:len(whole) // 2]}
+    cv2.imwrite(str(tmp_path / "whole.png"), np.full((20, 30, 3), 7, np.uint8))
+    png = (tmp_path / "whole.png").read_bytes()
+    cut["no-iend.png"] = png[:-12]
+    cut["empty.png"] = b""
+    cut["junk.png"] = b"\x89PNG\r\n\x1a\n not an image"  # (bytes 16-24 are no size: not "1768776039x101 pixels")
+    for name, data in cut.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(UserError, match=f"cannot read image {tmp_path / name} "):
+            read_image(str(tmp_path / name))
+    padded = {"zeros.jpg": whole + b"\0" * 100, "appended.jpg": whole + b"trailing data after the end marker",
+              "appended.png": png + b"\0\n"}
+    for name, data in padded.items():
+        (tmp_path / name).write_bytes(data)
+        assert read_image(str(tmp_path / name)).shape[2] == 3, name
+
+
+def test_images_over_max_pixels_are_refused_before_decoding(tmp_path):
+    (tmp_path / "bomb.png").write_bytes(png_header(40000, 40000))  # 200 MB of pixels claimed by ~100 bytes
+    with pytest.raises(UserError, match=r"bomb.png is 40000x40000 pixels, more than data.max_image_pixels=89478485"):
+        read_image(str(tmp_path / "bomb.png"))
+    image = np.full((20, 30, 3), 9, np.uint8)
+    for name in ("a.png", "a.jpg", "a.bmp", "a.webp", "a.tif"):  # our header parsers, then PIL's for the others
+        cv2.imwrite(str(tmp_path / name), image)
+        with pytest.raises(UserError, match=f"{name} is 30x20 pixels, more than data.max_image_pixels=599"):
+            read_image(str(tmp_path / name), max_pixels=599)
+        assert read_image(str(tmp_path / name), max_pixels=600).shape == (20, 30, 3)
+    # A format neither our parsers nor PIL read (Radiance HDR) is left to OpenCV, whose own refusal is one line.
+    (tmp_path / "radiance.png").write_bytes(b"#?RADIANCE\nFORMAT=32-bit_rle_rgbe\n\n-Y 40000 +X 40000\n" + b"\0" * 64)
+    with pytest.raises(UserError, match="cannot decode image .*radiance.png .OpenCV: pixels <= CV_IO_MAX_IMAGE_PIXELS"):
+        read_image(str(tmp_path / "radiance.png"))
+
+
+def test_broken_symlinks_are_named_and_skipped_only_in_training(tmp_path, caplog):
+    root = make_image_folder(tmp_path, {"train": {"a": 2}, "val": {"a": 2}})
+    os.symlink("nowhere.png", root / "train/a/gone.png")
+    transform = eval_transform(DataConfig(img_size=8))
+    with pytest.raises(UserError, match=f"{root}/train/a/gone.png is a broken symbolic link .*data.skip_corrupt"):
+        ImageFolderDataset(root / "train", transform, 0)
+    assert len(ImageFolderDataset(root / "train", transform, 0, skip_corrupt=True)) == 2
+    assert f"{root}/train/a/gone.png is a broken symbolic link" in caplog.text
 
 
 def test_augmentation_is_seeded_by_seed_epoch_index():
