@@ -23,6 +23,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python benchmarks/x.py` puts benchmarks/, not the repo, on the path
     sys.path.insert(0, str(REPO))
 
+from tests.helpers import script_env  # noqa: E402  (the tests' launch environment, shared)
+
 
 def cpu_model() -> str:
     """The CPU's name as /proc/cpuinfo gives it, with its AVX-512 BF16 / AMX flags."""
@@ -105,15 +107,6 @@ def ratio_line(results: dict[str, list[float]], num: str, den: str, target: floa
 
 def has_taskset() -> bool:
     return shutil.which("taskset") is not None
-
-
-def script_env(**extra: str) -> dict[str, str]:
-    """Environment for a benchmark subprocess: no inherited launcher variables, no W&B network, quiet."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                        "OMP_NUM_THREADS")}
-    env.update(WANDB_MODE="offline", PYTHONWARNINGS="ignore", **extra)
-    return env
 
 
 def launch(script: str | Path, args: list[str], nproc: int = 1, pin_core: int | None = None,

@@ -1,4 +1,8 @@
-"""Shared test plumbing: run train.py / evaluate.py for real, as a user would (subprocesses, torchrun)."""
+"""Shared test plumbing: run train.py / evaluate.py for real, as a user would (subprocesses, torchrun).
+
+benchmarks/harness.py launches its subprocesses with the same `script_env`. Timeouts here only catch
+hangs: they are far above what a run needs on a 2-core machine under 3x load.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +12,20 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import cv2
 
 REPO = Path(__file__).resolve().parent.parent
+HANG = 900.0  # seconds after which a test's subprocess counts as hung
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                    "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "OMP_NUM_THREADS")
+# The tiny training run most tests start from: synthetic data, a 0.4M-parameter model at 16 px, fp32, one epoch.
+TINY = ["--config", "dummy", "model.name=test_resnet", "model.channels_last=false", "amp='off'",
+        "data.img_size=16", "data.dummy_image_size=20", "data.dummy_train_size=32", "data.dummy_val_size=10",
+        "data.num_workers=0", "train.batch_size=8", "train.epochs=1", "logging.progress=false"]
 
 
 def free_port() -> int:
@@ -24,14 +36,22 @@ def free_port() -> int:
 
 
 def script_env(**extra: str) -> dict[str, str]:
-    """The environment for a subprocess: quiet, offline, one thread per process unless told otherwise."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                           "MASTER_PORT", "LOCAL_WORLD_SIZE")}
+    """The environment for a subprocess: no inherited launch variables, W&B offline, quiet."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
     env.update({"WANDB_MODE": "offline", "PYTHONWARNINGS": "ignore", **extra})
     return env
 
 
-def run_script(script: str, *args: str, nproc: int = 1, timeout: float = 300, env: dict | None = None,
+def wait_for_file(path: Path, proc: subprocess.Popen, timeout: float = HANG) -> None:
+    """Until `path` exists (e.g. the first step checkpoint: training is under way), while `proc` still runs."""
+    deadline = time.monotonic() + timeout
+    while not Path(path).exists():
+        assert proc.poll() is None, f"{path} did not appear: the process exited {proc.returncode}"
+        assert time.monotonic() < deadline, f"{path} did not appear in {timeout:.0f} s"
+        time.sleep(0.01)
+
+
+def run_script(script: str, *args: str, nproc: int = 1, timeout: float = HANG, env: dict | None = None,
                check: bool = True) -> subprocess.CompletedProcess:
     """`python script args` for nproc == 1, else `torchrun --standalone --nproc_per_node=nproc script args`."""
     if nproc == 1:

@@ -22,11 +22,8 @@ from engine.cli import report_errors
 from engine.config import DataConfig
 from engine.dist import DistInfo
 from engine.errors import UserError
-from tests.helpers import make_image_folder, png_header, read_jsonl, write_jpeg
+from tests.helpers import TINY, make_image_folder, png_header, read_jsonl, write_jpeg
 
-TINY = ["--config", "dummy", "model.name=test_resnet", "model.channels_last=false", "amp='off'",
-        "data.img_size=16", "data.dummy_image_size=20", "data.dummy_train_size=32", "data.dummy_val_size=10",
-        "data.num_workers=0", "train.batch_size=8", "train.epochs=1", "logging.progress=false"]
 
 
 def last_error(capsys, code: int) -> str:

@@ -20,6 +20,8 @@ import torch
 from tests.compare import differing_tensors, load_weights, model_rows, relative_differences, worst_tensor
 from tests.helpers import REPO, free_port, read_jsonl, run_ranks, run_script, script_env
 
+pytestmark = pytest.mark.slow  # every test trains with real process groups
+
 GLOBAL_BATCH = 12  # divisible by 1, 2 and 3 ranks
 TRAIN_SIZE = 50  # 4 global batches per epoch for every world size here; drop_last leaves 2 images out
 VAL_SIZE = 23  # divisible by neither 2 nor 3

@@ -16,6 +16,8 @@ from engine.trainer import evaluate
 from models.factory import create_model
 from tests.helpers import read_jsonl, run_ranks, run_script
 
+pytestmark = pytest.mark.slow  # torchrun jobs
+
 VAL_SIZE = 101  # divisible by neither 2 nor 3
 
 

@@ -15,6 +15,8 @@ from engine.cli import report_errors
 from tests.helpers import make_image_folder, run_script, script_env
 from tests.wandb_reader import find_runs, read_run
 
+pytestmark = pytest.mark.slow  # the module's checkpoint is trained, then evaluated on 1-3 processes
+
 VAL_SIZE = 101  # divisible by neither 2 nor 3
 
 

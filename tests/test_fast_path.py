@@ -86,6 +86,7 @@ print([faults_per_pass() for _ in range(3)])
 """
 
 
+@pytest.mark.slow
 def test_cpu_processes_reuse_freed_activation_memory_without_page_faults():
     """After the entry points' tune_cpu_process, a pass's 32 MB activations reuse freed heap memory instead of fresh pages."""
     def last_pass_faults(mode: str) -> int:

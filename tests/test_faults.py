@@ -22,11 +22,9 @@ from engine.checkpoint import Checkpointer, load_checkpoint
 from engine.dist import DistInfo
 from engine.errors import UserError
 from engine.state import TrainState
-from tests.helpers import REPO, make_image_folder, read_jsonl, run_script, script_env
+from tests.helpers import REPO, TINY as BASE, make_image_folder, read_jsonl, run_script, script_env, wait_for_file
 
-TINY = ["--config", "configs/dummy.yaml", "model.name=test_resnet", "model.channels_last=false", "amp='off'",
-        "data.img_size=16", "data.dummy_image_size=20", "data.dummy_val_size=20", "data.num_workers=0",
-        "train.batch_size=8", "logging.progress=false", "logging.interval=100"]
+TINY = [*BASE, "data.dummy_val_size=20", "logging.interval=100"]  # 2 validation batches per rank
 
 
 def children(pid: int) -> list[int]:
@@ -37,6 +35,7 @@ def children(pid: int) -> list[int]:
     return pids
 
 
+@pytest.mark.slow
 def test_worker_killed_under_torchrun_resumes_and_finishes_every_epoch_once(tmp_path):
     out = tmp_path / "run"
     every = 4
@@ -46,10 +45,7 @@ def test_worker_killed_under_torchrun_resumes_and_finishes_every_epoch_once(tmp_
     proc = subprocess.Popen(cmd, cwd=REPO, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
-        deadline = time.monotonic() + 240
-        while not (out / "last.pth").exists():  # the first step checkpoint: training is under way
-            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
-            time.sleep(0.01)
+        wait_for_file(out / "last.pth", proc)  # the first step checkpoint: training is under way
         workers = children(proc.pid)
         assert len(workers) == 2
         os.kill(workers[-1], signal.SIGKILL)
@@ -78,6 +74,7 @@ def corrupt_in_batch(root: Path, rank: int, batch: int, batch_size: int, seed: i
     return files[index]
 
 
+@pytest.mark.slow
 def test_rank_that_fails_at_step_3_stops_the_job_with_its_own_error(tmp_path):
     root = make_image_folder(tmp_path / "data", {"train": {"a": 16, "b": 16}, "val": {"a": 4, "b": 4}}, size=20)
     bad = corrupt_in_batch(root, rank=1, batch=2, batch_size=4)
@@ -93,6 +90,7 @@ def test_rank_that_fails_at_step_3_stops_the_job_with_its_own_error(tmp_path):
     assert "[rank0]: Traceback" not in proc.stderr  # rank 0, cut off by the dead peer, says so in one line
 
 
+@pytest.mark.slow
 def test_nonfinite_gradients_stop_every_rank_and_keep_the_last_checkpoint(tmp_path):
     out = tmp_path / "run"
     small = [*TINY, "data.dummy_train_size=64", f"output_dir={out}"]
@@ -128,6 +126,7 @@ def test_checkpoint_with_nan_weights_is_not_written(tmp_path):
     assert (tmp_path / "last.pth").read_bytes() == good
 
 
+@pytest.mark.slow
 def test_unwritable_output_dir_stops_every_rank_before_training(tmp_path):
     (tmp_path / "file").write_text("a regular file, so nothing can be created under it (even as root)")
     out = tmp_path / "file" / "run"

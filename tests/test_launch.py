@@ -3,23 +3,22 @@ given as a checkpoint."""
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import signal
 import subprocess
 import sys
-import time
 
 import evaluate
 import train
 from engine.cli import report_errors
 from engine.dist import collective_timeout
-from tests.helpers import REPO, free_port, script_env
-
-TINY = ["--config", "configs/dummy.yaml", "model.name=test_resnet", "model.channels_last=false", "amp='off'",
-        "data.img_size=16", "data.dummy_image_size=20", "data.dummy_train_size=32", "data.dummy_val_size=10",
-        "data.num_workers=0", "train.batch_size=8", "train.epochs=1", "logging.progress=false"]
+from tests.helpers import REPO, TINY, free_port, script_env, wait_for_file
 
 
+
+@pytest.mark.slow
 def test_stray_launch_variables_say_what_is_awaited_and_end_in_one_line(tmp_path):
     # An sbatch script calling `python train.py` without srun: SLURM says 2 tasks, nobody else starts.
     env = script_env(SLURM_PROCID="0", SLURM_NTASKS="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -48,25 +47,23 @@ def test_nccl_without_gpus_is_one_line(tmp_path, capsys):
                                             "use dist.backend=auto (gloo on CPU)")
 
 
-def test_a_folder_given_as_checkpoint_is_named_as_a_folder(tmp_path, capsys):
-    (tmp_path / "best.pth").write_bytes(b"")
-    code = report_errors(evaluate.main, [str(tmp_path)])
+def test_a_folder_given_as_checkpoint_is_named_as_a_folder(tiny_run, capsys):
+    code = report_errors(evaluate.main, [str(tiny_run)])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
-    assert err.strip().splitlines()[-1] == (f"error: checkpoint {tmp_path} is a folder, not a file (it holds "
-                                            f"best.pth); give the .pth file itself, e.g. {tmp_path / 'best.pth'}")
+    assert err.strip().splitlines()[-1] == (f"error: checkpoint {tiny_run} is a folder, not a file (it holds "
+                                            f"best.pth, last.pth); give the .pth file itself, e.g. "
+                                            f"{tiny_run / 'best.pth'}")
 
 
+@pytest.mark.slow
 def test_sigterm_stops_training_with_one_line_and_quiet_workers(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "train.py", *TINY, "data.num_workers=2", "data.dummy_train_size=2048", "train.epochs=5",
            "train.ckpt_every_steps=1", f"output_dir={out}"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=script_env(), stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 240
-        while not (out / "last.pth").exists():  # training is under way, workers running
-            assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
-            time.sleep(0.05)
+        wait_for_file(out / "last.pth", proc)  # training is under way, workers running
         os.kill(proc.pid, signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:

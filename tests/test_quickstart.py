@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.helpers import read_jsonl, run_script
+
+pytestmark = pytest.mark.slow  # the README's quickstart: 10 epochs of digits
 
 
 def test_digits_quickstart_reaches_97(tmp_path):

@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,9 +24,9 @@ from engine.cli import report_errors
 from engine.config import load_config
 from engine.errors import UserError
 from engine.resume import check_resumable
-from tests.helpers import REPO, read_jsonl, run_script, script_env
+from tests.compare import model_rows
+from tests.helpers import REPO, read_jsonl, run_script, script_env, wait_for_file
 
-TIMING = {"epoch_time_s", "train_img_per_s"}
 # Differences the comparison must ignore: wall-clock time, and the config (output_dir, max_steps, workers).
 NOT_COMPARED = {"epoch_seconds", "config"}
 RUN = ["--config", "configs/dummy.yaml", "model.name=test_resnet", "model.drop_rate=0.3", "model.drop_path_rate=0.1",
@@ -55,7 +54,7 @@ def assert_same(a, b, where: str = "checkpoint") -> None:
 
 
 def rows_without_timing(run: Path) -> list[dict]:
-    return [{k: v for k, v in row.items() if k not in TIMING} for row in read_jsonl(run / "metrics.jsonl")]
+    return model_rows(read_jsonl(run / "metrics.jsonl"))
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +65,7 @@ def straight(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_resume_at_epoch_boundary_is_bitwise_identical(straight, tmp_path):
     out = tmp_path / "run"
     run_script("train.py", *RUN, f"output_dir={out}", "train.max_steps=8")  # exactly epoch 0, then stop
@@ -77,6 +77,7 @@ def test_resume_at_epoch_boundary_is_bitwise_identical(straight, tmp_path):
     assert rows_without_timing(out) == rows_without_timing(straight)
 
 
+@pytest.mark.slow
 def test_resume_after_a_kill_mid_epoch_is_bitwise_identical(straight, tmp_path):
     """Step checkpoints every step, a worker process, SIGKILL at a mid-epoch checkpoint, then resume."""
     out = tmp_path / "run"
@@ -84,10 +85,7 @@ def test_resume_after_a_kill_mid_epoch_is_bitwise_identical(straight, tmp_path):
     proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=REPO, env=script_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 240
-        while not (out / "last.pth").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "no step checkpoint appeared"
-            time.sleep(0.01)
+        wait_for_file(out / "last.pth", proc)
         proc.send_signal(signal.SIGKILL)  # possibly in the middle of writing the next one
         proc.wait(timeout=30)
     finally:
@@ -100,6 +98,7 @@ def test_resume_after_a_kill_mid_epoch_is_bitwise_identical(straight, tmp_path):
     assert sorted(p.name for p in out.glob("epoch_*.pth")) == ["epoch_0001.pth"]  # keep_last_k=1
 
 
+@pytest.mark.slow
 def test_two_ranks_resume_mid_epoch_after_max_steps(tmp_path):
     """2 processes x 4 steps per epoch; stop at step 3 (mid-epoch), resume; per-rank RNG states continue."""
     straight, out = tmp_path / "straight", tmp_path / "run"
@@ -119,6 +118,7 @@ def test_two_ranks_resume_mid_epoch_after_max_steps(tmp_path):
     assert rows_without_timing(out) == rows_without_timing(straight)
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_model_is_refused_without_touching_it(straight, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(straight, out)
@@ -130,6 +130,7 @@ def test_checkpoint_of_another_model_is_refused_without_touching_it(straight, tm
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before  # nothing overwritten
 
 
+@pytest.mark.slow
 def test_resume_none_refuses_an_output_dir_with_a_checkpoint(straight, capsys):
     before = (straight / "last.pth").read_bytes()
     assert report_errors(train.main, [*RUN, f"output_dir={straight}", "resume=none"]) == 2
@@ -140,6 +141,7 @@ def test_resume_none_refuses_an_output_dir_with_a_checkpoint(straight, capsys):
     assert (straight / "last.pth").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_class_count_mismatch_on_a_real_checkpoint(straight):
     cfg = load_config(str(REPO / RUN[1]), RUN[2:])
     ckpt = load_checkpoint(straight / "last.pth")
@@ -147,6 +149,7 @@ def test_class_count_mismatch_on_a_real_checkpoint(straight):
         check_resumable(ckpt, straight / "last.pth", cfg, [f"class_{i}" for i in range(5)], 1)
 
 
+@pytest.mark.slow
 def test_evaluate_ema_weights_of_a_resumable_checkpoint(straight, tmp_path, capsys):
     """evaluate.py --ema on the EMA the run kept: the same top-1 as the run's own EMA evaluation."""
     out = tmp_path / "eval"

@@ -13,7 +13,6 @@ import socket
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ from engine.cli import report_errors
 from engine.dist import DistInfo
 from engine.errors import UserError
 from engine.state import TrainState
-from tests.helpers import REPO, make_image_folder, read_jsonl, script_env
+from tests.helpers import REPO, make_image_folder, read_jsonl, script_env, wait_for_file
 
 TINY = ["--config", "configs/dummy.yaml", "model.name=test_resnet", "model.channels_last=false", "amp='off'",
         "data.name=imagefolder", "data.img_size=16", "data.num_workers=0", "train.batch_size=4",
@@ -103,6 +102,7 @@ def test_checkpoints_get_the_mode_of_other_run_files(umask, tmp_path):
     assert modes == {"last.pth": 0o666 & ~umask, "metrics.jsonl": 0o666 & ~umask}
 
 
+@pytest.mark.slow
 def test_checkpoint_over_the_file_size_limit_is_one_line_and_keeps_the_old_file(run, data):
     """RLIMIT_FSIZE (SIGXFSZ ignored, so writes fail with EFBIG): torch.save reports a bare RuntimeError."""
     limit = 64 * 1024  # config.yaml and metrics.jsonl fit, a checkpoint does not
@@ -195,6 +195,7 @@ def test_a_run_that_fails_to_start_leaves_the_folder_byte_identical(name, run, d
     assert snapshot(run) == before  # config.yaml, metrics.jsonl (4 rows), last.pth at epoch 4, everything
 
 
+@pytest.mark.slow
 def test_a_resumed_run_rewrites_config_and_metrics_once_it_writes(run, data):
     assert report_errors(train.main, [*TINY, f"data.root={data[0]}", f"output_dir={run}", "train.epochs=5",
                                       "train.keep_last_k=4"]) == 0
@@ -244,13 +245,6 @@ def test_read_only_run_folder_is_one_line(run, data, capsys):
 
 # One live run per folder
 
-def wait_for(path: Path, proc: subprocess.Popen) -> None:
-    """Until `path` exists, while `proc` still runs (the deadline only catches a hang)."""
-    deadline = time.monotonic() + 120
-    while not path.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, f"{path} did not appear"
-        time.sleep(0.01)
-
 
 @pytest.mark.slow
 def test_second_live_run_is_refused_and_a_killed_run_leaves_no_lock(tmp_path):
@@ -261,7 +255,7 @@ def test_second_live_run_is_refused_and_a_killed_run_leaves_no_lock(tmp_path):
     first = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=REPO, env=script_env(),
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        wait_for(out / "last.pth", first)  # training, and far from done (12,500 steps)
+        wait_for_file(out / "last.pth", first)  # training, and far from done (12,500 steps)
         second = subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=REPO, env=script_env(),
                                 capture_output=True, text=True, timeout=120)
         assert first.poll() is None  # the two runs overlapped

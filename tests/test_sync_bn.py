@@ -135,6 +135,7 @@ def _reference(sc: Scenario) -> dict[str, Tensor]:
     return _run(bn, Scenario("ref", 1, sc.shape, sc.splits, sc.momentum, affine=sc.affine), data, slice(None))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sc", SCENARIOS, ids=lambda sc: f"world{sc.world}-{sc.name}")
 def test_matches_global_batchnorm(sc: Scenario, rank_results: dict[str, list[dict[str, Tensor]]]) -> None:
     ranks = rank_results[sc.name]

@@ -23,6 +23,8 @@ from engine.errors import UserError
 from tests.helpers import REPO, read_jsonl, run_script, script_env
 from tests.wandb_reader import find_runs, read_run
 
+pytestmark = pytest.mark.slow  # real train.py runs with an offline W&B run each
+
 # 128 train images, batch 16 per rank: 8 steps per epoch on 1 rank, 4 on 2 ranks; 37 val images.
 # 32 px, not 16: at 16 px layer4's stride-2 conv sees a 1x1 input, whose bf16 weight gradient on CPU
 # is NaN in about half of the steps (torch 2.14.1; docs/reliability.md, known upstream issues).
