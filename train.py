@@ -30,14 +30,14 @@ from data.loader import build_data, skipped_train_images, steps_per_epoch
 from data.transforms import DeviceNormalize
 from engine.checkpoint import Checkpointer
 from engine.cli import report_errors
-from engine.config import Config, ModelConfig, load_config, to_dict
-from engine.dist import DistInfo, broadcast_tensors, init_distributed, read_launch_env
+from engine.config import Config, ModelConfig, config_yaml, keys_help, load_config, to_dict
+from engine.dist import DistInfo, broadcast_tensors, init_distributed, rank0_decides, read_launch_env
 from engine.hooks import EmaUpdate, IntervalTracking, StepCheckpoint
 from engine.logs import setup_logging
 from engine.optim import build_optimizer, build_scheduler
 from engine.precision import resolve_precision
 from engine.resume import Resume
-from engine.run_dir import RunRecord, locked
+from engine.run_dir import RunRecord, check_writable, locked
 from engine.state import TrainState
 from engine.tracking import WandbTracker
 from engine.trainer import LoopConfig, TrainParts, evaluate, train_one_epoch
@@ -48,12 +48,32 @@ log = logging.getLogger("train")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, epilog=keys_help(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/digits.yaml",
                         help="YAML file, or a bare name looked up in configs/ (default: digits)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config (defaults, then --config, then overrides) and exit")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="make every check a run makes before training (config, resume checkpoint, data folders "
+                             "and classes, model, output_dir writable), write nothing, and exit")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks for user errors")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. optim.lr=0.2 train.epochs=3")
     return parser.parse_args(argv)
+
+
+def dry_run(cfg: Config, info: DistInfo) -> str:
+    """fit()'s checks up to the first training step, with nothing written to output_dir; returns a summary."""
+    out = Path(cfg.output_dir)
+    start = Resume.find(cfg.resume, out)
+    data = build_data(cfg.data, cfg.train.batch_size, cfg.seed, info)
+    resolve_precision(cfg.amp, info.device)
+    model = create_model(cfg.model, data.num_classes)
+    start.load_model(model, cfg, data.class_names, info.world_size)
+    rank0_decides(lambda: check_writable(out))
+    resumed = f"resumes {start.path}" if start.path else "starts fresh"
+    return (f"dry run passed: {cfg.model.name} on {len(data.train.dataset)} train / {len(data.val.dataset)} val "
+            f"images, {data.num_classes} classes; the run {resumed}; {out} is writable; nothing was written")
 
 
 def seed_everything(seed: int) -> None:
@@ -155,10 +175,19 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        if read_launch_env()[0] == 0:
+            print(config_yaml(cfg), end="")
+        return 0
     setup_logging(read_launch_env()[0], cfg.logging.level)  # before the rendezvous, which may wait
     info = init_distributed(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.rendezvous_timeout_s)
     if info.device.type == "cpu":
         tune_cpu_process(cpu_share(info.local_world_size))
+    if args.dry_run:
+        summary = dry_run(cfg, info)
+        if info.is_main:
+            print(summary)
+        return 0
     with locked(Path(cfg.output_dir)):  # one live run per output_dir
         fit(cfg, info)  # report_errors leaves the process group, after reporting any error
     return 0

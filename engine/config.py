@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import math
 import os
 import re
@@ -56,10 +57,10 @@ def read_yaml(text: str) -> Any:
 @dataclass
 class ModelConfig:
     name: str = "resnet18"  # any timm model name
-    drop_rate: float = 0.0
-    drop_path_rate: float = 0.0
+    drop_rate: float = 0.0  # dropout before the classifier, in [0, 1)
+    drop_path_rate: float = 0.0  # stochastic depth, in [0, 1)
     sync_bn: bool = False  # convert BatchNorm to a synchronized one when world size > 1
-    channels_last: bool = True
+    channels_last: bool = True  # NHWC memory format (faster convolutions with AMP)
     compile: bool = False  # torch.compile the model
     init_from: str = ""  # local checkpoint or timm/torchvision state dict to start from; "" = random init
     ema_decay: float = 0.0  # keep an EMA of the weights (timm ModelEmaV3), e.g. 0.9998; 0 = off
@@ -69,32 +70,32 @@ class ModelConfig:
 class DataConfig:
     name: str = "digits"  # imagefolder | dummy | digits
     root: str = ".cache/digits"  # imagefolder: holds train/<class>/* and val/<class>/*
-    img_size: int = 32
+    img_size: int = 32  # train crop size (pixels)
     crop_pct: float = 0.875  # eval: resize to img_size / crop_pct, then centre crop
     augment: bool = True  # false: the train pipeline is the (deterministic) eval pipeline
     scale: list[float] = field(default_factory=lambda: [0.08, 1.0])  # RandomResizedCrop area
     ratio: list[float] = field(default_factory=lambda: [0.75, 1.3333])  # RandomResizedCrop aspect
     hflip: float = 0.5  # probability of a horizontal flip
     color_jitter: float = 0.0  # brightness/contrast/saturation strength; 0 disables it
-    mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
-    std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
+    mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])  # normalization (RGB, 0-1)
+    std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])  # normalization (RGB, 0-1)
     num_workers: int = 2  # DataLoader workers per process
     skip_corrupt: bool = False  # train: drop unreadable images (counted per epoch) instead of stopping; val never
     max_image_pixels: int = 89_478_485  # larger images are unreadable, found from the header (PIL's default limit)
-    persistent_workers: bool = True
-    prefetch_factor: int = 2
-    dummy_train_size: int = 1024
-    dummy_val_size: int = 250
-    dummy_num_classes: int = 10
-    dummy_image_size: int = 64
+    persistent_workers: bool = True  # keep DataLoader workers alive between epochs
+    prefetch_factor: int = 2  # batches each worker prepares ahead
+    dummy_train_size: int = 1024  # dummy: training images
+    dummy_val_size: int = 250  # dummy: validation images
+    dummy_num_classes: int = 10  # dummy: classes
+    dummy_image_size: int = 64  # dummy: side of the generated images (pixels)
 
 
 @dataclass
 class OptimConfig:
     name: str = "sgd"  # any timm optimizer name (sgd, momentum, adamw, lamb, ...)
     lr: float = 0.1  # for the global batch; see README for the scaling rule
-    momentum: float = 0.9
-    weight_decay: float = 1e-4
+    momentum: float = 0.9  # SGD momentum (timm passes it where the optimizer takes one)
+    weight_decay: float = 1e-4  # L2 penalty / decoupled decay (adamw)
     no_decay_norm_bias: bool = True  # no weight decay on norm layers and biases
     clip_grad: float = 0.0  # max gradient norm; 0 disables clipping
 
@@ -102,17 +103,17 @@ class OptimConfig:
 @dataclass
 class SchedConfig:
     name: str = "cosine"  # any timm scheduler name (cosine, step, multistep, plateau, ...)
-    warmup_epochs: int = 0
-    warmup_lr: float = 1e-5
-    min_lr: float = 0.0
+    warmup_epochs: int = 0  # linear warmup from warmup_lr, stepped every update
+    warmup_lr: float = 1e-5  # learning rate at the start of warmup
+    min_lr: float = 0.0  # floor of the schedule
 
 
 @dataclass
 class TrainConfig:
-    epochs: int = 10
+    epochs: int = 10  # a resumed run may raise it
     batch_size: int = 64  # per process; the global batch is batch_size x world size x accum_steps
     accum_steps: int = 1  # micro-batches per optimizer step
-    label_smoothing: float = 0.0
+    label_smoothing: float = 0.0  # cross-entropy label smoothing, in [0, 1)
     max_steps: int = 0  # stop after this many optimizer steps (smoke runs); 0 = no limit
     ckpt_every_steps: int = 0  # also write last.pth every this many optimizer steps; 0 = only after each epoch
     keep_last_k: int = 0  # keep the newest k epoch_NNNN.pth files; 0 = none
@@ -122,15 +123,15 @@ class TrainConfig:
 @dataclass
 class LoggingConfig:
     interval: int = 20  # optimizer steps between progress updates
-    level: str = "INFO"
+    level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR (rank 0; other ranks log warnings)
     progress: bool = True  # tqdm bar on rank 0
     wandb: bool = False  # track the run in Weights & Biases (one run, from rank 0); see engine/tracking.py
-    wandb_project: str = "image-classification"
+    wandb_project: str = "image-classification"  # W&B project (1-128 characters, none of / \ # ? % :)
     wandb_entity: str = ""  # W&B team or user; "" = your default entity
     wandb_name: str = ""  # run name; "" = the output_dir folder name
     wandb_group: str = ""  # groups related runs in the W&B UI
-    wandb_tags: list[str] = field(default_factory=list)
-    wandb_notes: str = ""
+    wandb_tags: list[str] = field(default_factory=list)  # e.g. [r50,baseline] (1-64 characters each)
+    wandb_notes: str = ""  # free text shown with the run
     wandb_log_checkpoints: bool = False  # upload best.pth as a model artifact at the end of training
 
 
@@ -143,8 +144,8 @@ class DistConfig:
 
 @dataclass
 class Config:
-    seed: int = 0
-    output_dir: str = "runs/default"
+    seed: int = 0  # seeds model init, data order and augmentation, in [0, 2^32)
+    output_dir: str = "runs/default"  # where config.yaml, metrics.jsonl and checkpoints go
     amp: str = "auto"  # auto | bf16 | fp16 | off
     resume: str = "auto"  # auto (continue from <output_dir>/last.pth if present) | none | <checkpoint path>
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -355,13 +356,46 @@ def validate_wandb(cfg: LoggingConfig) -> None:
             raise UserError(f"config key 'logging.wandb_tags' has {tag!r}; W&B tags need 1-64 characters")
 
 
+def field_notes(cls: type) -> dict[str, str]:
+    """Each field's trailing comment in the schema's source: the one place a config key is described."""
+    notes = {}
+    for line in inspect.getsource(cls).splitlines():
+        if match := re.match(r"    (\w+): [^#]*?(?:#\s*(.*))?$", line):
+            notes[match.group(1)] = match.group(2) or ""
+    return notes
+
+
+def config_keys(cls: type = Config, prefix: str = "") -> list[tuple[str, str, Any, str]]:
+    """(dotted key, type, default, description) of every leaf of the schema, in schema order."""
+    hints, notes, defaults = typing.get_type_hints(cls), field_notes(cls), cls()
+    keys = []
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            keys += config_keys(hint, f"{prefix}{f.name}.")
+        else:
+            name = hint.__name__ if isinstance(hint, type) else str(hint)
+            keys.append((f"{prefix}{f.name}", name, getattr(defaults, f.name), notes.get(f.name, "")))
+    return keys
+
+
+def keys_help() -> str:
+    """The config keys as `--help` lists them (generated from the schema)."""
+    keys = config_keys()
+    width = max(len(key) for key, *_ in keys)
+    lines = ["config keys (override any with key=value; the default is the schema's, before --config):"]
+    for key, kind, default, note in keys:
+        shown = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()
+        lines.append(f"  {key:<{width}}  {kind:<11} {shown or repr(default):<14} {note}")
+    return "\n".join(lines)
+
+
+def config_yaml(cfg: Config) -> str:
+    """The resolved config as YAML (config.yaml's text, and --print-config's)."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
 def to_dict(cfg: Config) -> dict[str, Any]:
     """Plain nested dict: what checkpoints and config.yaml store."""
     return dataclasses.asdict(cfg)
 
-
-def save_config(cfg: Config, output_dir: str | os.PathLike) -> Path:
-    """Write the resolved config beside the run, so the run can be repeated from it."""
-    path = Path(output_dir) / "config.yaml"
-    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    return path

@@ -52,6 +52,16 @@ def atomic_file(path: Path) -> Iterator[BinaryIO]:
         raise
 
 
+def check_writable(folder: Path) -> None:
+    """Whether the run could create and write `folder`, without creating it (train.py --dry-run)."""
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        raise UserError(f"output_dir {folder} cannot be created: {existing} is a file; choose another output_dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"output_dir {folder} is not writable ({existing}: permission denied); "
+                        "choose another output_dir")
+
+
 @contextlib.contextmanager
 def locked(folder: Path) -> Iterator[None]:
     """Hold the run folder's lock (rank 0) while the block runs; refuse a folder another live run holds."""

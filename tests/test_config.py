@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from engine.config import Config, config_from_dict, load_config, save_config, to_dict
+from engine.config import Config, config_from_dict, config_yaml, load_config, to_dict
 from engine.errors import UserError
 
 
@@ -81,8 +81,8 @@ def test_missing_file_and_bad_yaml(tmp_path):
 
 def test_saved_config_round_trips(tmp_path):
     cfg = load_config("digits", ["train.epochs=3"])
-    path = save_config(cfg, tmp_path)
-    assert config_from_dict(yaml.safe_load(path.read_text())) == cfg
+    (tmp_path / "config.yaml").write_text(config_yaml(cfg))
+    assert load_config(str(tmp_path / "config.yaml")) == cfg  # --config <run>/config.yaml repeats the run
     assert config_from_dict(to_dict(Config())) == Config()
 
 

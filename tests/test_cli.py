@@ -1,0 +1,68 @@
+"""The self-documenting CLI: --help lists every config key from the schema, --print-config, --dry-run."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import yaml
+
+import train
+from engine.cli import report_errors
+from engine.config import Config, config_from_dict, load_config
+from tests.helpers import TINY, make_image_folder
+
+
+def schema_leaves(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every leaf key of the dataclasses, walked independently of engine.config's own listing."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        keys += schema_leaves(hint, f"{prefix}{f.name}.") if dataclasses.is_dataclass(hint) else [prefix + f.name]
+    return keys
+
+
+def test_help_lists_every_config_key_with_type_default_and_description(capsys):
+    try:
+        train.parse_args(["--help"])
+    except SystemExit:
+        pass
+    out = capsys.readouterr().out
+    lines = out[out.index("config keys"):].splitlines()
+    defaults = Config()
+    for key in schema_leaves():
+        [line] = [line for line in lines if line.split()[:1] == [key]]
+        _, kind, *rest = line.split(maxsplit=2)
+        value = defaults
+        for part in key.split("."):
+            value = getattr(value, part)
+        assert kind.startswith(type(value).__name__), line
+        assert len(rest) == 1 and len(rest[0].split()) >= 2, f"{key} has no description: {line!r}"
+
+
+def test_print_config_prints_the_resolved_config_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert report_errors(train.main, ["--config", "dummy", "--print-config", "optim.lr=0.3", "output_dir=x"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert config_from_dict(printed) == load_config("dummy", ["optim.lr=0.3", "output_dir=x"])
+    assert printed["optim"]["lr"] == 0.3 and not any(tmp_path.iterdir())
+
+
+def test_dry_run_passes_a_good_run_without_writing(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert report_errors(train.main, [*TINY, f"output_dir={out}", "--dry-run"]) == 0
+    assert capsys.readouterr().out.startswith("dry run passed: test_resnet on 32 train / 10 val images, 10 classes")
+    assert not out.exists()
+
+
+def test_dry_run_catches_a_missing_data_folder_and_a_misspelled_model(tmp_path, capsys):
+    out = tmp_path / "run"
+    root = make_image_folder(tmp_path / "data", {"train": {"a": 4, "b": 4}}, size=20)  # no val/
+    cases = [(["data.name=imagefolder", f"data.root={root}"], f"data folder {root}/val does not exist"),
+             (["model.name=resnet181"], "unknown model.name 'resnet181'; did you mean: resnet18"),
+             ([f"output_dir={root}/train/a/000.png/run"], "cannot be created: " + f"{root}/train/a/000.png is a file")]
+    for args, message in cases:
+        assert report_errors(train.main, [*TINY, f"output_dir={out}", *args, "--dry-run"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "Traceback" not in err and message in err.splitlines()[-1], err
+        assert not out.exists()
