@@ -117,6 +117,8 @@ class LoggingConfig:
     wandb_tags: list[str] = field(default_factory=list)
     wandb_notes: str = ""
     wandb_log_checkpoints: bool = False  # upload best.pth as a model artifact at the end of training
+    wandb_samples: int = 0  # W&B table of this many augmented training images when a training starts; 0 = none
+    tensorboard: bool = False  # also write TensorBoard event files to <output_dir>/tensorboard (rank 0)
 
 
 @dataclass
