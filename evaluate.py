@@ -265,18 +265,20 @@ def run(cfg: Config, ckpt: dict[str, Any], args: argparse.Namespace, info: DistI
     (out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
     title = f"{cfg.model.name} on {len(rows)} images: top-1 {result['top1']:.2f}%"
     plot_confusion(confusion, class_names, out / "confusion_matrix.png", title)
-    log_to_wandb(cfg, args, result, out, rows)
+    log_to_wandb(cfg, args, result, out, rows, ckpt.get("wandb_id"))
     result["output_dir"] = str(out)
     return result
 
 
 def log_to_wandb(cfg: Config, args: argparse.Namespace, result: dict[str, Any], out: Path,
-                 rows: list[dict[str, str]]) -> None:
-    """With logging.wandb on (stored or overridden), an "eval" W&B run gets the metrics, matrix and predictions."""
+                 rows: list[dict[str, str]], trained_run_id: str | None) -> None:
+    """With logging.wandb on (stored or overridden), an "eval" W&B run gets the metrics, matrix and predictions;
+    the checkpoint of a tracked training that logged its checkpoints is declared as the run's input."""
     tracker = WandbTracker(cfg.logging, is_main=True)  # rank 0 only; never raises
     tracker.start({**to_dict(cfg), "checkpoint": str(args.checkpoint), "ema": args.ema}, out, job_type="eval")
     per_class = {c["class"]: c["top1"] for c in result["per_class"]}
     tracker.log_evaluation({**result, "per_class": per_class}, out / "confusion_matrix.png", rows)
+    tracker.use_model(args.checkpoint, trained_run_id)
     tracker.finish()
 
 

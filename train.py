@@ -39,7 +39,7 @@ from engine.precision import resolve_precision
 from engine.resume import Resume
 from engine.run_dir import RunRecord, check_writable, locked
 from engine.state import TrainState
-from engine.tracking import WandbTracker
+from engine.tracking import TensorBoardWriter, WandbTracker
 from engine.trainer import LoopConfig, TrainParts, evaluate, train_one_epoch
 from models.ema import create_ema
 from models.factory import compile_warning, create_model, prepare_model
@@ -132,8 +132,13 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
     # Nothing in output_dir changes before the run's first write (record.start): a run that fails to
     # start leaves the previous run's config.yaml, metrics.jsonl and checkpoints as they were.
     record = RunRecord(out, to_dict(cfg), first_epoch=state.epoch)
+    board = TensorBoardWriter(cfg.logging, info.is_main)  # TensorBoard on rank 0; never raises
+    board.start({**to_dict(cfg), "world_size": info.world_size}, out, state.global_step, lambda: record.started)
+    sinks = [tracker, board]
+    if state.global_step == 0:
+        tracker.log_samples(data.train.dataset, cfg.logging.wandb_samples)
     hooks = [*([EmaUpdate(ema, model)] if ema is not None else []),  # before the checkpoint that saves it
-             StepCheckpoint(record, checkpointer, cfg.train.ckpt_every_steps), IntervalTracking(tracker)]
+             StepCheckpoint(record, checkpointer, cfg.train.ckpt_every_steps), IntervalTracking(sinks)]
 
     while state.epoch < cfg.train.epochs:
         if cfg.train.max_steps and state.global_step >= cfg.train.max_steps:
@@ -161,13 +166,17 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
             state.finish_epoch()
         record.append(row)
         if info.is_main:
-            tracker.log_epoch(state.global_step, row, state.best_top1)
+            for sink in sinks:
+                sink.log_epoch(state.global_step, row, state.best_top1)
             log.info("epoch %d: train_loss %.4f train_top1 %.2f | val_loss %.4f val_top1 %.2f val_top5 %.2f | "
                      "%.0f img/s, %.1fs", row["epoch"], row["train_loss"], row["train_top1"], row["val_loss"],
                      row["val_top1"], row["val_top5"], row["train_img_per_s"], row["epoch_time_s"])
         checkpointer.save(state, val_top1=val_stats["val_top1"], best=is_best, epoch_file=finished)
-    tracker.log_checkpoint(out / "best.pth", {"val_top1": state.best_top1, "model": cfg.model.name})
-    tracker.finish()
+        if is_best:  # a model version per best.pth, so a preempted run keeps its best model in W&B
+            tracker.log_checkpoint(out / "best.pth", {"epoch": row["epoch"], "global_step": state.global_step,
+                                                      "val_top1": state.best_top1, "model": cfg.model.name})
+    for sink in sinks:
+        sink.finish()
     log.info("done: best val_top1 %.2f, outputs in %s", state.best_top1, out)
     return state
 

@@ -133,6 +133,8 @@ class LoggingConfig:
     wandb_tags: list[str] = field(default_factory=list)  # e.g. [r50,baseline] (1-64 characters each)
     wandb_notes: str = ""  # free text shown with the run
     wandb_log_checkpoints: bool = False  # upload best.pth as a model artifact at the end of training
+    wandb_samples: int = 0  # W&B table of this many augmented training images when a training starts; 0 = none
+    tensorboard: bool = False  # also write TensorBoard event files to <output_dir>/tensorboard (rank 0)
 
 
 @dataclass

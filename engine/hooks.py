@@ -7,7 +7,7 @@ fit() orders them on purpose: the EMA is updated before a step checkpoint saves 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from torch import nn
 
@@ -16,7 +16,7 @@ from engine.state import TrainState
 if TYPE_CHECKING:  # the loop needs only Hook: keep checkpoint/tracking out of its imports
     from engine.checkpoint import Checkpointer
     from engine.run_dir import RunRecord
-    from engine.tracking import WandbTracker
+    from engine.tracking import Sink
 
 
 class Hook:
@@ -55,10 +55,11 @@ class StepCheckpoint(Hook):
 
 
 class IntervalTracking(Hook):
-    """W&B's `interval/` curves (the tracker is a no-op off rank 0 or with tracking off)."""
+    """The `interval/` curves of the tracking sinks, W&B and TensorBoard (no-ops off rank 0 or when off)."""
 
-    def __init__(self, tracker: WandbTracker) -> None:
-        self.tracker = tracker
+    def __init__(self, sinks: Sequence[Sink]) -> None:
+        self.sinks = sinks
 
     def after_interval(self, state: TrainState, stats: dict[str, float]) -> None:
-        self.tracker.log_interval(state.global_step, stats)
+        for sink in self.sinks:
+            sink.log_interval(state.global_step, stats)

@@ -1,13 +1,20 @@
-"""Weights & Biases tracking: one run per job, from global rank 0, that can never end a training.
+"""Experiment tracking from global rank 0 that can never end a training: W&B, and TensorBoard beside it.
 
-`wandb` is imported only when `logging.wandb` is on, and only on rank 0. Every call into wandb goes
-through `WandbTracker._guard`: the first exception becomes one warning, and tracking switches itself
-off for the rest of the job while training goes on.
+Both sinks have the same small interface (`start`, `log_interval`, `log_epoch`, `finish`). `wandb` and
+tensorboard are imported only when their sink is on, and only on rank 0. Every call into them goes
+through `Sink._guard`: the first exception becomes one warning, and that sink switches itself off for the
+rest of the job while training goes on.
 
-Steps: W&B's step is the global optimizer step, which a resumed training continues, so curves of a
+Steps: the step is the global optimizer step, which a resumed training continues, so curves of a
 resumed run join up. Each epoch's row (the same dict that goes into metrics.jsonl) is logged at the
 step that ends the epoch; every `logging.interval` steps the all-reduced loss, lr and global img/s
 over the last interval are logged under `interval/`.
+
+W&B: `define_metric` makes `epoch` the x axis of the epoch-level metrics and keeps the best value of
+the validation metrics (max, or min for losses) in the run summary. With logging.wandb_log_checkpoints,
+each best.pth is logged when it is written, as a version of the model artifact `model-<run id>`
+(aliases best, latest), and evaluate.py's run declares the checkpoint it evaluates as a version of that
+artifact, its input.
 """
 
 from __future__ import annotations
@@ -16,7 +23,10 @@ import contextlib
 import logging
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+import yaml
 
 from engine.config import LoggingConfig
 
@@ -25,16 +35,49 @@ log = logging.getLogger(__name__)
 INIT_TIMEOUT_S = 90.0  # wandb.init gives up after this (network down) instead of hanging the job
 FINISH_TIMEOUT_S = 600.0  # the end-of-run upload gives up after this; `wandb sync` uploads the rest later
 OFFLINE_MODES = ("offline", "dryrun", "disabled")
+BEST = {"val_top1": "max", "val_top5": "max", "val_loss": "min"}  # the same for the ema_ metrics
 
 
-class WandbTracker:
-    """A W&B run on rank 0; every method is a no-op when tracking is off, on other ranks, or after a failure."""
+class Sink:
+    """Rank 0 only and never fatal: every method is a no-op when the sink is off, on other ranks, or after a failure."""
+
+    name = "tracking"
+
+    def __init__(self, enabled: bool, is_main: bool) -> None:
+        self.active = enabled and is_main
+
+    def log_interval(self, step: int, stats: dict[str, float]) -> None:
+        """Train loss, lr and img/s over the last `logging.interval` steps (all-reduced by the caller)."""
+
+    def log_epoch(self, step: int, row: dict[str, Any], best_top1: float) -> None:
+        """The epoch's metrics.jsonl row, at the global step that ends the epoch."""
+
+    def finish(self) -> None:
+        """Write out what is pending and close."""
+
+    @contextlib.contextmanager
+    def _guard(self, action: str) -> Iterator[None]:
+        """Turn any exception of the tracking library into one warning and switch the sink off; training goes on."""
+        try:
+            yield
+        except Exception as err:  # noqa: BLE001 - tracking must never end a run, whatever the library raises
+            self.active = False
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            log.warning("%s %s failed (%s: %s); training goes on without %s", self.name, action,
+                        type(err).__name__, first, self.name)
+
+
+class WandbTracker(Sink):
+    """A W&B run on rank 0."""
+
+    name = "W&B"
 
     def __init__(self, cfg: LoggingConfig, is_main: bool) -> None:
+        super().__init__(cfg.wandb, is_main)
         self.cfg = cfg
-        self.active = cfg.wandb and is_main
         self.run: Any = None
         self.run_id: str | None = None  # stored in checkpoints, so a resumed training continues this run
+        self.defined: set[str] = set()  # metrics given their axis and summary (define_metric) in this process
 
     def start(self, config: dict[str, Any], output_dir: str | os.PathLike, resume_id: str | None = None,
               job_type: str = "train") -> None:
@@ -64,9 +107,49 @@ class WandbTracker:
         self.log(step, {f"interval/{k}": v for k, v in stats.items()})
 
     def log_epoch(self, step: int, row: dict[str, Any], best_top1: float) -> None:
-        """The epoch's metrics.jsonl row, and the best val_top1 so far in the run summary."""
+        """The epoch's metrics.jsonl row, and the best val_top1 so far in the run summary.
+
+        `best_val_top1` comes from the training state, which checkpoints keep: it stays right across a resume,
+        where W&B's own maximum (`val_top1.max`) sees only the epochs logged since the process started.
+        """
+        if self.active:
+            with self._guard("defining the epoch metrics"):
+                self.define_epoch_metrics(row)
         self.log(step, row)
         self.summary({"best_val_top1": best_top1})
+
+    def define_epoch_metrics(self, keys: Iterable[str]) -> None:
+        """`epoch` as the x axis of the epoch-level metrics; the summary keeps the best and the last val metrics."""
+        if "epoch" not in self.defined:
+            self.run.define_metric("epoch")
+            self.defined.add("epoch")
+        for key in keys:
+            if key not in self.defined:
+                best = BEST.get(key.removeprefix("ema_"))
+                self.run.define_metric(key, step_metric="epoch", summary=f"{best},last" if best else None)
+                self.defined.add(key)
+
+    def log_samples(self, dataset: Any, count: int, epoch: int = 0, step: int = 0) -> None:
+        """A table of `count` training images as the model gets them (augmented, before normalization).
+
+        `dataset[(epoch, index)]` is the sample's augmentation in that epoch (seeded by seed, epoch and index,
+        so drawing it here changes nothing in training); indices are spread over the whole set, which an
+        ImageFolder sorts by class.
+        """
+        if not (self.active and count > 0):
+            return
+        with self._guard("logging training samples"):
+            import wandb
+
+            indices = np.unique(np.linspace(0, len(dataset) - 1, min(count, len(dataset))).round().astype(int))
+            rows = []
+            for index in indices.tolist():
+                sample = dataset[(epoch, index)]
+                if sample is not None:  # None: unreadable, with data.skip_corrupt
+                    image, label = sample
+                    rows.append([index, wandb.Image(image.permute(1, 2, 0).numpy()), label, dataset.classes[label]])
+            table = wandb.Table(columns=["index", "image", "label", "class"], data=rows)
+            self.run.log({"train_samples": table}, step=step)
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         """One history row at the global optimizer `step` (rows logged at the same step merge)."""
@@ -81,16 +164,41 @@ class WandbTracker:
                 self.run.summary.update(values)
 
     def log_checkpoint(self, path: str | os.PathLike, metadata: dict[str, Any]) -> None:
-        """Upload a checkpoint as a `model` artifact (when logging.wandb_log_checkpoints is on)."""
+        """A new version of the `model` artifact (with logging.wandb_log_checkpoints), aliases best and latest.
+
+        Called when best.pth has just been written, so a preempted run keeps its best model in W&B. wandb
+        hashes the file and copies it to its staging folder (WANDB_DATA_DIR) here, then uploads the copy in
+        the background: a later best.pth cannot change a version in flight. Offline, each copy stays staged
+        until `wandb sync`.
+        """
         path = Path(path)
         if not (self.active and self.cfg.wandb_log_checkpoints and path.is_file()):
             return
         with self._guard("uploading the checkpoint"):
             import wandb
 
-            artifact = wandb.Artifact(f"model-{self.run.id}", type="model", metadata=metadata)
+            artifact = wandb.Artifact(model_artifact_name(self.run.id), type="model", metadata=metadata)
             artifact.add_file(str(path), name=path.name)
             self.run.log_artifact(artifact, aliases=["best", "latest"])
+
+    def use_model(self, path: str | os.PathLike, trained_run_id: str | None) -> None:
+        """Declare the checkpoint being evaluated as this run's input: a version of the training's model artifact.
+
+        Only for a checkpoint of a tracked training that logged its checkpoints (logging.wandb_log_checkpoints).
+        W&B matches the file to the version that holds the same bytes: evaluating best.pth names the training's
+        last best version, and another file becomes a new version of the same artifact. `run.use_artifact`
+        does this for a local artifact and then waits for the upload, but refuses to run offline; its first
+        half, `_log_artifact(use_after_commit=True)`, records the same thing and `wandb sync` completes it.
+        """
+        path = Path(path)
+        if not (self.active and trained_run_id and self.cfg.wandb_log_checkpoints and path.is_file()):
+            return
+        with self._guard("declaring the model artifact"):
+            import wandb
+
+            artifact = wandb.Artifact(model_artifact_name(trained_run_id), type="model")
+            artifact.add_file(str(path), name=path.name)
+            self.run._log_artifact(artifact, is_user_created=True, use_after_commit=True)
 
     def log_evaluation(self, metrics: dict[str, Any], confusion_png: str | os.PathLike,
                        rows: list[dict[str, Any]]) -> None:
@@ -112,16 +220,76 @@ class WandbTracker:
                 self.run.finish()
             self.active = False
 
-    @contextlib.contextmanager
-    def _guard(self, action: str) -> Iterator[None]:
-        """Turn any wandb exception into one warning and switch tracking off; training goes on."""
-        try:
-            yield
-        except Exception as err:  # noqa: BLE001 - tracking must never end a run, whatever wandb raises
+
+class TensorBoardWriter(Sink):
+    """TensorBoard event files in <output_dir>/tensorboard from rank 0: the scalars W&B gets, at the same steps.
+
+    Scalars are written as doubles (the values of metrics.jsonl, not float32 roundings). When the folder
+    already holds events of an earlier run, nothing is written until this run has started (its first
+    checkpoint or metrics row, as for metrics.jsonl): then the events the earlier run logged after this
+    run's first step are hidden (SummaryWriter's purge_step), as a resumed run rewrites metrics.jsonl's
+    later rows. A run that fails before it starts leaves the earlier record as it was.
+    """
+
+    name = "TensorBoard"
+
+    def __init__(self, cfg: LoggingConfig, is_main: bool) -> None:
+        super().__init__(cfg.tensorboard, is_main)
+        self.writer: Any = None
+        self.pending: list[tuple[str, float, int]] = []  # (tag, value, step) held until the run has started
+        self.started: Callable[[], bool] = lambda: True
+        self.logdir, self.first_step, self.config_text = Path("tensorboard"), 0, ""
+
+    def start(self, config: dict[str, Any], output_dir: str | os.PathLike, step: int = 0,
+              started: Callable[[], bool] = lambda: True) -> None:
+        """Prepare the writer for a training that starts at global `step`; `started()`: has the run written yet."""
+        if not self.active:
+            return
+        self.logdir, self.first_step = Path(output_dir) / "tensorboard", step
+        self.config_text = "```yaml\n" + yaml.safe_dump(config, sort_keys=False) + "```"
+        if any(self.logdir.glob("events.out.tfevents.*")):  # an earlier run's record: keep it until we start
+            self.started = started
+        self.write({})
+
+    def log_interval(self, step: int, stats: dict[str, float]) -> None:
+        self.write({f"interval/{k}": v for k, v in stats.items()}, step)
+
+    def log_epoch(self, step: int, row: dict[str, Any], best_top1: float) -> None:
+        self.write(row, step, flush=True)
+
+    def write(self, values: dict[str, Any], step: int = 0, flush: bool = False) -> None:
+        """Queue the numeric values; once the run has started, write everything queued."""
+        if not self.active:
+            return
+        self.pending += [(k, float(v), step) for k, v in values.items() if isinstance(v, (int, float))]
+        if not self.started():
+            return
+        with self._guard(f"writing {self.logdir}"):
+            if self.writer is None:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(str(self.logdir), purge_step=self.first_step + 1)
+                self.writer.add_text("config", self.config_text, self.first_step)
+            for tag, value, at in self.pending:
+                self.writer.add_scalar(tag, value, at, new_style=True, double_precision=True)
+            self.pending.clear()
+            if flush:
+                self.writer.flush()
+
+    def finish(self) -> None:
+        """Write what is queued (if the run has started) and close the event file."""
+        if self.active:
+            self.write({})
+            with self._guard("closing the event file"):
+                if self.writer is not None:
+                    self.writer.close()
             self.active = False
-            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-            log.warning("W&B %s failed (%s: %s); training goes on without W&B tracking",
-                        action, type(err).__name__, first)
+
+
+def model_artifact_name(run_id: str) -> str:
+    """The W&B model artifact of a training run (as Lightning's WandbLogger names it): evaluate.py derives it
+    from the run id stored in a checkpoint."""
+    return f"model-{run_id}"
 
 
 def has_credentials_or_mode(wandb: Any) -> bool:

@@ -1,7 +1,8 @@
-"""W&B tracking with the real wandb package, offline: one run per job, the logged values equal
-metrics.jsonl, the run id survives in checkpoints, and no wandb failure can stop a training.
+"""Tracking with the real wandb and tensorboard packages, offline: one run per job, the logged values equal
+metrics.jsonl, the run id survives in checkpoints, and no tracker failure can stop a training.
 
-Runs are read back from their run-<id>.wandb files with tests/wandb_reader.py.
+W&B runs are read back from their run-<id>.wandb files with tests/wandb_reader.py, TensorBoard event files
+with tensorboard's own readers.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -33,6 +35,12 @@ TINY = ["--config", "configs/dummy.yaml", "model.name=resnet10t", "data.img_size
         "logging.progress=false"]
 
 
+# test_resnet at 32 px, 3 epochs of 8 steps: val_top1 improves in epochs 0 and 1, then ties (seed 0)
+SMALL = ["--config", "configs/dummy.yaml", "model.name=test_resnet", "data.img_size=32", "data.dummy_image_size=32",
+         "data.dummy_train_size=128", "data.dummy_val_size=37", "train.batch_size=16", "logging.interval=2",
+         "logging.progress=false"]
+
+
 def checkpoint(path: Path) -> dict:
     return torch.load(path, weights_only=True, map_location="cpu")
 
@@ -49,13 +57,56 @@ def tracker_warnings(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if "WARNING W&B" in line]
 
 
+def md5_b64(path: Path) -> str:
+    """A file's MD5 as W&B's artifact manifests write it."""
+    return base64.b64encode(hashlib.md5(path.read_bytes()).digest()).decode()
+
+
+def model_versions(run) -> list:
+    """The run's `model` artifact records (W&B tables travel as `run_table` artifacts too)."""
+    return [artifact for artifact in run.artifacts if artifact.type == "model"]
+
+
+def staged_files(artifact) -> dict[str, Path]:
+    """An artifact's files by their name in it: offline, W&B keeps them in WANDB_DATA_DIR's staging folder."""
+    return {entry.path: Path(entry.local_path) for entry in artifact.manifest.contents}
+
+
+def improvements(rows: list[dict]) -> list[int]:
+    """The epochs whose val_top1 beat every earlier one: those wrote best.pth."""
+    best, epochs = -math.inf, []
+    for row in rows:
+        if row["val_top1"] > best:
+            best = row["val_top1"]
+            epochs.append(row["epoch"])
+    return epochs
+
+
+def tensorboard_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in a TensorBoard log folder, as (step, value), read the way TensorBoard's scalar
+    dashboard reads them (its data provider over an event multiplexer)."""
+    from tensorboard import context
+    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+
+    multiplexer = plugin_event_multiplexer.EventMultiplexer(tensor_size_guidance={"scalars": 0})
+    multiplexer.AddRunsFromDirectory(str(logdir))
+    multiplexer.Reload()
+    provider = data_provider.MultiplexerDataProvider(multiplexer, str(logdir))
+    found = provider.read_scalars(context.RequestContext(), experiment_id="", plugin_name="scalars",
+                                  downsample=10 ** 6)
+    assert list(found) == ["."], found.keys()  # one run: the event files of the tensorboard folder itself
+    return {tag: [(point.step, point.value) for point in points] for tag, points in found["."].items()}
+
+
+@pytest.mark.slow
 def test_two_rank_job_makes_one_run_whose_values_equal_metrics_jsonl(tmp_path):
     wandb_dir, out = tmp_path / "wandb", tmp_path / "run"
     wandb_dir.mkdir()
     proc = run_script("train.py", *TINY, f"output_dir={out}", "train.epochs=2", "logging.wandb=true",
                       "logging.wandb_log_checkpoints=true", "logging.wandb_project=tests",
                       "logging.wandb_group=g1", "logging.wandb_tags=[tiny,ddp]", "logging.wandb_notes=two ranks",
-                      nproc=2, env=script_env(WANDB_DIR=str(wandb_dir)))
+                      "logging.tensorboard=true",
+                      nproc=2, env=script_env(WANDB_DIR=str(wandb_dir), WANDB_DATA_DIR=str(tmp_path / "data")))
     assert proc.stderr.count("Tracking run with wandb") == 1  # only rank 0 called wandb.init
     [path] = find_runs(tmp_path)
     run = read_run(path)
@@ -84,11 +135,16 @@ def test_two_rank_job_makes_one_run_whose_values_equal_metrics_jsonl(tmp_path):
     assert (run.run.project, run.run.run_group, list(run.run.tags), run.run.notes, run.run.job_type,
             run.run.display_name) == ("tests", "g1", ["tiny", "ddp"], "two ranks", "train", "run")
     assert checkpoint(out / "last.pth")["wandb_id"] == checkpoint(out / "best.pth")["wandb_id"] == run.run_id
+    # TensorBoard: one event file, from rank 0, with the same scalars
+    assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    assert tensorboard_scalars(out / "tensorboard")["val_top1"] == run.values("val_top1")
 
-    [artifact] = run.artifacts
+    # rank 0 alone logs a model version each time best.pth is written; the last holds the final best.pth
+    assert len(model_versions(run)) == len(improvements(rows))
+    artifact = model_versions(run)[-1]
     [entry] = artifact.manifest.contents
-    md5 = base64.b64encode(hashlib.md5((out / "best.pth").read_bytes()).digest()).decode()
-    assert (artifact.type, artifact.name, entry.path, entry.digest) == ("model", f"model-{run.run_id}", "best.pth", md5)
+    assert (artifact.type, artifact.name, entry.path, entry.digest) == (
+        "model", f"model-{run.run_id}", "best.pth", md5_b64(out / "best.pth"))
     assert json.loads(artifact.metadata)["val_top1"] == max(r["val_top1"] for r in rows)
 
 
@@ -120,9 +176,10 @@ def test_failing_wandb_init_leaves_training_running_with_one_warning(tmp_path):
     assert find_runs(tmp_path) == []
 
 
-def test_wandb_is_not_imported_when_tracking_is_off(tmp_path):
+def test_wandb_and_tensorboard_are_not_imported_when_tracking_is_off(tmp_path):
     code = ("import sys, train; train.main(sys.argv[1:]); "
-            "assert 'wandb' not in sys.modules, [m for m in sys.modules if m.startswith('wandb')]")
+            "assert not [m for m in sys.modules if m.startswith('wandb') or 'tensorboard' in m], "
+            "[m for m in sys.modules if m.startswith('wandb') or 'tensorboard' in m]")
     run_python(code, *TINY, f"output_dir={tmp_path}", "train.epochs=1", "train.max_steps=2",
                env=script_env())
     assert checkpoint(tmp_path / "last.pth")["wandb_id"] is None
@@ -159,6 +216,7 @@ rows = [{"index": i, "path": f"val/{i}.png", "label": "ab"[i % 2], "pred": "a", 
 tracker = WandbTracker(LoggingConfig(wandb=True), is_main=True)
 tracker.start({"checkpoint": "best.pth"}, out, job_type="eval")
 tracker.log_evaluation({"top1": 66.5, "loss": 0.25, "n": 3, "per_class": {"a": 100.0, "b": 0.0}}, png, rows)
+tracker.use_model(png, "abc123")  # logging.wandb_log_checkpoints is off: no model artifact to declare
 tracker.log(1, {"not_json": object()})  # wandb raises TypeError: one warning, then tracking is off
 tracker.log(2, {"after_failure": 1.0})
 tracker.finish()
@@ -183,6 +241,7 @@ def test_evaluation_logs_metrics_confusion_matrix_and_predictions_table(tmp_path
     image = path.parent / "files" / row["eval/confusion_matrix"]["path"]
     assert image.read_bytes() == (tmp_path / "confusion_matrix.png").read_bytes()
     assert not any("after_failure" in h for h in run.history)
+    assert model_versions(run) == []
 
 
 @pytest.mark.parametrize("override, message", [
@@ -193,3 +252,152 @@ def test_evaluation_logs_metrics_confusion_matrix_and_predictions_table(tmp_path
 def test_names_wandb_would_refuse_are_config_errors(override, message):
     with pytest.raises(UserError, match=message):
         load_config("configs/dummy.yaml", ["logging.wandb=true", override])
+
+
+@pytest.fixture(scope="module")
+def tracked(tmp_path_factory) -> tuple[Path, Path]:
+    """One small training with every tracking option on: W&B (model versions, sample table) and TensorBoard."""
+    root = tmp_path_factory.mktemp("tracked")
+    out = root / "run"
+    # WANDB_DATA_DIR: W&B stages artifact copies there until they are uploaded (here: never)
+    env = script_env(WANDB_DIR=str(root / "wandb"), WANDB_DATA_DIR=str(root / "wandb-data"))
+    (root / "wandb").mkdir()
+    run_script("train.py", *SMALL, f"output_dir={out}", "train.epochs=3", "logging.wandb=true",
+               "logging.wandb_log_checkpoints=true", "logging.wandb_samples=5", "logging.tensorboard=true", env=env)
+    return out, root
+
+
+@pytest.mark.slow
+def test_summary_holds_the_best_val_top1_and_val_loss_and_epoch_charts_use_the_epoch_axis(tracked):
+    out, root = tracked
+    [path] = find_runs(root / "wandb")
+    run = read_run(path)
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert run.summary["val_top1"] == {"max": max(r["val_top1"] for r in rows), "last": rows[-1]["val_top1"]}
+    assert run.summary["val_loss"] == {"min": min(r["val_loss"] for r in rows), "last": rows[-1]["val_loss"]}
+    assert run.summary["val_top5"]["max"] == max(r["val_top5"] for r in rows)
+    assert run.summary["best_val_top1"] == max(r["val_top1"] for r in rows)
+    epoch_keys = set(rows[0]) - {"epoch"}
+    assert {key for key, m in run.metrics.items() if m.step_metric == "epoch"} == epoch_keys
+    assert [v for _, v in run.values("epoch")] == [r["epoch"] for r in rows]  # the axis itself is logged
+
+
+@pytest.mark.slow
+def test_every_new_best_is_a_model_version_with_aliases_best_and_latest(tracked):
+    out, root = tracked
+    [path] = find_runs(root / "wandb")
+    run = read_run(path)
+    rows = read_jsonl(out / "metrics.jsonl")
+    improved = improvements(rows)
+    assert 2 <= len(improved) < len(rows)  # the run improves after its first epoch, and once does not
+    versions = model_versions(run)
+    assert [json.loads(a.metadata)["epoch"] for a in versions] == improved
+    for artifact, epoch in zip(versions, improved):
+        [entry] = artifact.manifest.contents
+        assert (artifact.name, sorted(artifact.aliases), entry.path) == (
+            f"model-{run.run_id}", ["best", "latest"], "best.pth")
+        assert json.loads(artifact.metadata)["val_top1"] == rows[epoch]["val_top1"]
+        # the staged copy is the best.pth of that epoch: a later best.pth did not replace it
+        assert md5_b64(staged_files(artifact)["best.pth"]) == entry.digest
+        assert checkpoint(staged_files(artifact)["best.pth"])["epoch"] == epoch + 1
+    assert versions[-1].manifest.contents[0].digest == md5_b64(out / "best.pth")
+
+
+@pytest.mark.slow
+def test_sample_table_holds_the_augmented_images_the_model_is_fed(tracked):
+    import cv2
+
+    from data.loader import build_datasets
+    from engine.config import load_config
+
+    out, root = tracked
+    [path] = find_runs(root / "wandb")
+    run = read_run(path)
+    assert [step for step, _ in run.values("train_samples")] == [0]
+    [artifact] = [a for a in run.artifacts if a.name == f"run-{run.run_id}-train_samples"]
+    files = staged_files(artifact)
+    table = json.loads(files["train_samples.table.json"].read_text())
+    assert table["columns"] == ["index", "image", "label", "class"]
+    assert len(table["data"]) == 5 and len({row[0] for row in table["data"]}) == 5
+    train_set, _ = build_datasets(load_config(str(out / "config.yaml")).data, seed=0)
+    for index, image, label, name in table["data"]:
+        expected, expected_label = train_set[(0, index)]  # epoch 0's augmentation of sample `index`
+        png = cv2.imread(str(files[image["path"]]), cv2.IMREAD_UNCHANGED)
+        assert (png[..., ::-1] == expected.permute(1, 2, 0).numpy()).all()  # PNG is lossless; cv2 reads BGR
+        assert (label, name) == (expected_label, train_set.classes[expected_label])
+
+
+@pytest.mark.slow
+def test_evaluation_run_declares_the_trained_model_version_as_its_input(tracked, tmp_path):
+    out, root = tracked
+    [train_path] = find_runs(root / "wandb")
+    trained = read_run(train_path)
+    env = script_env(WANDB_DIR=str(tmp_path), WANDB_DATA_DIR=str(root / "wandb-data"))
+    run_script("evaluate.py", str(out / "best.pth"), "--output-dir", str(tmp_path / "eval"), env=env)
+    [path] = find_runs(tmp_path)
+    run = read_run(path)
+    assert run.run.job_type == "eval"
+    [used] = model_versions(run)
+    # an input (use_after_commit), not an output of the eval run (user_created: no producing run); W&B
+    # resolves it to the training's version with the same digest instead of adding a version
+    assert (used.name, used.type, used.use_after_commit, used.user_created) == (
+        f"model-{trained.run_id}", "model", True, True)
+    assert used.digest == model_versions(trained)[-1].digest
+    assert [e.path for e in used.manifest.contents] == ["best.pth"]
+
+
+@pytest.mark.slow
+def test_tensorboard_holds_the_same_scalars_as_wandb_and_metrics_jsonl(tracked):
+    out, root = tracked
+    scalars = tensorboard_scalars(out / "tensorboard")
+    [path] = find_runs(root / "wandb")
+    run = read_run(path)
+    rows = read_jsonl(out / "metrics.jsonl")
+    for key in rows[0]:
+        assert scalars[key] == [(8 * (r["epoch"] + 1), r[key]) for r in rows], key  # exact: stored as doubles
+    for key in ("interval/train_loss", "interval/lr", "interval/img_per_s"):
+        assert scalars[key] == run.values(key), key
+    assert [s for s, _ in scalars["interval/train_loss"]] == list(range(2, 25, 2))
+    wandb_keys = {k for row in run.history for k in row if not k.startswith("_") and k != "train_samples"}
+    assert set(scalars) == wandb_keys
+
+
+def test_a_tensorboard_failure_is_one_warning_and_training_goes_on(tmp_path, capsys):
+    import train
+    from engine.cli import report_errors
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "tensorboard").write_text("a file where the log folder should be\n")
+    argv = [*SMALL, f"output_dir={out}", "train.epochs=1", "train.max_steps=2", "data.num_workers=0",
+            "logging.tensorboard=true"]
+    assert report_errors(train.main, argv) == 0  # in-process, as `python train.py` runs it
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if "WARNING TensorBoard" in line]
+    assert len(warnings) == 1 and f"TensorBoard writing {out / 'tensorboard'} failed" in warnings[0], err
+    assert "Traceback" not in err
+    assert [r["epoch"] for r in read_jsonl(out / "metrics.jsonl")] == [0]
+    assert (out / "tensorboard").read_text() == "a file where the log folder should be\n"
+
+
+@pytest.mark.slow
+def test_a_resumed_run_replaces_later_tensorboard_events_and_a_run_that_fails_to_start_hides_none(tmp_path):
+    out = tmp_path / "run"
+    args = [*SMALL, f"output_dir={out}", "data.dummy_train_size=64", "logging.tensorboard=true", "train.keep_last_k=2",
+            "train.epochs=2"]
+    run_script("train.py", *args)  # 4 steps per epoch: steps 1-8, epoch rows at 4 and 8
+    before = tensorboard_scalars(out / "tensorboard")
+    # a branch from epoch 0 that fails before its first write (NaN at once): the first run's events stay visible
+    proc = run_script("train.py", *args, f"resume={out}/epoch_0000.pth", "optim.lr=1e30", "train.max_nonfinite=1",
+                      check=False)
+    assert proc.returncode == 2 and "inf or NaN" in proc.stderr.strip().splitlines()[-1], proc.stderr
+    assert tensorboard_scalars(out / "tensorboard") == before
+    # the same branch with another data order: its steps 5-8 replace the first run's, as its metrics.jsonl rows do
+    run_script("train.py", *args, f"resume={out}/epoch_0000.pth", "seed=1")
+    after = tensorboard_scalars(out / "tensorboard")
+    rows = read_jsonl(out / "metrics.jsonl")
+    for key in ("val_top1", "train_loss"):
+        assert after[key] == [(4 * (r["epoch"] + 1), r[key]) for r in rows], key
+    assert after["train_loss"][0] == before["train_loss"][0] and after["train_loss"][1] != before["train_loss"][1]
+    assert [s for s, _ in after["interval/train_loss"]] == [2, 4, 6, 8]
+    assert after["interval/train_loss"][:2] == before["interval/train_loss"][:2]

@@ -33,6 +33,7 @@ class OfflineRun:
     history: list[dict[str, Any]] = field(default_factory=list)  # one dict per step, with "_step"
     summary: dict[str, Any] = field(default_factory=dict)
     artifacts: list[Any] = field(default_factory=list)  # ArtifactRecords
+    metrics: dict[str, Any] = field(default_factory=dict)  # MetricRecords of define_metric, by name
     exit_code: int | None = None
 
     def values(self, key: str) -> list[tuple[int, Any]]:
@@ -77,7 +78,7 @@ def decode(items: Any) -> dict[str, Any]:
 
 
 def read_run(path: str | Path) -> OfflineRun:
-    """Decode one run file into its run id, config, history rows, final summary and artifacts."""
+    """Decode one run file into its run id, config, history rows, final summary, artifacts and metric definitions."""
     out = OfflineRun(Path(path))
     for record in read_records(path):
         kind = record.WhichOneof("record_type")
@@ -94,6 +95,8 @@ def read_run(path: str | Path) -> OfflineRun:
                 out.summary.pop(key, None)
         elif kind == "artifact":
             out.artifacts.append(record.artifact)
+        elif kind == "metric":
+            out.metrics[record.metric.name or record.metric.glob_name] = record.metric
         elif kind == "exit":
             out.exit_code = record.exit.exit_code
     return out
