@@ -132,7 +132,7 @@ class LoggingConfig:
     wandb_group: str = ""  # groups related runs in the W&B UI
     wandb_tags: list[str] = field(default_factory=list)  # e.g. [r50,baseline] (1-64 characters each)
     wandb_notes: str = ""  # free text shown with the run
-    wandb_log_checkpoints: bool = False  # upload best.pth as a model artifact at the end of training
+    wandb_log_checkpoints: bool = False  # upload each best.pth as a model artifact version when it is written
     wandb_samples: int = 0  # W&B table of this many augmented training images when a training starts; 0 = none
     tensorboard: bool = False  # also write TensorBoard event files to <output_dir>/tensorboard (rank 0)
 
@@ -169,9 +169,9 @@ POSITIVE = ("train.epochs", "train.batch_size", "train.accum_steps", "data.img_s
             "logging.interval", "dist.rendezvous_timeout_s", "train.max_nonfinite", "data.prefetch_factor",
             "data.dummy_train_size", "data.dummy_val_size", "data.dummy_num_classes", "data.dummy_image_size",
             "data.max_image_pixels")
-NON_NEGATIVE = ("dist.timeout_s", "optim.lr", "optim.weight_decay", "optim.clip_grad", "train.max_steps",
-                "data.num_workers", "train.ckpt_every_steps", "train.keep_last_k", "data.color_jitter",
-                "sched.warmup_epochs", "sched.warmup_lr", "sched.min_lr")
+NON_NEGATIVE = ("dist.timeout_s", "logging.wandb_samples", "optim.lr", "optim.weight_decay", "optim.clip_grad",
+                "train.max_steps", "data.num_workers", "train.ckpt_every_steps", "train.keep_last_k",
+                "data.color_jitter", "sched.warmup_epochs", "sched.warmup_lr", "sched.min_lr")
 FRACTIONS = ("model.drop_rate", "model.drop_path_rate", "train.label_smoothing", "model.ema_decay")  # in [0, 1)
 MAX_SEED = 2**32 - 1  # np.random.seed (train.py) takes nothing larger
 OPENCV_MAX_PIXELS = 2**30  # OpenCV refuses larger images (CV_IO_MAX_IMAGE_PIXELS)
