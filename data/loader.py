@@ -11,7 +11,7 @@ import gc
 import itertools
 import logging
 import math
-import threading
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -112,14 +112,14 @@ def _worker_init(worker_id: int) -> None:
     """OpenCV's own thread pool would fight the DataLoader workers for the same cores; and a worker whose
     parent has gone stays quiet."""
     cv2.setNumThreads(1)
-    threading.excepthook = _quiet_if_parent_gone
+    sys.excepthook = _quiet_if_parent_gone
 
 
-def _quiet_if_parent_gone(args: threading.ExceptHookArgs) -> None:
+def _quiet_if_parent_gone(exc_type: type[BaseException], value: BaseException, tb) -> None:
     """A worker hands batches to its parent through multiprocessing's resource-sharing thread; when the parent
-    dies (SIGTERM, a failed rank) that thread meets a closed connection and would print its traceback."""
-    if not issubclass(args.exc_type, (ConnectionError, EOFError)):
-        threading.__excepthook__(args)
+    dies (SIGTERM, a failed rank) that thread meets a closed connection and reports it through sys.excepthook."""
+    if not issubclass(exc_type, (ConnectionError, EOFError)):
+        sys.__excepthook__(exc_type, value, tb)
 
 
 def before_workers_fork() -> None:

@@ -3,12 +3,13 @@ given as a checkpoint."""
 
 from __future__ import annotations
 
-import pytest
-
 import os
 import signal
 import subprocess
 import sys
+
+import pytest
+import torch
 
 import evaluate
 import train
@@ -93,3 +94,29 @@ def test_sigterm_inside_a_checkpoint_write_waits_for_the_write_to_finish(tmp_pat
         with sigterm_deferred():
             os.kill(os.getpid(), signal.SIGTERM)
         raise AssertionError("not reached: Terminated is raised as the block ends")
+
+
+class ReportsWorkerHook(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> bool:
+        import sys
+
+        from data.loader import _quiet_if_parent_gone
+        return sys.excepthook is _quiet_if_parent_gone
+
+
+def test_workers_stay_quiet_when_their_parent_is_gone(capsys):
+    """multiprocessing's resource-sharing thread in a worker reports a parent that died mid-handshake through
+    sys.excepthook; the workers' hook drops exactly those connection errors."""
+    from data.loader import _loader_kwargs, _quiet_if_parent_gone
+    from engine.config import DataConfig
+
+    kwargs = _loader_kwargs(DataConfig(num_workers=2, persistent_workers=False), torch.device("cpu"), 0)
+    assert all(torch.utils.data.DataLoader(ReportsWorkerHook(), batch_size=None, **kwargs))
+    for error in (ConnectionResetError("reset by peer"), EOFError(), BrokenPipeError()):
+        _quiet_if_parent_gone(type(error), error, None)
+    assert capsys.readouterr().err == ""
+    _quiet_if_parent_gone(ValueError, ValueError("a real bug"), None)
+    assert "ValueError: a real bug" in capsys.readouterr().err
