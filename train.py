@@ -38,6 +38,7 @@ from engine.optim import build_optimizer, build_scheduler
 from engine.precision import resolve_precision
 from engine.resume import Resume
 from engine.run_dir import RunRecord, locked
+from engine.signals import Preempted
 from engine.state import TrainState
 from engine.tracking import WandbTracker
 from engine.trainer import LoopConfig, TrainParts, evaluate, train_one_epoch
@@ -97,8 +98,10 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
                        nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing), precision)
     state = start.load_training(parts, cfg, info)
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
+    total_steps = cfg.train.epochs * updates_per_epoch
     loop = LoopConfig(cfg.train.accum_steps, cfg.optim.clip_grad, cfg.train.max_steps, cfg.logging.interval,
-                      normalize, cfg.logging.progress, cfg.train.max_nonfinite)
+                      normalize, cfg.logging.progress, cfg.train.max_nonfinite,
+                      min(total_steps, cfg.train.max_steps or total_steps))
     global_batch = cfg.train.batch_size * info.world_size * cfg.train.accum_steps
     log.info("model %s (%.1fM params), %d process(es) on %s, %s, global batch %d, %d steps/epoch",
              cfg.model.name, sum(p.numel() for p in model.parameters()) / 1e6, info.world_size,
@@ -112,8 +115,9 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
     # Nothing in output_dir changes before the run's first write (record.start): a run that fails to
     # start leaves the previous run's config.yaml, metrics.jsonl and checkpoints as they were.
     record = RunRecord(out, to_dict(cfg), first_epoch=state.epoch)
+    step_checkpoint = StepCheckpoint(record, checkpointer, cfg.train.ckpt_every_steps)
     hooks = [*([EmaUpdate(ema, model)] if ema is not None else []),  # before the checkpoint that saves it
-             StepCheckpoint(record, checkpointer, cfg.train.ckpt_every_steps), IntervalTracking(tracker)]
+             step_checkpoint, IntervalTracking(tracker)]
 
     while state.epoch < cfg.train.epochs:
         if cfg.train.max_steps and state.global_step >= cfg.train.max_steps:
@@ -121,7 +125,12 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
             break
         data.train.sampler.set_epoch(state.epoch, start=state.samples_done(
             cfg.train.accum_steps, cfg.train.batch_size, len(data.train)))
-        train_stats = train_one_epoch(parts, data.train, state, loop, info, hooks)
+        try:
+            train_stats = train_one_epoch(parts, data.train, state, loop, info, hooks)
+        except Preempted as stopped:  # SIGTERM or SIGUSR1: every rank stopped after the same step
+            step_checkpoint.save(state)  # mid-epoch: resume=auto continues the epoch where it stopped
+            stopped.checkpoint = out / "last.pth"
+            raise
         val_stats = evaluate(parts.model, data.val, precision, info, normalize)
         row = {"epoch": state.epoch, **train_stats, **val_stats, "lr": optimizer.param_groups[0]["lr"]}
         if ema is not None:
