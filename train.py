@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import logging
 import random
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +28,7 @@ import_timm_without_wandb()  # first: the imports below reach timm, which would 
 from data.loader import build_data, skipped_train_images, steps_per_epoch
 from data.transforms import DeviceNormalize
 from engine.checkpoint import Checkpointer
-from engine.cli import report_errors
+from engine.cli import run_main
 from engine.config import Config, ModelConfig, load_config, to_dict
 from engine.dist import DistInfo, broadcast_tensors, init_distributed, read_launch_env
 from engine.hooks import EmaUpdate, IntervalTracking, StepCheckpoint
@@ -174,4 +173,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(report_errors(main))
+    run_main(main)
