@@ -11,8 +11,8 @@ and exits 143; inside `sigterm_deferred()` (a torch.save, whose C++ writer abort
 exception cuts it) the signal is held until the block ends. SIGUSR1 is only ever recorded.
 
 DataLoader workers must not die of these signals (the parent would fail on their exit before it reaches a step
-boundary): `workers_shielded()` blocks both while workers are forked, so the workers keep them blocked and
-leave when their parent shuts them down or dies.
+boundary): they are forked inside `workers_shielded()`, which blocks both, keep them blocked, and leave when
+their parent shuts them down or dies.
 """
 
 from __future__ import annotations
@@ -104,21 +104,19 @@ def stop(signum: int) -> None:
 
 @contextlib.contextmanager
 def workers_shielded() -> Iterator[None]:
-    """Block SIGTERM and SIGUSR1 while DataLoader workers are forked inside the block: they inherit the mask.
+    """Fork DataLoader workers inside the block: they inherit SIGTERM and SIGUSR1 blocked.
 
     torch's worker handler would otherwise die of a SIGTERM sent to the process group (torchrun, Slurm), and
-    the parent's SIGCHLD handler then raises "DataLoader worker ... is killed" before the step finishes. A
-    signal that reaches the parent inside the block is delivered when it ends.
+    the parent's SIGCHLD handler then raises "DataLoader worker ... is killed" before the step finishes. The
+    parent still gets the signals (through another of its threads); a SIGTERM is held until the block ends,
+    so that Terminated never leaves a DataLoader iterator half built.
     """
-    try:
+    with sigterm_deferred():
         old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    except ValueError:
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 @contextlib.contextmanager

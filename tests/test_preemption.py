@@ -16,6 +16,7 @@ import struct
 import subprocess
 import sys
 import termios
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +25,7 @@ import torch
 
 from engine.checkpoint import load_checkpoint
 from tests.helpers import REPO, free_port, make_image_folder, read_jsonl, run_script, script_env
-from tests.test_faults import corrupt_in_batch
+from tests.test_faults import children, corrupt_in_batch
 from tests.test_resume import assert_same
 
 PREEMPTED = 124
@@ -140,6 +141,36 @@ def test_sigterm_outside_training_steps_still_stops_at_once_with_one_line(tmp_pa
     assert text.strip().splitlines()[-1].startswith("stopped by SIGTERM"), text[-3000:]
     assert "Traceback" not in text and "DataLoader worker" not in text
     assert not (out / "last.pth").exists()
+
+
+def test_dataloader_workers_start_shielded_and_a_sigterm_meanwhile_waits_for_the_iterator(tmp_path):
+    from torch.utils.data import DataLoader
+
+    from engine.signals import Terminated, stop_on_sigterm, workers_shielded
+
+    loader = DataLoader(list(range(64)), batch_size=4, num_workers=1)
+    built, before = [], set(children(os.getpid()))
+    # A thread that does not block the signals takes the SIGTERM, so the handler runs while the iterator is built.
+    done = threading.Event()
+    bystander = threading.Thread(target=done.wait)
+    bystander.start()
+    try:
+        with stop_on_sigterm(), pytest.raises(Terminated):
+            with workers_shielded():
+                os.kill(os.getpid(), signal.SIGTERM)
+                built.append(iter(loader))  # the worker forks here
+            raise AssertionError("not reached: Terminated is raised as the block ends")
+    finally:
+        done.set()
+        bystander.join()
+    batches = built[0]
+    (worker,) = set(children(os.getpid())) - before
+    blocked = int(re.search(r"^SigBlk:\s*([0-9a-f]+)$", Path(f"/proc/{worker}/status").read_text(), re.M)[1], 16)
+    assert blocked >> (signal.SIGTERM - 1) & 1 and blocked >> (signal.SIGUSR1 - 1) & 1
+    os.kill(worker, signal.SIGTERM)  # as torchrun and Slurm signal the whole process group
+    os.kill(worker, signal.SIGUSR1)
+    assert [int(b.sum()) for b in batches] == [4 * i * 4 + 6 for i in range(16)]  # the worker still serves
+    del batches
 
 
 def test_log_file_gets_one_plain_line_every_interval(tmp_path):
