@@ -122,6 +122,7 @@ def test_sigusr1_to_one_rank_and_its_workers_stops_every_rank_at_the_same_step(t
     assert "Traceback" not in rank0
 
 
+@pytest.mark.slow
 def test_sigterm_outside_training_steps_still_stops_at_once_with_one_line(tmp_path):
     # Evaluation has no step to finish: SIGTERM stops it at once (exit 143), DataLoader workers stay quiet.
     out = tmp_path / "run"
@@ -173,6 +174,7 @@ def test_dataloader_workers_start_shielded_and_a_sigterm_meanwhile_waits_for_the
     del batches
 
 
+@pytest.mark.slow
 def test_log_file_gets_one_plain_line_every_interval(tmp_path):
     proc = run_script("train.py", *TINY, "data.dummy_train_size=64", "data.num_workers=0", "train.epochs=2",
                       "logging.interval=3", f"output_dir={tmp_path / 'run'}")  # stderr is a pipe, not a terminal
@@ -184,6 +186,7 @@ def test_log_file_gets_one_plain_line_every_interval(tmp_path):
     assert "it/s]" not in proc.stderr and "\r" not in proc.stderr  # no tqdm bar in a file
 
 
+@pytest.mark.slow
 def test_terminal_keeps_the_bar_with_the_run_eta(tmp_path):
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))  # tqdm draws nothing 0 wide
