@@ -21,7 +21,6 @@ import json
 import logging
 import math
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ from data.loader import build_eval_loader, build_val_dataset
 from data.transforms import DeviceNormalize
 from data.datasets import AugmentedDataset
 from engine.checkpoint import load_checkpoint
-from engine.cli import report_errors
+from engine.cli import run_main
 from engine.config import Config, config_from_dict, parse_override, set_dotted, to_dict
 from engine.dist import DistInfo, barrier, init_distributed, rank0_decides, read_launch_env
 from engine.errors import UserError
@@ -302,4 +301,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(report_errors(main))
+    run_main(main)

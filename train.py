@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import logging
 import random
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +28,7 @@ import_timm_without_wandb()  # first: the imports below reach timm, which would 
 from data.loader import build_data, skipped_train_images, steps_per_epoch
 from data.transforms import DeviceNormalize
 from engine.checkpoint import Checkpointer
-from engine.cli import report_errors
+from engine.cli import run_main
 from engine.config import Config, ModelConfig, config_yaml, keys_help, load_config, to_dict
 from engine.dist import DistInfo, broadcast_tensors, init_distributed, rank0_decides, read_launch_env
 from engine.hooks import EmaUpdate, IntervalTracking, StepCheckpoint
@@ -38,6 +37,7 @@ from engine.optim import build_optimizer, build_scheduler
 from engine.precision import resolve_precision
 from engine.resume import Resume
 from engine.run_dir import RunRecord, check_writable, locked
+from engine.signals import Preempted
 from engine.state import TrainState
 from engine.tracking import TensorBoardWriter, WandbTracker
 from engine.trainer import LoopConfig, TrainParts, evaluate, train_one_epoch
@@ -117,8 +117,10 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
                        nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing), precision)
     state = start.load_training(parts, cfg, info)
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
+    total_steps = cfg.train.epochs * updates_per_epoch
     loop = LoopConfig(cfg.train.accum_steps, cfg.optim.clip_grad, cfg.train.max_steps, cfg.logging.interval,
-                      normalize, cfg.logging.progress, cfg.train.max_nonfinite)
+                      normalize, cfg.logging.progress, cfg.train.max_nonfinite,
+                      min(total_steps, cfg.train.max_steps or total_steps))
     global_batch = cfg.train.batch_size * info.world_size * cfg.train.accum_steps
     log.info("model %s (%.1fM params), %d process(es) on %s, %s, global batch %d, %d steps/epoch",
              cfg.model.name, sum(p.numel() for p in model.parameters()) / 1e6, info.world_size,
@@ -137,8 +139,9 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
     sinks = [tracker, board]
     if state.global_step == 0:
         tracker.log_samples(data.train.dataset, cfg.logging.wandb_samples)
+    step_checkpoint = StepCheckpoint(record, checkpointer, cfg.train.ckpt_every_steps)
     hooks = [*([EmaUpdate(ema, model)] if ema is not None else []),  # before the checkpoint that saves it
-             StepCheckpoint(record, checkpointer, cfg.train.ckpt_every_steps), IntervalTracking(sinks)]
+             step_checkpoint, IntervalTracking(sinks)]
 
     while state.epoch < cfg.train.epochs:
         if cfg.train.max_steps and state.global_step >= cfg.train.max_steps:
@@ -146,7 +149,12 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
             break
         data.train.sampler.set_epoch(state.epoch, start=state.samples_done(
             cfg.train.accum_steps, cfg.train.batch_size, len(data.train)))
-        train_stats = train_one_epoch(parts, data.train, state, loop, info, hooks)
+        try:
+            train_stats = train_one_epoch(parts, data.train, state, loop, info, hooks)
+        except Preempted as stopped:  # SIGTERM or SIGUSR1: every rank stopped after the same step
+            step_checkpoint.save(state)  # mid-epoch: resume=auto continues the epoch where it stopped
+            stopped.checkpoint = out / "last.pth"
+            raise
         val_stats = evaluate(parts.model, data.val, precision, info, normalize)
         row = {"epoch": state.epoch, **train_stats, **val_stats, "lr": optimizer.param_groups[0]["lr"]}
         if ema is not None:
@@ -203,4 +211,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(report_errors(main))
+    run_main(main)

@@ -1,22 +1,38 @@
-"""Entry-point plumbing: argument parsing shared by train.py and evaluate.py, and error reporting.
+"""Entry-point plumbing: error reporting and exit codes shared by train.py and evaluate.py.
 
 A UserError becomes one line on stderr and exit code 2; `--debug` shows the traceback instead.
 A rank whose peer died (its collective fails with a connection error) says so in one line and
-exits 1: the peer's own error is the one that explains the failure. SIGTERM (a scheduler, or torchrun
-stopping the other ranks) ends the run with one line and exit code 143; DataLoader workers exit quietly.
+exits 1: the peer's own error is the one that explains the failure. A run stopped by SIGTERM or SIGUSR1
+during training exits 124 once last.pth holds the step every rank stopped at (engine/signals.py);
+SIGTERM outside training ends the run with one line and exit code 143. DataLoader workers stay quiet.
+
+Under torchrun each of these lines also goes to the rank's error file (TORCHELASTIC_ERROR_FILE), so that
+torchrun's failure summary shows it instead of "<N/A>"; `run_main` adds torch's `record`, which writes the
+traceback of anything else (a bug) there.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import signal
 import sys
-from typing import Callable
+import time
+from pathlib import Path
+from typing import Callable, NoReturn
 
 from engine.errors import UserError
-from engine.signals import Terminated, stop_on_sigterm
+from engine.signals import PREEMPTED, Preempted, Terminated, stop_on_sigterm
 
 PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Timed out", "timed out")
+
+
+def run_main(main: Callable[[list[str]], int | None]) -> NoReturn:
+    """`python train.py ...`: main(sys.argv[1:]) through report_errors, and torch's `record` for torchrun."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    sys.exit(record(report_errors)(main))
 
 
 def report_errors(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> int:
@@ -25,6 +41,9 @@ def report_errors(main: Callable[[list[str]], int | None], argv: list[str] | Non
     import torch.distributed as dist
 
     from engine.dist import cleanup
+
+    def prefix() -> str:
+        return f"[rank {dist.get_rank()}] " if dist.is_initialized() and dist.get_world_size() > 1 else ""
 
     # The final messages are print()ed to stderr, not logged: they must appear whatever the rank's
     # log level and must be the last line a user sees.
@@ -36,27 +55,56 @@ def report_errors(main: Callable[[list[str]], int | None], argv: list[str] | Non
             raise
         # Before the process group exists every rank fails the same way: rank 0 alone says so.
         rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+        line = f"{prefix()}error: {err}"
         if rank == 0 or err.before_group or (dist.is_initialized() and not err.all_ranks):
-            prefix = f"[rank {rank}] " if dist.is_initialized() and dist.get_world_size() > 1 else ""
-            print(f"{prefix}error: {err}", file=sys.stderr, flush=True)
+            print(line, file=sys.stderr, flush=True)
+        tell_torchrun(line, caused_here=True)
         return 2
     except RuntimeError as err:
         if "--debug" in argv or not lost_peer(err):
             raise
         first = str(err).strip().splitlines()[0]
-        print(f"[rank {dist.get_rank()}] stopped: a collective failed because another process failed, was killed "
-              f"or hung ({first}); that process's own error says why", file=sys.stderr, flush=True)
+        line = (f"[rank {dist.get_rank()}] stopped: a collective failed because another process failed, was killed "
+                f"or hung ({first}); that process's own error says why")
+        print(line, file=sys.stderr, flush=True)
+        tell_torchrun(line, caused_here=False)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
+        tell_torchrun("interrupted", caused_here=False)
         return 130
     except Terminated:
-        prefix = f"[rank {dist.get_rank()}] " if dist.is_initialized() and dist.get_world_size() > 1 else ""
-        print(f"{prefix}stopped by SIGTERM (a scheduler or torchrun ended the job); with resume=auto the same "
-              "command continues from the last checkpoint in output_dir", file=sys.stderr, flush=True)
+        line = (f"{prefix()}stopped by SIGTERM (a scheduler or torchrun ended the job); with resume=auto the same "
+                "command continues from the last checkpoint in output_dir")
+        print(line, file=sys.stderr, flush=True)
+        tell_torchrun(line, caused_here=False)
         return 128 + signal.SIGTERM
+    except Preempted as stopped:
+        line = f"{stopped}: {stopped.checkpoint} written; resume=auto continues"
+        if not dist.is_initialized() or dist.get_rank() == 0:  # every rank stopped at the same step
+            print(line, file=sys.stderr, flush=True)
+        tell_torchrun(line, caused_here=True)
+        return PREEMPTED
     finally:
         cleanup()  # only now: the messages above need to know whether a process group existed
+
+
+def tell_torchrun(line: str, caused_here: bool) -> None:
+    """Write `line` to this rank's torchrun error file (TORCHELASTIC_ERROR_FILE), in torch's ErrorHandler format.
+
+    torchrun names the failure with the earliest timestamp the root cause, and timestamps are whole seconds:
+    a rank stopped by another's failure rounds its time up, the failing rank down, so a tie cannot make
+    the bystander the root cause.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    now = time.time()
+    stamp = math.floor(now) if caused_here else math.ceil(now)
+    try:
+        Path(path).write_text(json.dumps({"message": {"message": line, "extraInfo": {"timestamp": str(stamp)}}}))
+    except OSError:
+        pass  # the summary then says <N/A>; stderr has the line anyway
 
 
 def lost_peer(err: RuntimeError) -> bool:

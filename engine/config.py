@@ -124,7 +124,7 @@ class TrainConfig:
 class LoggingConfig:
     interval: int = 20  # optimizer steps between progress updates
     level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR (rank 0; other ranks log warnings)
-    progress: bool = True  # tqdm bar on rank 0
+    progress: bool = True  # rank 0: a tqdm bar on a terminal, a log line every interval otherwise
     wandb: bool = False  # track the run in Weights & Biases (one run, from rank 0); see engine/tracking.py
     wandb_project: str = "image-classification"  # W&B project (1-128 characters, none of / \ # ? % :)
     wandb_entity: str = ""  # W&B team or user; "" = your default entity

@@ -177,6 +177,14 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def max_over_ranks(value: int, device: torch.device) -> int:
+    """The largest of every rank's `value` (one all-reduce of one number on `device`, which NCCL needs)."""
+    if not dist.is_initialized():
+        return value
+    tensor = torch.full((1,), value, dtype=torch.int32, device=device)  # a fill, not a host-to-device copy
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
+
 
 def broadcast_tensors(tensors: Iterable[torch.Tensor], src: int = 0) -> None:
     """Overwrite every rank's tensors with rank `src`'s, in place."""

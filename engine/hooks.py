@@ -42,16 +42,24 @@ class EmaUpdate(Hook):
 class StepCheckpoint(Hook):
     """train.ckpt_every_steps: write last.pth every `every` optimizer steps (0: never mid-epoch).
 
+    `save` also serves a preempted run, which needs last.pth at its last step, written once.
     The run starts (config.yaml and metrics.jsonl become this run's) at its first write, which may be this one.
     """
 
     def __init__(self, record: RunRecord, checkpointer: Checkpointer, every: int) -> None:
         self.record, self.checkpointer, self.every = record, checkpointer, every
+        self.saved_step = -1  # the global step last.pth holds from this hook (known on every rank)
 
     def after_step(self, state: TrainState) -> None:
         if self.every and state.global_step % self.every == 0:
+            self.save(state)
+
+    def save(self, state: TrainState) -> None:
+        """last.pth at the current step, unless this hook just wrote it (a collective: every rank calls it)."""
+        if self.saved_step != state.global_step:
             self.record.start()
             self.checkpointer.save(state)
+            self.saved_step = state.global_step
 
 
 class IntervalTracking(Hook):

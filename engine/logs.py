@@ -1,6 +1,8 @@
-"""Rank 0 speaks: log setup, the per-epoch metrics.jsonl file and the progress bar.
+"""Rank 0 speaks: log setup, the per-epoch metrics.jsonl file and the training progress.
 
-Other ranks log warnings only (prefixed with their rank) and get a disabled progress bar.
+Progress goes to a terminal as a tqdm bar; to a file (stderr redirected, as under a scheduler) as one plain
+log line every `logging.interval` steps, which a bar's carriage returns would turn into one endless line.
+Other ranks log warnings only (prefixed with their rank) and show no progress.
 """
 
 from __future__ import annotations
@@ -26,10 +28,42 @@ def setup_logging(rank: int, level: str = "INFO") -> None:
         warnings.filterwarnings("ignore")  # library warnings are the same on every rank; rank 0 shows them
 
 
-def progress(iterable: Iterable, total: int, desc: str, enabled: bool) -> tqdm:
-    """A tqdm bar on rank 0 (when enabled); elsewhere a silent pass-through."""
-    return tqdm(iterable, total=total, desc=desc, disable=not enabled, dynamic_ncols=True, leave=False,
-                file=sys.stderr)
+log = logging.getLogger(__name__)
+
+
+class Progress:
+    """One epoch's progress on rank 0: a tqdm bar over `batches` on a terminal, else a log line per `show`.
+
+    Iterate over it instead of `batches`; disabled (other ranks, logging.progress=false) it only passes them on.
+    """
+
+    def __init__(self, batches: Iterable, num_batches: int, epoch: int, steps: int, enabled: bool,
+                 terminal: bool | None = None) -> None:
+        self.epoch, self.steps, self.enabled = epoch, steps, enabled
+        self.terminal = sys.stderr.isatty() if terminal is None else terminal
+        self.bar = tqdm(batches, total=num_batches, desc=f"epoch {epoch}", disable=not (enabled and self.terminal),
+                        dynamic_ncols=True, leave=False, file=sys.stderr)
+
+    def __iter__(self):
+        return iter(self.bar)
+
+    def show(self, step: int, stats: dict[str, float], epoch_eta_s: float, run_eta_s: float) -> None:
+        """`step` of the epoch's `steps` is done; stats: the interval's train_loss, lr and img_per_s."""
+        if not self.enabled:
+            return
+        if self.terminal:  # the bar shows the epoch's own ETA
+            self.bar.set_postfix(loss=f"{stats['train_loss']:.4f}", lr=f"{stats['lr']:.3g}",
+                                 img_s=f"{stats['img_per_s']:.0f}", run_eta=duration(run_eta_s))
+            return
+        log.info("epoch %d step %d/%d | loss %.4f | lr %.4g | %.0f img/s | ETA epoch %s, run %s", self.epoch, step,
+                 self.steps, stats["train_loss"], stats["lr"], stats["img_per_s"], duration(epoch_eta_s),
+                 duration(run_eta_s))
+
+
+def duration(seconds: float) -> str:
+    """H:MM:SS, hours unbounded (a multi-day run reads 53:10:07)."""
+    total = max(int(round(seconds)), 0) if math.isfinite(seconds) else 0
+    return f"{total // 3600}:{total % 3600 // 60:02d}:{total % 60:02d}"
 
 
 class MetricsFile:

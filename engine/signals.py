@@ -1,9 +1,18 @@
-"""SIGTERM as an exception in the main process: raised at once, except inside blocks that must not be cut.
+"""SIGTERM and SIGUSR1: stop training at a step boundary with a checkpoint, or stop at once outside training.
 
-A scheduler or torchrun ends a job with SIGTERM. Raising `Terminated` from the handler lets the entry point
-print one line and exit 143 with every file closed; inside `sigterm_deferred()` (a torch.save, whose C++
-writer aborts the process if a Python exception cuts it) the signal is held until the block ends.
-Forked DataLoader workers inherit the handler and simply exit: their parent reports.
+A scheduler ends a job with SIGTERM, and Slurm warns with a signal of the user's choice before a time limit
+(`sbatch --signal=USR1@120`). While training steps run (`training_steps()`), both only ask for a stop: the loop
+asks every rank at each step boundary (one all-reduce), every rank stops after the same step, last.pth is
+written and the process exits with PREEMPTED. From then on the process ignores both, so that a SIGTERM sent
+once the first rank has exited (srun --kill-on-bad-exit) cannot turn that exit code into a signal.
+
+Outside training (start-up, evaluation) SIGTERM raises `Terminated` at once, so the entry point prints one line
+and exits 143; inside `sigterm_deferred()` (a torch.save, whose C++ writer aborts the process if a Python
+exception cuts it) the signal is held until the block ends. SIGUSR1 is only ever recorded.
+
+DataLoader workers must not die of these signals (the parent would fail on their exit before it reaches a step
+boundary): they are forked inside `workers_shielded()`, which blocks both, keep them blocked, and leave when
+their parent shuts them down or dies.
 """
 
 from __future__ import annotations
@@ -11,40 +20,103 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+from pathlib import Path
 from typing import Iterator
+
+PREEMPTED = 124  # exit code of a run stopped by SIGTERM/SIGUSR1 with last.pth written (as timeout(1) uses)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class Terminated(BaseException):
-    """SIGTERM arrived; a BaseException so that no `except Exception` on the way swallows it."""
+    """SIGTERM arrived outside training; a BaseException so that no `except Exception` on the way swallows it."""
+
+
+class Preempted(BaseException):
+    """Every rank stopped after the same optimizer step because a rank got SIGTERM or SIGUSR1."""
+
+    def __init__(self, signum: int, step: int) -> None:
+        super().__init__(f"preempted by {signal.Signals(signum).name} at global step {step}")
+        self.signum, self.step = signum, step
+        self.checkpoint: Path | None = None  # set once last.pth holds this step
 
 
 _held = 0  # depth of sigterm_deferred blocks in progress
 _pending = False  # a SIGTERM arrived inside one
+_in_steps = 0  # depth of training_steps blocks
+_requested = 0  # the stop signal received (SIGTERM wins over SIGUSR1 in the message), 0: none
+_stopping = False  # every rank agreed to stop: signals are recorded, never raised, until the process exits
 
 
 @contextlib.contextmanager
 def stop_on_sigterm() -> Iterator[None]:
-    """Turn SIGTERM into Terminated in this process for the duration of the block."""
+    """Handle SIGTERM and SIGUSR1 in this process for the duration of the block (see the module docstring)."""
+    global _requested, _stopping
     main_pid = os.getpid()
+    _requested, _stopping = 0, False  # a new run (in-process callers such as tests run several)
 
     def handler(signum: int, frame) -> None:
-        global _pending
-        if os.getpid() != main_pid:
-            os._exit(128 + signum)
+        global _pending, _requested
+        if os.getpid() != main_pid:  # a forked child that has not set handlers of its own: its parent reports
+            if signum == signal.SIGTERM:
+                os._exit(128 + signum)
+            return
+        if signum == signal.SIGUSR1 or _in_steps or _stopping:
+            _requested = max(_requested, signum)
+            return
         if _held:
             _pending = True
             return
         raise Terminated()
 
     try:
-        previous = signal.signal(signal.SIGTERM, handler)
+        previous = [signal.signal(signum, handler) for signum in STOP_SIGNALS]
     except ValueError:  # not the main thread (e.g. called from a test's thread): leave signals alone
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, old in zip(STOP_SIGNALS, previous):  # a stopping process ignores them until it has exited
+            signal.signal(signum, signal.SIG_IGN if _stopping else old)
+
+
+@contextlib.contextmanager
+def training_steps() -> Iterator[None]:
+    """Inside: SIGTERM asks for a stop at the next step boundary instead of raising."""
+    global _in_steps
+    _in_steps += 1
+    try:
+        yield
+    finally:
+        _in_steps -= 1
+
+
+def requested() -> int:
+    """The stop signal this process received (0: none)."""
+    return _requested
+
+
+def stop(signum: int) -> None:
+    """Every rank agreed to stop (`signum`: the signal one of them got); from now on signals are only recorded."""
+    global _requested, _stopping
+    _requested, _stopping = max(_requested, signum), True
+
+
+@contextlib.contextmanager
+def workers_shielded() -> Iterator[None]:
+    """Fork DataLoader workers inside the block: they inherit SIGTERM and SIGUSR1 blocked.
+
+    torch's worker handler would otherwise die of a SIGTERM sent to the process group (torchrun, Slurm), and
+    the parent's SIGCHLD handler then raises "DataLoader worker ... is killed" before the step finishes. The
+    parent still gets the signals (through another of its threads); a SIGTERM is held until the block ends,
+    so that Terminated never leaves a DataLoader iterator half built.
+    """
+    with sigterm_deferred():
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 @contextlib.contextmanager

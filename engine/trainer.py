@@ -1,14 +1,16 @@
 """The training loop: one epoch of optimizer steps, with accumulation, AMP and exact metrics.
 
-`train_one_epoch` is the whole loop. It reads one value on the host per optimizer step (the inf/NaN
-gradient check, which decides whether to step) and the metrics only every `log_interval` steps (one
-all-reduce of a few sums); nothing else in the hot path waits for the device.
+`train_one_epoch` is the whole loop. It reads two values on the host per optimizer step: the inf/NaN
+gradient check, which decides whether to step, and the stop flag (one all-reduce of one number: did any rank
+get SIGTERM or SIGUSR1?), which makes every rank stop after the same step. The metrics are read only every
+`log_interval` steps (one all-reduce of a few sums); nothing else in the hot path waits for the device.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -18,13 +20,14 @@ from timm.scheduler.scheduler import Scheduler
 from torch import nn
 from torch.utils.data import DataLoader
 
-from engine.dist import DistInfo
+from engine.dist import DistInfo, max_over_ranks
 from engine.errors import UserError
 from engine.hooks import Hook
-from engine.logs import progress
+from engine.logs import Progress
 from engine.metrics import SumMeter, hits, ranked_classes
 from engine.precision import Precision
 from engine.prefetch import Normalize, device_batches
+from engine.signals import Preempted, requested, stop, training_steps, workers_shielded
 from engine.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -50,6 +53,7 @@ class LoopConfig:
     normalize: Normalize
     show_progress: bool
     max_nonfinite: int = 5  # consecutive skipped (inf/NaN) steps before training stops
+    total_steps: int = 0  # optimizer steps of the whole run, for its ETA (0: unknown, the epoch's are shown)
 
 
 def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cfg: LoopConfig, info: DistInfo,
@@ -58,57 +62,71 @@ def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cf
 
     A resumed epoch starts from `state`'s synced sums (the loader then yields only the remaining batches).
     After every optimizer step each hook's after_step runs; every `log_interval` steps, after_interval
-    gets the all-reduced train_loss, lr and global img/s since the previous interval.
+    gets the all-reduced train_loss, lr and global img/s since the previous interval. After every step the
+    ranks ask each other whether one got SIGTERM or SIGUSR1, and all raise Preempted after that same step.
     """
     model, optimizer = parts.model, parts.optimizer
     model.train()
     meter = state.start_epoch(info.device, info.is_main)
     num_batches = len(loader)
-    batches = device_batches(loader, info.device, cfg.normalize)
-    bar = progress(batches, num_batches, f"epoch {state.epoch}", cfg.show_progress and info.is_main)
+    steps = state.epoch_step + math.ceil(num_batches / cfg.accum_steps)  # the whole epoch's, also when resumed
+    with workers_shielded():  # DataLoader workers start here; a SIGTERM to the process group must not kill them
+        batches = device_batches(iter(loader), info.device, cfg.normalize)
+    shown = Progress(batches, num_batches, state.epoch, steps, cfg.show_progress and info.is_main)
     start = time.perf_counter() - state.epoch_seconds
     last_sums, last_time = dict(state.epoch_sums) or dict.fromkeys(meter.names, 0.0), time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     skipped = 0  # optimizer steps in a row skipped for inf/NaN gradients
-    for i, (images, targets) in enumerate(bar):
-        group_start = i - i % cfg.accum_steps
-        group_size = min(cfg.accum_steps, num_batches - group_start)
-        last_micro_step = i == group_start + group_size - 1
-        # DDP all-reduces gradients only on the micro-step that ends an accumulation group.
-        sync = contextlib.nullcontext() if last_micro_step or not hasattr(model, "no_sync") else model.no_sync()
-        with sync:
-            with parts.precision.autocast():
-                logits = model(images)
-                loss = parts.loss_fn(logits, targets)
-            parts.precision.backward(loss / group_size)
-        meter.add(loss.detach() * len(targets), hits(ranked_classes(logits.detach(), 1), targets, 1), len(targets))
-        if not last_micro_step:
-            continue
-        skipped = 0 if parts.precision.step(optimizer, model, cfg.clip_grad) else skipped + 1
-        optimizer.zero_grad(set_to_none=True)
-        state.step_done(time.perf_counter() - start)
-        if skipped:
-            check_nonfinite(skipped, cfg.max_nonfinite, state.global_step, info)
-        parts.scheduler.step_update(num_updates=state.global_step)
-        for hook in hooks:
-            hook.after_step(state)
-        if state.global_step % cfg.log_interval == 0:
-            sums, now = state.sync_sums(), time.perf_counter()
-            count = sums["count"] - last_sums["count"]
-            stats = {"train_loss": (sums["loss_sum"] - last_sums["loss_sum"]) / count,
-                     "lr": optimizer.param_groups[0]["lr"], "img_per_s": count / (now - last_time)}
-            bar.set_postfix(loss=f"{sums['loss_sum'] / sums['count']:.4f}", lr=f"{stats['lr']:.3g}",
-                            img_s=f"{sums['count'] / (now - start):.0f}")
+    with training_steps():  # from here SIGTERM, like SIGUSR1, only asks for a stop at the next step boundary
+        for i, (images, targets) in enumerate(shown):
+            group_start = i - i % cfg.accum_steps
+            group_size = min(cfg.accum_steps, num_batches - group_start)
+            last_micro_step = i == group_start + group_size - 1
+            # DDP all-reduces gradients only on the micro-step that ends an accumulation group.
+            sync = contextlib.nullcontext() if last_micro_step or not hasattr(model, "no_sync") else model.no_sync()
+            with sync:
+                with parts.precision.autocast():
+                    logits = model(images)
+                    loss = parts.loss_fn(logits, targets)
+                parts.precision.backward(loss / group_size)
+            meter.add(loss.detach() * len(targets), hits(ranked_classes(logits.detach(), 1), targets, 1), len(targets))
+            if not last_micro_step:
+                continue
+            skipped = 0 if parts.precision.step(optimizer, model, cfg.clip_grad) else skipped + 1
+            optimizer.zero_grad(set_to_none=True)
+            state.step_done(time.perf_counter() - start)
+            if skipped:
+                check_nonfinite(skipped, cfg.max_nonfinite, state.global_step, info)
+            parts.scheduler.step_update(num_updates=state.global_step)
             for hook in hooks:
-                hook.after_interval(state, stats)
-            last_sums, last_time = sums, now
-        if cfg.max_steps and state.global_step >= cfg.max_steps:
-            break
+                hook.after_step(state)
+            if state.global_step % cfg.log_interval == 0:
+                sums, now = state.sync_sums(), time.perf_counter()
+                count = sums["count"] - last_sums["count"]
+                stats = {"train_loss": (sums["loss_sum"] - last_sums["loss_sum"]) / count,
+                         "lr": optimizer.param_groups[0]["lr"], "img_per_s": count / (now - last_time)}
+                pace = (now - start) / state.epoch_step  # seconds per optimizer step over the epoch
+                run_left = max(cfg.total_steps - state.global_step, steps - state.epoch_step)
+                shown.show(state.epoch_step, stats, pace * (steps - state.epoch_step), pace * run_left)
+                for hook in hooks:
+                    hook.after_interval(state, stats)
+                last_sums, last_time = sums, now
+            stop_if_requested(state, info)
+            if cfg.max_steps and state.global_step >= cfg.max_steps:
+                break
     sums = state.sync_sums()
     seconds = state.epoch_seconds = time.perf_counter() - start
     count = max(sums["count"], 1.0)
     return {"train_loss": sums["loss_sum"] / count, "train_top1": 100.0 * sums["correct"] / count,
             "train_img_per_s": sums["count"] / seconds, "epoch_time_s": seconds, "train_images": int(sums["count"])}
+
+
+def stop_if_requested(state: TrainState, info: DistInfo) -> None:
+    """Raise Preempted on every rank, after this same step, if any rank got SIGTERM or SIGUSR1 (one all-reduce)."""
+    signum = max_over_ranks(requested(), info.device)
+    if signum:
+        stop(signum)
+        raise Preempted(signum, state.global_step)
 
 
 def check_nonfinite(skipped: int, limit: int, step: int, info: DistInfo) -> None:
@@ -132,7 +150,9 @@ def evaluate(model: nn.Module, loader: DataLoader, precision: Precision, info: D
     """
     model.eval()
     meter = SumMeter(("loss_sum", "top1", "top5", "count"), info.device)
-    for images, targets in device_batches(loader, info.device, normalize):
+    with workers_shielded():
+        batches = device_batches(iter(loader), info.device, normalize)
+    for images, targets in batches:
         with precision.autocast():
             logits = model(images)
         logits = logits.float()

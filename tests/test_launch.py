@@ -4,6 +4,7 @@ given as a checkpoint."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import torch
 
 import evaluate
 import train
+from engine.checkpoint import load_checkpoint
 from engine.cli import report_errors
 from engine.dist import collective_timeout
 from tests.helpers import REPO, TINY, free_port, script_env, wait_for_file
@@ -58,7 +60,9 @@ def test_a_folder_given_as_checkpoint_is_named_as_a_folder(tiny_run, capsys):
 
 
 @pytest.mark.slow
-def test_sigterm_stops_training_with_one_line_and_quiet_workers(tmp_path):
+def test_sigterm_during_training_stops_after_the_step_with_one_line_and_quiet_workers(tmp_path):
+    # Outside training SIGTERM stops at once (exit 143): tests/test_preemption.py. Here a step checkpoint was just
+    # written for the step the run stops at: last.pth is not written a second time for it.
     out = tmp_path / "run"
     cmd = [sys.executable, "train.py", *TINY, "data.num_workers=2", "data.dummy_train_size=2048", "train.epochs=5",
            "train.ckpt_every_steps=1", f"output_dir={out}"]
@@ -69,9 +73,12 @@ def test_sigterm_stops_training_with_one_line_and_quiet_workers(tmp_path):
         _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 143, err[-3000:]
-    assert err.strip().splitlines()[-1].startswith("stopped by SIGTERM"), err[-3000:]
-    assert "Traceback" not in err and "ConnectionResetError" not in err
+    assert proc.returncode == 124, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert re.fullmatch(rf"preempted by SIGTERM at global step (\d+): {re.escape(str(out))}/last.pth written; "
+                        "resume=auto continues", last), err[-3000:]
+    assert load_checkpoint(out / "last.pth")["global_step"] == int(re.search(r"step (\d+)", last)[1])
+    assert "Traceback" not in err and "ConnectionResetError" not in err and "DataLoader worker" not in err
 
 
 def test_sigterm_inside_a_checkpoint_write_waits_for_the_write_to_finish(tmp_path):

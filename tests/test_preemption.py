@@ -1,0 +1,260 @@
+"""Running under a scheduler: a preempted job stops at one step on every rank and resumes exactly, logs read well
+in a file, and torchrun's failure summary names the real cause.
+
+Every test runs real `train.py` / `evaluate.py` processes (torchrun, or two processes started the way srun starts
+them) on dummy data with a tiny model, and sends real signals.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import re
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.checkpoint import load_checkpoint
+from tests.helpers import REPO, free_port, make_image_folder, read_jsonl, run_script, script_env
+from tests.test_faults import children, corrupt_in_batch
+from tests.test_resume import assert_same
+
+PREEMPTED = 124
+TINY = ["--config", "configs/dummy.yaml", "model.name=test_resnet", "model.channels_last=false", "amp='off'",
+        "data.img_size=16", "data.dummy_image_size=20", "data.dummy_val_size=20", "train.batch_size=8"]
+# 2 ranks x batch 8 over 2048 images: 128 optimizer steps per epoch (a few seconds); a log line after every step.
+PREEMPTIBLE = [*TINY, "data.dummy_train_size=2048", "data.num_workers=2", "train.epochs=2", "logging.interval=1"]
+STEP_LINE = re.compile(r"epoch (\d+) step (\d+)/(\d+) \| loss (\d+\.\d+) \| lr (\S+) \| (\d+) img/s \| "
+                       r"ETA epoch (\d+:\d\d:\d\d), run (\d+:\d\d:\d\d)$", re.M)
+STOP_LINE = re.compile(r"^preempted by (SIGTERM|SIGUSR1) at global step (\d+): (\S+) written; resume=auto continues$",
+                       re.M)
+
+
+def wait_for(log: Path, pattern: str, procs: list[subprocess.Popen], timeout: float = 240) -> None:
+    """Until `pattern` appears in the log file (the processes must still run)."""
+    deadline = time.monotonic() + timeout
+    while not re.search(pattern, log.read_text(errors="replace")):
+        assert all(p.poll() is None for p in procs), log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"{pattern!r} never appeared"
+        time.sleep(0.02)
+
+
+def torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            str(REPO / "train.py"), *args]
+
+
+def assert_stopped_mid_epoch(out: Path, text: str, signame: str) -> int:
+    """The one line rank 0 printed, and last.pth at the step it names (mid-epoch 0); returns that step."""
+    stops = STOP_LINE.findall(text)
+    assert len(stops) == 1, text[-4000:]
+    name, step, path = stops[0]
+    assert (name, path) == (signame, str(out / "last.pth"))
+    ckpt = load_checkpoint(out / "last.pth")
+    assert (ckpt["epoch"], ckpt["global_step"], ckpt["epoch_step"]) == (0, int(step), int(step))
+    assert 2 <= int(step) < 128, text[-4000:]
+    assert not (out / "metrics.jsonl").exists() or read_jsonl(out / "metrics.jsonl") == []  # no half epoch row
+    return int(step)
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_stops_both_ranks_at_one_step_and_resume_equals_an_uninterrupted_run(tmp_path):
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    run_script("train.py", *PREEMPTIBLE, f"output_dir={whole}", nproc=2)
+    log = tmp_path / "stopped.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen(torchrun(*PREEMPTIBLE, f"output_dir={stopped}"), cwd=REPO, env=script_env(),
+                                stdout=f, stderr=subprocess.STDOUT)
+    try:
+        wait_for(log, r"epoch 0 step 2/128", [proc])
+        proc.send_signal(signal.SIGTERM)  # torchrun sends SIGTERM to each worker's process group (workers too)
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    text = log.read_text()
+    assert_stopped_mid_epoch(stopped, text, "SIGTERM")
+    assert "[rank0]: Traceback" not in text and "[rank1]: Traceback" not in text, text[-4000:]
+    assert "DataLoader worker" not in text and "ConnectionResetError" not in text
+
+    run_script("train.py", *PREEMPTIBLE, f"output_dir={stopped}", "resume=auto", nproc=2)
+    assert_same(load_checkpoint(whole / "last.pth"), load_checkpoint(stopped / "last.pth"))
+    rows = [{k: v for k, v in row.items() if k not in ("epoch_time_s", "train_img_per_s")}
+            for run in (whole, stopped) for row in read_jsonl(run / "metrics.jsonl")]
+    assert rows[:2] == rows[2:] and [row["epoch"] for row in rows[:2]] == [0, 1]
+
+
+def srun_like(rank: int, port: int, args: list[str], log: Path) -> subprocess.Popen:
+    """One rank started as srun starts a task (no torchrun), in its own process group like a Slurm task."""
+    env = script_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    with log.open("w") as f:
+        return subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=REPO, env=env, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@pytest.mark.slow
+def test_sigusr1_to_one_rank_and_its_workers_stops_every_rank_at_the_same_step(tmp_path):
+    out = tmp_path / "run"
+    logs = [tmp_path / f"rank{rank}.log" for rank in (0, 1)]
+    port = free_port()
+    procs = [srun_like(rank, port, [*PREEMPTIBLE, f"output_dir={out}"], logs[rank]) for rank in (0, 1)]
+    try:
+        wait_for(logs[0], r"epoch 0 step 2/128", procs)
+        os.killpg(procs[1].pid, signal.SIGUSR1)  # Slurm's --signal reaches every process of the task
+        codes = [proc.wait(timeout=120) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    rank0, rank1 = (log.read_text() for log in logs)
+    assert codes == [PREEMPTED, PREEMPTED], rank0[-3000:] + rank1[-3000:]
+    assert_stopped_mid_epoch(out, rank0, "SIGUSR1")
+    assert rank0.strip().splitlines()[-1].startswith("preempted by SIGUSR1")
+    assert rank1.strip() == "", rank1[-3000:]  # the other ranks stay quiet, their DataLoader workers too
+    assert "Traceback" not in rank0
+
+
+@pytest.mark.slow
+def test_sigterm_outside_training_steps_still_stops_at_once_with_one_line(tmp_path):
+    # Evaluation has no step to finish: SIGTERM stops it at once (exit 143), DataLoader workers stay quiet.
+    out = tmp_path / "run"
+    log = tmp_path / "run.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen([sys.executable, "train.py", *TINY, "data.dummy_train_size=64", "data.num_workers=2",
+                                 "data.dummy_val_size=8000", "train.epochs=1", "logging.interval=1",
+                                 f"output_dir={out}"], cwd=REPO, env=script_env(), stdout=f, stderr=subprocess.STDOUT)
+    try:
+        wait_for(log, r"epoch 0 step 8/8", [proc])  # the last step: evaluation of 8000 images follows
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    text = log.read_text()
+    assert code == 143, text[-3000:]
+    assert text.strip().splitlines()[-1].startswith("stopped by SIGTERM"), text[-3000:]
+    assert "Traceback" not in text and "DataLoader worker" not in text
+    assert not (out / "last.pth").exists()
+
+
+def test_dataloader_workers_start_shielded_and_a_sigterm_meanwhile_waits_for_the_iterator(tmp_path):
+    from torch.utils.data import DataLoader
+
+    from engine.signals import Terminated, stop_on_sigterm, workers_shielded
+
+    loader = DataLoader(list(range(64)), batch_size=4, num_workers=1)
+    built, before = [], set(children(os.getpid()))
+    # A thread that does not block the signals takes the SIGTERM, so the handler runs while the iterator is built.
+    done = threading.Event()
+    bystander = threading.Thread(target=done.wait)
+    bystander.start()
+    try:
+        with stop_on_sigterm(), pytest.raises(Terminated):
+            with workers_shielded():
+                os.kill(os.getpid(), signal.SIGTERM)
+                built.append(iter(loader))  # the worker forks here
+            raise AssertionError("not reached: Terminated is raised as the block ends")
+    finally:
+        done.set()
+        bystander.join()
+    batches = built[0]
+    (worker,) = set(children(os.getpid())) - before
+    blocked = int(re.search(r"^SigBlk:\s*([0-9a-f]+)$", Path(f"/proc/{worker}/status").read_text(), re.M)[1], 16)
+    assert blocked >> (signal.SIGTERM - 1) & 1 and blocked >> (signal.SIGUSR1 - 1) & 1
+    os.kill(worker, signal.SIGTERM)  # as torchrun and Slurm signal the whole process group
+    os.kill(worker, signal.SIGUSR1)
+    assert [int(b.sum()) for b in batches] == [4 * i * 4 + 6 for i in range(16)]  # the worker still serves
+    del batches
+
+
+@pytest.mark.slow
+def test_log_file_gets_one_plain_line_every_interval(tmp_path):
+    proc = run_script("train.py", *TINY, "data.dummy_train_size=64", "data.num_workers=0", "train.epochs=2",
+                      "logging.interval=3", f"output_dir={tmp_path / 'run'}")  # stderr is a pipe, not a terminal
+    lines = STEP_LINE.findall(proc.stderr)
+    # 8 steps per epoch; a line at global steps 3, 6, 9, 12, 15
+    assert [(int(e), int(s), int(n)) for e, s, n, *_ in lines] == [(0, 3, 8), (0, 6, 8), (1, 1, 8), (1, 4, 8),
+                                                                   (1, 7, 8)], proc.stderr[-3000:]
+    assert all(float(loss) > 0 and int(speed) > 0 for _, _, _, loss, _, speed, _, _ in lines)
+    assert "it/s]" not in proc.stderr and "\r" not in proc.stderr  # no tqdm bar in a file
+
+
+@pytest.mark.slow
+def test_terminal_keeps_the_bar_with_the_run_eta(tmp_path):
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))  # tqdm draws nothing 0 wide
+    proc = subprocess.Popen([sys.executable, "train.py", *TINY, "data.dummy_train_size=64", "data.num_workers=0",
+                             "train.epochs=1", "logging.interval=2", f"output_dir={tmp_path / 'run'}"],
+                            cwd=REPO, env=script_env(), stdout=subprocess.DEVNULL, stderr=follower)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the process closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    assert proc.wait(timeout=120) == 0
+    screen = b"".join(chunks).decode(errors="replace")
+    assert re.search(r"epoch 0: .*run_eta=\d+:\d\d:\d\d", screen), screen[-3000:]
+    assert not STEP_LINE.search(screen)
+
+
+def summary_root_cause(text: str) -> str:
+    """The "Root Cause" block of torchrun's ChildFailedError summary."""
+    assert "Root Cause (first observed failure):" in text, text[-4000:]
+    return text.split("Root Cause (first observed failure):")[1].split("=====")[0]
+
+
+@pytest.mark.slow
+def test_torchrun_summary_names_the_failing_rank_and_its_one_line_error(tmp_path):
+    root = make_image_folder(tmp_path / "data", {"train": {"a": 16, "b": 16}, "val": {"a": 4, "b": 4}}, size=20)
+    bad = corrupt_in_batch(root, rank=1, batch=2, batch_size=4)
+    proc = run_script("train.py", *TINY, "data.name=imagefolder", f"data.root={root}", "train.batch_size=4",
+                      "data.num_workers=0", "train.epochs=1", f"output_dir={tmp_path / 'run'}", nproc=2, check=False)
+    root_cause = summary_root_cause(proc.stderr)
+    assert re.search(r"rank\s+: 1 \(local_rank: 1\)", root_cause), root_cause
+    assert (f"traceback : [rank 1] error: cannot read image {bad} (corrupt, truncated or not an image); "
+            "remove or replace it") in root_cause, root_cause
+    assert "<N/A>" not in proc.stderr.split("Failures:")[1]
+
+
+def test_torchrun_summary_of_evaluate_shows_the_one_line_error(tmp_path):
+    missing = tmp_path / "nope.pth"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO / "evaluate.py"), str(missing)]
+    proc = subprocess.run(cmd, cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert (f"traceback : error: checkpoint {missing} does not exist; check the path"
+            in summary_root_cause(proc.stderr)), proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("code, requeued", [(PREEMPTED, True), (2, False), (0, False)])
+def test_sbatch_script_requeues_only_a_preempted_run(tmp_path, code, requeued):
+    # No Slurm here: srun and scontrol are stand-ins that record how the script calls them.
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f'#!/bin/sh\necho "srun $* @ $MASTER_ADDR:$MASTER_PORT" >> {calls}\nexit {code}\n')
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "scontrol $*" >> {calls}\n'
+                                      '[ "$1" = show ] && printf "node-a\\nnode-b\\n"\nexit 0\n')
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    env = script_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node-[a-b]",
+                     SLURM_JOB_NUM_NODES="2")
+    proc = subprocess.run(["bash", "scripts/slurm_train.sbatch", "--config", "resnet50", "output_dir=/shared/r50"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    assert calls.read_text().splitlines() == [
+        "scontrol show hostnames node-[a-b]",
+        "srun --kill-on-bad-exit=1 python train.py resume=auto --config resnet50 output_dir=/shared/r50 @ node-a:24242",
+        *(["scontrol requeue 4242"] if requeued else [])]
