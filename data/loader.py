@@ -26,6 +26,7 @@ from data.transforms import eval_transform, train_transform
 from engine.config import DataConfig
 from engine.dist import DistInfo, local_main_first
 from engine.errors import UserError
+from engine.signals import worker_signals
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +110,11 @@ def build_val_dataset(cfg: DataConfig, seed: int, local_rank: int = 0) -> Augmen
 
 
 def _worker_init(worker_id: int) -> None:
-    """OpenCV's own thread pool would fight the DataLoader workers for the same cores; and a worker whose
-    parent has gone stays quiet."""
+    """OpenCV's own thread pool would fight the DataLoader workers for the same cores; a worker whose parent
+    has gone stays quiet; stop signals are the parent's to handle (engine.signals.worker_signals)."""
     cv2.setNumThreads(1)
     sys.excepthook = _quiet_if_parent_gone
+    worker_signals()
 
 
 def _quiet_if_parent_gone(exc_type: type[BaseException], value: BaseException, tb) -> None:
@@ -173,7 +175,11 @@ class OneLineErrorLoader(DataLoader):
     """
 
     def __iter__(self) -> Iterator:
-        batches = super().__iter__()
+        # The workers start here, in iter() (engine.signals.workers_shielded relies on it), not at the first batch.
+        return self.one_line_errors(super().__iter__())
+
+    @staticmethod
+    def one_line_errors(batches: Iterator) -> Iterator:
         while True:
             try:
                 batch = next(batches)

@@ -119,6 +119,16 @@ def workers_shielded() -> Iterator[None]:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+def worker_signals() -> None:
+    """In a DataLoader worker: leave the training process's process group, so the SIGTERM or SIGUSR1 that torchrun
+    or srun sends to the group reaches only the parent (which decides when to stop); ignore SIGUSR1 (Slurm's
+    --signal reaches every process of a step); and take SIGTERM again, so that the parent's own shutdown
+    (multiprocessing's terminate(), also at interpreter exit) still ends the worker."""
+    os.setpgrp()
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
 @contextlib.contextmanager
 def sigterm_deferred() -> Iterator[None]:
     """Hold a SIGTERM that arrives inside the block; raise Terminated right after it."""
