@@ -25,7 +25,7 @@ from engine.startup import cpu_share, import_timm_without_wandb, tune_cpu_proces
 
 import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (engine/startup.py)
 
-from data.loader import build_data, skipped_train_images, steps_per_epoch
+from data.loader import DataBundle, build_data, skipped_train_images, steps_per_epoch
 from data.transforms import DeviceNormalize
 from engine.checkpoint import Checkpointer
 from engine.cli import run_main
@@ -34,7 +34,7 @@ from engine.dist import DistInfo, broadcast_tensors, init_distributed, rank0_dec
 from engine.hooks import EmaUpdate, IntervalTracking, StepCheckpoint
 from engine.logs import setup_logging
 from engine.optim import build_optimizer, build_scheduler
-from engine.precision import resolve_precision
+from engine.precision import Precision, resolve_precision
 from engine.resume import Resume
 from engine.run_dir import RunRecord, check_writable, locked
 from engine.signals import Preempted
@@ -62,14 +62,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def start_up(cfg: Config, info: DistInfo) -> tuple[Resume, DataBundle, Precision, nn.Module]:
+    """What fit() checks and builds before anything is placed on the device: the checkpoint to resume, the data,
+    the precision, the model with its starting weights. --dry-run stops after it."""
+    start = Resume.find(cfg.resume, Path(cfg.output_dir))
+    seed_everything(cfg.seed)
+    data = build_data(cfg.data, cfg.train.batch_size, cfg.seed, info)
+    precision = resolve_precision(cfg.amp, info.device)
+    model = create_model(cfg.model, data.num_classes)
+    start.load_model(model, cfg, data.class_names, info.world_size)
+    return start, data, precision, model
+
+
 def dry_run(cfg: Config, info: DistInfo) -> str:
     """fit()'s checks up to the first training step, with nothing written to output_dir; returns a summary."""
     out = Path(cfg.output_dir)
-    start = Resume.find(cfg.resume, out)
-    data = build_data(cfg.data, cfg.train.batch_size, cfg.seed, info)
-    resolve_precision(cfg.amp, info.device)
-    model = create_model(cfg.model, data.num_classes)
-    start.load_model(model, cfg, data.class_names, info.world_size)
+    start, data, _, _ = start_up(cfg, info)
     rank0_decides(lambda: check_writable(out))
     resumed = f"resumes {start.path}" if start.path else "starts fresh"
     return (f"dry run passed: {cfg.model.name} on {len(data.train.dataset)} train / {len(data.val.dataset)} val "
@@ -98,12 +106,7 @@ def wrap_for_training(model: nn.Module, cfg: ModelConfig, info: DistInfo) -> nn.
 
 def fit(cfg: Config, info: DistInfo) -> TrainState:
     out = Path(cfg.output_dir)
-    start = Resume.find(cfg.resume, out)
-    seed_everything(cfg.seed)
-    data = build_data(cfg.data, cfg.train.batch_size, cfg.seed, info)
-    precision = resolve_precision(cfg.amp, info.device)
-    model = create_model(cfg.model, data.num_classes)
-    start.load_model(model, cfg, data.class_names, info.world_size)
+    start, data, precision, model = start_up(cfg, info)
     model = prepare_model(model, cfg.model, info.device, info.world_size)
     ema = create_ema(model, cfg.model.ema_decay)
     start.load_ema(ema.module if ema is not None else None)

@@ -11,8 +11,9 @@ and exits 143; inside `sigterm_deferred()` (a torch.save, whose C++ writer abort
 exception cuts it) the signal is held until the block ends. SIGUSR1 is only ever recorded.
 
 DataLoader workers must not die of these signals (the parent would fail on their exit before it reaches a step
-boundary): they are forked inside `workers_shielded()`, which blocks both, keep them blocked, and leave when
-their parent shuts them down or dies.
+boundary): they are forked inside `workers_shielded()`, which blocks both, then `worker_signals()` moves each
+to a process group of its own (torchrun's and srun's group signals miss it), ignores SIGUSR1 and takes SIGTERM
+again, so that their parent's shutdown still ends them.
 """
 
 from __future__ import annotations
@@ -104,12 +105,13 @@ def stop(signum: int) -> None:
 
 @contextlib.contextmanager
 def workers_shielded() -> Iterator[None]:
-    """Fork DataLoader workers inside the block: they inherit SIGTERM and SIGUSR1 blocked.
+    """Fork DataLoader workers inside the block: they start with SIGTERM and SIGUSR1 blocked, until their
+    worker_init_fn calls worker_signals().
 
-    torch's worker handler would otherwise die of a SIGTERM sent to the process group (torchrun, Slurm), and
-    the parent's SIGCHLD handler then raises "DataLoader worker ... is killed" before the step finishes. The
-    parent still gets the signals (through another of its threads); a SIGTERM is held until the block ends,
-    so that Terminated never leaves a DataLoader iterator half built.
+    A worker that died of a SIGTERM sent to the process group (torchrun, Slurm) makes the parent's SIGCHLD
+    handler raise "DataLoader worker ... is killed" before the step finishes. The parent still gets the signals
+    (through another of its threads); a SIGTERM is held until the block ends, so that Terminated never leaves a
+    DataLoader iterator half built.
     """
     with sigterm_deferred():
         old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
