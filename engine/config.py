@@ -64,6 +64,7 @@ class ModelConfig:
     compile: bool = False  # torch.compile the model
     init_from: str = ""  # local checkpoint or timm/torchvision state dict to start from; "" = random init
     ema_decay: float = 0.0  # keep an EMA of the weights (timm ModelEmaV3), e.g. 0.9998; 0 = off
+    kwargs: dict[str, Any] = field(default_factory=dict)  # more timm.create_model options, e.g. kwargs.img_size=224
 
 
 @dataclass
@@ -98,6 +99,7 @@ class OptimConfig:
     weight_decay: float = 1e-4  # L2 penalty / decoupled decay (adamw)
     no_decay_norm_bias: bool = True  # no weight decay on norm layers and biases
     clip_grad: float = 0.0  # max gradient norm; 0 disables clipping
+    kwargs: dict[str, Any] = field(default_factory=dict)  # more options for the optimizer, e.g. kwargs.eps=1e-6
 
 
 @dataclass
@@ -296,12 +298,24 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
         if isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
             return value
         raise UserError(f"config key {key!r} must be {hint.__name__}, got {value!r}")
+    if typing.get_origin(hint) is dict:  # free options passed on to a library (timm): plain YAML data
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise UserError(f"config key {key!r} must be a mapping of names to values, e.g. "
+                            f"{key}.img_size=224, got {value!r}")
+        return {k: _yaml12_number(v) for k, v in value.items()}
     if typing.get_origin(hint) is list:
         (item_type,) = typing.get_args(hint)
         if not isinstance(value, list):
             raise UserError(f"config key {key!r} must be a list of {item_type.__name__}, got {value!r}")
         return [_coerce(f"{key}[{i}]", item_type, v) for i, v in enumerate(value)]
     raise TypeError(f"unsupported annotation {hint} for {key}")
+
+
+def _yaml12_number(value: Any) -> Any:
+    """`1e-6` as YAML 1.2 reads it (a float); PyYAML, on YAML 1.1, leaves a float without a dot a string."""
+    if isinstance(value, str) and re.fullmatch(r"[-+]?[0-9]+(\.[0-9]*)?[eE][-+]?[0-9]+", value):
+        return float(value)
+    return value
 
 
 def _get(cfg: Config, key: str) -> Any:

@@ -41,9 +41,12 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, grad_scaler: bool = Fals
     try:
         return create_optimizer_v2(model, opt=cfg.name, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                    momentum=cfg.momentum, filter_bias_and_bn=cfg.no_decay_norm_bias,
-                                   **fused_kwargs(cfg.name, grad_scaler))
+                                   **{**fused_kwargs(cfg.name, grad_scaler), **cfg.kwargs})
     except (AssertionError, ValueError) as err:
         raise UserError(f"optim.name {cfg.name!r} is not a timm optimizer ({err})") from None
+    except TypeError as err:  # an optim.kwargs entry this optimizer does not take
+        raise UserError(f"optimizer {cfg.name!r} rejected optim.kwargs {cfg.kwargs} ({err}); "
+                        "remove or rename the option") from None
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedConfig, epochs: int,

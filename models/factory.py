@@ -32,6 +32,7 @@ def create_model(cfg: ModelConfig, num_classes: int) -> nn.Module:
     kwargs = dict(num_classes=num_classes, drop_rate=cfg.drop_rate)
     if cfg.drop_path_rate > 0:
         kwargs["drop_path_rate"] = cfg.drop_path_rate
+    kwargs.update(cfg.kwargs)
     try:
         return timm.create_model(cfg.name, pretrained=False, **kwargs)
     except TypeError as err:  # e.g. drop_path_rate on a model without stochastic depth

@@ -115,3 +115,23 @@ def test_config_file_that_is_not_utf8(tmp_path):
     path.write_bytes(b"train:\n  epochs: 3\noutput_dir: runs/caf\xe9\n")
     with pytest.raises(UserError, match=r"config file .*c.yaml is not UTF-8 text \(line 3, byte 0xe9\)"):
         load_config(str(path))
+
+
+def test_kwargs_mappings_reach_timm_and_bad_ones_are_one_line_errors():
+    from engine.optim import build_optimizer
+    from models.factory import create_model
+
+    cfg = load_config(None, ["model.name=vit_tiny_patch16_224", "model.kwargs.img_size=32",
+                             "model.kwargs={global_pool: avg}", "optim.name=adamw", "optim.kwargs.eps=1e-6"])
+    assert cfg.model.kwargs == {"global_pool": "avg"}  # a whole mapping replaces the keys set before it
+    cfg = load_config(None, ["model.name=vit_tiny_patch16_224", "model.kwargs.img_size=32",
+                             "model.kwargs.global_pool=avg", "optim.name=adamw", "optim.kwargs.eps=1e-6"])
+    model = create_model(cfg.model, num_classes=3)
+    assert model.patch_embed.img_size == (32, 32) and model.global_pool == "avg"
+    assert build_optimizer(model, cfg.optim).defaults["eps"] == 1e-6
+    with pytest.raises(UserError, match="config key 'model.kwargs' must be a mapping"):
+        load_config(None, ["model.kwargs=[1, 2]"])
+    with pytest.raises(UserError, match="rejected optim.kwargs"):
+        build_optimizer(model, load_config(None, ["optim.kwargs.no_such_option=1"]).optim)
+    with pytest.raises(UserError, match="rejected its options"):
+        create_model(load_config(None, ["model.name=resnet10t", "model.kwargs.no_such_option=1"]).model, 3)
