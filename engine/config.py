@@ -390,7 +390,7 @@ def config_keys(cls: type = Config, prefix: str = "") -> list[tuple[str, str, An
         if dataclasses.is_dataclass(hint):
             keys += config_keys(hint, f"{prefix}{f.name}.")
         else:
-            name = hint.__name__ if isinstance(hint, type) else str(hint)
+            name = hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
             keys.append((f"{prefix}{f.name}", name, getattr(defaults, f.name), notes.get(f.name, "")))
     return keys
 
