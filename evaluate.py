@@ -99,15 +99,6 @@ def build_model(cfg: Config, ckpt: dict[str, Any], args: argparse.Namespace, inf
     return prepare_model(model, dataclasses.replace(cfg.model, sync_bn=False), info.device, 1)
 
 
-def check_classes(dataset: AugmentedDataset, class_names: list[str], root: str) -> None:
-    """The validation folders must be the classes the model was trained on, in the same order."""
-    if list(dataset.classes) != class_names:
-        differ = sorted(set(dataset.classes) ^ set(class_names))[:5]
-        detail = f"differing: {', '.join(differ)}" if differ else "same names in another order"
-        raise UserError(f"the validation classes in {root} ({len(dataset.classes)}) are not the checkpoint's "
-                        f"{len(class_names)} classes ({detail}); point --data-dir at matching data")
-
-
 class PredictionWriter:
     """Collects this rank's per-image predictions from evaluate()'s on_batch hook, in order.
 
@@ -244,8 +235,8 @@ def run(cfg: Config, ckpt: dict[str, Any], args: argparse.Namespace, info: DistI
     class_names = list(ckpt["class_names"])
     out = Path(args.output_dir or Path(args.checkpoint).parent / f"eval-{Path(args.checkpoint).stem}")
     rank0_decides(lambda: make_output_dir(out))
-    dataset = build_val_dataset(cfg.data, cfg.seed, info.local_rank)
-    check_classes(dataset, class_names, cfg.data.root)
+    # Labelled with the checkpoint's class map: classes the data lacks are fine, unknown ones are refused.
+    dataset = build_val_dataset(cfg.data, cfg.seed, info.local_rank, class_names)
     loader = build_eval_loader(dataset, cfg.data, cfg.train.batch_size, info)
     model = build_model(cfg, ckpt, args, info)
     precision = resolve_precision(cfg.amp, info.device)

@@ -69,8 +69,11 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "digits"  # imagefolder | dummy | digits
-    root: str = ".cache/digits"  # imagefolder: holds train/<class>/* and val/<class>/*
+    name: str = "digits"  # imagefolder | dummy | digits | wds (tar shards, python -m data.make_shards)
+    root: str = ".cache/digits"  # imagefolder: holds <split>/<class>/*; wds: holds <split>.json (path or URL)
+    train_split: str = "train"  # the split trained on: a folder under data.root, or <split>.json for wds
+    val_split: str = "val"  # the split evaluated (e.g. test)
+    shard_cache: str = ""  # wds: folder for shards read from URLs; "" = $WIDS_CACHE or /tmp/_wids_cache
     img_size: int = 32  # train crop size (pixels)
     crop_pct: float = 0.875  # eval: resize to img_size / crop_pct, then centre crop
     augment: bool = True  # false: the train pipeline is the (deterministic) eval pipeline
@@ -163,7 +166,7 @@ class Config:
 
 CHOICES = {
     "amp": ("auto", "bf16", "fp16", "off"),
-    "data.name": ("imagefolder", "dummy", "digits"),
+    "data.name": ("imagefolder", "dummy", "digits", "wds"),
     "dist.backend": ("auto", "nccl", "gloo"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
 }

@@ -1,0 +1,187 @@
+"""Data formats beyond class folders read the same images as ImageFolder: same classes, same per-sample
+augmentation, same metrics and byte-identical predictions.csv, for 1 and 2 processes, and exact resume.
+
+Every format is written from one ImageFolder tree (make_image_folder) by its converter or by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import evaluate
+import train
+from data import make_shards
+from data.loader import build_datasets, build_eval_loader
+from engine.checkpoint import load_checkpoint
+from engine.cli import report_errors
+from engine.config import DataConfig
+from engine.dist import DistInfo
+from tests.helpers import TINY, make_image_folder, read_jsonl, run_script
+from tests.test_bad_input import check_one_line
+from tests.test_resume import RUN, assert_same, rows_without_timing
+
+COUNTS = {"train": {"a": 7, "b": 5, "c": 6}, "val": {"a": 3, "b": 4, "c": 4}}  # 18 train, 11 val images
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return make_image_folder(tmp_path_factory.mktemp("folder") / "data", COUNTS, size=20)
+
+
+@pytest.fixture(scope="module")
+def shards(folder, tmp_path_factory) -> Path:
+    """The folder as tar shards of 4 samples (several shards per split, the last one short)."""
+    out = tmp_path_factory.mktemp("wds") / "shards"
+    assert report_errors(make_shards.main, [str(folder), str(out), "--shard-size", "4"]) == 0
+    return out
+
+
+def data_config(name: str, root: Path | str, **kw) -> DataConfig:
+    return DataConfig(name=name, root=str(root), img_size=16, **{"num_workers": 0, **kw})
+
+
+def assert_same_samples(reference: DataConfig, other: DataConfig) -> None:
+    """Same classes, labels, paths, and per-sample augmented tensors (train: epochs 0 and 1; val)."""
+    expected, got = build_datasets(reference, seed=5), build_datasets(other, seed=5)
+    for want, have in zip(expected, got):
+        assert have.classes == want.classes and have.labels.tolist() == want.labels.tolist()
+        assert [have.path(i) for i in range(len(have))] == [want.path(i) for i in range(len(want))]
+    for key in [(epoch, i) for epoch in (0, 1) for i in range(len(expected[0]))]:
+        assert torch.equal(got[0][key][0], expected[0][key][0]), key
+    for i in range(len(expected[1])):
+        assert torch.equal(got[1][i][0], expected[1][i][0]), i
+
+
+def test_shards_hold_the_folder_in_its_order(folder, shards):
+    assert sorted(p.name for p in shards.iterdir()) == [
+        "train-000000.tar", "train-000001.tar", "train-000002.tar", "train-000003.tar", "train-000004.tar",
+        "train.json", "val-000000.tar", "val-000001.tar", "val-000002.tar", "val.json"]
+    index = json.loads((shards / "val.json").read_text())
+    assert index["classes"] == ["a", "b", "c"] and [s["nsamples"] for s in index["shardlist"]] == [4, 4, 3]
+    assert_same_samples(data_config("imagefolder", folder), data_config("wds", shards))
+
+
+def test_shards_read_through_workers_and_from_a_url(folder, shards, tmp_path):
+    """Forked DataLoader workers give the same batches; a file:// root goes through wids' downloader."""
+    url = data_config("wds", f"file://{shards}", shard_cache=str(tmp_path / "cache"), num_workers=2)
+    assert_same_samples(data_config("imagefolder", folder), url)
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir() if p.suffix == ".tar")  # downloaded there
+    info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+    batches = {}
+    for cfg in (data_config("imagefolder", folder), url):
+        loader = build_eval_loader(build_datasets(cfg, seed=0)[1], cfg, 4, info)
+        batches[cfg.name] = list(loader)
+    for (a, la), (b, lb) in zip(batches["imagefolder"], batches["wds"], strict=True):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+
+
+def train_args(name: str, root: Path, out: Path) -> list[str]:
+    return [*TINY, f"data.name={name}", f"data.root={root}", "data.dummy_train_size=32", "train.batch_size=4",
+            f"output_dir={out}"]
+
+
+@pytest.mark.slow
+def test_shards_train_and_evaluate_like_the_folder(folder, shards, tmp_path, capsys):
+    """One process: the same metrics rows and weights, then byte-identical predictions.csv and eval.json."""
+    outputs = {}
+    for name, root in (("imagefolder", folder), ("wds", shards)):
+        out = tmp_path / name
+        assert report_errors(train.main, train_args(name, root, out)) == 0, capsys.readouterr().err
+        assert report_errors(evaluate.main, [str(out / "last.pth"), "--output-dir", str(out / "eval")]) == 0
+        outputs[name] = (rows_without_timing(out), load_checkpoint(out / "last.pth")["model"],
+                         (out / "eval/predictions.csv").read_bytes(), json.loads((out / "eval/eval.json").read_text()))
+    (rows, weights, predictions, result), (wrows, wweights, wpredictions, wresult) = outputs.values()
+    assert wrows == rows and wpredictions == predictions
+    assert_same(weights, wweights, "model")
+    assert {k: v for k, v in wresult.items() if k != "checkpoint"} == {k: v for k, v in result.items()
+                                                                       if k != "checkpoint"}
+    assert f"{folder}/val/a/000.png".encode() in wpredictions  # the path each image was converted from
+
+
+@pytest.mark.slow
+def test_shards_train_and_evaluate_like_the_folder_on_two_processes(folder, shards, tmp_path):
+    outputs = {}
+    for name, root in (("imagefolder", folder), ("wds", shards)):
+        out = tmp_path / name
+        run_script("train.py", *train_args(name, root, out), "data.num_workers=1", nproc=2)
+        run_script("evaluate.py", str(out / "best.pth"), "--output-dir", str(out / "eval"), nproc=2)
+        outputs[name] = (rows_without_timing(out), (out / "eval/predictions.csv").read_bytes())
+    assert outputs["wds"] == outputs["imagefolder"]
+
+
+@pytest.mark.slow
+def test_mid_epoch_resume_from_shards_is_bitwise_identical(shards, tmp_path):
+    """test_resume's run (augmentation, dropout, drop-path, EMA; fp32) on shards, stopped mid-epoch, resumed."""
+    args = [*RUN, "data.name=wds", f"data.root={shards}", "train.batch_size=4", "data.num_workers=1"]
+    straight, out = tmp_path / "straight", tmp_path / "run"
+    run_script("train.py", *args, f"output_dir={straight}")
+    run_script("train.py", *args, f"output_dir={out}", "train.max_steps=6")  # epoch 1, step 2 of 4
+    partial = load_checkpoint(out / "last.pth")
+    assert (partial["epoch"], partial["epoch_step"]) == (1, 2)
+    run_script("train.py", *args, f"output_dir={out}")
+    expected, resumed = load_checkpoint(straight / "last.pth"), load_checkpoint(out / "last.pth")
+    partial_top1 = read_jsonl(out / "metrics.jsonl")[1]["val_top1"]  # the evaluation at the stop
+    assert resumed["best_top1"] == max(expected["best_top1"], partial_top1)
+    resumed["best_top1"] = expected["best_top1"]
+    assert_same(expected, resumed)
+    assert rows_without_timing(out) == rows_without_timing(straight)
+
+
+def broken_copies(shards: Path, root: Path) -> None:
+    """Copies of the shards with one fault each."""
+    for name in ("corrupt", "missing", "cut", "badjson", "noclasses", "noindex"):
+        shutil.copytree(shards, root / name)
+    tar = root / "corrupt/train-000000.tar"
+    data = bytearray(tar.read_bytes())
+    start = data.index(b"00000003.png") + 512  # the member's data follows its 512-byte header
+    data[start:start + 64] = bytes(64)  # the PNG signature and header gone
+    tar.write_bytes(bytes(data))
+    (root / "missing/train-000002.tar").unlink()
+    cut = root / "cut/train-000001.tar"
+    cut.write_bytes(cut.read_bytes()[:3000])
+    text = (root / "badjson/val.json").read_text()
+    (root / "badjson/val.json").write_text(text[:len(text) // 2])
+    index = json.loads((root / "noclasses/train.json").read_text())
+    del index["classes"]
+    (root / "noclasses/train.json").write_text(json.dumps(index))
+    (root / "noindex/train.json").unlink()
+
+
+SHARD_CASES = {  # name: (data.root under the broken copies, text the last line must contain)
+    "corrupt sample": ("corrupt", "cannot read image 00000003.png in shard {root}/corrupt/train-000000.tar (corrupt, "
+                       "truncated or not an image)"),
+    "missing shard": ("missing", "shard {root}/missing/train-000002.tar of index {root}/missing/train.json does "
+                      "not exist"),
+    "shard cut short": ("cut", "shard {root}/cut/train-000001.tar is cut short or replaced (3000 bytes, "),
+    "index not JSON": ("badjson", "shard index {root}/badjson/val.json is not valid JSON (line 1"),
+    "index without classes": ("noclasses", "shard index {root}/noclasses/train.json is broken (no 'classes')"),
+    "no index": ("noindex", "cannot read shard index {root}/noindex/train.json (No such file or directory)"),
+}
+
+
+@pytest.fixture(scope="module")
+def broken(shards, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("broken")
+    broken_copies(shards, root)
+    return root
+
+
+@pytest.mark.parametrize("name, workers", [(name, 0) for name in SHARD_CASES] + [("corrupt sample", 2)])
+def test_shard_faults_are_one_line(name, workers, broken, tmp_path, capsys, monkeypatch):
+    """Found at start-up, or while reading (then also in a DataLoader worker)."""
+    folder, expected = SHARD_CASES[name]
+    args = ["data.name=wds", f"data.root={broken / folder}", "train.batch_size=4", f"data.num_workers={workers}"]
+    check_one_line(args, expected, broken, tmp_path, capsys, monkeypatch)
+
+
+def test_corrupt_sample_in_a_shard_is_skipped_and_counted(broken, tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = [*train_args("wds", broken / "corrupt", out), "data.skip_corrupt=true"]
+    assert report_errors(train.main, argv) == 0, capsys.readouterr().err
+    assert [(r["skipped_images"], r["train_images"]) for r in read_jsonl(out / "metrics.jsonl")] == [(1, 15)]
+    assert "00000003.png in shard" in capsys.readouterr().err
