@@ -69,9 +69,9 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "digits"  # imagefolder | dummy | digits | wds (tar shards, python -m data.make_shards)
-    root: str = ".cache/digits"  # imagefolder: holds <split>/<class>/*; wds: holds <split>.json (path or URL)
-    train_split: str = "train"  # the split trained on: a folder under data.root, or <split>.json for wds
+    name: str = "digits"  # imagefolder | dummy | digits | wds (tar shards, python -m data.make_shards) | listfile
+    root: str = ".cache/digits"  # the folder (wds: or URL) holding the splits named by data.train_split/val_split
+    train_split: str = "train"  # the split trained on: data.root/<split>/, <split>.json (wds), <split>.csv|tsv
     val_split: str = "val"  # the split evaluated (e.g. test)
     shard_cache: str = ""  # wds: folder for shards read from URLs; "" = $WIDS_CACHE or /tmp/_wids_cache
     img_size: int = 32  # train crop size (pixels)
@@ -166,7 +166,7 @@ class Config:
 
 CHOICES = {
     "amp": ("auto", "bf16", "fp16", "off"),
-    "data.name": ("imagefolder", "dummy", "digits", "wds"),
+    "data.name": ("imagefolder", "dummy", "digits", "wds", "listfile"),
     "dist.backend": ("auto", "nccl", "gloo"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
 }

@@ -21,6 +21,7 @@ from engine.checkpoint import load_checkpoint
 from engine.cli import report_errors
 from engine.config import DataConfig
 from engine.dist import DistInfo
+from engine.errors import UserError
 from tests.helpers import TINY, make_image_folder, read_jsonl, run_script
 from tests.test_bad_input import check_one_line
 from tests.test_resume import RUN, assert_same, rows_without_timing
@@ -39,6 +40,24 @@ def shards(folder, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wds") / "shards"
     assert report_errors(make_shards.main, [str(folder), str(out), "--shard-size", "4"]) == 0
     return out
+
+
+@pytest.fixture(scope="module")
+def lists(folder) -> Path:
+    """List files beside the folder's splits: train.tsv labelled by index (classes.txt), val.csv by name."""
+    classes = sorted(COUNTS["train"])
+    (folder / "classes.txt").write_text("\n".join(classes) + "\n")
+    for split, suffix, sep in (("train", ".tsv", "\t"), ("val", ".csv", ",")):
+        rows = [f"{split}/{c}/{i:03d}.png{sep}{classes.index(c) if split == 'train' else c}"
+                for c in classes for i in range(COUNTS[split][c])]
+        (folder / f"{split}{suffix}").write_text("path,label\n" * (split == "val") + "\n".join(rows) + "\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def formats(folder, shards, lists) -> dict[str, Path]:
+    """data.name -> data.root of the same images; ImageFolder first (the reference)."""
+    return {"imagefolder": folder, "wds": shards, "listfile": lists}
 
 
 def data_config(name: str, root: Path | str, **kw) -> DataConfig:
@@ -66,6 +85,20 @@ def test_shards_hold_the_folder_in_its_order(folder, shards):
     assert_same_samples(data_config("imagefolder", folder), data_config("wds", shards))
 
 
+def test_list_files_name_the_folder_images(folder, lists, tmp_path):
+    assert_same_samples(data_config("imagefolder", folder), data_config("listfile", lists))
+    (tmp_path / "train.csv").write_text("train/a/000.png,a\ntrain/b/000.png\n")
+    with pytest.raises(UserError, match=f"{tmp_path}/train.csv line 2: expected two fields, path,label, got "):
+        build_datasets(data_config("listfile", tmp_path), seed=0)
+    (tmp_path / "train.csv").write_text("train/a/000.png,a\ntrain/b/000.png,7\n")
+    (tmp_path / "classes.txt").write_text("a\nb\n")
+    with pytest.raises(UserError, match="train.csv line 2: label '7' is neither a class of classes.txt nor an index"):
+        build_datasets(data_config("listfile", tmp_path), seed=0)
+    (tmp_path / "train.csv").write_text("train/a/000.png,a\ntrain/b/000.png,1\n")
+    with pytest.raises(UserError, match=f"list file {tmp_path}/nope.csv \\(or .tsv\\) does not exist"):
+        build_datasets(data_config("listfile", tmp_path, val_split="nope"), seed=0)
+
+
 def test_shards_read_through_workers_and_from_a_url(folder, shards, tmp_path):
     """Forked DataLoader workers give the same batches; a file:// root goes through wids' downloader."""
     url = data_config("wds", f"file://{shards}", shard_cache=str(tmp_path / "cache"), num_workers=2)
@@ -86,32 +119,47 @@ def train_args(name: str, root: Path, out: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_shards_train_and_evaluate_like_the_folder(folder, shards, tmp_path, capsys):
+def test_formats_train_and_evaluate_like_the_folder(formats, tmp_path, capsys):
     """One process: the same metrics rows and weights, then byte-identical predictions.csv and eval.json."""
     outputs = {}
-    for name, root in (("imagefolder", folder), ("wds", shards)):
+    for name, root in formats.items():
         out = tmp_path / name
         assert report_errors(train.main, train_args(name, root, out)) == 0, capsys.readouterr().err
         assert report_errors(evaluate.main, [str(out / "last.pth"), "--output-dir", str(out / "eval")]) == 0
+        result = json.loads((out / "eval/eval.json").read_text())
+        del result["checkpoint"]
         outputs[name] = (rows_without_timing(out), load_checkpoint(out / "last.pth")["model"],
-                         (out / "eval/predictions.csv").read_bytes(), json.loads((out / "eval/eval.json").read_text()))
-    (rows, weights, predictions, result), (wrows, wweights, wpredictions, wresult) = outputs.values()
-    assert wrows == rows and wpredictions == predictions
-    assert_same(weights, wweights, "model")
-    assert {k: v for k, v in wresult.items() if k != "checkpoint"} == {k: v for k, v in result.items()
-                                                                       if k != "checkpoint"}
-    assert f"{folder}/val/a/000.png".encode() in wpredictions  # the path each image was converted from
+                         (out / "eval/predictions.csv").read_bytes(), result)
+    rows, weights, predictions, result = outputs["imagefolder"]
+    for name, (wrows, wweights, wpredictions, wresult) in outputs.items():
+        assert (wrows, wpredictions, wresult) == (rows, predictions, result), name
+        assert_same(weights, wweights, "model")
+    assert f"{formats['wds']}".encode() not in predictions  # shards name the image they were converted from
 
 
 @pytest.mark.slow
-def test_shards_train_and_evaluate_like_the_folder_on_two_processes(folder, shards, tmp_path):
+def test_formats_train_and_evaluate_like_the_folder_on_two_processes(formats, tmp_path):
     outputs = {}
-    for name, root in (("imagefolder", folder), ("wds", shards)):
+    for name, root in formats.items():
         out = tmp_path / name
         run_script("train.py", *train_args(name, root, out), "data.num_workers=1", nproc=2)
         run_script("evaluate.py", str(out / "best.pth"), "--output-dir", str(out / "eval"), nproc=2)
         outputs[name] = (rows_without_timing(out), (out / "eval/predictions.csv").read_bytes())
-    assert outputs["wds"] == outputs["imagefolder"]
+    assert outputs["wds"] == outputs["imagefolder"] and outputs["listfile"] == outputs["imagefolder"]
+
+
+@pytest.mark.slow
+def test_evaluate_data_dir_on_another_split(folder, tmp_path):
+    """--data-dir with data.val_split=test: a test/ split holding val's images gives val's predictions."""
+    out = tmp_path / "run"
+    run_script("train.py", *train_args("imagefolder", folder, out))
+    data = tmp_path / "data"
+    shutil.copytree(folder / "val", data / "test")
+    for split, where in (("val", folder), ("test", data)):
+        run_script("evaluate.py", str(out / "last.pth"), "--data-dir", str(where), f"data.val_split={split}",
+                   "--output-dir", str(tmp_path / split))
+    val, test = ((tmp_path / split / "predictions.csv").read_text() for split in ("val", "test"))
+    assert test == val.replace(f"{folder}/val/", f"{data}/test/")
 
 
 @pytest.mark.slow
@@ -171,17 +219,17 @@ def broken(shards, tmp_path_factory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("name, workers", [(name, 0) for name in SHARD_CASES] + [("corrupt sample", 2)])
-def test_shard_faults_are_one_line(name, workers, broken, tmp_path, capsys, monkeypatch):
-    """Found at start-up, or while reading (then also in a DataLoader worker)."""
-    folder, expected = SHARD_CASES[name]
-    args = ["data.name=wds", f"data.root={broken / folder}", "train.batch_size=4", f"data.num_workers={workers}"]
-    check_one_line(args, expected, broken, tmp_path, capsys, monkeypatch)
-
-
 def test_corrupt_sample_in_a_shard_is_skipped_and_counted(broken, tmp_path, capsys):
     out = tmp_path / "run"
     argv = [*train_args("wds", broken / "corrupt", out), "data.skip_corrupt=true"]
     assert report_errors(train.main, argv) == 0, capsys.readouterr().err
     assert [(r["skipped_images"], r["train_images"]) for r in read_jsonl(out / "metrics.jsonl")] == [(1, 15)]
     assert "00000003.png in shard" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, workers", [(name, 0) for name in SHARD_CASES] + [("corrupt sample", 2)])
+def test_shard_faults_are_one_line(name, workers, broken, tmp_path, capsys, monkeypatch):
+    """Found at start-up, or while reading (then also in a DataLoader worker)."""
+    folder, expected = SHARD_CASES[name]
+    args = ["data.name=wds", f"data.root={broken / folder}", "train.batch_size=4", f"data.num_workers={workers}"]
+    check_one_line(args, expected, broken, tmp_path, capsys, monkeypatch)
