@@ -53,7 +53,8 @@ COLUMNS = ("index", "path", "label", "pred", "confidence", "top5", "label_name",
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a checkpoint written by train.py (last.pth, best.pth, ...)")
-    parser.add_argument("--data-dir", help="an ImageFolder root with val/<class>/* (default: the checkpoint's data)")
+    parser.add_argument("--data-dir", help="an ImageFolder root with <split>/<class>/*, split data.val_split (val; "
+                        "data.val_split=test for another) (default: the checkpoint's data)")
     parser.add_argument("--batch-size", type=int, help="per process (default: the checkpoint's train.batch_size)")
     parser.add_argument("--output-dir", help="where results go (default: <checkpoint folder>/eval-<checkpoint name>)")
     parser.add_argument("--ema", action="store_true", help="evaluate the checkpoint's EMA weights")

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler, default_co
 
 from data.datasets import AugmentedDataset, DummyDataset, ImageFolderDataset
 from data.digits import export_digits
+from data.hf import HFDataset
 from data.listfile import ListFileDataset
 from data.shards import ShardDataset, split_index
 from data.transforms import eval_transform, train_transform
@@ -116,6 +117,10 @@ def build_split(cfg: DataConfig, split: str, transform: A.Compose, seed: int, cl
     if cfg.name == "wds":
         return ShardDataset(split_index(cfg.root, split), transform, seed, classes, skip_corrupt=skip_corrupt,
                             max_pixels=cfg.max_image_pixels, cache_dir=cfg.shard_cache)
+    if cfg.name == "hf":
+        return HFDataset(cfg.root, split, transform, seed, classes, image_column=cfg.image_column,
+                         label_column=cfg.label_column, path_column=cfg.path_column, skip_corrupt=skip_corrupt,
+                         max_pixels=cfg.max_image_pixels)
     if cfg.name == "listfile":
         return ListFileDataset(cfg.root, split, transform, seed, classes, skip_corrupt=skip_corrupt,
                                max_pixels=cfg.max_image_pixels)

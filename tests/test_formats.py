@@ -16,6 +16,7 @@ import torch
 import evaluate
 import train
 from data import make_shards
+from data.datasets import ImageFolderDataset
 from data.loader import build_datasets, build_eval_loader
 from engine.checkpoint import load_checkpoint
 from engine.cli import report_errors
@@ -54,10 +55,38 @@ def lists(folder) -> Path:
     return folder
 
 
+def hf_split(folder: Path, split: str, with_class_label: bool = True):
+    """A datasets.Dataset of the folder's split: encoded image bytes, the label, the image's path."""
+    import datasets
+
+    images = ImageFolderDataset(folder / split, transform=None, seed=0)
+    paths = [images.path(i) for i in range(len(images))]
+    names = [images.classes[label] for label in images.labels]
+    label = datasets.ClassLabel(names=images.classes) if with_class_label else datasets.Value("string")
+    features = datasets.Features({"img": datasets.Image(), "target": label, "file": datasets.Value("string")})
+    return datasets.Dataset.from_dict({"img": [{"bytes": Path(p).read_bytes(), "path": None} for p in paths],
+                                       "target": names if not with_class_label else images.labels.tolist(),
+                                       "file": paths}, features=features)
+
+
 @pytest.fixture(scope="module")
-def formats(folder, shards, lists) -> dict[str, Path]:
-    """data.name -> data.root of the same images; ImageFolder first (the reference)."""
-    return {"imagefolder": folder, "wds": shards, "listfile": lists}
+def hf(folder, tmp_path_factory) -> Path:
+    """The folder as a Hugging Face DatasetDict written by save_to_disk (columns img, target, file)."""
+    import datasets
+
+    out = tmp_path_factory.mktemp("hf") / "dataset"
+    datasets.DatasetDict({split: hf_split(folder, split) for split in COUNTS}).save_to_disk(str(out))
+    return out
+
+
+HF_COLUMNS = ["data.image_column=img", "data.label_column=target", "data.path_column=file"]
+
+
+@pytest.fixture(scope="module")
+def formats(folder, shards, lists, hf) -> dict[str, list[str]]:
+    """data.name -> the overrides reading the same images; ImageFolder first (the reference)."""
+    return {"imagefolder": [f"data.root={folder}"], "wds": [f"data.root={shards}"],
+            "listfile": [f"data.root={lists}"], "hf": [f"data.root={hf}", *HF_COLUMNS]}
 
 
 def data_config(name: str, root: Path | str, **kw) -> DataConfig:
@@ -83,6 +112,24 @@ def test_shards_hold_the_folder_in_its_order(folder, shards):
     index = json.loads((shards / "val.json").read_text())
     assert index["classes"] == ["a", "b", "c"] and [s["nsamples"] for s in index["shardlist"]] == [4, 4, 3]
     assert_same_samples(data_config("imagefolder", folder), data_config("wds", shards))
+
+
+def test_hugging_face_datasets_on_disk_hold_the_folder_images(folder, hf, tmp_path, monkeypatch):
+    columns = dict(image_column="img", label_column="target", path_column="file")
+    assert_same_samples(data_config("imagefolder", folder), data_config("hf", hf, **columns))
+    # Parquet files with class names as labels, through datasets' own cache (offline).
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    parquet = tmp_path / "parquet"
+    for split in COUNTS:
+        hf_split(folder, split, with_class_label=False).to_parquet(str(parquet / f"{split}.parquet"))
+    assert_same_samples(data_config("imagefolder", folder), data_config("hf", parquet, **columns))
+    with pytest.raises(UserError, match=f"Hugging Face dataset {hf} split train has no column 'image' "
+                                        "\\(data.image_column\\); it has img, target, file"):
+        build_datasets(data_config("hf", hf), seed=0)
+    with pytest.raises(UserError, match=f"Hugging Face dataset {hf} has no split 'test' \\(it has train, val\\)"):
+        build_datasets(data_config("hf", hf, val_split="test", **columns), seed=0)
 
 
 def test_list_files_name_the_folder_images(folder, lists, tmp_path):
@@ -113,18 +160,17 @@ def test_shards_read_through_workers_and_from_a_url(folder, shards, tmp_path):
         assert torch.equal(a, b) and torch.equal(la, lb)
 
 
-def train_args(name: str, root: Path, out: Path) -> list[str]:
-    return [*TINY, f"data.name={name}", f"data.root={root}", "data.dummy_train_size=32", "train.batch_size=4",
-            f"output_dir={out}"]
+def train_args(name: str, data: list[str], out: Path) -> list[str]:
+    return [*TINY, f"data.name={name}", *data, "train.batch_size=4", f"output_dir={out}"]
 
 
 @pytest.mark.slow
 def test_formats_train_and_evaluate_like_the_folder(formats, tmp_path, capsys):
     """One process: the same metrics rows and weights, then byte-identical predictions.csv and eval.json."""
     outputs = {}
-    for name, root in formats.items():
+    for name, data in formats.items():
         out = tmp_path / name
-        assert report_errors(train.main, train_args(name, root, out)) == 0, capsys.readouterr().err
+        assert report_errors(train.main, train_args(name, data, out)) == 0, capsys.readouterr().err
         assert report_errors(evaluate.main, [str(out / "last.pth"), "--output-dir", str(out / "eval")]) == 0
         result = json.loads((out / "eval/eval.json").read_text())
         del result["checkpoint"]
@@ -134,25 +180,26 @@ def test_formats_train_and_evaluate_like_the_folder(formats, tmp_path, capsys):
     for name, (wrows, wweights, wpredictions, wresult) in outputs.items():
         assert (wrows, wpredictions, wresult) == (rows, predictions, result), name
         assert_same(weights, wweights, "model")
-    assert f"{formats['wds']}".encode() not in predictions  # shards name the image they were converted from
+    assert formats["wds"][0].split("=", 1)[1].encode() not in predictions  # shards name the converted image
 
 
 @pytest.mark.slow
 def test_formats_train_and_evaluate_like_the_folder_on_two_processes(formats, tmp_path):
     outputs = {}
-    for name, root in formats.items():
+    for name, data in formats.items():
         out = tmp_path / name
-        run_script("train.py", *train_args(name, root, out), "data.num_workers=1", nproc=2)
+        run_script("train.py", *train_args(name, data, out), "data.num_workers=1", nproc=2)
         run_script("evaluate.py", str(out / "best.pth"), "--output-dir", str(out / "eval"), nproc=2)
         outputs[name] = (rows_without_timing(out), (out / "eval/predictions.csv").read_bytes())
-    assert outputs["wds"] == outputs["imagefolder"] and outputs["listfile"] == outputs["imagefolder"]
+    for name in formats:
+        assert outputs[name] == outputs["imagefolder"], name
 
 
 @pytest.mark.slow
 def test_evaluate_data_dir_on_another_split(folder, tmp_path):
     """--data-dir with data.val_split=test: a test/ split holding val's images gives val's predictions."""
     out = tmp_path / "run"
-    run_script("train.py", *train_args("imagefolder", folder, out))
+    run_script("train.py", *train_args("imagefolder", [f"data.root={folder}"], out))
     data = tmp_path / "data"
     shutil.copytree(folder / "val", data / "test")
     for split, where in (("val", folder), ("test", data)):
@@ -221,7 +268,7 @@ def broken(shards, tmp_path_factory) -> Path:
 
 def test_corrupt_sample_in_a_shard_is_skipped_and_counted(broken, tmp_path, capsys):
     out = tmp_path / "run"
-    argv = [*train_args("wds", broken / "corrupt", out), "data.skip_corrupt=true"]
+    argv = [*train_args("wds", [f"data.root={broken / 'corrupt'}"], out), "data.skip_corrupt=true"]
     assert report_errors(train.main, argv) == 0, capsys.readouterr().err
     assert [(r["skipped_images"], r["train_images"]) for r in read_jsonl(out / "metrics.jsonl")] == [(1, 15)]
     assert "00000003.png in shard" in capsys.readouterr().err
