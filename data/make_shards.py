@@ -16,11 +16,11 @@ import io
 import json
 import logging
 import os
+import sys
 import tarfile
 from pathlib import Path
 
 from data.datasets import ImageFolderDataset, find_classes
-from engine.cli import run_main
 from engine.errors import UserError
 from engine.logs import setup_logging
 
@@ -86,5 +86,14 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def run(argv: list[str]) -> int:
+    """main with engine.cli's error contract (one `error: ...` line, exit 2); data/ may not import engine.cli."""
+    try:
+        return main(argv)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+
+
 if __name__ == "__main__":
-    run_main(main)
+    sys.exit(run(sys.argv[1:]))

@@ -132,6 +132,14 @@ def test_hugging_face_datasets_on_disk_hold_the_folder_images(folder, hf, tmp_pa
         build_datasets(data_config("hf", hf, val_split="test", **columns), seed=0)
 
 
+def test_make_shards_errors_are_one_line(folder, tmp_path, capsys):
+    assert make_shards.run([str(tmp_path / "nope"), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"error: data folder {tmp_path}/nope/train does not exist; expected " \
+        "<data.root>/<split>/<class>/* for data.train_split and data.val_split (set data.root, or the split names)\n"
+    assert make_shards.run([str(folder), str(tmp_path / "out"), "--shard-size", "0"]) == 2
+    assert "error: --shard-size must be > 0, got 0" in capsys.readouterr().err
+
+
 def test_list_files_name_the_folder_images(folder, lists, tmp_path):
     assert_same_samples(data_config("imagefolder", folder), data_config("listfile", lists))
     (tmp_path / "train.csv").write_text("train/a/000.png,a\ntrain/b/000.png\n")
@@ -196,15 +204,16 @@ def test_formats_train_and_evaluate_like_the_folder_on_two_processes(formats, tm
 
 
 @pytest.mark.slow
-def test_evaluate_data_dir_on_another_split(folder, tmp_path):
+def test_evaluate_data_dir_on_another_split(folder, tmp_path, capsys):
     """--data-dir with data.val_split=test: a test/ split holding val's images gives val's predictions."""
     out = tmp_path / "run"
-    run_script("train.py", *train_args("imagefolder", [f"data.root={folder}"], out))
+    assert report_errors(train.main, train_args("imagefolder", [f"data.root={folder}"], out)) == 0
     data = tmp_path / "data"
     shutil.copytree(folder / "val", data / "test")
     for split, where in (("val", folder), ("test", data)):
-        run_script("evaluate.py", str(out / "last.pth"), "--data-dir", str(where), f"data.val_split={split}",
-                   "--output-dir", str(tmp_path / split))
+        argv = [str(out / "last.pth"), "--data-dir", str(where), f"data.val_split={split}", "--output-dir",
+                str(tmp_path / split)]
+        assert report_errors(evaluate.main, argv) == 0, capsys.readouterr().err
     val, test = ((tmp_path / split / "predictions.csv").read_text() for split in ("val", "test"))
     assert test == val.replace(f"{folder}/val/", f"{data}/test/")
 
