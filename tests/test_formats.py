@@ -216,6 +216,18 @@ def test_evaluate_data_dir_on_another_split(folder, tmp_path, capsys):
         assert report_errors(evaluate.main, argv) == 0, capsys.readouterr().err
     val, test = ((tmp_path / split / "predictions.csv").read_text() for split in ("val", "test"))
     assert test == val.replace(f"{folder}/val/", f"{data}/test/")
+    # A split without class b: accepted, b keeps its index, its per-class top-1 is null.
+    shutil.rmtree(data / "test/b")
+    argv = [str(out / "last.pth"), "--data-dir", str(data), "data.val_split=test", "--output-dir", str(tmp_path / "ac")]
+    assert report_errors(evaluate.main, argv) == 0
+    assert f"{data}/test has no images of 1 class(es): b" in capsys.readouterr().err
+    def labels_and_predictions(lines: list[str]) -> list[list[str]]:  # (other batches: other last digits)
+        return [[cells[i] for i in (2, 3, 6, 7)] for cells in (line.split(",") for line in lines)]
+
+    rows = labels_and_predictions((tmp_path / "ac/predictions.csv").read_text().splitlines()[1:])
+    assert rows == labels_and_predictions([line for line in val.splitlines()[1:] if "/val/b/" not in line])
+    per_class = json.loads((tmp_path / "ac/eval.json").read_text())["per_class"]
+    assert [(c["class"], c["n"]) for c in per_class] == [("a", 3), ("b", 0), ("c", 4)] and per_class[1]["top1"] is None
 
 
 @pytest.mark.slow
