@@ -119,12 +119,16 @@ def test_hugging_face_datasets_on_disk_hold_the_folder_images(folder, hf, tmp_pa
     assert_same_samples(data_config("imagefolder", folder), data_config("hf", hf, **columns))
     # Parquet files with class names as labels, through datasets' own cache (offline).
     import datasets
+    import datasets.table
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
     parquet = tmp_path / "parquet"
     for split in COUNTS:
         hf_split(folder, split, with_class_label=False).to_parquet(str(parquet / f"{split}.parquet"))
     assert_same_samples(data_config("imagefolder", folder), data_config("hf", parquet, **columns))
+    for root in (hf, parquet):  # rows are read from the mapped file: forked workers share its pages
+        assert isinstance(build_datasets(data_config("hf", root, **columns), seed=0)[0].ds.data,
+                          datasets.table.MemoryMappedTable)
     with pytest.raises(UserError, match=f"Hugging Face dataset {hf} split train has no column 'image' "
                                         "\\(data.image_column\\); it has img, target, file"):
         build_datasets(data_config("hf", hf), seed=0)
