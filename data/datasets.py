@@ -87,11 +87,32 @@ class AugmentedDataset(Dataset, abc.ABC):
         return self.transform(image=image)["image"], int(self.labels[index])
 
 
+def shared_labels(labels: np.ndarray, own: list[str], classes: list[str], where: str) -> np.ndarray:
+    """Labels indexing `own` (this split's class list) re-expressed in `classes`, the training class map.
+
+    Every format goes through here, so a class has one index everywhere. A class the map lacks is an
+    error (the model has no output for it); a class of the map with no sample here (a small validation
+    split) is named in a warning, and metrics count the samples present.
+    """
+    position = {name: i for i, name in enumerate(classes)}
+    extra = [name for name in own if name not in position]
+    if extra:
+        raise UserError(f"{where} has classes that are not among the {len(classes)} training classes "
+                        f"({', '.join(extra[:10])}); remove them, or train on them too")
+    mapped = np.asarray([position[name] for name in own], dtype=np.int64)[labels] if own != classes else labels
+    counts = np.bincount(mapped, minlength=len(classes))
+    if not counts.all():
+        empty = [name for name, n in zip(classes, counts) if n == 0]
+        more = f" and {len(empty) - 10} more" if len(empty) > 10 else ""
+        log.warning("%s has no images of %d class(es): %s%s", where, len(empty), ", ".join(empty[:10]), more)
+    return mapped
+
+
 def find_classes(split_dir: Path) -> list[str]:
     """Sorted class folder names, so class indices are the same on every rank and machine."""
     if not split_dir.is_dir():
-        raise UserError(f"data folder {split_dir} does not exist; expected <data.root>/train/<class>/* "
-                        "and <data.root>/val/<class>/* (set data.root)")
+        raise UserError(f"data folder {split_dir} does not exist; expected <data.root>/<split>/<class>/* for "
+                        "data.train_split and data.val_split (set data.root, or the split names)")
     classes = []
     for entry in list_folder(split_dir):
         if entry.name.startswith("."):
@@ -123,8 +144,6 @@ def scan_images(split_dir: Path, classes: list[str], skip_broken: bool = False) 
                 files.append(os.path.join(name, entry.name))
             elif reason := broken_link(entry):
                 broken.append(f"{entry.path} is a broken symbolic link ({reason})")
-        if not files:
-            raise UserError(f"class folder {split_dir / name} has no images ({', '.join(IMAGE_EXTENSIONS)})")
         paths += sorted(files)
         labels += [label] * len(files)
     if broken:
@@ -228,30 +247,36 @@ def image_header(data: bytes) -> tuple[int, int, bool]:
 
 
 def read_image(path: str, max_pixels: int = DataConfig.max_image_pixels) -> np.ndarray:
-    """Decode any JPEG/PNG (grayscale, RGB or RGBA) into HWC uint8 RGB (decoded as RGB: no BGR copy).
-
-    The bytes are read once and checked before decoding: OpenCV decodes a truncated JPEG with its
-    missing part grey (printing a warning that names no file), and a small file can declare a size
-    that needs gigabytes of memory.
-    """
+    """Decode the image file at `path` (see decode_image); a file that cannot be read is named in one line."""
     try:
         with open(path, "rb") as file:
             data = file.read()
-        width, height, complete = image_header(data)
     except OSError as err:
         raise UserError(f"cannot read image {path} ({err.strerror}); remove or replace it") from None
+    return decode_image(data, path, max_pixels)
+
+
+def decode_image(data: bytes, name: str, max_pixels: int = DataConfig.max_image_pixels) -> np.ndarray:
+    """Decode any JPEG/PNG (grayscale, RGB or RGBA) into HWC uint8 RGB (decoded as RGB: no BGR copy).
+
+    The bytes are checked before decoding: OpenCV decodes a truncated JPEG with its missing part grey
+    (printing a warning that names no file), and a small file can declare a size that needs gigabytes
+    of memory. `name` (a file path, or a shard and key) is what error messages call the image.
+    """
+    try:
+        width, height, complete = image_header(data)
     except Image.DecompressionBombError as err:
-        raise UserError(f"image {path} is too large ({err}); shrink or remove it") from None
+        raise UserError(f"image {name} is too large ({err}); shrink or remove it") from None
     if width * height > max_pixels:
-        raise UserError(f"image {path} is {width}x{height} pixels, more than data.max_image_pixels={max_pixels}; "
+        raise UserError(f"image {name} is {width}x{height} pixels, more than data.max_image_pixels={max_pixels}; "
                         "shrink or remove it, or raise data.max_image_pixels")
     try:
         image = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR_RGB) if data and complete else None
     except cv2.error as err:  # OpenCV's own size limit, or out of memory
-        raise UserError(f"cannot decode image {path} (OpenCV: {getattr(err, 'err', err)}); remove or replace it") \
+        raise UserError(f"cannot decode image {name} (OpenCV: {getattr(err, 'err', err)}); remove or replace it") \
             from None
     if image is None:
-        raise UserError(f"cannot read image {path} (corrupt, truncated or not an image); remove or replace it")
+        raise UserError(f"cannot read image {name} (corrupt, truncated or not an image); remove or replace it")
     return image
 
 
@@ -264,8 +289,10 @@ class ImageFolderDataset(AugmentedDataset):
         self.root = Path(split_dir)
         self.skip_corrupt = skip_corrupt
         self.max_pixels = max_pixels
-        self.classes = classes if classes is not None else find_classes(self.root)
-        paths, self.labels = scan_images(self.root, self.classes, skip_broken=skip_corrupt)
+        own = find_classes(self.root)
+        paths, labels = scan_images(self.root, own, skip_broken=skip_corrupt)
+        self.classes = classes if classes is not None else own
+        self.labels = shared_labels(labels, own, self.classes, str(self.root))
         self.paths = PackedStrings(paths)
 
     def path(self, index: int) -> str:

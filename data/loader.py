@@ -16,12 +16,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import albumentations as A
 import cv2
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Sampler, default_collate
 
-from data.datasets import AugmentedDataset, DummyDataset, ImageFolderDataset, find_classes
+from data.datasets import AugmentedDataset, DummyDataset, ImageFolderDataset
 from data.digits import export_digits
+from data.hf import HFDataset
+from data.listfile import ListFileDataset
+from data.shards import ShardDataset, split_index
 from data.transforms import eval_transform, train_transform
 from engine.config import DataConfig
 from engine.dist import DistInfo, local_main_first
@@ -77,35 +81,50 @@ def shard_bounds(size: int, rank: int, world_size: int, batch_size: int = 1) -> 
 
 
 def build_datasets(cfg: DataConfig, seed: int, local_rank: int = 0) -> tuple[AugmentedDataset, AugmentedDataset]:
-    """(train, val) datasets for data.name; the digits cache is written by local rank 0 first."""
-    val = build_val_dataset(cfg, seed, local_rank)
+    """(train, val) datasets for data.name; val is labelled with the training class map."""
     if cfg.name == "dummy":
         return DummyDataset(cfg.dummy_train_size, cfg.dummy_num_classes, cfg.dummy_image_size,
-                            train_transform(cfg), seed), val
-    root = Path(cfg.root)
-    train_classes = find_classes(root / "train")
+                            train_transform(cfg), seed), build_val_dataset(cfg, seed, local_rank)
     if cfg.skip_corrupt:
         log.info("data.skip_corrupt: unreadable training images are dropped from their batch and counted")
-    if train_classes != val.classes:
-        only = sorted(set(train_classes) ^ set(val.classes))
-        raise UserError(f"{root}/train and {root}/val have different class folders (differing: {', '.join(only[:10])})")
-    # skip_corrupt never for val: an evaluation counts every image
-    train = ImageFolderDataset(root / "train", train_transform(cfg), seed, train_classes,
-                               skip_corrupt=cfg.skip_corrupt, max_pixels=cfg.max_image_pixels)
-    return train, val
+    prepare_digits(cfg, local_rank)
+    train = build_split(cfg, cfg.train_split, train_transform(cfg), seed, skip_corrupt=cfg.skip_corrupt)
+    return train, build_val_dataset(cfg, seed, local_rank, train.classes)
 
 
-def build_val_dataset(cfg: DataConfig, seed: int, local_rank: int = 0) -> AugmentedDataset:
-    """The validation set alone (evaluate.py needs no train/ folder)."""
+def build_val_dataset(cfg: DataConfig, seed: int, local_rank: int = 0,
+                      classes: list[str] | None = None) -> AugmentedDataset:
+    """The validation set alone (evaluate.py needs no training split); `classes`: the training class map."""
     if cfg.name == "dummy":
         return DummyDataset(cfg.dummy_val_size, num_classes=cfg.dummy_num_classes, image_size=cfg.dummy_image_size,
                             transform=eval_transform(cfg), seed=seed, offset=cfg.dummy_train_size)
-    root = Path(cfg.root)
+    prepare_digits(cfg, local_rank)
+    # skip_corrupt never for val: an evaluation counts every image
+    return build_split(cfg, cfg.val_split, eval_transform(cfg), seed, classes)
+
+
+def prepare_digits(cfg: DataConfig, local_rank: int) -> None:
+    """data.name=digits: the digits cache is written by local rank 0 first."""
     if cfg.name == "digits":
         with local_main_first(local_rank):
             if local_rank == 0:
-                export_digits(root)
-    return ImageFolderDataset(root / "val", eval_transform(cfg), seed, find_classes(root / "val"),
+                export_digits(Path(cfg.root))
+
+
+def build_split(cfg: DataConfig, split: str, transform: A.Compose, seed: int, classes: list[str] | None = None,
+                skip_corrupt: bool = False) -> AugmentedDataset:
+    """One split in data.name's format; `classes` is the class map its labels use (None: its own classes)."""
+    if cfg.name == "wds":
+        return ShardDataset(split_index(cfg.root, split), transform, seed, classes, skip_corrupt=skip_corrupt,
+                            max_pixels=cfg.max_image_pixels, cache_dir=cfg.shard_cache)
+    if cfg.name == "hf":
+        return HFDataset(cfg.root, split, transform, seed, classes, image_column=cfg.image_column,
+                         label_column=cfg.label_column, path_column=cfg.path_column, skip_corrupt=skip_corrupt,
+                         max_pixels=cfg.max_image_pixels)
+    if cfg.name == "listfile":
+        return ListFileDataset(cfg.root, split, transform, seed, classes, skip_corrupt=skip_corrupt,
+                               max_pixels=cfg.max_image_pixels)
+    return ImageFolderDataset(Path(cfg.root) / split, transform, seed, classes, skip_corrupt=skip_corrupt,
                               max_pixels=cfg.max_image_pixels)
 
 

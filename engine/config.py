@@ -69,8 +69,14 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "digits"  # imagefolder | dummy | digits
-    root: str = ".cache/digits"  # imagefolder: holds train/<class>/* and val/<class>/*
+    name: str = "digits"  # imagefolder | dummy | digits | wds (python -m data.make_shards) | listfile | hf
+    root: str = ".cache/digits"  # the folder (wds: or URL) holding the splits named by data.train_split/val_split
+    train_split: str = "train"  # the split trained on: data.root/<split>/, <split>.json (wds), <split>.csv|tsv
+    val_split: str = "val"  # the split evaluated (e.g. test)
+    image_column: str = "image"  # hf: the column of encoded images (an Image feature or bytes)
+    label_column: str = "label"  # hf: the column of labels (ClassLabel, integers or class names)
+    path_column: str = ""  # hf: the column naming each image in predictions.csv; "" = the Image's file name
+    shard_cache: str = ""  # wds: folder for shards read from URLs; "" = $WIDS_CACHE or /tmp/_wids_cache
     img_size: int = 32  # train crop size (pixels)
     crop_pct: float = 0.875  # eval: resize to img_size / crop_pct, then centre crop
     augment: bool = True  # false: the train pipeline is the (deterministic) eval pipeline
@@ -163,7 +169,7 @@ class Config:
 
 CHOICES = {
     "amp": ("auto", "bf16", "fp16", "off"),
-    "data.name": ("imagefolder", "dummy", "digits"),
+    "data.name": ("imagefolder", "dummy", "digits", "wds", "listfile", "hf"),
     "dist.backend": ("auto", "nccl", "gloo"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
 }
@@ -345,6 +351,9 @@ def validate(cfg: Config) -> None:
         raise UserError(f"config key 'seed' must be in [0, {MAX_SEED}], got {cfg.seed}")
     if not cfg.output_dir.strip():  # an unset shell variable: checkpoints would land in the current folder
         raise UserError("config key 'output_dir' is empty; give the folder for this run's checkpoints and metrics")
+    for key in ("data.train_split", "data.val_split"):
+        if not _get(cfg, key).strip():
+            raise UserError(f"config key {key!r} is empty; name the split (a folder under data.root, e.g. val)")
     if cfg.data.max_image_pixels > OPENCV_MAX_PIXELS:
         raise UserError(f"config key 'data.max_image_pixels' must be at most {OPENCV_MAX_PIXELS} (OpenCV's own "
                         f"limit), got {cfg.data.max_image_pixels}")

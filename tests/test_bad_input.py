@@ -35,15 +35,12 @@ def last_error(capsys, code: int) -> str:
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> Path:
-    """An image folder with a corrupt training image, a val set missing a class, an empty class folder."""
+    """An image folder with a corrupt training image and a val set with a class train lacks."""
     root = tmp_path_factory.mktemp("data")
     make_image_folder(root / "good", {"train": {"a": 8, "b": 8}, "val": {"a": 2, "b": 2}}, size=20)
     make_image_folder(root / "corrupt", {"train": {"a": 8, "b": 8}, "val": {"a": 2, "b": 2}}, size=20)
     (root / "corrupt/train/b/003.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
     make_image_folder(root / "differ", {"train": {"a": 2, "b": 2}, "val": {"a": 2, "c": 2}}, size=20)
-    make_image_folder(root / "empty", {"train": {"a": 2}, "val": {"a": 2}}, size=20)
-    (root / "empty/train/b").mkdir()
-    (root / "empty/val/b").mkdir()
     (root / "noclasses/train").mkdir(parents=True)
     (root / "noclasses/val").mkdir()
     (root / "notes.txt").write_text("a regular file")
@@ -72,10 +69,12 @@ CASES = {  # name: (arguments after TINY, text the last line must contain)
     "unknown amp": (["amp=fp8"], "config key 'amp' is 'fp8'; choose one of auto, bf16, fp16, off"),
     "yes is not a boolean": (["model.sync_bn=yes"], "config key 'model.sync_bn' must be bool, got 'yes'"),
     "unknown model": (["model.name=resnet181"], "resnet18"),
-    "data root missing": (["data.name=imagefolder", "data.root={root}/missing"], "{root}/missing/val does not exist"),
+    "data root missing": (["data.name=imagefolder", "data.root={root}/missing"], "{root}/missing/train does not exist"),
     "no class folders": (["data.name=imagefolder", "data.root={root}/noclasses"], "has no class folders"),
-    "empty class folder": (["data.name=imagefolder", "data.root={root}/empty"], "class folder {root}/empty/val/b has no images"),
-    "class sets differ": (["data.name=imagefolder", "data.root={root}/differ"], "different class folders (differing: b, c)"),
+    "val has a class train lacks": (["data.name=imagefolder", "data.root={root}/differ"],
+                                    "{root}/differ/val has classes that are not among the 2 training classes (c)"),
+    "split folder missing": (["data.name=imagefolder", "data.root={root}/good", "data.val_split=test"],
+                             "data folder {root}/good/test does not exist"),
     "resume path missing": (["resume={root}/none.pth"], "resume={root}/none.pth: no such checkpoint file"),
     "init_from missing": (["model.init_from={root}/none.pth"], "{root}/none.pth does not exist"),
     "shard smaller than a batch": (["data.dummy_train_size=4"], "each rank gets 4 training images but "

@@ -47,12 +47,27 @@ def test_imagefolder_errors_name_the_folder(tmp_path):
     (tmp_path / "empty_root").mkdir()
     with pytest.raises(UserError, match="has no class folders"):
         ImageFolderDataset(tmp_path / "empty_root", eval_transform(DataConfig()), 0)
-    (tmp_path / "empty_root/cat").mkdir()
-    with pytest.raises(UserError, match="class folder .*cat has no images"):
-        ImageFolderDataset(tmp_path / "empty_root", eval_transform(DataConfig()), 0)
     root = make_image_folder(tmp_path / "mismatch", {"train": {"a": 1, "b": 1}, "val": {"a": 1, "c": 1}})
-    with pytest.raises(UserError, match="different class folders .*b, c"):
+    with pytest.raises(UserError, match=f"{root}/val has classes that are not among the 2 training classes \\(c\\)"):
         build_datasets(DataConfig(name="imagefolder", root=str(root)), seed=0)
+
+
+def test_val_lacking_training_classes_and_empty_class_folders_are_warnings(tmp_path, caplog):
+    """The class map is the training split's: a val split without some classes keeps their indices."""
+    root = make_image_folder(tmp_path, {"train": {"a": 2, "b": 2, "c": 2, "d": 1}, "val": {"a": 1, "c": 2}})
+    (root / "train/d/000.png").unlink()  # an empty class folder
+    train, val = build_datasets(DataConfig(name="imagefolder", root=str(root), img_size=8), seed=0)
+    assert train.classes == val.classes == ["a", "b", "c", "d"]
+    assert train.labels.tolist() == [0, 0, 1, 1, 2, 2] and val.labels.tolist() == [0, 2, 2]
+    assert f"{root}/train has no images of 1 class(es): d" in caplog.text
+    assert f"{root}/val has no images of 2 class(es): b, d" in caplog.text
+
+
+def test_split_names_are_configurable(tmp_path):
+    root = make_image_folder(tmp_path, {"train": {"a": 2, "b": 1}, "test": {"a": 1, "b": 1}})
+    cfg = DataConfig(name="imagefolder", root=str(root), val_split="test", img_size=8)
+    train, test = build_datasets(cfg, seed=0)
+    assert (len(train), len(test)) == (3, 2) and test.path(0) == f"{root}/test/a/000.png"
 
 
 def test_corrupt_image_names_the_file(tmp_path):

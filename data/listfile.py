@@ -1,0 +1,96 @@
+"""List files: `<data.root>/<split>.csv` (or `.tsv`), one `path,label` row per image, paths relative to data.root.
+
+A first row `path,label` is a header and skipped. A label is a class name, or an index into the class
+list when `<data.root>/classes.txt` (one class name a line, in label order) exists. Without classes.txt
+the classes are the split's label names, sorted (as numbers when every label is an integer).
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import albumentations as A
+import numpy as np
+
+from data.datasets import AugmentedDataset, PackedStrings, read_image, shared_labels
+from engine.config import DataConfig
+from engine.errors import UserError
+
+CLASS_FILE = "classes.txt"
+
+
+def find_list(root: Path, split: str) -> Path:
+    """<root>/<split>.csv or <root>/<split>.tsv, whichever exists."""
+    for suffix in (".csv", ".tsv"):
+        if (root / f"{split}{suffix}").is_file():
+            return root / f"{split}{suffix}"
+    raise UserError(f"list file {root / split}.csv (or .tsv) does not exist; write one path,label row per image, "
+                    "or set data.root and the split names")
+
+
+def read_rows(file: Path) -> list[tuple[int, str, str]]:
+    """(line number, path, label) of each row; a row that is not two fields is named by its line."""
+    try:
+        text = file.read_text(encoding="utf-8", errors="surrogateescape")  # paths are bytes on Linux
+    except OSError as err:
+        raise UserError(f"cannot read list file {file} ({err.strerror})") from None
+    delimiter = "\t" if file.suffix == ".tsv" else ","
+    rows = []
+    for number, row in enumerate(csv.reader(text.splitlines(), delimiter=delimiter), 1):
+        if not row or (number == 1 and [cell.strip().lower() for cell in row] == ["path", "label"]):
+            continue
+        if len(row) != 2 or not row[0].strip() or not row[1].strip():
+            raise UserError(f"{file} line {number}: expected two fields, path{delimiter}label, got {row!r}")
+        rows.append((number, row[0].strip(), row[1].strip()))
+    return rows
+
+
+def read_classes(root: Path) -> list[str] | None:
+    """The names in <root>/classes.txt (None without that file)."""
+    file = root / CLASS_FILE
+    if not file.is_file():
+        return None
+    names = [line.strip() for line in file.read_text(encoding="utf-8", errors="surrogateescape").splitlines()]
+    names = [name for name in names if name]
+    if len(set(names)) != len(names) or not names:
+        raise UserError(f"{file} must list each class name once, one a line")
+    return names
+
+
+def label_index(file: Path, number: int, label: str, position: dict[str, int]) -> int:
+    """A label as an index: a class name, or an integer within the class list."""
+    if label in position:
+        return position[label]
+    if label.isdigit() and int(label) < len(position):
+        return int(label)
+    raise UserError(f"{file} line {number}: label {label!r} is neither a class of {CLASS_FILE} nor an index "
+                    f"below {len(position)}")
+
+
+class ListFileDataset(AugmentedDataset):
+    """The images a list file names, in its row order."""
+
+    def __init__(self, root: str | Path, split: str, transform: A.Compose, seed: int,
+                 classes: list[str] | None = None, *, skip_corrupt: bool = False,
+                 max_pixels: int = DataConfig.max_image_pixels) -> None:
+        super().__init__(transform, seed)
+        self.root, self.skip_corrupt, self.max_pixels = Path(root), skip_corrupt, max_pixels
+        file = find_list(self.root, split)
+        rows = read_rows(file)
+        own = read_classes(self.root)
+        if own is None:
+            names = {label for _, _, label in rows}
+            numeric = all(name.isdigit() for name in names)
+            own = sorted(names, key=int) if numeric else sorted(names)
+        position = {name: i for i, name in enumerate(own)}
+        labels = np.asarray([label_index(file, number, label, position) for number, _, label in rows], np.int64)
+        self.classes = classes if classes is not None else own
+        self.labels = shared_labels(labels, own, self.classes, str(file))
+        self.paths = PackedStrings([path for _, path, _ in rows])
+
+    def path(self, index: int) -> str:
+        return str(self.root / self.paths[index])
+
+    def load_image(self, index: int) -> np.ndarray:
+        return read_image(self.path(index), self.max_pixels)

@@ -1,0 +1,210 @@
+"""WebDataset tar shards read map-style: sample i is found through the shard index, never by streaming.
+
+The index is wids' JSON shard list (`{"wids_version": 1, "shardlist": [{"url", "nsamples"}, ...]}`, shard
+URLs relative to the index) plus what training needs before opening any shard: "classes" (names in label
+order) and each shard's "labels". A sample is three tar members (written by `python -m data.make_shards`):
+`<key>.<jpg|png|...>` (the image, still encoded; decode_image decodes it in the DataLoader workers),
+`<key>.cls` (its label) and `<key>.path` (the path it was converted from: predictions.csv's path column).
+
+Why not wids.ShardListDataset itself: it copies every local shard into /tmp/_wids_cache before reading it
+and prints to stderr whenever it is built. wids' parts are used instead: the index format and its URL
+resolution (wids_specs), the downloader for other URL schemes (wids_dl: file://, http(s)://, s3://, gs://,
+pipe:, into data.shard_cache) and the tar member index (wids_mmtar). Local shards are read in place.
+Each process indexes a shard on first touch into four int64 numbers per sample and then reads members
+with os.pread, so fully random access (the EpochSampler's order) never re-parses a shard.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import tempfile
+from collections import OrderedDict
+from pathlib import Path
+from urllib.parse import quote, urlparse
+
+import albumentations as A
+import numpy as np
+
+from data.datasets import IMAGE_EXTENSIONS, AugmentedDataset, decode_image, shared_labels
+from engine.config import DataConfig
+from engine.errors import UserError
+
+log = logging.getLogger(__name__)
+OPEN_SHARDS = 64  # file descriptors each process keeps open (least recently used closed first)
+REWRITE = "write them again with python -m data.make_shards"
+
+
+def split_index(root: str, split: str) -> str:
+    """`<root>/<split>.json`, for a local folder or a URL."""
+    return f"{root.rstrip('/')}/{split}.json" if is_url(root) else str(Path(root) / f"{split}.json")
+
+
+def is_url(name: str) -> bool:
+    """A URL (file://, https://, s3://, pipe:...) rather than a local path."""
+    return name.startswith("pipe:") or len(urlparse(name).scheme) > 1  # (not a Windows drive letter)
+
+
+def read_index(index: str, cache_dir: str) -> dict:
+    """The index with its shard URLs resolved; a missing or broken index is a one-line error."""
+    from wids.wids_specs import resolve_dsdesc, urldir
+
+    try:
+        if is_url(index):
+            with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+                text = Path(fetch(index, os.path.join(tmp, "index.json"))).read_text()
+        else:
+            text = Path(index).read_text()
+    except (OSError, AssertionError, ValueError) as err:
+        reason = getattr(err, "strerror", None) or err
+        raise UserError(f"cannot read shard index {index} ({reason}); check data.root and data.*_split") from None
+    try:
+        raw = json.loads(text)
+        if is_url(index):  # shard URLs relative to the index's URL, as wids resolves them
+            spec = resolve_dsdesc(raw, base=urldir(index))
+        else:  # local: joined as paths (a URL parser would cut a path at '?' or '#')
+            spec = resolve_dsdesc(raw)
+            for shard in spec["shardlist"]:
+                if not is_url(shard["url"]):
+                    shard["url"] = str(Path(index).parent / shard["url"])
+        classes, shards = spec["classes"], spec["shardlist"]
+        labels = [np.asarray(shard["labels"], dtype=np.int64).reshape(-1) for shard in shards]
+        if any(len(lab) != shard["nsamples"] for lab, shard in zip(labels, shards)):
+            raise ValueError("a shard's labels and nsamples differ")
+        if not all(isinstance(c, str) for c in classes) or any(((lab < 0) | (lab >= len(classes))).any()
+                                                               for lab in labels):
+            raise ValueError("labels outside the class list")
+    except json.JSONDecodeError as err:
+        raise UserError(f"shard index {index} is not valid JSON (line {err.lineno}: {err.msg}); {REWRITE}") from None
+    except (AssertionError, KeyError, TypeError, ValueError) as err:
+        what = f"no {err}" if isinstance(err, KeyError) else str(err) or "not a wids shard list"
+        raise UserError(f"shard index {index} is broken ({what}); {REWRITE}") from None
+    return {"classes": classes, "urls": [shard["url"] for shard in shards], "labels": labels,
+            "sizes": [shard.get("filesize") for shard in shards]}
+
+
+def fetch(url: str, local: str) -> str:
+    """Download url to local with wids' downloader (once: a later call finds the file)."""
+    from wids.wids_dl import download_and_open
+
+    with download_and_open(url, local):
+        return local
+
+
+class ShardDataset(AugmentedDataset):
+    """The samples of one split's shards, in index order (the converter keeps ImageFolder's order)."""
+
+    def __init__(self, index: str, transform: A.Compose, seed: int, classes: list[str] | None = None, *,
+                 skip_corrupt: bool = False, max_pixels: int = DataConfig.max_image_pixels,
+                 cache_dir: str = "") -> None:
+        super().__init__(transform, seed)
+        self.index, self.skip_corrupt, self.max_pixels = index, skip_corrupt, max_pixels
+        self.cache_dir = cache_dir or os.environ.get("WIDS_CACHE", "/tmp/_wids_cache")
+        if is_url(index):
+            os.makedirs(self.cache_dir, exist_ok=True)
+        spec = read_index(index, self.cache_dir)
+        self.urls: list[str] = spec["urls"]
+        self.sizes: list[int | None] = spec["sizes"]
+        labels = np.concatenate(spec["labels"]) if spec["labels"] else np.zeros(0, np.int64)
+        self.classes = classes if classes is not None else spec["classes"]
+        self.labels = shared_labels(labels, spec["classes"], self.classes, index)
+        self.starts = np.concatenate([[0], np.cumsum([len(lab) for lab in spec["labels"]])])
+        missing = [url for url in self.urls if not is_url(url) and not os.path.isfile(url)]
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise UserError(f"shard {missing[0]}{more} of index {index} does not exist; {REWRITE}, or fix the index")
+        self.members: dict[int, np.ndarray] = {}  # shard -> per-sample (image offset, size, path offset, size)
+        self.files: OrderedDict[int, int] = OrderedDict()  # shard -> open file descriptor
+        self.pid = os.getpid()
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "files": OrderedDict()}  # descriptors stay with their process
+
+    def locate(self, index: int) -> tuple[int, int]:
+        shard = int(np.searchsorted(self.starts, index, side="right")) - 1
+        return shard, index - int(self.starts[shard])
+
+    def local_path(self, shard: int) -> str:
+        url = self.urls[shard]
+        if not is_url(url):
+            return url
+        local = os.path.join(self.cache_dir, quote(url, safe="+-"))
+        try:
+            return fetch(url, local)
+        except (OSError, AssertionError, ValueError) as err:
+            raise UserError(f"cannot fetch shard {url} ({getattr(err, 'strerror', None) or err}); "
+                            "check the URL and its credentials") from None
+
+    def file(self, shard: int) -> int:
+        """An open descriptor of the shard (a forked worker opens its own: offsets are not shared, pread is)."""
+        if os.getpid() != self.pid:
+            self.files, self.pid = OrderedDict(), os.getpid()
+        if shard in self.files:
+            self.files.move_to_end(shard)
+            return self.files[shard]
+        path = self.local_path(shard)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as err:
+            raise UserError(f"cannot read shard {self.urls[shard]} ({err.strerror}); {REWRITE}") from None
+        self.files[shard] = fd
+        if len(self.files) > OPEN_SHARDS:
+            os.close(self.files.popitem(last=False)[1])
+        if shard not in self.members:
+            self.members[shard] = self.scan(shard, path)
+        return fd
+
+    def scan(self, shard: int, path: str) -> np.ndarray:
+        """Where each sample's image and path members lie in the shard (wids' memory-mapped tar index)."""
+        from wids.wids import group_by_key, splitname
+        from wids.wids_mmtar import MMIndexedTar
+
+        url, expected = self.urls[shard], int(self.starts[shard + 1] - self.starts[shard])
+        try:
+            tar = MMIndexedTar(path)
+        except (OSError, ValueError, struct.error, UnicodeDecodeError) as err:
+            raise UserError(f"shard {url} is not a readable tar file ({err}); {REWRITE}") from None
+        try:
+            entries, size = tar.by_index, len(tar.mmapped_file)
+            end = max((offset + 512 + length for _, offset, length in entries), default=0)
+            if end > size or self.sizes[shard] not in (None, size):
+                need = max(end, self.sizes[shard] or 0)
+                raise UserError(f"shard {url} is cut short or replaced ({size} bytes, {need} expected); "
+                                f"{REWRITE}")
+            rows = []
+            for group in group_by_key([name for name, _, _ in entries]):
+                found = {splitname(entries[i][0])[1]: entries[i] for i in group}
+                image = next((v for k, v in found.items() if k.lower() in IMAGE_EXTENSIONS), None)
+                if image is None or ".path" not in found:
+                    raise UserError(f"sample {splitname(entries[group[0]][0])[0]} in shard {url} has no image or no "
+                                    f".path member; {REWRITE}")
+                rows.append((image[1] + 512, image[2], found[".path"][1] + 512, found[".path"][2]))
+        finally:
+            tar.close()
+        if len(rows) != expected:
+            raise UserError(f"shard {url} holds {len(rows)} samples but index {self.index} says {expected} "
+                            f"(a cut-short or replaced shard); {REWRITE}")
+        return np.asarray(rows, dtype=np.int64).reshape(-1, 4)
+
+    def member(self, index: int, which: int) -> bytes:
+        shard, inner = self.locate(index)
+        fd = self.file(shard)
+        offset, size = self.members[shard][inner, 2 * which:2 * which + 2]
+        data = os.pread(fd, int(size), int(offset))
+        if len(data) != size:
+            raise UserError(f"shard {self.urls[shard]} is shorter than its index says; {REWRITE}")
+        return data
+
+    def member_name(self, index: int) -> str:
+        """`<key>.<ext> in shard <url>`: the image member's name, read from its tar header."""
+        shard, inner = self.locate(index)
+        header = os.pread(self.file(shard), 100, int(self.members[shard][inner, 0]) - 512)
+        return f"{header.rstrip(bytes(1)).decode('utf-8', 'replace')} in shard {self.urls[shard]}"
+
+    def load_image(self, index: int) -> np.ndarray:
+        return decode_image(self.member(index, 0), self.member_name(index), self.max_pixels)
+
+    def path(self, index: int) -> str:
+        return os.fsdecode(self.member(index, 1))
