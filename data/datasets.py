@@ -301,3 +301,37 @@ class DummyDataset(AugmentedDataset):
         noise = np.random.default_rng([self.seed, index + self.offset]).normal(0, 48, (size, size, 3))
         return np.clip(base + noise, 0, 255).astype(np.uint8)
 
+
+
+class ImageListDataset(Dataset):
+    """Unlabelled image files (predict.py): sample i is (uint8 CHW image or None, i, why it could not be read).
+
+    An unreadable file gives its one-line error instead of an image, so it is reported and the others go on.
+    """
+
+    def __init__(self, paths: list[str], transform: A.Compose, max_pixels: int = DataConfig.max_image_pixels) -> None:
+        self.paths = PackedStrings(paths)
+        self.transform, self.max_pixels = transform, max_pixels
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def path(self, index: int) -> str:
+        return self.paths[index]
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor | None, int, str]:
+        try:
+            image = read_image(self.path(index), self.max_pixels)
+        except UserError as err:
+            return None, index, str(err)
+        return self.transform(image=image)["image"], index, ""
+
+
+def list_images(folder: Path) -> list[str]:
+    """Every image file under folder, at any depth, sorted (symbolic links followed, hidden entries skipped)."""
+    found = []
+    for parent, dirs, files in os.walk(folder, followlinks=True, onerror=None):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        found += [os.path.join(parent, f) for f in sorted(files)
+                  if f.lower().endswith(IMAGE_EXTENSIONS) and not f.startswith(".")]
+    return sorted(found)
