@@ -83,7 +83,8 @@ def check_images(cfg: Config, images: str | None, count: int) -> tuple[torch.Ten
         try:
             dataset = build_val_dataset(cfg.data, cfg.seed)
             batch = [dataset[i][0] for i in range(min(count, len(dataset)))]
-            where = f"validation images of data.name={cfg.data.name}" + (f" in {cfg.data.root}" if cfg.data.name != "dummy" else "")
+            where = f"validation images of data.name={cfg.data.name}"
+            where += f" in {cfg.data.root}" if cfg.data.name != "dummy" else ""
         except UserError as err:
             log.warning("checking on random pixels: the stored validation data cannot be read (%s); "
                         "pass --images to check on real images", err)
@@ -116,7 +117,7 @@ def metadata(cfg: Config, trained: Trained) -> dict[str, Any]:
     return {"architecture": cfg.model.name, "num_classes": len(trained.class_names),
             "label_names": trained.class_names, "input_size": [3, cfg.data.img_size, cfg.data.img_size],
             "crop_pct": cfg.data.crop_pct, "mean": cfg.data.mean, "std": cfg.data.std,
-            "interpolation": getattr(cfg.data, "interpolation", "bilinear") or "bilinear",
+            "interpolation": cfg.data.interpolation,
             "input": "float32 NCHW, resized to input_size / crop_pct, centre-cropped, (x / 255 - mean) / std"}
 
 
@@ -165,7 +166,7 @@ def export_model_folder(model: nn.Module, cfg: Config, trained: Trained, folder:
     folder.mkdir(parents=True, exist_ok=True)
     data_config = {"input_size": (3, cfg.data.img_size, cfg.data.img_size), "crop_pct": cfg.data.crop_pct,
                    "crop_mode": "center", "mean": tuple(cfg.data.mean), "std": tuple(cfg.data.std),
-                   "interpolation": metadata(cfg, trained)["interpolation"]}
+                   "interpolation": cfg.data.interpolation}
     config_file = folder / MODEL_CONFIG
     save_config_for_hf(model, str(config_file), model_config={"label_names": trained.class_names},
                        model_args=dict(cfg.model.kwargs), data_config=data_config)

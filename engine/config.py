@@ -72,14 +72,15 @@ class DataConfig:
     name: str = "digits"  # imagefolder | dummy | digits
     root: str = ".cache/digits"  # imagefolder: holds train/<class>/* and val/<class>/*
     img_size: int = 32  # train crop size (pixels)
-    crop_pct: float = 0.875  # eval: resize to img_size / crop_pct, then centre crop
+    crop_pct: float = 0.875  # eval: resize to img_size / crop_pct, centre crop; unset: model.init_from weights'
+    interpolation: str = "bilinear"  # bilinear | bicubic | nearest | area | lanczos; unset: model.init_from weights'
     augment: bool = True  # false: the train pipeline is the (deterministic) eval pipeline
     scale: list[float] = field(default_factory=lambda: [0.08, 1.0])  # RandomResizedCrop area
     ratio: list[float] = field(default_factory=lambda: [0.75, 1.3333])  # RandomResizedCrop aspect
     hflip: float = 0.5  # probability of a horizontal flip
     color_jitter: float = 0.0  # brightness/contrast/saturation strength; 0 disables it
-    mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])  # normalization (RGB, 0-1)
-    std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])  # normalization (RGB, 0-1)
+    mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])  # RGB, 0-1; unset: init_from weights'
+    std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])  # RGB, 0-1; unset: init_from weights'
     num_workers: int = 2  # DataLoader workers per process
     skip_corrupt: bool = False  # train: drop unreadable images (counted per epoch) instead of stopping; val never
     max_image_pixels: int = 89_478_485  # larger images are unreadable, found from the header (PIL's default limit)
@@ -164,6 +165,7 @@ class Config:
 CHOICES = {
     "amp": ("auto", "bf16", "fp16", "off"),
     "data.name": ("imagefolder", "dummy", "digits"),
+    "data.interpolation": ("bilinear", "bicubic", "nearest", "area", "lanczos"),
     "dist.backend": ("auto", "nccl", "gloo"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
 }
@@ -263,7 +265,24 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     """Validate a plain dict (from YAML or a checkpoint) into a Config."""
     cfg = _build(Config, raw, prefix="")
     validate(cfg)
+    cfg.given = frozenset(dotted_keys(raw))  # not a field: what the user set, for defaults resolved at start-up
     return cfg
+
+
+def dotted_keys(raw: dict[str, Any], prefix: str = "") -> list[str]:
+    """Every leaf key of a raw config dict, dotted ("data.mean"); mappings of free options count as leaves."""
+    keys = []
+    for key, value in raw.items():
+        if isinstance(value, dict) and not key.endswith("kwargs"):
+            keys += dotted_keys(value, f"{prefix}{key}.")
+        else:
+            keys.append(f"{prefix}{key}")
+    return keys
+
+
+def given_keys(cfg: Config) -> frozenset[str]:
+    """The dotted keys the YAML file or an override set (empty for a Config built in code)."""
+    return getattr(cfg, "given", frozenset())
 
 
 def _build(cls: type, raw: Any, prefix: str) -> Any:

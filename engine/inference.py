@@ -89,13 +89,15 @@ def read_model_config(folder: Path) -> dict[str, Any]:
 
 
 def preprocessing_from_pretrained_cfg(pretrained: dict[str, Any]) -> dict[str, Any]:
-    """data.* keys (img_size, crop_pct, mean, std) from a timm pretrained_cfg; absent fields are left out."""
+    """data.* keys (img_size, crop_pct, mean, std, interpolation) from a timm pretrained_cfg; absent ones left out."""
     data: dict[str, Any] = {}
     if pretrained.get("input_size"):
         data["img_size"] = int(pretrained["input_size"][-1])
     for key in ("crop_pct", "mean", "std"):
         if pretrained.get(key) is not None:
             data[key] = list(pretrained[key]) if key in ("mean", "std") else float(pretrained[key])
+    if pretrained.get("interpolation"):
+        data["interpolation"] = pretrained["interpolation"]
     return data
 
 
