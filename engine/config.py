@@ -65,6 +65,8 @@ class ModelConfig:
     init_from: str = ""  # local checkpoint or timm/torchvision state dict to start from; "" = random init
     ema_decay: float = 0.0  # keep an EMA of the weights (timm ModelEmaV3), e.g. 0.9998; 0 = off
     kwargs: dict[str, Any] = field(default_factory=dict)  # more timm.create_model options, e.g. kwargs.img_size=224
+    grad_checkpointing: bool = False  # recompute activations in the backward pass (less memory, slower steps)
+    freeze: str = "none"  # none | backbone: train only the classifier (linear probing; frozen BatchNorm stays in eval)
 
 
 @dataclass
@@ -165,6 +167,7 @@ class Config:
 CHOICES = {
     "amp": ("auto", "bf16", "fp16", "off"),
     "data.name": ("imagefolder", "dummy", "digits"),
+    "model.freeze": ("none", "backbone"),
     "data.interpolation": ("bilinear", "bicubic", "nearest", "area", "lanczos"),
     "dist.backend": ("auto", "nccl", "gloo"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),

@@ -53,6 +53,12 @@ def create_model(cfg: ModelConfig, num_classes: int, weights: dict[str, torch.Te
     for name in ("pretrained_cfg", "default_cfg"):  # timm keeps the overlay: drop its reference to the weights
         if isinstance(getattr(model, name, None), dict):
             getattr(model, name).pop("state_dict", None)
+    if cfg.grad_checkpointing:
+        try:
+            model.set_grad_checkpointing(True)
+        except (AttributeError, AssertionError, NotImplementedError) as err:
+            raise UserError(f"model {cfg.name!r} does not support gradient checkpointing ({err or 'timm says no'}); "
+                            "set model.grad_checkpointing=false") from None
     return model
 
 
@@ -116,4 +122,33 @@ def prepare_model(model: nn.Module, cfg: ModelConfig, device: torch.device, worl
     model = model.to(device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
+    if cfg.freeze == "backbone":
+        freeze_backbone(model)
     return model
+
+
+def freeze_backbone(model: nn.Module) -> None:
+    """Linear probing: only the classifier (timm's get_classifier()) trains.
+
+    Before DDP wraps the model, so frozen parameters are in neither the optimizer (timm's parameter groups skip
+    them) nor DDP's reducer. Frozen BatchNorm layers stay in eval mode whatever model.train() says: they
+    normalize with the weights' running statistics and never update them, so the backbone is a fixed
+    feature extractor (bitwise, buffers included) and the classifier learns on stable features.
+    """
+    head = model.get_classifier()
+    trainable = {id(p) for p in head.parameters()}
+    if not trainable:
+        raise UserError(f"model.freeze=backbone: {type(model).__name__} has no classifier parameters to train")
+    for param in model.parameters():
+        param.requires_grad_(id(param) in trainable)
+    head_modules = set(head.modules())
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module not in head_modules:
+            module.register_forward_pre_hook(stay_in_eval)
+    log.info("model.freeze=backbone: training %d of %d parameter tensors (the classifier)",
+             len(trainable), len(list(model.parameters())))
+
+
+def stay_in_eval(module: nn.Module, args: tuple) -> None:
+    """Forward pre-hook of a frozen BatchNorm layer: running statistics, never batch statistics or updates."""
+    module.train(False)
