@@ -93,7 +93,7 @@ def build_model(cfg: Config, ckpt: dict[str, Any], args: argparse.Namespace, inf
     if cfg.model.name != trained:
         raise UserError(f"checkpoint {args.checkpoint} is a {trained}; it cannot be evaluated as "
                         f"model.name={cfg.model.name} (drop that override)")
-    model = create_model(cfg.model, len(ckpt["class_names"]))
+    model = create_model(dataclasses.replace(cfg.model, grad_checkpointing=False), len(ckpt["class_names"]))
     load_weights(model, ckpt[key], f"checkpoint {args.checkpoint}")
     # Eval uses running statistics: no synchronized BatchNorm needed, whatever the training used.
     return prepare_model(model, dataclasses.replace(cfg.model, sync_bn=False), info.device, 1)

@@ -35,7 +35,7 @@ from engine.startup import import_timm_without_wandb
 
 import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (engine/startup.py)
 
-from data.datasets import ImageListDataset
+from data.datasets import ImageListDataset, find_images
 from data.loader import build_val_dataset
 from data.transforms import DeviceNormalize, eval_transform
 from engine.cli import run_main
@@ -71,9 +71,7 @@ def check_images(cfg: Config, images: str | None, count: int) -> tuple[torch.Ten
     """Up to `count` eval-preprocessed images (float32 NCHW) and where they come from."""
     transform = eval_transform(cfg.data)
     if images:
-        from predict import find_inputs
-
-        dataset = ImageListDataset(find_inputs(images), transform, cfg.data.max_image_pixels)
+        dataset = ImageListDataset(find_images(images), transform, cfg.data.max_image_pixels)
         samples = [dataset[i][0] for i in range(len(dataset))]
         batch = [s for s in samples if s is not None][:count]
         if not batch:
@@ -199,7 +197,7 @@ def main(argv: list[str]) -> int:
     if args.check_batch < 1:
         raise UserError(f"--check-batch must be >= 1, got {args.check_batch}")
     trained = load_trained(args.checkpoint, args.ema)
-    cfg = inference_config(trained, [("data.num_workers", 0)])
+    cfg = inference_config(trained, [("data.num_workers", 0), ("model.grad_checkpointing", False)])
     model = create_model(cfg.model, len(trained.class_names))
     load_weights(model, trained.weights, trained.source)
     model = model.eval().float()
@@ -211,12 +209,17 @@ def main(argv: list[str]) -> int:
     tmp = out.with_name(f".{out.name}.tmp")  # checked before it replaces anything at `out`
     remove(tmp)
     try:
-        if args.format == "onnx":
-            runner = export_onnx(model, example, tmp, meta, args.opset)
-        elif args.format == "torchscript":
-            runner = export_torchscript(model, example, tmp, meta)
-        else:
-            runner = export_model_folder(model, cfg, trained, tmp)
+        try:
+            if args.format == "onnx":
+                runner = export_onnx(model, example, tmp, meta, args.opset)
+            elif args.format == "torchscript":
+                runner = export_torchscript(model, example, tmp, meta)
+            else:
+                runner = export_model_folder(model, cfg, trained, tmp)
+        except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:  # the exporter's, not a bug here
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+            raise UserError(f"{args.format} export of {cfg.model.name} failed ({type(err).__name__}: {first}); "
+                            "another --format may work for this architecture") from None
         difference = max_difference(runner, model, batch, (1, args.check_batch))
         print(f"max abs difference of the logits, {args.format} vs PyTorch, batches of 1 and {args.check_batch} "
               f"({where}): {difference:.3g}")

@@ -27,7 +27,7 @@ from engine.startup import import_timm_without_wandb, tune_cpu_process
 
 import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (engine/startup.py)
 
-from data.datasets import IMAGE_EXTENSIONS, ImageListDataset, list_images
+from data.datasets import ImageListDataset, find_images
 from data.loader import build_eval_loader, collate_channels_last
 from data.transforms import DeviceNormalize, eval_transform
 from engine.cli import run_main
@@ -56,37 +56,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--debug", action="store_true", help="show full tracebacks for user errors")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data.num_workers=0 amp=off")
     return parser.parse_intermixed_args(argv)
-
-
-def find_inputs(inputs: str) -> list[str]:
-    """The image paths to predict: one image, every image under a folder, or the lines of a list file."""
-    path = Path(inputs)
-    if path.is_dir():
-        found = list_images(path)
-        if not found:
-            raise UserError(f"folder {path} holds no images ({', '.join(IMAGE_EXTENSIONS)}), at any depth")
-        return found
-    if not path.is_file():
-        raise UserError(f"{path} does not exist; give an image, a folder of images or a text file of paths")
-    if path.name.lower().endswith(IMAGE_EXTENSIONS):
-        return [str(path)]
-    return read_list_file(path)
-
-
-def read_list_file(path: Path) -> list[str]:
-    """Paths, one per line (blank lines and # comments skipped), relative ones taken from the file's folder."""
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"{path} is neither an image ({', '.join(IMAGE_EXTENSIONS)}) nor a UTF-8 text file of "
-                        "image paths") from None
-    except OSError as err:
-        raise UserError(f"cannot read {path} ({err.strerror})") from None
-    lines = [line.strip() for line in text.splitlines()]
-    found = [str(path.parent / line) for line in lines if line and not line.startswith("#")]
-    if not found:
-        raise UserError(f"list file {path} names no images; put one image path per line")
-    return found
 
 
 def collate_predictions(samples: list[tuple[torch.Tensor | None, int, str]]
@@ -143,13 +112,14 @@ def settings(args: argparse.Namespace) -> list[tuple[str, Any]]:
         pairs.append(("train.batch_size", args.batch_size))
     if args.topk <= 0:
         raise UserError(f"--topk must be > 0, got {args.topk}")
+    pairs.append(("model.grad_checkpointing", False))  # a training option: plain forward passes here
     return pairs + [parse_override(item) for item in args.overrides]
 
 
 def run(trained: Trained, cfg: Config, args: argparse.Namespace, info: DistInfo) -> dict[str, Any] | None:
     """Predict on every rank; rank 0 merges, writes and returns the summary."""
     out = Path(args.output_dir or Path(args.checkpoint).parent / f"predict-{Path(args.inputs).stem or 'inputs'}")
-    paths = rank0_decides(lambda: find_inputs(args.inputs))
+    paths = rank0_decides(lambda: find_images(args.inputs))
     if len(paths) < info.world_size:
         raise UserError(f"{len(paths)} image(s) for {info.world_size} processes; use fewer processes")
     rank0_decides(lambda: make_output_dir(out))

@@ -335,3 +335,34 @@ def list_images(folder: Path) -> list[str]:
         found += [os.path.join(parent, f) for f in sorted(files)
                   if f.lower().endswith(IMAGE_EXTENSIONS) and not f.startswith(".")]
     return sorted(found)
+
+
+def find_images(inputs: str) -> list[str]:
+    """The image paths to predict: one image, every image under a folder, or the lines of a list file."""
+    path = Path(inputs)
+    if path.is_dir():
+        found = list_images(path)
+        if not found:
+            raise UserError(f"folder {path} holds no images ({', '.join(IMAGE_EXTENSIONS)}), at any depth")
+        return found
+    if not path.is_file():
+        raise UserError(f"{path} does not exist; give an image, a folder of images or a text file of paths")
+    if path.name.lower().endswith(IMAGE_EXTENSIONS):
+        return [str(path)]
+    return read_list_file(path)
+
+
+def read_list_file(path: Path) -> list[str]:
+    """Paths, one per line (blank lines and # comments skipped), relative ones taken from the file's folder."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is neither an image ({', '.join(IMAGE_EXTENSIONS)}) nor a UTF-8 text file of "
+                        "image paths") from None
+    except OSError as err:
+        raise UserError(f"cannot read {path} ({err.strerror})") from None
+    lines = [line.strip() for line in text.splitlines()]
+    found = [str(path.parent / line) for line in lines if line and not line.startswith("#")]
+    if not found:
+        raise UserError(f"list file {path} names no images; put one image path per line")
+    return found

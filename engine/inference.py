@@ -71,6 +71,8 @@ def load_model_folder(folder: Path) -> Trained:
     for key, value in preprocessing_from_pretrained_cfg(pretrained).items():
         set_dotted(raw, f"data.{key}", value)
     names = meta.get("label_names") or [str(i) for i in range(meta["num_classes"])]
+    if isinstance(names, dict):  # timm allows {class index: name}
+        names = [str(names.get(str(i), names.get(i, i))) for i in range(meta["num_classes"])]
     return Trained(raw, weights, list(names), f"model folder {folder}")
 
 

@@ -229,3 +229,10 @@ def test_interpolation_reaches_both_pipelines():
         assert np.array_equal(out, expected), name
         assert train_transform(cfg).transforms[0].interpolation == flag
 
+
+def test_finetune_digits_config_leaves_the_preprocessing_to_the_weights():
+    from engine.config import load_config
+
+    cfg = load_config("finetune_digits")
+    assert cfg.model.init_from == "runs/digits/best-hf" and cfg.data.name == "imagefolder"
+    assert not {"data.mean", "data.std", "data.interpolation", "data.crop_pct"} & cfg.given
