@@ -34,7 +34,7 @@ from engine.cli import run_main
 from engine.config import Config, parse_override
 from engine.dist import DistInfo, barrier, init_distributed, rank0_decides, read_launch_env
 from engine.errors import UserError
-from engine.inference import (Trained, check_architecture, inference_config, load_trained, merge_parts, part_file,
+from engine.inference import (Trained, check_same_architecture, inference_config, load_trained, merge_parts, part_file,
                               write_csv)
 from engine.logs import setup_logging
 from engine.precision import resolve_precision
@@ -159,7 +159,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     trained = load_trained(args.checkpoint, args.ema)
     cfg = inference_config(trained, settings(args))
-    check_architecture(cfg, trained)
+    check_same_architecture(cfg, trained)
     setup_logging(read_launch_env()[0], cfg.logging.level)  # before the rendezvous, which may wait
     info = init_distributed(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.rendezvous_timeout_s)
     if info.device.type == "cpu":

@@ -62,7 +62,7 @@ class ModelConfig:
     sync_bn: bool = False  # convert BatchNorm to a synchronized one when world size > 1
     channels_last: bool = True  # NHWC memory format (faster convolutions with AMP)
     compile: bool = False  # torch.compile the model
-    init_from: str = ""  # local checkpoint or timm/torchvision state dict to start from; "" = random init
+    init_from: str = ""  # weights to start from: checkpoint, .pth, .safetensors or model folder; "" = random init
     ema_decay: float = 0.0  # keep an EMA of the weights (timm ModelEmaV3), e.g. 0.9998; 0 = off
     kwargs: dict[str, Any] = field(default_factory=dict)  # more timm.create_model options, e.g. kwargs.img_size=224
     grad_checkpointing: bool = False  # recompute activations in the backward pass (less memory, slower steps)

@@ -114,7 +114,7 @@ def inference_config(trained: Trained, overrides: Sequence[tuple[str, Any]] = ()
         raise UserError(f"{trained.source}: {err}") from None
 
 
-def check_architecture(cfg: Config, trained: Trained) -> None:
+def check_same_architecture(cfg: Config, trained: Trained) -> None:
     """An override of model.name cannot make these weights another architecture."""
     stored = trained.config.get("model", {}).get("name")
     if cfg.model.name != stored:

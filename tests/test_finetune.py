@@ -143,7 +143,6 @@ def digits_subset(source: Path, target: Path, classes: list[str]) -> Path:
 
 @pytest.mark.slow  # a short digits training, then a fine-tuning run on 5 of its classes
 def test_finetune_from_a_safetensors_file_into_a_5_class_head(tmp_path):
-    from data.loader import build_data
     from engine.dist import DistInfo
     from engine.config import load_config
 
