@@ -15,7 +15,6 @@ number of processes (on CPU each process uses one thread: launch one per core fo
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import json
 import logging
@@ -39,6 +38,7 @@ from engine.cli import run_main
 from engine.config import Config, config_from_dict, parse_override, set_dotted, to_dict
 from engine.dist import DistInfo, barrier, init_distributed, rank0_decides, read_launch_env
 from engine.errors import UserError
+from engine.inference import merge_parts, part_file, write_csv
 from engine.logs import setup_logging
 from engine.precision import resolve_precision
 from engine.tracking import WandbTracker
@@ -94,7 +94,7 @@ def build_model(cfg: Config, ckpt: dict[str, Any], args: argparse.Namespace, inf
     if cfg.model.name != trained:
         raise UserError(f"checkpoint {args.checkpoint} is a {trained}; it cannot be evaluated as "
                         f"model.name={cfg.model.name} (drop that override)")
-    model = create_model(cfg.model, len(ckpt["class_names"]))
+    model = create_model(dataclasses.replace(cfg.model, grad_checkpointing=False), len(ckpt["class_names"]))
     load_weights(model, ckpt[key], f"checkpoint {args.checkpoint}")
     # Eval uses running statistics: no synchronized BatchNorm needed, whatever the training used.
     return prepare_model(model, dataclasses.replace(cfg.model, sync_bn=False), info.device, 1)
@@ -130,33 +130,7 @@ class PredictionWriter:
         return rows
 
     def write(self, path: Path) -> None:
-        write_csv(self.rows(), path)
-
-
-def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
-    """CSV with COLUMNS, written to a temp file and moved into place."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", newline="", errors="surrogateescape") as f:  # file names that are not UTF-8, byte for byte
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
-    os.replace(tmp, path)
-
-
-def merge_parts(out: Path, world_size: int, size: int) -> list[dict[str, str]]:
-    """Rank 0: read every rank's part file, check each image appears once, write predictions.csv, remove parts."""
-    parts = [out / f"predictions.part{rank}.csv" for rank in range(world_size)]
-    rows: list[dict[str, str]] = []
-    for part in parts:
-        with part.open(newline="", errors="surrogateescape") as f:
-            rows += list(csv.DictReader(f))
-    rows.sort(key=lambda row: int(row["index"]))
-    if [int(row["index"]) for row in rows] != list(range(size)):
-        raise RuntimeError(f"merged predictions do not cover indices 0..{size - 1} exactly once")
-    write_csv(rows, out / "predictions.csv")
-    for part in parts:
-        part.unlink()
-    return rows
+        write_csv(self.rows(), path, COLUMNS)
 
 
 def summarize(rows: list[dict[str, str]], metrics: dict[str, float], class_names: list[str],
@@ -247,11 +221,12 @@ def run(cfg: Config, ckpt: dict[str, Any], args: argparse.Namespace, info: DistI
     writer = PredictionWriter(dataset, loader.sampler.start, class_names)
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
     metrics = evaluate(model, loader, precision, info, normalize, on_batch=writer)
-    writer.write(out / f"predictions.part{info.rank}.csv")
+    writer.write(part_file(out, "predictions", info.rank))
     barrier()  # every part file is complete before rank 0 reads them
     if not info.is_main:
         return None
-    rows = merge_parts(out, info.world_size, len(dataset))
+    rows = merge_parts(out, "predictions", info.world_size, len(dataset))
+    write_csv(rows, out / "predictions.csv", COLUMNS)
     result, confusion = summarize(rows, metrics, class_names, str(args.checkpoint), args.ema)
     (out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
     title = f"{cfg.model.name} on {len(rows)} images: top-1 {result['top1']:.2f}%"

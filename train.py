@@ -40,6 +40,7 @@ from engine.run_dir import RunRecord, check_writable, locked
 from engine.signals import Preempted
 from engine.state import TrainState
 from engine.tracking import TensorBoardWriter, WandbTracker
+from engine.weights import check_pretrained, resolve_preprocessing
 from engine.trainer import LoopConfig, TrainParts, evaluate, train_one_epoch
 from models.ema import create_ema
 from models.factory import compile_warning, create_model, prepare_model
@@ -62,22 +63,29 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def start_up(cfg: Config, info: DistInfo) -> tuple[Resume, DataBundle, Precision, nn.Module]:
-    """What fit() checks and builds before anything is placed on the device: the checkpoint to resume, the data,
-    the precision, the model with its starting weights. --dry-run stops after it."""
+def start_up(cfg: Config, info: DistInfo) -> tuple[Config, Resume, DataBundle, Precision, nn.Module]:
+    """What fit() checks and builds before anything is placed on the device: the checkpoint to resume, the
+    preprocessing (unset keys resolved: resumed, the weights', or defaults), the data, the precision, the model
+    with its starting weights (resumed, or model.init_from's through timm's loading). --dry-run stops after it."""
     start = Resume.find(cfg.resume, Path(cfg.output_dir))
+    pretrained = start.pretrained(cfg.model)
+    cfg = resolve_preprocessing(cfg, pretrained, start.ckpt["config"] if start.ckpt else None)
     seed_everything(cfg.seed)
     data = build_data(cfg.data, cfg.train.batch_size, cfg.seed, info)
     precision = resolve_precision(cfg.amp, info.device)
-    model = create_model(cfg.model, data.num_classes)
+    if pretrained is None:
+        model = create_model(cfg.model, data.num_classes)
+    else:
+        model = create_model(cfg.model, data.num_classes, pretrained.state_dict, pretrained.source)
+        check_pretrained(model, pretrained)
     start.load_model(model, cfg, data.class_names, info.world_size)
-    return start, data, precision, model
+    return cfg, start, data, precision, model
 
 
 def dry_run(cfg: Config, info: DistInfo) -> str:
     """fit()'s checks up to the first training step, with nothing written to output_dir; returns a summary."""
     out = Path(cfg.output_dir)
-    start, data, _, _ = start_up(cfg, info)
+    _, start, data, _, _ = start_up(cfg, info)
     rank0_decides(lambda: check_writable(out))
     resumed = f"resumes {start.path}" if start.path else "starts fresh"
     return (f"dry run passed: {cfg.model.name} on {len(data.train.dataset)} train / {len(data.val.dataset)} val "
@@ -106,7 +114,7 @@ def wrap_for_training(model: nn.Module, cfg: ModelConfig, info: DistInfo) -> nn.
 
 def fit(cfg: Config, info: DistInfo) -> TrainState:
     out = Path(cfg.output_dir)
-    start, data, precision, model = start_up(cfg, info)
+    cfg, start, data, precision, model = start_up(cfg, info)
     model = prepare_model(model, cfg.model, info.device, info.world_size)
     ema = create_ema(model, cfg.model.ema_decay)
     start.load_ema(ema.module if ema is not None else None)

@@ -328,3 +328,68 @@ class DummyDataset(AugmentedDataset):
         noise = np.random.default_rng([self.seed, index + self.offset]).normal(0, 48, (size, size, 3))
         return np.clip(base + noise, 0, 255).astype(np.uint8)
 
+
+
+class ImageListDataset(Dataset):
+    """Unlabelled image files (predict.py): sample i is (uint8 CHW image or None, i, why it could not be read).
+
+    An unreadable file gives its one-line error instead of an image, so it is reported and the others go on.
+    """
+
+    def __init__(self, paths: list[str], transform: A.Compose, max_pixels: int = DataConfig.max_image_pixels) -> None:
+        self.paths = PackedStrings(paths)
+        self.transform, self.max_pixels = transform, max_pixels
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def path(self, index: int) -> str:
+        return self.paths[index]
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor | None, int, str]:
+        try:
+            image = read_image(self.path(index), self.max_pixels)
+        except UserError as err:
+            return None, index, str(err)
+        return self.transform(image=image)["image"], index, ""
+
+
+def list_images(folder: Path) -> list[str]:
+    """Every image file under folder, at any depth, sorted (symbolic links followed, hidden entries skipped)."""
+    found = []
+    for parent, dirs, files in os.walk(folder, followlinks=True, onerror=None):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        found += [os.path.join(parent, f) for f in sorted(files)
+                  if f.lower().endswith(IMAGE_EXTENSIONS) and not f.startswith(".")]
+    return sorted(found)
+
+
+def find_images(inputs: str) -> list[str]:
+    """The image paths to predict: one image, every image under a folder, or the lines of a list file."""
+    path = Path(inputs)
+    if path.is_dir():
+        found = list_images(path)
+        if not found:
+            raise UserError(f"folder {path} holds no images ({', '.join(IMAGE_EXTENSIONS)}), at any depth")
+        return found
+    if not path.is_file():
+        raise UserError(f"{path} does not exist; give an image, a folder of images or a text file of paths")
+    if path.name.lower().endswith(IMAGE_EXTENSIONS):
+        return [str(path)]
+    return read_list_file(path)
+
+
+def read_list_file(path: Path) -> list[str]:
+    """Paths, one per line (blank lines and # comments skipped), relative ones taken from the file's folder."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is neither an image ({', '.join(IMAGE_EXTENSIONS)}) nor a UTF-8 text file of "
+                        "image paths") from None
+    except OSError as err:
+        raise UserError(f"cannot read {path} ({err.strerror})") from None
+    lines = [line.strip() for line in text.splitlines()]
+    found = [str(path.parent / line) for line in lines if line and not line.startswith("#")]
+    if not found:
+        raise UserError(f"list file {path} names no images; put one image path per line")
+    return found

@@ -14,7 +14,7 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import albumentations as A
 import cv2
@@ -247,7 +247,8 @@ def skipped_train_images(loader: DataLoader, world_size: int, seen: int) -> int:
     return loader.sampler.num_samples // batch_size * batch_size * world_size - seen
 
 
-def build_eval_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: int, info: DistInfo) -> DataLoader:
+def build_eval_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: int, info: DistInfo,
+                      collate_fn: Callable = collate_channels_last) -> DataLoader:
     """In-order loader over this rank's block of whole batches of the validation set (see shard_bounds)."""
     if len(dataset) < info.world_size:
         raise UserError(f"the validation set has {len(dataset)} images, fewer than the {info.world_size} processes; "
@@ -256,7 +257,7 @@ def build_eval_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: in
     if cfg.num_workers > 0:
         before_workers_fork()
     return OneLineErrorLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=False,
-                              collate_fn=collate_channels_last, **_loader_kwargs(cfg, info.device, info.rank))
+                              collate_fn=collate_fn, **_loader_kwargs(cfg, info.device, info.rank))
 
 
 @dataclass

@@ -17,6 +17,9 @@ from albumentations.pytorch import ToTensorV2
 
 from engine.config import DataConfig
 
+INTERPOLATION = {"bilinear": cv2.INTER_LINEAR, "bicubic": cv2.INTER_CUBIC, "nearest": cv2.INTER_NEAREST,
+                 "area": cv2.INTER_AREA, "lanczos": cv2.INTER_LANCZOS4}  # data.interpolation -> OpenCV flag
+
 
 def train_transform(cfg: DataConfig) -> A.Compose:
     """RandomResizedCrop + flip (+ colour jitter), as uint8; the eval preset when augment is off."""
@@ -25,7 +28,7 @@ def train_transform(cfg: DataConfig) -> A.Compose:
     size = (cfg.img_size, cfg.img_size)
     steps: list[A.BasicTransform] = [
         A.RandomResizedCrop(size=size, scale=tuple(cfg.scale), ratio=tuple(cfg.ratio),
-                            interpolation=cv2.INTER_LINEAR),
+                            interpolation=INTERPOLATION[cfg.interpolation]),
         A.HorizontalFlip(p=cfg.hflip),
     ]
     if cfg.color_jitter > 0:
@@ -38,7 +41,7 @@ def eval_transform(cfg: DataConfig) -> A.Compose:
     """Resize the short side to img_size / crop_pct, centre crop img_size, as uint8."""
     resize_to = int(round(cfg.img_size / cfg.crop_pct))
     return A.Compose([
-        A.SmallestMaxSize(max_size=resize_to, interpolation=cv2.INTER_LINEAR),
+        A.SmallestMaxSize(max_size=resize_to, interpolation=INTERPOLATION[cfg.interpolation]),
         A.CenterCrop(height=cfg.img_size, width=cfg.img_size),
         ToTensorV2(),
     ])

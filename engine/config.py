@@ -62,9 +62,11 @@ class ModelConfig:
     sync_bn: bool = False  # convert BatchNorm to a synchronized one when world size > 1
     channels_last: bool = True  # NHWC memory format (faster convolutions with AMP)
     compile: bool = False  # torch.compile the model
-    init_from: str = ""  # local checkpoint or timm/torchvision state dict to start from; "" = random init
+    init_from: str = ""  # weights to start from: checkpoint, .pth, .safetensors or model folder; "" = random init
     ema_decay: float = 0.0  # keep an EMA of the weights (timm ModelEmaV3), e.g. 0.9998; 0 = off
     kwargs: dict[str, Any] = field(default_factory=dict)  # more timm.create_model options, e.g. kwargs.img_size=224
+    grad_checkpointing: bool = False  # recompute activations in the backward pass (less memory, slower steps)
+    freeze: str = "none"  # none | backbone: train only the classifier (linear probing; frozen BatchNorm stays in eval)
 
 
 @dataclass
@@ -78,14 +80,15 @@ class DataConfig:
     path_column: str = ""  # hf: the column naming each image in predictions.csv; "" = the Image's file name
     shard_cache: str = ""  # wds: folder for shards read from URLs; "" = $WIDS_CACHE or /tmp/_wids_cache
     img_size: int = 32  # train crop size (pixels)
-    crop_pct: float = 0.875  # eval: resize to img_size / crop_pct, then centre crop
+    crop_pct: float = 0.875  # eval: resize to img_size / crop_pct, centre crop; unset: model.init_from weights'
+    interpolation: str = "bilinear"  # bilinear | bicubic | nearest | area | lanczos; unset: model.init_from weights'
     augment: bool = True  # false: the train pipeline is the (deterministic) eval pipeline
     scale: list[float] = field(default_factory=lambda: [0.08, 1.0])  # RandomResizedCrop area
     ratio: list[float] = field(default_factory=lambda: [0.75, 1.3333])  # RandomResizedCrop aspect
     hflip: float = 0.5  # probability of a horizontal flip
     color_jitter: float = 0.0  # brightness/contrast/saturation strength; 0 disables it
-    mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])  # normalization (RGB, 0-1)
-    std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])  # normalization (RGB, 0-1)
+    mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])  # RGB, 0-1; unset: init_from weights'
+    std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])  # RGB, 0-1; unset: init_from weights'
     num_workers: int = 2  # DataLoader workers per process
     skip_corrupt: bool = False  # train: drop unreadable images (counted per epoch) instead of stopping; val never
     max_image_pixels: int = 89_478_485  # larger images are unreadable, found from the header (PIL's default limit)
@@ -170,6 +173,8 @@ class Config:
 CHOICES = {
     "amp": ("auto", "bf16", "fp16", "off"),
     "data.name": ("imagefolder", "dummy", "digits", "wds", "listfile", "hf"),
+    "model.freeze": ("none", "backbone"),
+    "data.interpolation": ("bilinear", "bicubic", "nearest", "area", "lanczos"),
     "dist.backend": ("auto", "nccl", "gloo"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
 }
@@ -269,7 +274,24 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     """Validate a plain dict (from YAML or a checkpoint) into a Config."""
     cfg = _build(Config, raw, prefix="")
     validate(cfg)
+    cfg.given = frozenset(dotted_keys(raw))  # not a field: what the user set, for defaults resolved at start-up
     return cfg
+
+
+def dotted_keys(raw: dict[str, Any], prefix: str = "") -> list[str]:
+    """Every leaf key of a raw config dict, dotted ("data.mean"); mappings of free options count as leaves."""
+    keys = []
+    for key, value in raw.items():
+        if isinstance(value, dict) and not key.endswith("kwargs"):
+            keys += dotted_keys(value, f"{prefix}{key}.")
+        else:
+            keys.append(f"{prefix}{key}")
+    return keys
+
+
+def given_keys(cfg: Config) -> frozenset[str]:
+    """The dotted keys the YAML file or an override set (empty for a Config built in code)."""
+    return getattr(cfg, "given", frozenset())
 
 
 def _build(cls: type, raw: Any, prefix: str) -> Any:

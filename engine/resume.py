@@ -21,7 +21,8 @@ from engine.dist import DistInfo, rank0_decides
 from engine.errors import UserError
 from engine.state import TrainState
 from engine.trainer import TrainParts
-from engine.weights import init_from, load_weights
+from engine.config import ModelConfig
+from engine.weights import Pretrained, check_architecture, load_weights, read_pretrained
 
 log = logging.getLogger(__name__)
 TRAINING_KEYS = ("model", "optimizer", "epoch", "global_step", "config", "class_names", "rng")
@@ -161,8 +162,9 @@ def config_changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -
 class Resume:
     """What a run starts from: the checkpoint it continues (found, checked and put back here), or nothing.
 
-    fit() calls, in order: `find`, `load_model` (after the data gave the class names), `load_ema`,
-    `load_training`. A fresh run passes through each as a no-op (load_model applies model.init_from).
+    fit() calls, in order: `find`, `pretrained` (model.init_from's weights, which the model is created with),
+    `load_model` (after the data gave the class names), `load_ema`, `load_training`. A fresh run passes through
+    the last three as no-ops.
     """
 
     def __init__(self, path: Path | None, ckpt: dict[str, Any] | None) -> None:
@@ -179,11 +181,17 @@ class Resume:
         value = self.ckpt.get("wandb_id") if self.ckpt else None
         return value if isinstance(value, str) and value else None
 
+    def pretrained(self, cfg: ModelConfig) -> Pretrained | None:
+        """model.init_from's weights for a fresh run (None when resuming, or without init_from)."""
+        if self.ckpt is not None or not cfg.init_from:
+            return None
+        pretrained = read_pretrained(cfg.init_from)
+        check_architecture(pretrained, cfg.name)
+        return pretrained
+
     def load_model(self, model: nn.Module, cfg: Config, class_names: list[str], world_size: int) -> None:
-        """The checkpoint's weights, exactly, once it is known to fit this run; else model.init_from's."""
+        """The checkpoint's weights, exactly, once it is known to fit this run (a fresh run: nothing to do)."""
         if self.ckpt is None:
-            if cfg.model.init_from:
-                init_from(model, cfg.model.init_from)
             return
         check_resumable(self.ckpt, self.path, cfg, class_names, world_size)
         load_weights(model, self.ckpt["model"], f"checkpoint {self.path}")

@@ -6,14 +6,19 @@ mismatch is a UserError that names the file and the first differing tensors.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from engine.checkpoint import load_checkpoint
+from engine.config import CHOICES, Config, given_keys
 from engine.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -73,24 +78,163 @@ def classifier_names(model: nn.Module) -> tuple[str, ...]:
     return (head,) if isinstance(head, str) else tuple(head)
 
 
-def init_from(model: nn.Module, path: str | os.PathLike) -> list[str]:
-    """model.init_from: weights from a local file, skipping the classifier when its shape differs; returns skipped names."""
+@dataclass
+class Pretrained:
+    """Weights to start from (model.init_from), with what the file says about itself."""
+
+    state_dict: dict[str, torch.Tensor]
+    path: str
+    architecture: str | None = None  # the model the file names (config.json, a train.py checkpoint); None: unknown
+    preprocessing: dict[str, Any] = field(default_factory=dict)  # data.* keys the weights were trained with
+
+    @property
+    def source(self) -> str:
+        return f"model.init_from={self.path}"
+
+
+def read_pretrained(path: str | os.PathLike) -> Pretrained:
+    """model.init_from's file: a train.py checkpoint, a timm/torchvision .pth, a .safetensors file, or a
+    Hugging Face / timm model folder (config.json + model.safetensors or pytorch_model.bin)."""
+    path = Path(path)
     source = f"model.init_from={path}"
-    state_dict = state_dict_in(load_checkpoint(path), source)
-    own = model.state_dict()
-    heads = classifier_names(model)
-    skipped = [k for k, v in state_dict.items() if k in own and v.shape != own[k].shape
-               and any(k.startswith(f"{head}.") for head in heads)]
-    kept = {k: v for k, v in state_dict.items() if k not in skipped}
-    missing, unexpected, reshaped = _mismatch(model, kept)
-    missing = [k for k in missing if k not in skipped]
-    if missing or unexpected or reshaped:
-        raise UserError(f"{source} does not fit model {type(model).__name__} "
-                        f"({_describe(missing, unexpected, reshaped)}); is it a checkpoint of model.name?")
-    model.load_state_dict(kept, strict=False)
-    if skipped:
-        log.info("model.init_from: loaded %d tensors from %s; skipped %s (the classifier has another number "
-                 "of classes; it stays randomly initialised)", len(kept), path, ", ".join(skipped))
+    if path.is_dir():
+        return read_model_folder(path)
+    if not path.exists():
+        raise UserError(f"{source}: {path} does not exist; give a checkpoint, a .pth or .safetensors file, or a "
+                        "model folder (config.json + model.safetensors)")
+    if path.suffix == ".safetensors":
+        return Pretrained(state_dict_in(read_safetensors(path), source), str(path))
+    obj = load_checkpoint(path)
+    pretrained = Pretrained(state_dict_in(obj, source), str(path))
+    if isinstance(obj, dict) and isinstance(obj.get("config"), dict):  # a train.py checkpoint knows its training
+        config = obj["config"]
+        pretrained.architecture = config.get("model", {}).get("name")
+        data = config.get("data", {})
+        pretrained.preprocessing = {k: data[k] for k in PREPROCESSING if data.get(k) not in (None, "", [], 0)}
+    return pretrained
+
+
+PREPROCESSING = ("mean", "std", "interpolation", "crop_pct")  # the data.* keys pretrained weights come with
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """A .safetensors file's tensors; a damaged file is a UserError naming it."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except (OSError, SafetensorError) as err:
+        raise UserError(f"model.init_from={path} cannot be read as safetensors ({err}); it is damaged or not a "
+                        ".safetensors file") from None
+
+
+def read_model_folder(folder: Path) -> Pretrained:
+    """A Hugging Face / timm model folder: config.json (architecture, pretrained_cfg) and its weights file."""
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise UserError(f"model.init_from={folder} is a folder without config.json; give a checkpoint, a .pth or "
+                        ".safetensors file, or a model folder holding config.json and model.safetensors")
+    try:
+        meta = json.loads(config_file.read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"model.init_from: cannot read {config_file} ({err})") from None
+    if not isinstance(meta, dict):
+        raise UserError(f"model.init_from: {config_file} is not a timm/Hugging Face model config (not a mapping)")
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        if (folder / name).is_file():
+            weights = folder / name
+            break
     else:
-        log.info("model.init_from: loaded all %d tensors from %s", len(kept), path)
-    return skipped
+        raise UserError(f"model.init_from={folder} holds no model.safetensors (or pytorch_model.bin) beside "
+                        "config.json")
+    source = f"model.init_from={weights}"
+    raw = read_safetensors(weights) if weights.suffix == ".safetensors" else load_checkpoint(weights)
+    pretrained_cfg = meta.get("pretrained_cfg") if isinstance(meta.get("pretrained_cfg"), dict) else {}
+    preprocessing = {k: pretrained_cfg[k] for k in PREPROCESSING if pretrained_cfg.get(k) is not None}
+    architecture = meta.get("architecture") if isinstance(meta.get("architecture"), str) else None
+    return Pretrained(state_dict_in(raw, source), str(folder), architecture, preprocessing)
+
+
+def check_architecture(pretrained: Pretrained, model_name: str) -> None:
+    """A file that names its architecture must name model.name's (its pretrained tag aside)."""
+    if pretrained.architecture and pretrained.architecture.split(".")[0] != model_name.split(".")[0]:
+        raise UserError(f"{pretrained.source} holds a {pretrained.architecture} but model.name is {model_name}; "
+                        f"set model.name={pretrained.architecture.split('.')[0]}")
+
+
+def check_pretrained(model: nn.Module, pretrained: Pretrained) -> None:
+    """After timm's load: every tensor of the model but its classifier came from the file, by name, else a UserError.
+
+    timm loads non-strictly once it has dropped a classifier of another class count; this keeps a file of
+    another architecture from leaving most of the model at random.
+    """
+    heads = classifier_names(model)
+    in_head = lambda name: any(name.startswith(f"{head}.") for head in heads)  # noqa: E731
+    own = model.state_dict()
+    missing = [k for k in own if k not in pretrained.state_dict and not in_head(k)]
+    unexpected = [k for k in pretrained.state_dict if k not in own and not in_head(k)]
+    if missing or unexpected:
+        raise UserError(f"{pretrained.source} does not fit model {type(model).__name__} "
+                        f"({_describe(missing, unexpected, [])}); is it a checkpoint of model.name?")
+    resized = [f"{k} {list(v.shape)} -> {list(own[k].shape)}" for k, v in pretrained.state_dict.items()
+               if k in own and v.shape != own[k].shape and not in_head(k)]
+    head = [k for k in own if in_head(k)]
+    reset = any(k not in pretrained.state_dict or pretrained.state_dict[k].shape != own[k].shape for k in head)
+    log.info("model.init_from: %d tensors from %s%s%s", len(own) - (len(head) if reset else 0), pretrained.path,
+             f"; resized by timm: {', '.join(resized)}" if resized else "",
+             f"; classifier {', '.join(head)} freshly initialised (the file has another number of classes)"
+             if reset else "")
+
+
+def resolve_preprocessing(cfg: Config, pretrained: Pretrained | None, resumed: dict[str, Any] | None) -> Config:
+    """data.mean/std/interpolation/crop_pct the config leaves unset, decided once at start-up: a resumed run keeps
+    its checkpoint's, a run from model.init_from takes the weights' own (the file's config, else timm's
+    pretrained_cfg for model.name), any other run the defaults. The values go into the run's stored config, so
+    evaluate.py, predict.py and export.py use exactly them; one log line says each value and where it came from."""
+    given = given_keys(cfg)
+    values: dict[str, Any] = {}
+    said = []
+    for key in PREPROCESSING:
+        value, origin = getattr(cfg.data, key), "default"
+        if f"data.{key}" in given:
+            origin = "config"
+        elif resumed is not None and key in resumed.get("data", {}):
+            value, origin = resumed["data"][key], "the resumed checkpoint"
+        elif pretrained is not None:
+            found, where = weights_value(pretrained, cfg.model.name, key)
+            if found is not None and usable(key, found):
+                value, origin = found, where
+            elif found is not None:
+                log.warning("model.init_from: the weights' %s %r is not usable here; data.%s stays %r", key, found,
+                            key, value)
+        values[key] = list(value) if isinstance(value, (list, tuple)) else value
+        said.append(f"data.{key} {values[key]} ({origin})")
+    log.info("preprocessing: %s", ", ".join(said))
+    resolved = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **values))
+    resolved.given = given
+    return resolved
+
+
+def weights_value(pretrained: Pretrained, model_name: str, key: str) -> tuple[Any, str]:
+    """One preprocessing value of the weights and where it is from: the file's own config, else timm's
+    pretrained_cfg for model.name (a bare state dict says nothing about its preprocessing)."""
+    if key in pretrained.preprocessing:
+        return pretrained.preprocessing[key], f"the weights' config, {pretrained.path}"
+    import timm
+
+    default = timm.models.get_pretrained_cfg(model_name)
+    if default is None:
+        return None, ""
+    tag = f"{model_name.split('.')[0]}.{default.tag}" if default.tag else model_name
+    return getattr(default, key, None), f"timm's pretrained_cfg of {tag}, as the weights file holds none"
+
+
+def usable(key: str, value: Any) -> bool:
+    """Whether a weights' preprocessing value fits this app's config (else the default stays)."""
+    if key == "interpolation":
+        return value in CHOICES["data.interpolation"]
+    if key == "crop_pct":
+        return isinstance(value, (int, float)) and 0 < value <= 1
+    return isinstance(value, (list, tuple)) and len(value) == 3 and all(isinstance(v, (int, float)) for v in value) \
+        and (key == "mean" or min(value) > 0)

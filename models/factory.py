@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import re
 
 import timm
 import torch
@@ -26,17 +27,75 @@ def check_model_name(name: str) -> None:
     raise UserError(f"unknown model.name {name!r}{hint}")
 
 
-def create_model(cfg: ModelConfig, num_classes: int) -> nn.Module:
-    """A fresh timm model with `num_classes` outputs (pretrained weights are never downloaded)."""
+def create_model(cfg: ModelConfig, num_classes: int, weights: dict[str, torch.Tensor] | None = None,
+                 source: str = "") -> nn.Module:
+    """A timm model with `num_classes` outputs: fresh, or started from `weights` (a state dict read from `source`)
+    by timm's own pretrained loading. Nothing is ever downloaded."""
     check_model_name(cfg.name)
     kwargs = dict(num_classes=num_classes, drop_rate=cfg.drop_rate)
     if cfg.drop_path_rate > 0:
         kwargs["drop_path_rate"] = cfg.drop_path_rate
     kwargs.update(cfg.kwargs)
+    if weights:  # never empty: timm would fall back to its hub or URL
+        kwargs["pretrained_cfg_overlay"] = local_pretrained_cfg(cfg.name, weights)
+    builder_log = logging.getLogger("timm.models._builder")
+    level = builder_log.level
+    builder_log.setLevel(logging.ERROR)  # its per-key lines about the load: engine.weights.check_pretrained reports it
     try:
-        return timm.create_model(cfg.name, pretrained=False, **kwargs)
+        model = timm.create_model(cfg.name, pretrained=bool(weights), **kwargs)
     except TypeError as err:  # e.g. drop_path_rate on a model without stochastic depth
         raise UserError(f"model {cfg.name!r} rejected its options ({err}); remove them from the model section") from None
+    except RuntimeError as err:  # load_state_dict: a tensor timm cannot adapt (another architecture's)
+        raise UserError(f"{source} does not fit model {cfg.name} ({load_error_summary(str(err))}); is it a "
+                        "checkpoint of model.name?") from None
+    finally:
+        builder_log.setLevel(level)
+    for name in ("pretrained_cfg", "default_cfg"):  # timm keeps the overlay: drop its reference to the weights
+        if isinstance(getattr(model, name, None), dict):
+            getattr(model, name).pop("state_dict", None)
+    if cfg.grad_checkpointing:
+        try:
+            model.set_grad_checkpointing(True)
+        except (AttributeError, AssertionError, NotImplementedError) as err:
+            raise UserError(f"model {cfg.name!r} does not support gradient checkpointing ({err or 'timm says no'}); "
+                            "set model.grad_checkpointing=false") from None
+    return model
+
+
+def load_error_summary(message: str) -> str:
+    """torch's load_state_dict error (every key, on many lines) as "missing: a, b, c, ... (n in all); ..." """
+    parts = []
+    for label, pattern in (("missing", r"Missing key\(s\) in state_dict: (.*)"),
+                           ("unexpected", r"Unexpected key\(s\) in state_dict: (.*)")):
+        if match := re.search(pattern, message):
+            names = re.findall(r'"([^"]+)"', match.group(1))
+            more = f", ... ({len(names)} in all)" if len(names) > 3 else ""
+            parts.append(f"{label}: {', '.join(names[:3])}{more}")
+    resized = re.findall(r"size mismatch for ([^:]+): copying a param with shape (torch.Size\(\[[^]]*\]\)) from "
+                         r"checkpoint, the shape in current model is (torch.Size\(\[[^]]*\]\))", message)
+    if resized:
+        more = f", ... ({len(resized)} in all)" if len(resized) > 3 else ""
+        shown = ", ".join(f"{k}: file {a[11:-1]} vs model {b[11:-1]}" for k, a, b in resized[:3])
+        parts.append(f"shape differs: {shown}{more}")
+    return "; ".join(parts) or message.splitlines()[0]
+
+
+def local_pretrained_cfg(name: str, weights: dict[str, torch.Tensor]) -> dict:
+    """timm's pretrained_cfg overlay for a state dict from a local file.
+
+    The class count and input channels are read from the file's own classifier and first convolution, so
+    timm resets the classifier only for another class count and adapts the first convolution only for another
+    in_chans; the weights are passed as the state dict itself (no hub, no URL, no second read of the file).
+    """
+    default = timm.models.get_pretrained_cfg(name)
+    heads = default.classifier if default else None
+    heads = (heads,) if isinstance(heads, str) else tuple(heads or ())
+    head_weight = weights.get(f"{heads[0]}.weight") if heads else None
+    conv = weights.get(f"{default.first_conv}.weight") if default and isinstance(default.first_conv, str) else None
+    in_chans = int(conv.shape[1]) if conv is not None and conv.ndim == 4 else 3
+    size = tuple(default.input_size[1:]) if default else (224, 224)
+    return {"state_dict": weights, "num_classes": int(head_weight.shape[0]) if head_weight is not None else 0,
+            "input_size": (in_chans, *size), "label_offset": 0, "hf_hub_id": None, "url": None, "file": None}
 
 
 def compile_warning(cfg: ModelConfig, world_size: int) -> str | None:
@@ -63,4 +122,33 @@ def prepare_model(model: nn.Module, cfg: ModelConfig, device: torch.device, worl
     model = model.to(device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
+    if cfg.freeze == "backbone":
+        freeze_backbone(model)
     return model
+
+
+def freeze_backbone(model: nn.Module) -> None:
+    """Linear probing: only the classifier (timm's get_classifier()) trains.
+
+    Before DDP wraps the model, so frozen parameters are in neither the optimizer (timm's parameter groups skip
+    them) nor DDP's reducer. Frozen BatchNorm layers stay in eval mode whatever model.train() says: they
+    normalize with the weights' running statistics and never update them, so the backbone is a fixed
+    feature extractor (bitwise, buffers included) and the classifier learns on stable features.
+    """
+    head = model.get_classifier()
+    trainable = {id(p) for p in head.parameters()}
+    if not trainable:
+        raise UserError(f"model.freeze=backbone: {type(model).__name__} has no classifier parameters to train")
+    for param in model.parameters():
+        param.requires_grad_(id(param) in trainable)
+    head_modules = set(head.modules())
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module not in head_modules:
+            module.register_forward_pre_hook(stay_in_eval)
+    log.info("model.freeze=backbone: training %d of %d parameter tensors (the classifier)",
+             len(trainable), len(list(model.parameters())))
+
+
+def stay_in_eval(module: nn.Module, args: tuple) -> None:
+    """Forward pre-hook of a frozen BatchNorm layer: running statistics, never batch statistics or updates."""
+    module.train(False)

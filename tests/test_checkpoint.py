@@ -21,7 +21,8 @@ from engine.errors import UserError
 from engine.logs import MetricsFile
 from engine.resume import check_resumable
 from engine.state import TrainState
-from engine.weights import init_from, load_weights
+from engine.weights import check_architecture, check_pretrained, load_weights, read_pretrained
+from models.factory import create_model
 from tests.helpers import REPO, script_env
 
 
@@ -82,15 +83,22 @@ def test_rng_states_round_trip_through_a_weights_only_file(tmp_path):
     assert [random.random() for _ in range(5)] == expected[2]
 
 
-def test_init_from_a_torchvision_state_dict_skips_only_the_head(tmp_path, caplog):
+def start_from(path, name: str, num_classes: int, **kwargs) -> torch.nn.Module:
+    """What train.py does for model.init_from: read the file, create the model through timm with it, check it."""
+    pretrained = read_pretrained(path)
+    check_architecture(pretrained, name)
+    model = create_model(ModelConfig(name=name, kwargs=kwargs), num_classes, pretrained.state_dict, pretrained.source)
+    check_pretrained(model, pretrained)
+    return model
+
+
+def test_init_from_a_torchvision_state_dict_resets_only_the_head(tmp_path, caplog):
     torch.manual_seed(0)
     source = torchvision.models.resnet18(num_classes=1000).state_dict()
     torch.save(source, tmp_path / "tv.pth")
-    model = timm.create_model("resnet18", num_classes=7)
     with caplog.at_level("INFO"):
-        skipped = init_from(model, tmp_path / "tv.pth")
-    assert skipped == ["fc.weight", "fc.bias"]
-    assert "skipped fc.weight, fc.bias" in caplog.text
+        model = start_from(tmp_path / "tv.pth", "resnet18", 7)
+    assert "classifier fc.weight, fc.bias freshly initialised" in caplog.text
     loaded = model.state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in source.items() if not k.startswith("fc."))
     assert loaded["fc.weight"].shape == (7, 512)
@@ -101,17 +109,16 @@ def test_init_from_our_checkpoint_and_wrong_architectures(tmp_path):
     ours = timm.create_model("resnet10t", num_classes=5)
     ddp_style = {f"module.{k}": v for k, v in ours.state_dict().items()}
     torch.save({"model": ddp_style, "epoch": 3}, tmp_path / "ours.pth")
-    fresh = timm.create_model("resnet10t", num_classes=5)
-    assert init_from(fresh, tmp_path / "ours.pth") == []
-    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in ours.state_dict().items())
+    fresh = start_from(tmp_path / "ours.pth", "resnet10t", 5)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in ours.state_dict().items())  # head too: 5 classes
     with pytest.raises(UserError, match=r"model.init_from=.*ours.pth does not fit .*missing: "):
-        init_from(timm.create_model("resnet18", num_classes=5), tmp_path / "ours.pth")
+        start_from(tmp_path / "ours.pth", "resnet18", 5)
     with pytest.raises(UserError, match=r"checkpoint x does not fit this model \(shape differs: fc.weight: "
                                         r"file \[5, 512\] vs model \[3, 512\]"):
         load_weights(timm.create_model("resnet10t", num_classes=3), ours.state_dict(), "checkpoint x")
     torch.save([1, 2, 3], tmp_path / "list.pth")
     with pytest.raises(UserError, match="holds no model state dict"):
-        init_from(fresh, tmp_path / "list.pth")
+        read_pretrained(tmp_path / "list.pth")
 
 
 def training_checkpoint(model: str, classes: list[str], epoch_step: int = 0) -> dict:

@@ -1,0 +1,152 @@
+"""What evaluate.py, predict.py and export.py share: a trained model read back, and per-rank CSV parts merged.
+
+A trained model comes from a checkpoint written by train.py, or from a model folder written by
+`export.py --format safetensors` (config.json + model.safetensors, the layout timm and the Hugging Face
+hub use). Either way the config it was trained with (architecture, eval preprocessing) comes with it,
+so inference uses exactly the training's eval pipeline.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from engine.checkpoint import load_checkpoint
+from engine.config import Config, config_from_dict, set_dotted
+from engine.errors import UserError
+
+MODEL_CONFIG = "config.json"  # a model folder's description (timm / Hugging Face layout)
+MODEL_WEIGHTS = "model.safetensors"
+
+
+@dataclass
+class Trained:
+    """A trained model as stored: its config as a plain dict, its weights (EMA ones with `ema`), its classes."""
+
+    config: dict[str, Any]
+    weights: dict[str, torch.Tensor]
+    class_names: list[str]
+    source: str  # "checkpoint PATH" or "model folder PATH", for messages
+
+
+def load_trained(path: str | os.PathLike, ema: bool = False) -> Trained:
+    """A train.py checkpoint or an exported model folder (config.json + model.safetensors)."""
+    path = Path(path)
+    if path.is_dir() and (path / MODEL_CONFIG).is_file():
+        if ema:
+            raise UserError(f"model folder {path} holds one set of weights; use it without --ema")
+        return load_model_folder(path)
+    ckpt = load_checkpoint(path)
+    absent = [key for key in ("config", "model", "class_names") if key not in ckpt]
+    if absent:
+        raise UserError(f"checkpoint {path} was not written by train.py (no {', '.join(absent)}); "
+                        "inference needs the config and class names stored in it")
+    key = "ema" if ema else "model"
+    if key not in ckpt:
+        raise UserError(f"checkpoint {path} holds no EMA weights; use it without --ema")
+    return Trained(json.loads(json.dumps(ckpt["config"])), ckpt[key], list(ckpt["class_names"]),
+                   f"checkpoint {path}")
+
+
+def load_model_folder(folder: Path) -> Trained:
+    """An exported model folder as a Trained: config.json's pretrained_cfg becomes the eval preprocessing."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    meta = read_model_config(folder)
+    weights_file = folder / MODEL_WEIGHTS
+    try:
+        weights = load_file(weights_file)
+    except (OSError, SafetensorError) as err:
+        raise UserError(f"cannot read {weights_file} ({err}); export the model again") from None
+    pretrained = meta.get("pretrained_cfg") or {}
+    raw: dict[str, Any] = {"model": {"name": meta["architecture"], "kwargs": meta.get("model_args") or {}}}
+    raw["model"]["kwargs"].pop("num_classes", None)
+    for key, value in preprocessing_from_pretrained_cfg(pretrained).items():
+        set_dotted(raw, f"data.{key}", value)
+    names = meta.get("label_names") or [str(i) for i in range(meta["num_classes"])]
+    if isinstance(names, dict):  # timm allows {class index: name}
+        names = [str(names.get(str(i), names.get(i, i))) for i in range(meta["num_classes"])]
+    return Trained(raw, weights, list(names), f"model folder {folder}")
+
+
+def read_model_config(folder: Path) -> dict[str, Any]:
+    """config.json of a model folder, with the keys inference needs."""
+    file = folder / MODEL_CONFIG
+    try:
+        meta = json.loads(file.read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot read {file} ({err}); it should be the config.json export.py writes") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("architecture"), str) \
+            or not isinstance(meta.get("num_classes"), int):
+        raise UserError(f"{file} names no architecture and num_classes; it should be the config.json export.py "
+                        "(or timm's push_to_hf_hub) writes")
+    return meta
+
+
+def preprocessing_from_pretrained_cfg(pretrained: dict[str, Any]) -> dict[str, Any]:
+    """data.* keys (img_size, crop_pct, mean, std, interpolation) from a timm pretrained_cfg; absent ones left out."""
+    data: dict[str, Any] = {}
+    if pretrained.get("input_size"):
+        data["img_size"] = int(pretrained["input_size"][-1])
+    for key in ("crop_pct", "mean", "std"):
+        if pretrained.get(key) is not None:
+            data[key] = list(pretrained[key]) if key in ("mean", "std") else float(pretrained[key])
+    if pretrained.get("interpolation"):
+        data["interpolation"] = pretrained["interpolation"]
+    return data
+
+
+def inference_config(trained: Trained, overrides: Sequence[tuple[str, Any]] = ()) -> Config:
+    """The stored config with dotted overrides applied, validated."""
+    raw = json.loads(json.dumps(trained.config))  # a private copy
+    for key, value in overrides:
+        set_dotted(raw, key, value)
+    try:
+        return config_from_dict(raw)
+    except UserError as err:
+        raise UserError(f"{trained.source}: {err}") from None
+
+
+def check_same_architecture(cfg: Config, trained: Trained) -> None:
+    """An override of model.name cannot make these weights another architecture."""
+    stored = trained.config.get("model", {}).get("name")
+    if cfg.model.name != stored:
+        raise UserError(f"{trained.source} is a {stored}; it cannot be used as model.name={cfg.model.name} "
+                        "(drop that override)")
+
+
+def write_csv(rows: list[dict[str, Any]], path: Path, columns: Sequence[str]) -> None:
+    """CSV with `columns`, written to a temp file and moved into place."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", newline="", errors="surrogateescape") as f:  # file names that are not UTF-8, byte for byte
+        writer = csv.DictWriter(f, fieldnames=list(columns))
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, path)
+
+
+def part_file(out: Path, stem: str, rank: int) -> Path:
+    """Where `rank` writes its rows before rank 0 merges them."""
+    return out / f"{stem}.part{rank}.csv"
+
+
+def merge_parts(out: Path, stem: str, world_size: int, size: int) -> list[dict[str, str]]:
+    """Rank 0: every rank's part file read back, checked to hold each index 0..size-1 once, sorted; parts removed."""
+    parts = [part_file(out, stem, rank) for rank in range(world_size)]
+    rows: list[dict[str, str]] = []
+    for part in parts:
+        with part.open(newline="", errors="surrogateescape") as f:
+            rows += list(csv.DictReader(f))
+    rows.sort(key=lambda row: int(row["index"]))
+    if [int(row["index"]) for row in rows] != list(range(size)):
+        raise RuntimeError(f"merged {stem} do not cover indices 0..{size - 1} exactly once")
+    for part in parts:
+        part.unlink()
+    return rows

@@ -1,0 +1,240 @@
+"""Export a trained model for use outside this app: ONNX, TorchScript, or a timm / Hugging Face model folder.
+
+    python export.py runs/digits/best.pth --format onnx            # runs/digits/best.onnx
+    python export.py runs/digits/best.pth --format torchscript     # runs/digits/best.torchscript.pt
+    python export.py runs/digits/best.pth --format safetensors     # runs/digits/best-hf/{config.json,model.safetensors}
+    python export.py runs/digits/best.pth --format onnx --ema --output model.onnx
+
+ONNX and TorchScript take a float32 NCHW batch of any size, already resized, centre-cropped and normalized as
+the stored config says (its mean, std, image size and crop_pct are in the ONNX metadata and in the TorchScript
+file's config.json); they return logits. Before it reports success the command runs the exported model and
+the PyTorch model on real images (--images, else the checkpoint's validation set; random pixels if neither
+can be read) in batches of 1 and --check-batch, prints the largest absolute difference of the logits, and
+fails above --atol. The model folder (config.json: architecture, num_classes, label_names, pretrained_cfg with
+the preprocessing; model.safetensors) loads with
+`timm.create_model("local-dir:FOLDER")`, with `timm.create_model(arch, pretrained=True, num_classes=N,
+pretrained_cfg_overlay=dict(file="FOLDER/model.safetensors", num_classes=N))`, with predict.py and as
+model.init_from; its weights are checked to load back into timm bitwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.startup import import_timm_without_wandb
+
+import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (engine/startup.py)
+
+from data.datasets import ImageListDataset, find_images
+from data.loader import build_val_dataset
+from data.transforms import DeviceNormalize, eval_transform
+from engine.cli import run_main
+from engine.config import Config
+from engine.errors import UserError
+from engine.inference import MODEL_CONFIG, MODEL_WEIGHTS, Trained, inference_config, load_trained
+from engine.logs import setup_logging
+from engine.weights import load_weights
+from models.factory import create_model
+
+log = logging.getLogger("export")
+NOT_OURS = ("tag", "license", "hf_hub_id", "url", "origin_url", "paper_ids", "paper_name", "notes", "source", "file")
+SUFFIXES = {"onnx": ".onnx", "torchscript": ".torchscript.pt", "safetensors": "-hf"}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="a checkpoint written by train.py")
+    parser.add_argument("--format", required=True, choices=sorted(SUFFIXES), help="what to write")
+    parser.add_argument("--output", help="the file (folder for safetensors) to write (default: beside the "
+                                         "checkpoint, named after it)")
+    parser.add_argument("--ema", action="store_true", help="export the checkpoint's EMA weights")
+    parser.add_argument("--images", help="an image, folder or list file to check the export on (default: the "
+                                         "checkpoint's validation images)")
+    parser.add_argument("--check-batch", type=int, default=8, help="images in the larger check batch (default 8)")
+    parser.add_argument("--atol", type=float, default=1e-4, help="largest allowed |logit difference| (default 1e-4)")
+    parser.add_argument("--opset", type=int, default=18, help="ONNX opset version (default 18)")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks for user errors")
+    return parser.parse_args(argv)
+
+
+def check_images(cfg: Config, images: str | None, count: int) -> tuple[torch.Tensor, str]:
+    """Up to `count` eval-preprocessed images (float32 NCHW) and where they come from."""
+    transform = eval_transform(cfg.data)
+    if images:
+        dataset = ImageListDataset(find_images(images), transform, cfg.data.max_image_pixels)
+        samples = [dataset[i][0] for i in range(len(dataset))]
+        batch = [s for s in samples if s is not None][:count]
+        if not batch:
+            raise UserError(f"--images {images}: none of its images can be read")
+        where = f"--images {images}"
+    else:
+        try:
+            dataset = build_val_dataset(cfg.data, cfg.seed)
+            batch = [dataset[i][0] for i in range(min(count, len(dataset)))]
+            where = f"validation images of data.name={cfg.data.name}"
+            where += f" in {cfg.data.root}" if cfg.data.name != "dummy" else ""
+        except UserError as err:
+            log.warning("checking on random pixels: the stored validation data cannot be read (%s); "
+                        "pass --images to check on real images", err)
+            generator = torch.Generator().manual_seed(0)
+            size = cfg.data.img_size
+            batch = list(torch.randint(0, 256, (count, 3, size, size), dtype=torch.uint8, generator=generator))
+            where = "random pixels"
+    normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, torch.device("cpu"), channels_last=False)
+    return normalize(torch.stack(batch)), where
+
+
+def max_difference(run: Callable[[torch.Tensor], np.ndarray], model: nn.Module, batch: torch.Tensor,
+                   sizes: tuple[int, ...]) -> float:
+    """Largest |exported - PyTorch| logit over batches of each size (the dynamic batch axis at work)."""
+    worst = 0.0
+    for size in sizes:
+        x = batch[:size] if size <= len(batch) else batch[torch.arange(size) % len(batch)]
+        with torch.no_grad():
+            expected = model(x).numpy()
+        got = run(x)
+        if got.shape != expected.shape:
+            raise RuntimeError(f"the exported model returned shape {got.shape} for a batch of {size}, "
+                               f"PyTorch {expected.shape}")
+        worst = max(worst, float(np.abs(got - expected).max()))
+    return worst
+
+
+def metadata(cfg: Config, trained: Trained) -> dict[str, Any]:
+    """What a user of an exported file needs to feed it: architecture, classes, preprocessing."""
+    return {"architecture": cfg.model.name, "num_classes": len(trained.class_names),
+            "label_names": trained.class_names, "input_size": [3, cfg.data.img_size, cfg.data.img_size],
+            "crop_pct": cfg.data.crop_pct, "mean": cfg.data.mean, "std": cfg.data.std,
+            "interpolation": cfg.data.interpolation,
+            "input": "float32 NCHW, resized to input_size / crop_pct, centre-cropped, (x / 255 - mean) / std"}
+
+
+def export_onnx(model: nn.Module, example: torch.Tensor, out: Path, meta: dict[str, Any], opset: int
+                ) -> Callable[[torch.Tensor], np.ndarray]:
+    """torch.onnx (dynamo exporter) with a dynamic batch axis; returns an onnxruntime runner of the written file."""
+    import onnx
+    import onnxruntime
+
+    batch = torch.export.Dim("batch", min=1)
+    program = torch.onnx.export(model, (example,), input_names=["input"], output_names=["logits"],
+                                dynamic_shapes=({0: batch},), opset_version=opset, dynamo=True, verbose=False)
+    proto = program.model_proto
+    for key, value in meta.items():
+        proto.metadata_props.add(key=key, value=json.dumps(value))
+    onnx.save(proto, str(out))
+    session = onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    return lambda x: session.run(None, {"input": x.numpy()})[0]
+
+
+def export_torchscript(model: nn.Module, example: torch.Tensor, out: Path, meta: dict[str, Any]
+                       ) -> Callable[[torch.Tensor], np.ndarray]:
+    """torch.jit.trace, with the metadata as the file's config.json; returns a runner of the reloaded file."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit is deprecated, still what C++/mobile users load
+        traced = torch.jit.trace(model, example)
+        torch.jit.save(traced, str(out), _extra_files={"config.json": json.dumps(meta)})
+        loaded = torch.jit.load(str(out), map_location="cpu")
+
+    def run(x: torch.Tensor) -> np.ndarray:
+        with torch.no_grad():
+            return loaded(x).numpy()
+    return run
+
+
+def export_model_folder(model: nn.Module, cfg: Config, trained: Trained, folder: Path
+                        ) -> Callable[[torch.Tensor], np.ndarray]:
+    """config.json (timm's own writer, save_config_for_hf) + model.safetensors; returns a runner of the model
+    timm builds back from the folder (local-dir:, never the hub)."""
+    import timm
+    from safetensors.torch import save_file
+    from timm.models._hub import save_config_for_hf
+
+    folder.mkdir(parents=True, exist_ok=True)
+    data_config = {"input_size": (3, cfg.data.img_size, cfg.data.img_size), "crop_pct": cfg.data.crop_pct,
+                   "crop_mode": "center", "mean": tuple(cfg.data.mean), "std": tuple(cfg.data.std),
+                   "interpolation": cfg.data.interpolation}
+    config_file = folder / MODEL_CONFIG
+    save_config_for_hf(model, str(config_file), model_config={"label_names": trained.class_names},
+                       model_args=dict(cfg.model.kwargs), data_config=data_config)
+    written = json.loads(config_file.read_text())
+    for key in NOT_OURS:  # timm's default weights' provenance, which these weights do not have
+        written["pretrained_cfg"].pop(key, None)
+    config_file.write_text(json.dumps(written, indent=2) + "\n")
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(folder / MODEL_WEIGHTS))
+    loaded = timm.create_model(f"local-dir:{folder.resolve()}", pretrained=True).eval()
+
+    def run(x: torch.Tensor) -> np.ndarray:
+        with torch.no_grad():
+            return loaded(x).numpy()
+    return run
+
+
+def remove(path: Path) -> None:
+    """Delete a file or a folder (an earlier export, or a temp one) if it is there."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    setup_logging(0, "INFO")
+    for noisy in ("onnxscript", "onnx_ir", "timm"):  # INFO lines of the exporter and of the check's reload
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    if args.check_batch < 1:
+        raise UserError(f"--check-batch must be >= 1, got {args.check_batch}")
+    trained = load_trained(args.checkpoint, args.ema)
+    cfg = inference_config(trained, [("data.num_workers", 0), ("model.grad_checkpointing", False)])
+    model = create_model(cfg.model, len(trained.class_names))
+    load_weights(model, trained.weights, trained.source)
+    model = model.eval().float()
+    checkpoint = Path(args.checkpoint)
+    out = Path(args.output) if args.output else checkpoint.parent / f"{checkpoint.stem}{SUFFIXES[args.format]}"
+    batch, where = check_images(cfg, args.images, args.check_batch)
+    example = batch[:2] if len(batch) > 1 else batch.repeat(2, 1, 1, 1)  # export with 2: batch 1 is checked too
+    meta = metadata(cfg, trained)
+    tmp = out.with_name(f".{out.name}.tmp")  # checked before it replaces anything at `out`
+    remove(tmp)
+    try:
+        try:
+            if args.format == "onnx":
+                runner = export_onnx(model, example, tmp, meta, args.opset)
+            elif args.format == "torchscript":
+                runner = export_torchscript(model, example, tmp, meta)
+            else:
+                runner = export_model_folder(model, cfg, trained, tmp)
+        except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:  # the exporter's, not a bug here
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+            raise UserError(f"{args.format} export of {cfg.model.name} failed ({type(err).__name__}: {first}); "
+                            "another --format may work for this architecture") from None
+        difference = max_difference(runner, model, batch, (1, args.check_batch))
+        print(f"max abs difference of the logits, {args.format} vs PyTorch, batches of 1 and {args.check_batch} "
+              f"({where}): {difference:.3g}")
+        if not difference <= args.atol:
+            raise UserError(f"the {args.format} export gives logits up to {difference:.3g} away from PyTorch's "
+                            f"(--atol {args.atol}); {out} was not written")
+        remove(out)
+        os.replace(tmp, out)
+    except OSError as err:
+        raise UserError(f"cannot write {out} ({err.strerror}); choose another --output") from None
+    finally:
+        remove(tmp)
+    print(f"wrote {out} ({cfg.model.name}, {len(trained.class_names)} classes, {trained.source})")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

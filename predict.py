@@ -1,0 +1,176 @@
+"""Run a trained model on images nobody has labelled: top-k classes and probabilities per image.
+
+    python predict.py runs/digits/best.pth photo.png                   # one image
+    python predict.py runs/digits/best.pth images/                     # every image under a folder, at any depth
+    python predict.py runs/digits/best.pth list.txt --topk 3           # a text file of paths, one per line
+    torchrun --nproc_per_node=N predict.py runs/digits/best.pth images/    # N processes, same output
+
+The model is a checkpoint written by train.py or a model folder written by `export.py --format safetensors`;
+the images go through the eval pipeline stored with it (resize, centre crop, mean/std, interpolation).
+Writes predictions.csv (index, path, class_1, prob_1, ..., class_k, prob_k) and predictions.json (the same,
+plus the unreadable files) to --output-dir. An unreadable file is reported and skipped; the others are predicted.
+Relative paths in a list file are relative to the list file's folder. Under torchrun each rank predicts a
+block of whole batches (as evaluate.py) and rank 0 merges the rows in input order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.startup import import_timm_without_wandb, tune_cpu_process
+
+import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (engine/startup.py)
+
+from data.datasets import ImageListDataset, find_images
+from data.loader import build_eval_loader, collate_channels_last
+from data.transforms import DeviceNormalize, eval_transform
+from engine.cli import run_main
+from engine.config import Config, parse_override
+from engine.dist import DistInfo, barrier, init_distributed, rank0_decides, read_launch_env
+from engine.errors import UserError
+from engine.inference import (Trained, check_same_architecture, inference_config, load_trained, merge_parts, part_file,
+                              write_csv)
+from engine.logs import setup_logging
+from engine.precision import resolve_precision
+from engine.weights import load_weights
+from models.factory import create_model, prepare_model
+
+log = logging.getLogger("predict")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="a checkpoint written by train.py, or a model folder from export.py")
+    parser.add_argument("inputs", help="an image, a folder of images (searched at any depth) or a text file of paths")
+    parser.add_argument("--output-dir", help="where predictions.csv/.json go (default: <checkpoint folder>/"
+                                             "predict-<inputs name>)")
+    parser.add_argument("--topk", type=int, default=5, help="classes per image (default 5, at most the class count)")
+    parser.add_argument("--batch-size", type=int, help="per process (default: the checkpoint's train.batch_size)")
+    parser.add_argument("--ema", action="store_true", help="use the checkpoint's EMA weights")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks for user errors")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data.num_workers=0 amp=off")
+    return parser.parse_intermixed_args(argv)
+
+
+def collate_predictions(samples: list[tuple[torch.Tensor | None, int, str]]
+                        ) -> tuple[torch.Tensor | None, torch.Tensor | None, list[tuple[int, str]]]:
+    """(readable images as a channels_last uint8 batch or None, their indices, (index, error) of the others)."""
+    kept = [(image, index) for image, index, _ in samples if image is not None]
+    failed = [(index, error) for image, index, error in samples if image is None]
+    if not kept:
+        return None, None, failed
+    images, indices = collate_channels_last(kept)
+    return images, indices, failed
+
+
+def columns(k: int) -> list[str]:
+    """predictions.csv's columns for the top k classes (the part files add the error column)."""
+    return ["index", "path"] + [f"{name}_{i}" for i in range(1, k + 1) for name in ("class", "prob")]
+
+
+@torch.no_grad()
+def predict(model: torch.nn.Module, loader, dataset: ImageListDataset, class_names: list[str], k: int,
+            cfg: Config, info: DistInfo) -> list[dict[str, Any]]:
+    """This rank's rows, in input order: top-k names and probabilities, or the error of an unreadable file."""
+    precision = resolve_precision(cfg.amp, info.device)
+    normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
+    rows: list[dict[str, Any]] = []
+    for images, indices, failed in loader:
+        rows += [{"index": index, "path": dataset.path(index), "error": error} for index, error in failed]
+        if images is None:
+            continue
+        with precision.autocast():
+            logits = model(normalize(images.to(info.device)))
+        probs, ranked = logits.float().softmax(dim=1).topk(k, dim=1)
+        for index, top, p in zip(indices.tolist(), ranked.tolist(), probs.tolist()):
+            row = {"index": index, "path": dataset.path(index), "error": ""}
+            for i, (c, value) in enumerate(zip(top, p), start=1):
+                row[f"class_{i}"], row[f"prob_{i}"] = class_names[c], f"{value:.6f}"
+            rows.append(row)
+    return sorted(rows, key=lambda row: row["index"])
+
+
+def make_output_dir(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"--output-dir {out} is not writable ({err.strerror}); choose another one") from None
+
+
+def settings(args: argparse.Namespace) -> list[tuple[str, Any]]:
+    """--batch-size and the dotted overrides, as (key, value) pairs for the stored config."""
+    pairs = []
+    if args.batch_size is not None:
+        if args.batch_size <= 0:
+            raise UserError(f"--batch-size must be > 0, got {args.batch_size}")
+        pairs.append(("train.batch_size", args.batch_size))
+    if args.topk <= 0:
+        raise UserError(f"--topk must be > 0, got {args.topk}")
+    pairs.append(("model.grad_checkpointing", False))  # a training option: plain forward passes here
+    return pairs + [parse_override(item) for item in args.overrides]
+
+
+def run(trained: Trained, cfg: Config, args: argparse.Namespace, info: DistInfo) -> dict[str, Any] | None:
+    """Predict on every rank; rank 0 merges, writes and returns the summary."""
+    out = Path(args.output_dir or Path(args.checkpoint).parent / f"predict-{Path(args.inputs).stem or 'inputs'}")
+    paths = rank0_decides(lambda: find_images(args.inputs))
+    if len(paths) < info.world_size:
+        raise UserError(f"{len(paths)} image(s) for {info.world_size} processes; use fewer processes")
+    rank0_decides(lambda: make_output_dir(out))
+    dataset = ImageListDataset(paths, eval_transform(cfg.data), cfg.data.max_image_pixels)
+    loader = build_eval_loader(dataset, cfg.data, cfg.train.batch_size, info, collate_fn=collate_predictions)
+    model = create_model(cfg.model, len(trained.class_names))
+    load_weights(model, trained.weights, trained.source)
+    model = prepare_model(model, cfg.model, info.device, 1).eval()  # sync_bn needs several processes: off
+    k = min(args.topk, len(trained.class_names))
+    if info.is_main:
+        log.info("predicting %d images with %s (%s, %d classes), %d process(es), batch %d per process",
+                 len(paths), trained.source, cfg.model.name, len(trained.class_names), info.world_size,
+                 cfg.train.batch_size)
+    rows = predict(model, loader, dataset, trained.class_names, k, cfg, info)
+    write_csv(rows, part_file(out, "predictions", info.rank), [*columns(k), "error"])
+    barrier()  # every part file is complete before rank 0 reads them
+    if not info.is_main:
+        return None
+    rows = merge_parts(out, "predictions", info.world_size, len(paths))
+    good = [{key: row[key] for key in columns(k)} for row in rows if not row["error"]]
+    unreadable = [{"path": row["path"], "error": row["error"]} for row in rows if row["error"]]
+    for row in unreadable:
+        log.warning("skipped: %s", row["error"])
+    write_csv(good, out / "predictions.csv", columns(k))
+    result = {"checkpoint": str(args.checkpoint), "ema": args.ema, "n": len(good), "unreadable": unreadable,
+              "predictions": [{"index": int(row["index"]), "path": row["path"],
+                               "top": [{"class": row[f"class_{i}"], "prob": float(row[f"prob_{i}"])}
+                                       for i in range(1, k + 1)]} for row in good]}
+    json_file = out / "predictions.json"
+    tmp = json_file.with_name(f".{json_file.name}.tmp")
+    tmp.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", errors="surrogateescape")
+    tmp.replace(json_file)
+    return {**result, "output_dir": str(out)}
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    trained = load_trained(args.checkpoint, args.ema)
+    cfg = inference_config(trained, settings(args))
+    check_same_architecture(cfg, trained)
+    setup_logging(read_launch_env()[0], cfg.logging.level)  # before the rendezvous, which may wait
+    info = init_distributed(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.rendezvous_timeout_s)
+    if info.device.type == "cpu":
+        tune_cpu_process(threads=1)  # as evaluate.py: outputs independent of the number of processes
+    result = run(trained, cfg, args, info)  # report_errors leaves the process group, after reporting any error
+    if result is not None:
+        skipped = len(result["unreadable"])
+        print(f"predicted {result['n']} image(s), {skipped} unreadable skipped; wrote predictions.csv and "
+              f"predictions.json to {result['output_dir']}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,127 @@
+"""export.py on a trained resnet18: ONNX in onnxruntime, TorchScript, and a timm model folder, each equal to PyTorch."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import export
+import predict
+from engine.cli import report_errors
+from tests.helpers import run_script
+
+pytestmark = [pytest.mark.slow,  # trains a resnet18 for a few steps, then exports it three ways
+              pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning")]
+
+
+@pytest.fixture(scope="module")
+def resnet18_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("export") / "run"
+    run_script("train.py", "--config", "dummy", "model.name=resnet18", "data.img_size=32", "data.dummy_image_size=36",
+               "data.dummy_train_size=64", "data.dummy_val_size=16", "train.batch_size=16", "train.max_steps=3",
+               "logging.progress=false", f"output_dir={out}")
+    return out
+
+
+@pytest.fixture
+def no_hub(monkeypatch):
+    """Any attempt to reach the Hugging Face hub fails the test (nothing may be downloaded)."""
+    import huggingface_hub
+    import timm.models._hub as timm_hub
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"hub call: {args} {kwargs}")
+
+    for module in (timm_hub, huggingface_hub):
+        for name in ("hf_hub_download", "snapshot_download"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, refuse)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def trained_model_and_batch(run: Path) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The checkpoint's model (fp32, eval) and its 16 preprocessed validation images."""
+    from engine.inference import inference_config, load_trained
+    from engine.weights import load_weights
+    from models.factory import create_model
+
+    trained = load_trained(run / "best.pth")
+    cfg = inference_config(trained)
+    model = create_model(cfg.model, len(trained.class_names))
+    load_weights(model, trained.weights, "best.pth")
+    batch, _ = export.check_images(cfg, None, 16)
+    return model.eval(), batch
+
+
+def test_onnx_and_torchscript_match_pytorch_for_batches_of_1_and_7(resnet18_run, tmp_path, capsys, no_hub):
+    import onnxruntime
+
+    ckpt = str(resnet18_run / "best.pth")
+    assert report_errors(export.main, [ckpt, "--format", "onnx", "--check-batch", "7"]) == 0
+    printed = capsys.readouterr().out
+    assert "max abs difference of the logits, onnx vs PyTorch, batches of 1 and 7" in printed
+    onnx_file = resnet18_run / "best.onnx"
+    model, batch = trained_model_and_batch(resnet18_run)
+    session = onnxruntime.InferenceSession(str(onnx_file), providers=["CPUExecutionProvider"])
+    assert session.get_inputs()[0].shape[0] == "batch"  # a dynamic batch axis
+    meta = session.get_modelmeta().custom_metadata_map
+    assert json.loads(meta["label_names"]) == [f"class_{i}" for i in range(10)]
+    assert json.loads(meta["mean"]) == [0.485, 0.456, 0.406] and json.loads(meta["input_size"]) == [3, 32, 32]
+    for size in (1, 7):
+        x = batch[:size]
+        with torch.no_grad():
+            expected = model(x).numpy()
+        got = session.run(None, {"input": x.numpy()})[0]
+        assert got.shape == (size, 10)
+        assert np.abs(got - expected).max() <= 1e-4, (size, np.abs(got - expected).max())
+
+    out = tmp_path / "model.ts"
+    assert report_errors(export.main, [ckpt, "--format", "torchscript", "--output", str(out)]) == 0
+    loaded = torch.jit.load(str(out))
+    with torch.no_grad():
+        assert (loaded(batch[:7]) - model(batch[:7])).abs().max() <= 1e-4
+
+    # A mismatch is an error and leaves the earlier export in place (here: any difference fails --atol -1).
+    before = onnx_file.read_bytes()
+    assert report_errors(export.main, [ckpt, "--format", "onnx", "--atol", "-1"]) == 2
+    assert "was not written" in capsys.readouterr().err
+    assert onnx_file.read_bytes() == before and sorted(p.name for p in resnet18_run.glob(".*")) == []
+
+
+def test_safetensors_folder_loads_in_timm_and_predict(resnet18_run, tmp_path, capsys, no_hub):
+    import timm
+
+    folder = tmp_path / "hf"
+    ckpt = str(resnet18_run / "best.pth")
+    assert report_errors(export.main, [ckpt, "--format", "safetensors", "--output", str(folder)]) == 0
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architecture"] == "resnet18" and config["num_classes"] == 10
+    assert config["label_names"] == [f"class_{i}" for i in range(10)]
+    pretrained = config["pretrained_cfg"]
+    assert pretrained["input_size"] == [3, 32, 32] and pretrained["crop_pct"] == 1.0
+    assert pretrained["mean"] == [0.485, 0.456, 0.406] and pretrained["interpolation"] == "bilinear"
+    assert "tag" not in pretrained and "hf_hub_id" not in pretrained  # not timm's default weights
+
+    model, batch = trained_model_and_batch(resnet18_run)
+    loaded = timm.create_model("resnet18", pretrained=True, num_classes=10, pretrained_cfg_overlay=dict(
+        file=str(folder / "model.safetensors"), num_classes=10)).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(batch), model(batch))
+
+    # predict.py takes the folder as it takes the checkpoint: the same rows.
+    images = tmp_path / "images"
+    images.mkdir()
+    import cv2
+
+    for i in range(3):
+        cv2.imwrite(str(images / f"{i}.png"), np.random.default_rng(i).integers(0, 256, (40, 40, 3), np.uint8))
+    for source, out in ((ckpt, tmp_path / "p-ckpt"), (str(folder), tmp_path / "p-folder")):
+        assert report_errors(predict.main, [source, str(images), "--output-dir", str(out), "amp=off"]) == 0
+    with (tmp_path / "p-ckpt" / "predictions.csv").open() as a, (tmp_path / "p-folder" / "predictions.csv").open() as b:
+        assert list(csv.DictReader(a)) == list(csv.DictReader(b))
