@@ -104,8 +104,8 @@ def test_tied_logits_give_one_prediction_for_the_metrics_and_the_csv(tmp_path):
     writer = evaluate.PredictionWriter(dataset, 0, names)
     normalize = DeviceNormalize(cfg.mean, cfg.std, CPU.device, channels_last=False)
     metrics = run_evaluation(TiedLogits(), loader, Precision("cpu", None), CPU, normalize, on_batch=writer)
-    writer.write(tmp_path / "predictions.part0.csv")
-    rows = evaluate.merge_parts(tmp_path, 1, len(dataset))
+    writer.write(evaluate.part_file(tmp_path, "predictions", 0))
+    rows = evaluate.merge_parts(tmp_path, "predictions", 1, len(dataset))
     result, _ = evaluate.summarize(rows, metrics, names, "tied.pth", ema=False)  # raised on disagreement
     csv_top1 = 100.0 * sum(row["pred"] == row["label"] for row in rows) / len(rows)
     assert result["top1"] == csv_top1
