@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler, default_co
 
 from data.datasets import AugmentedDataset, DummyDataset, ImageFolderDataset, find_classes
 from data.digits import export_digits
-from data.transforms import eval_transform, train_transform
+from data.transforms import eval_transform, tensor_augment, train_transform
 from engine.config import DataConfig
 from engine.dist import DistInfo, local_main_first
 from engine.errors import UserError
@@ -81,7 +81,7 @@ def build_datasets(cfg: DataConfig, seed: int, local_rank: int = 0) -> tuple[Aug
     val = build_val_dataset(cfg, seed, local_rank)
     if cfg.name == "dummy":
         return DummyDataset(cfg.dummy_train_size, cfg.dummy_num_classes, cfg.dummy_image_size,
-                            train_transform(cfg), seed), val
+                            train_transform(cfg), seed, tensor_transform=tensor_augment(cfg)), val
     root = Path(cfg.root)
     train_classes = find_classes(root / "train")
     if cfg.skip_corrupt:
@@ -91,7 +91,8 @@ def build_datasets(cfg: DataConfig, seed: int, local_rank: int = 0) -> tuple[Aug
         raise UserError(f"{root}/train and {root}/val have different class folders (differing: {', '.join(only[:10])})")
     # skip_corrupt never for val: an evaluation counts every image
     train = ImageFolderDataset(root / "train", train_transform(cfg), seed, train_classes,
-                               skip_corrupt=cfg.skip_corrupt, max_pixels=cfg.max_image_pixels)
+                               skip_corrupt=cfg.skip_corrupt, max_pixels=cfg.max_image_pixels,
+                               tensor_transform=tensor_augment(cfg))
     return train, val
 
 
