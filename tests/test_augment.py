@@ -13,11 +13,13 @@ import torch
 import train
 from data.datasets import DummyDataset
 from data.loader import EpochSampler, build_train_loader
+from data.mixing import BatchMix, MixCollate
 from data.transforms import tensor_augment, train_transform
 from engine.cli import report_errors
-from engine.config import DataConfig, load_config
+from engine.config import DataConfig, TrainConfig, load_config
 from engine.dist import DistInfo
 from engine.errors import UserError
+from engine.losses import build_loss
 from tests.helpers import TINY
 
 RECIPE = dict(img_size=16, auto_augment="rand-m9-mstd0.5", random_erase=0.5)
@@ -94,19 +96,26 @@ def test_policy_draws_leave_the_global_torch_rng_alone():
     assert not torch.equal(data[(1, 5)][0], first)  # a new epoch, new draws
 
 
-def per_sample_images(cfg: DataConfig, world: int, workers: int, epoch: int = 1) -> dict[tuple, torch.Tensor]:
-    """key -> image, as the training loaders of all `world` ranks deliver them in `epoch`."""
+def per_sample_images(cfg: DataConfig, world: int, workers: int, epoch: int = 1) -> dict[tuple, tuple]:
+    """key -> (image, and with mixing: its mix draw and its partner's key), as the training loaders of all
+    `world` ranks deliver them in `epoch`."""
     cfg.num_workers = workers
     data = dataset(cfg)
-    images = {}
+    samples = {}
     for rank in range(world):
         loader = build_train_loader(data, cfg, 4, seed=3, info=DistInfo(rank, world, rank, world, torch.device("cpu")))
         loader.sampler.set_epoch(epoch)
         keys = list(loader.sampler)
-        batches = [batch[0] for batch in loader]
-        stacked = torch.cat(batches)
-        images.update({key: stacked[i] for i, key in enumerate(keys[:len(stacked)])})
-    return images
+        for step, batch in enumerate(loader):
+            batch_keys = keys[step * 4:(step + 1) * 4]
+            for row, key in enumerate(batch_keys):
+                extra = () if len(batch) == 2 else (batch[2][row, 1:], batch_keys[int(batch[2][row, 0])])
+                samples[key] = (batch[0][row], *extra)
+    return samples
+
+
+def equal(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
 
 
 def test_sample_augmentation_is_the_same_for_any_ranks_and_workers():
@@ -115,4 +124,150 @@ def test_sample_augmentation_is_the_same_for_any_ranks_and_workers():
     for world, workers in ((2, 0), (1, 2), (2, 2)):
         images = per_sample_images(DataConfig(**RECIPE), world, workers)
         assert images.keys() <= reference.keys() and len(images) >= 16
-        assert all(torch.equal(images[key], reference[key]) for key in images), (world, workers)
+        assert all(equal(images[key], reference[key]) for key in images), (world, workers)
+
+
+# ---- mixup / cutmix ----------------------------------------------------------------------------------------
+
+MIX = dict(mixup_alpha=1.0, cutmix_alpha=1.0, mixup_switch_prob=0.5, mixup_prob=0.9)
+
+
+def constant_samples(pairs: int, epoch: int = 0) -> list:
+    """Pair k's two samples; sample j is filled with the value 3 j + 1 and has label j (pixels reveal sources)."""
+    return [(torch.full((3, 12, 10), 3 * j + 1, dtype=torch.uint8), j, (epoch, j // 2)) for j in range(2 * pairs)]
+
+
+def test_mixed_targets_sum_to_one_and_match_the_mixed_pixels():
+    n = 64
+    images, labels, mix = MixCollate(DataConfig(**MIX), seed=1)(constant_samples(n // 2))
+    mixed, targets = BatchMix(n, smoothing=0.0)(images.float(), labels, mix)
+    torch.testing.assert_close(targets.sum(dim=1), torch.ones(n))
+    kinds = set()
+    for row in range(n):
+        own, partner = 3 * row + 1, 3 * (row ^ 1) + 1
+        share = targets[row, row].item()  # this image's weight in its target
+        assert targets[row, row ^ 1].item() == pytest.approx(1 - share, abs=1e-6)
+        pixels = mixed[row]
+        if (pixels == own).all():
+            kinds.add("none")
+            assert share == 1.0
+        elif ((pixels == own) | (pixels == partner)).all():  # cutmix: a box of the partner's pixels
+            kinds.add("cutmix")
+            assert share == pytest.approx((pixels == own).float().mean().item(), abs=1e-6)
+            box = (pixels[0] == partner).nonzero()
+            assert len(box) == (box[:, 0].max() - box[:, 0].min() + 1) * (box[:, 1].max() - box[:, 1].min() + 1)
+        else:  # mixup: every pixel share * own + (1 - share) * partner
+            kinds.add("mixup")
+            torch.testing.assert_close(pixels, torch.full_like(pixels, share * own + (1 - share) * partner))
+    assert kinds == {"none", "cutmix", "mixup"}
+
+
+def test_label_smoothing_is_folded_into_the_mixed_targets():
+    images, labels, mix = MixCollate(DataConfig(mixup_alpha=0.4), seed=1)(constant_samples(4))
+    _, targets = BatchMix(10, smoothing=0.1)(images.float(), labels, mix)
+    torch.testing.assert_close(targets.sum(dim=1), torch.ones(8))
+    assert targets.min().item() == pytest.approx(0.01)  # smoothing / classes on every class not in the pair
+
+
+def test_a_pair_draws_the_same_mix_in_any_batch_and_a_lone_sample_is_unmixed():
+    collate = MixCollate(DataConfig(**MIX), seed=1)
+    samples = constant_samples(6, epoch=2)
+    _, _, whole = collate(samples)
+    _, _, later = collate(samples[4:])
+    assert torch.equal(later[:, 1:], whole[4:, 1:])  # same draws; partner rows are batch-local
+    _, _, other_epoch = collate(constant_samples(6, epoch=3))
+    assert not torch.equal(other_epoch[:, 1:], whole[:, 1:])
+    _, _, lone = collate([*samples[:3], None, *samples[4:]])  # data.skip_corrupt dropped sample 3
+    assert lone[2, 0] == 2 and lone[2, 1] == 0 and lone[2, 2] == 1  # its own partner, unmixed
+    assert torch.equal(lone[3:, 1:], whole[4:, 1:])
+
+
+@pytest.mark.parametrize("loss", ["ce", "bce"])
+def test_losses_take_hard_labels_and_soft_targets(loss):
+    logits, labels = torch.randn(6, 5), torch.tensor([0, 1, 2, 3, 4, 0])
+    fn = build_loss(TrainConfig(loss=loss, label_smoothing=0.1), mixing=False)
+    soft = build_loss(TrainConfig(loss=loss, label_smoothing=0.1), mixing=True)
+    smoothed = torch.nn.functional.one_hot(labels, 5) * 0.9 + 0.02
+    torch.testing.assert_close(fn(logits, labels), soft(logits, smoothed))
+    if loss == "bce":
+        expected = torch.nn.functional.binary_cross_entropy_with_logits(logits, smoothed)
+        torch.testing.assert_close(fn(logits, labels), expected)
+
+
+# ---- the samplers: pairs, repeats, global batches ----------------------------------------------------------
+
+
+def global_batches(n: int, world: int, batch: int, unit: int, repeats: int, epoch: int = 1) -> list[list[tuple]]:
+    """For each step, the sorted keys all `world` ranks read (per-rank batch `batch`)."""
+    samplers = [EpochSampler(range(n), num_replicas=world, rank=r, shuffle=True, seed=7, drop_last=True,
+                             unit=unit, repeats=repeats) for r in range(world)]
+    per_rank = []
+    for sampler in samplers:
+        sampler.set_epoch(epoch)
+        keys = list(sampler)
+        assert len(keys) == len(sampler)
+        per_rank.append([keys[s:s + batch] for s in range(0, len(keys) - batch + 1, batch)])
+    steps = min(len(batches) for batches in per_rank)
+    assert all(len(batches) == steps for batches in per_rank)
+    return [sorted(k for batches in per_rank for k in batches[step]) for step in range(steps)]
+
+
+@pytest.mark.parametrize("unit, repeats", [(1, 1), (2, 1), (1, 3), (2, 2), (2, 3)])
+def test_the_global_batches_are_the_same_for_one_and_two_ranks(unit, repeats):
+    for n in (50, 51):
+        one, two = global_batches(n, 1, 12, unit, repeats), global_batches(n, 2, 6, unit, repeats)
+        assert one == two and len(one) == n // 12
+        keys = [key for batch in one for key in batch]
+        assert len(set(keys)) == len(keys)  # (index, repeat) once each
+        if repeats > 1:
+            assert {k[2] for k in keys} == set(range(repeats))
+            counts = torch.bincount(torch.tensor([k[1] for k in keys]))
+            assert counts.max() == repeats  # an index k times, the epoch as long as the dataset
+
+
+def test_pairs_stay_on_one_rank_and_repeats_go_to_different_ranks():
+    ranks = {}
+    for rank in range(3):
+        sampler = EpochSampler(range(60), num_replicas=3, rank=rank, shuffle=True, seed=7, drop_last=True,
+                               unit=2, repeats=3)
+        keys = list(sampler)
+        assert [k[3] for k in keys[::2]] == [k[3] for k in keys[1::2]]  # consecutive samples form a pair
+        ranks.update({k: rank for k in keys})
+    pairs = {}
+    for (_, index, repeat, pair), rank in ranks.items():
+        pairs.setdefault(pair, set()).add(rank)
+    assert all(len(r) == 1 for r in pairs.values())
+    by_index = {}
+    for (_, index, repeat, _), rank in ranks.items():
+        by_index.setdefault(index, []).append(rank)
+    assert all(len(set(r)) == len(r) for r in by_index.values())  # world size 3 >= 3 repeats
+
+
+def test_the_start_skip_resumes_pairs_and_repeats_exactly():
+    full = EpochSampler(range(61), num_replicas=2, rank=1, shuffle=True, seed=7, drop_last=True, unit=2, repeats=2)
+    full.set_epoch(4)
+    resumed = EpochSampler(range(61), num_replicas=2, rank=1, shuffle=True, seed=7, drop_last=True, unit=2,
+                           repeats=2)
+    resumed.set_epoch(4, start=8)
+    assert list(resumed) == list(full)[8:] and len(resumed) == len(full) - 8
+
+
+def test_repeats_get_different_augmentations_and_repeat_zero_is_unchanged():
+    data = dataset(DataConfig(**RECIPE))
+    plain = data[(2, 5)][0]
+    assert torch.equal(data[(2, 5, 0, -1)][0], plain)  # repeat 0 is seeded as without repeats
+    repeats = [data[(2, 5, r, -1)][0] for r in range(4)]
+    assert all(not torch.equal(repeats[a], repeats[b]) for a in range(4) for b in range(a))
+    image, label, key = data[(2, 5, 1, 9)]
+    assert torch.equal(image, repeats[1]) and key == (2, 9)
+
+
+def test_mixed_batches_are_the_same_for_any_ranks_and_workers():
+    """Through real loaders: each key's image, mix draw and partner key are independent of ranks and workers."""
+    cfg = dict(**RECIPE, **MIX, aug_repeats=2)
+    reference = per_sample_images(DataConfig(**cfg), world=1, workers=0)
+    assert len(reference) >= 16 and all(len(key) == 4 for key in reference)
+    for world, workers in ((2, 0), (2, 2)):
+        images = per_sample_images(DataConfig(**cfg), world, workers)
+        assert images.keys() <= reference.keys() and len(images) >= 16
+        assert all(equal(images[key], reference[key]) for key in images), (world, workers)
