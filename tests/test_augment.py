@@ -15,12 +15,14 @@ from data.datasets import DummyDataset
 from data.loader import EpochSampler, build_train_loader
 from data.mixing import BatchMix, MixCollate
 from data.transforms import tensor_augment, train_transform
+from engine.checkpoint import load_checkpoint
 from engine.cli import report_errors
 from engine.config import DataConfig, TrainConfig, load_config
 from engine.dist import DistInfo
 from engine.errors import UserError
 from engine.losses import build_loss
-from tests.helpers import TINY
+from tests import test_correctness as correctness, test_resume as resume
+from tests.helpers import TINY, read_jsonl, run_script
 
 RECIPE = dict(img_size=16, auto_augment="rand-m9-mstd0.5", random_erase=0.5)
 
@@ -271,3 +273,36 @@ def test_mixed_batches_are_the_same_for_any_ranks_and_workers():
         images = per_sample_images(DataConfig(**cfg), world, workers)
         assert images.keys() <= reference.keys() and len(images) >= 16
         assert all(equal(images[key], reference[key]) for key in images), (world, workers)
+
+
+# ---- end to end: the guarantees hold with every recipe option on (fp32) ------------------------------------
+
+RECIPE_RUN = ("data.augment=true", "data.mixup_alpha=0.2", "data.cutmix_alpha=1.0", "data.mixup_prob=0.8",
+              "data.auto_augment=rand-m9-mstd0.5", "data.random_erase=0.25", "data.aug_repeats=2")
+
+
+@pytest.mark.slow
+def test_recipe_one_process_equals_two_ranks(tmp_path):
+    """Guarantee 1 of docs/correctness.md with mixup, cutmix, RandAugment, erasing and repeats on."""
+    common = (*correctness.COMMON, correctness.NO_BN_MODEL, *RECIPE_RUN)
+    run_script("train.py", *common, "train.batch_size=12", f"output_dir={tmp_path}/one")
+    run_script("train.py", *common, "train.batch_size=6", f"output_dir={tmp_path}/two", nproc=2)
+    correctness.assert_same_model(tmp_path / "one", tmp_path / "two")
+
+
+@pytest.mark.slow
+def test_recipe_resume_mid_epoch_is_bitwise_identical(tmp_path):
+    """2 ranks x 4 steps per epoch, stopped at step 6 (mid-epoch 1) and resumed == uninterrupted, every bit."""
+    straight, out = tmp_path / "straight", tmp_path / "run"
+    args = [*resume.RUN, *RECIPE_RUN, "train.loss=bce", "train.label_smoothing=0.1"]
+    run_script("train.py", *args, f"output_dir={straight}", nproc=2)
+    run_script("train.py", *args, f"output_dir={out}", "train.max_steps=6", nproc=2)
+    partial = load_checkpoint(out / "last.pth")
+    assert (partial["epoch"], partial["epoch_step"]) == (1, 2)
+    stop_top1 = read_jsonl(out / "metrics.jsonl")[-1]["val_top1"]  # the evaluation at the stop
+    run_script("train.py", *args, f"output_dir={out}", nproc=2)
+    expected, resumed = load_checkpoint(straight / "last.pth"), load_checkpoint(out / "last.pth")
+    assert resumed["best_top1"] == max(expected["best_top1"], stop_top1)  # the only allowed difference
+    resumed["best_top1"] = expected["best_top1"]
+    resume.assert_same(expected, resumed)
+    assert resume.rows_without_timing(out) == resume.rows_without_timing(straight)
