@@ -12,10 +12,11 @@ of 32), alternating:
 - torchvision: datasets.ImageFolder + RandomResizedCrop(224), RandomHorizontalFlip, ToTensor, Normalize
   (the pytorch/examples ImageNet pipeline), and the same with transforms.v2 (PILToTensor + ToDtype).
 
-RandAugment (issue 14): the same sides with RandAugment, 2 ops at magnitude 9 of timm's 0-10 scale, after the
-crop and flip: ours with data.auto_augment=rand-m9-n2 (torchvision.transforms.v2 on the uint8 tensor, seeded
-per sample inside torch.random.fork_rng), torchvision with transforms.RandAugment(num_ops=2, magnitude=27) on
-the PIL image (27 of its 31 bins is the same 0.9 of each op's range; the 14 ops are the same).
+RandAugment (issue 14): the same sides with RandAugment, 2 ops at magnitude 9 of timm's 0-10 scale, every op
+applied, after the crop and flip: ours with data.auto_augment=rand-m9-n2-p1 (torchvision.transforms.v2's
+policy on the uint8 tensor with data.transforms.FastKernels, seeded per sample inside torch.random.fork_rng),
+torchvision with transforms.RandAugment(num_ops=2, magnitude=27) on the PIL image (27 of its 31 bins is the
+same 0.9 of each op's range; the 14 ops are the same).
 
 Reduced-size decoding: libjpeg can decode at 1/2, 1/4, 1/8 scale (cv2.IMREAD_REDUCED_COLOR_*, PIL draft).
 It keeps the result correct only when the crop, after reduction, is still at least the output size;
@@ -227,7 +228,7 @@ def randaugment_tables(root: Path, kb: float, args: argparse.Namespace) -> None:
     from data.transforms import DeviceNormalize, tensor_augment, train_transform
     from engine.config import DataConfig
 
-    cfg = DataConfig(img_size=224, mean=list(MEAN), std=list(STD), auto_augment="rand-m9-n2")
+    cfg = DataConfig(img_size=224, mean=list(MEAN), std=list(STD), auto_augment="rand-m9-n2-p1")
     ours = ImageFolderDataset(root / "train", train_transform(cfg), seed=0, tensor_transform=tensor_augment(cfg))
     classic = datasets.ImageFolder(str(root / "train"), transform=T.Compose([
         T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.RandAugment(num_ops=2, magnitude=27),

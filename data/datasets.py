@@ -110,7 +110,7 @@ def seeded(transform: TensorTransform, image: torch.Tensor, seed: int) -> torch.
     """transform(image) with torch's global CPU RNG set to `seed`, and put back afterwards (torchvision v2
     draws from it, and dropout in this process must not see the difference)."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)  # torch.manual_seed would also queue a lazy CUDA seeding per call
         return transform(image)
 
 

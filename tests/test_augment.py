@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torchvision.transforms import v2
 
 import train
 from data.datasets import DummyDataset
 from data.loader import EpochSampler, build_train_loader
 from data.mixing import BatchMix, MixCollate
-from data.transforms import tensor_augment, train_transform
+from data.transforms import TimmRandAugment, tensor_augment, train_transform
 from engine.checkpoint import load_checkpoint
 from engine.cli import report_errors
 from engine.config import DataConfig, TrainConfig, load_config
@@ -32,11 +33,11 @@ def dataset(cfg: DataConfig, size: int = 24) -> DummyDataset:
 
 
 @pytest.mark.parametrize("value, message", [
-    ("rand", None), ("rand-m9-mstd0.5", None), ("rand-m7-n3", None), ("trivialaugment", None), ("augmix", None),
+    ("rand", None), ("rand-m9-mstd0.5", None), ("rand-m7-n3-p1", None), ("rand-m9-mstd101-p0.25", None), ("trivialaugment", None), ("augmix", None),
     ("augmix-m3-w3", None), ("autoaugment", None),
     ("randaugment", "config key 'data.auto_augment' is 'randaugment'; use rand-m<magnitude"),
     ("rand-m9-x2", "config key 'data.auto_augment' is 'rand-m9-x2': cannot read 'x2'"),
-    ("rand-m12", "rand needs m in 0-10"), ("rand-m9.5", "cannot read 'm9.5'"), ("augmix-m0", "augmix needs m in 1-10"),
+    ("rand-m12", "rand needs m in 0-10"), ("rand-m9-p1.5", "p in [0, 1]"), ("rand-m9.5", "cannot read 'm9.5'"), ("augmix-m0", "augmix needs m in 1-10"),
 ])
 def test_auto_augment_strings(value, message, capsys):
     if message is None:
@@ -76,6 +77,27 @@ def test_each_policy_changes_images_and_keeps_them_uint8(policy):
         assert image.dtype == torch.uint8 and image.shape == (3, 16, 16) and label == plain[(0, i)][1]
         changed += not torch.equal(image, plain[(0, i)][0])  # same crop and flip underneath
     assert changed >= 4
+
+
+@pytest.mark.parametrize("op, magnitudes", [
+    ("Rotate", (-27.0, -5.5, 13.0, 30.0)), ("ShearX", (-0.27, 0.1, 0.3)), ("ShearY", (-0.3, 0.05, 0.27)),
+    ("TranslateX", (-13.0, 4.7, 61.0)), ("TranslateY", (-9.0, 20.0)), ("Sharpness", (-0.9, -0.3, 0.3, 0.9)),
+    ("Solarize", (0.0, 0.3, 0.5001, 1.0)),
+])
+def test_opencv_kernels_match_torchvision(op, magnitudes):
+    """FastKernels' ops against torchvision's own kernels, on uint8 CHW views of HWC images (as ToTensorV2 gives)."""
+    ours, theirs = TimmRandAugment(2, 9, 0.0), v2.RandAugment()
+    generator = torch.Generator().manual_seed(0)
+    for height, width in ((32, 32), (45, 28), (224, 180)):
+        noise = torch.randint(0, 256, (height, width, 3), dtype=torch.uint8, generator=generator)
+        image = noise.permute(2, 0, 1)
+        for magnitude in magnitudes:
+            got, want = (policy._apply_image_or_video_transform(image, op, magnitude, v2.InterpolationMode.NEAREST,
+                                                                policy._fill) for policy in (ours, theirs))
+            assert got.shape == want.shape and got.dtype == torch.uint8
+            same = (got == want).all(dim=0).float().mean().item()
+            # nearest-neighbour ties may round the other way in OpenCV's fixed point: a pixel in thousands
+            assert same == 1.0 or (op in ("Rotate", "ShearX", "ShearY") and same > 0.999), (op, magnitude, same)
 
 
 def test_erasing_fills_a_box_with_varied_pixels():
