@@ -66,7 +66,7 @@ def tensor_augment(cfg: DataConfig) -> TensorTransform | None:
 
 
 class FastKernels:
-    """For torchvision's policies: Rotate, Shear, Translate, Sharpness and Solarize on a uint8 CHW image run
+    """For torchvision's policies: Rotate, Shear, Translate, Sharpness, Solarize, AutoContrast on a uint8 CHW image run
     through OpenCV on its HWC view with torchvision's parameters (the same inverse affine map, nearest
     neighbour, fill 0; the same 3x3 smoothing kernel and blend), not through torch's float kernels, which
     cost several times more per image on a single-threaded worker (docs/benchmarks.md). Other ops, and any
@@ -81,6 +81,8 @@ class FastKernels:
             return sharpen(image, 1.0 + magnitude)
         if fast and transform_id == "Solarize":
             return solarize(image, math.ceil(255 * magnitude))
+        if fast and transform_id == "AutoContrast":
+            return autocontrast(image)
         return super()._apply_image_or_video_transform(image, transform_id, magnitude, interpolation, fill)
 
 
@@ -126,6 +128,20 @@ def solarize(image: torch.Tensor, threshold: int) -> torch.Tensor:
     table = np.arange(256, dtype=np.uint8)
     table[threshold:] = 255 - table[threshold:]
     return torch.from_numpy(cv2.LUT(np.ascontiguousarray(image.permute(1, 2, 0).numpy()), table)).permute(2, 0, 1)
+
+
+def autocontrast(image: torch.Tensor) -> torch.Tensor:
+    """torchvision's autocontrast on uint8 (each channel stretched to 0-255), its float32 formula applied to a
+    per-channel table of the 256 values, then one lookup."""
+    hwc = np.ascontiguousarray(image.permute(1, 2, 0).numpy())
+    ranges = [cv2.minMaxLoc(channel)[:2] for channel in cv2.split(hwc)]
+    low, high = torch.tensor(ranges, dtype=torch.float32).T[:, :, None]  # [3, 1] each
+    flat = high == low
+    inv_scale = (high - low).mul_(1.0 / 255)
+    low[flat], inv_scale[flat] = 0.0, 1.0
+    values = torch.arange(256, dtype=torch.float32).expand(3, 256)
+    table = (values - low).div_(inv_scale).clamp_(0, 255).to(torch.uint8)  # [3, 256]
+    return torch.from_numpy(cv2.LUT(hwc, np.ascontiguousarray(table.T.numpy())[None])).permute(2, 0, 1)
 
 
 class TrivialAugmentWide(FastKernels, v2.TrivialAugmentWide):

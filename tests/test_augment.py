@@ -82,7 +82,7 @@ def test_each_policy_changes_images_and_keeps_them_uint8(policy):
 @pytest.mark.parametrize("op, magnitudes", [
     ("Rotate", (-27.0, -5.5, 13.0, 30.0)), ("ShearX", (-0.27, 0.1, 0.3)), ("ShearY", (-0.3, 0.05, 0.27)),
     ("TranslateX", (-13.0, 4.7, 61.0)), ("TranslateY", (-9.0, 20.0)), ("Sharpness", (-0.9, -0.3, 0.3, 0.9)),
-    ("Solarize", (0.0, 0.3, 0.5001, 1.0)),
+    ("Solarize", (0.0, 0.3, 0.5001, 1.0)), ("AutoContrast", (0.0,)),
 ])
 def test_opencv_kernels_match_torchvision(op, magnitudes):
     """FastKernels' ops against torchvision's own kernels, on uint8 CHW views of HWC images (as ToTensorV2 gives)."""
@@ -91,6 +91,10 @@ def test_opencv_kernels_match_torchvision(op, magnitudes):
     for height, width in ((32, 32), (45, 28), (224, 180)):
         noise = torch.randint(0, 256, (height, width, 3), dtype=torch.uint8, generator=generator)
         image = noise.permute(2, 0, 1)
+        if op == "AutoContrast":  # narrow channel ranges to stretch, one of them flat
+            image = (noise // 3 + 40).permute(2, 0, 1).contiguous()
+            image[1] = 77
+            image = image.permute(1, 2, 0).contiguous().permute(2, 0, 1)
         for magnitude in magnitudes:
             got, want = (policy._apply_image_or_video_transform(image, op, magnitude, v2.InterpolationMode.NEAREST,
                                                                 policy._fill) for policy in (ours, theirs))
