@@ -74,7 +74,8 @@ class FastKernels:
 
     def _apply_image_or_video_transform(self, image, transform_id, magnitude, interpolation, fill):
         fast = (type(image) is torch.Tensor and image.dtype == torch.uint8 and image.ndim == 3
-                and image.shape[0] == 3 and interpolation == v2.InterpolationMode.NEAREST and self.fill is None)
+                and image.shape[0] == 3 and v2.InterpolationMode(interpolation) == v2.InterpolationMode.NEAREST
+                and self.fill is None)
         if fast and transform_id in AFFINE_OPS:
             return warp_affine(image, **AFFINE_OPS[transform_id](magnitude))
         if fast and transform_id == "Sharpness":

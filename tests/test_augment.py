@@ -96,7 +96,7 @@ def test_opencv_kernels_match_torchvision(op, magnitudes):
             image[1] = 77
             image = image.permute(1, 2, 0).contiguous().permute(2, 0, 1)
         for magnitude in magnitudes:
-            got, want = (policy._apply_image_or_video_transform(image, op, magnitude, v2.InterpolationMode.NEAREST,
+            got, want = (policy._apply_image_or_video_transform(image, op, magnitude, policy.interpolation,
                                                                 policy._fill) for policy in (ours, theirs))
             assert got.shape == want.shape and got.dtype == torch.uint8
             same = (got == want).all(dim=0).float().mean().item()
