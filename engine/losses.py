@@ -35,5 +35,7 @@ class BinaryCrossEntropy(nn.Module):
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if not targets.is_floating_point():
             off = self.smoothing / logits.shape[1]
-            targets = torch.full_like(logits, off).scatter_(1, targets[:, None], 1.0 - self.smoothing + off)
-        return nn.functional.binary_cross_entropy_with_logits(logits, targets.to(logits.dtype))
+            targets = torch.full(logits.shape, off, device=logits.device).scatter_(1, targets[:, None],
+                                                                                  1.0 - self.smoothing + off)
+        # float32 targets; under autocast the loss runs in float32 (an autocast fp32 op), never on bf16 targets
+        return nn.functional.binary_cross_entropy_with_logits(logits, targets.float())
