@@ -114,7 +114,7 @@ def build_datasets(cfg: DataConfig, seed: int, local_rank: int = 0) -> tuple[Aug
     val = build_val_dataset(cfg, seed, local_rank)
     if cfg.name == "dummy":
         return DummyDataset(cfg.dummy_train_size, cfg.dummy_num_classes, cfg.dummy_image_size,
-                            train_transform(cfg), seed, tensor_transform=tensor_augment(cfg)), val
+                            train_transform(cfg), seed), val
     root = Path(cfg.root)
     train_classes = find_classes(root / "train")
     if cfg.skip_corrupt:
@@ -124,8 +124,7 @@ def build_datasets(cfg: DataConfig, seed: int, local_rank: int = 0) -> tuple[Aug
         raise UserError(f"{root}/train and {root}/val have different class folders (differing: {', '.join(only[:10])})")
     # skip_corrupt never for val: an evaluation counts every image
     train = ImageFolderDataset(root / "train", train_transform(cfg), seed, train_classes,
-                               skip_corrupt=cfg.skip_corrupt, max_pixels=cfg.max_image_pixels,
-                               tensor_transform=tensor_augment(cfg))
+                               skip_corrupt=cfg.skip_corrupt, max_pixels=cfg.max_image_pixels)
     return train, val
 
 
@@ -287,6 +286,7 @@ class DataBundle:
 def build_data(cfg: DataConfig, batch_size: int, seed: int, info: DistInfo) -> DataBundle:
     """Everything training needs from data/: both loaders and the class list."""
     train_set, val_set = build_datasets(cfg, seed, info.local_rank)
+    train_set.tensor_transform = tensor_augment(cfg)  # data.auto_augment, data.random_erase: for any data format
     log.info("data %s: train %d images, val %d images, %d classes",
              cfg.name, len(train_set), len(val_set), len(train_set.classes))
     val = build_eval_loader(val_set, cfg, batch_size, info)
