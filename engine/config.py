@@ -89,7 +89,7 @@ class DataConfig:
     dummy_val_size: int = 250  # dummy: validation images
     dummy_num_classes: int = 10  # dummy: classes
     dummy_image_size: int = 64  # dummy: side of the generated images (pixels)
-    auto_augment: str = ""  # "" | rand-m9-mstd0.5 (-n2 ops, -p0.5 per op) | trivialaugment | augmix (-m3-w3) | autoaugment
+    auto_augment: str = ""  # "" | rand-m9-mstd0.5 (-n2: ops, -p0.5: per op) | trivialaugment | augmix | autoaugment
     random_erase: float = 0.0  # probability of erasing a random box with random pixels (timm mode='pixel')
     mixup_alpha: float = 0.0  # mixup Beta(alpha, alpha) between pairs of images; 0 = off
     cutmix_alpha: float = 0.0  # cutmix Beta(alpha, alpha) box between pairs of images; 0 = off
@@ -394,7 +394,8 @@ def parse_auto_augment(text: str) -> tuple[str, dict[str, float]]:
     options = dict(AUTO_AUGMENT_OPTIONS[name])
     for part in parts:
         match = re.fullmatch(r"(mstd|[a-z]+?)(\d+(?:\.\d*)?)", part)
-        if not match or match.group(1) not in options or (match.group(1) not in ("mstd", "p") and "." in match.group(2)):
+        integer_only = match and match.group(1) not in ("mstd", "p")
+        if not match or match.group(1) not in options or (integer_only and "." in match.group(2)):
             raise UserError(f"config key 'data.auto_augment' is {text!r}: cannot read {part!r}; use "
                             f"{AUTO_AUGMENT_FORMS}")
         options[match.group(1)] = float(match.group(2))

@@ -33,11 +33,13 @@ def dataset(cfg: DataConfig, size: int = 24) -> DummyDataset:
 
 
 @pytest.mark.parametrize("value, message", [
-    ("rand", None), ("rand-m9-mstd0.5", None), ("rand-m7-n3-p1", None), ("rand-m9-mstd101-p0.25", None), ("trivialaugment", None), ("augmix", None),
+    ("rand", None), ("rand-m9-mstd0.5", None), ("rand-m7-n3-p1", None), ("rand-m9-mstd101-p0.25", None),
+    ("trivialaugment", None), ("augmix", None),
     ("augmix-m3-w3", None), ("autoaugment", None),
     ("randaugment", "config key 'data.auto_augment' is 'randaugment'; use rand-m<magnitude"),
     ("rand-m9-x2", "config key 'data.auto_augment' is 'rand-m9-x2': cannot read 'x2'"),
-    ("rand-m12", "rand needs m in 0-10"), ("rand-m9-p1.5", "p in [0, 1]"), ("rand-m9.5", "cannot read 'm9.5'"), ("augmix-m0", "augmix needs m in 1-10"),
+    ("rand-m12", "rand needs m in 0-10"), ("rand-m9-p1.5", "p in [0, 1]"), ("rand-m9.5", "cannot read 'm9.5'"),
+    ("augmix-m0", "augmix needs m in 1-10"),
 ])
 def test_auto_augment_strings(value, message, capsys):
     if message is None:
@@ -102,6 +104,28 @@ def test_opencv_kernels_match_torchvision(op, magnitudes):
             same = (got == want).all(dim=0).float().mean().item()
             # nearest-neighbour ties may round the other way in OpenCV's fixed point: a pixel in thousands
             assert same == 1.0 or (op in ("Rotate", "ShearX", "ShearY") and same > 0.999), (op, magnitude, same)
+
+
+@pytest.mark.parametrize("policy", ["rand-m9-n3-p1", "trivialaugment", "autoaugment"])
+def test_policies_take_the_opencv_kernels(policy, monkeypatch):
+    """The policies call the ops as torchvision does (interpolation as the string "nearest"); a spy on
+    torchvision's own kernels (which still run when called) shows FastKernels answered every such op."""
+    from torchvision.transforms.v2 import _auto_augment
+
+    called = []
+
+    def spy(name: str):
+        kernel = getattr(_auto_augment.F, name)
+        return lambda *args, **kwargs: called.append(name) or kernel(*args, **kwargs)
+
+    for name in ("affine", "rotate", "adjust_sharpness", "solarize", "autocontrast"):
+        monkeypatch.setattr(_auto_augment.F, name, spy(name))
+    transform = tensor_augment(DataConfig(img_size=32, auto_augment=policy))
+    generator = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    for _ in range(60):
+        transform(torch.randint(0, 256, (32, 32, 3), dtype=torch.uint8, generator=generator).permute(2, 0, 1))
+    assert called == []
 
 
 def test_erasing_fills_a_box_with_varied_pixels():
