@@ -26,13 +26,15 @@ from engine.startup import cpu_share, import_timm_without_wandb, tune_cpu_proces
 import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (engine/startup.py)
 
 from data.loader import DataBundle, build_data, skipped_train_images, steps_per_epoch
+from data.mixing import BatchMix
 from data.transforms import DeviceNormalize
 from engine.checkpoint import Checkpointer
 from engine.cli import run_main
-from engine.config import Config, ModelConfig, config_yaml, keys_help, load_config, to_dict
+from engine.config import Config, ModelConfig, config_yaml, keys_help, load_config, mixing, to_dict
 from engine.dist import DistInfo, broadcast_tensors, init_distributed, rank0_decides, read_launch_env
 from engine.hooks import EmaUpdate, IntervalTracking, StepCheckpoint
 from engine.logs import setup_logging
+from engine.losses import build_loss
 from engine.optim import build_optimizer, build_scheduler
 from engine.precision import Precision, resolve_precision
 from engine.resume import Resume
@@ -125,13 +127,14 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
     updates_per_epoch = steps_per_epoch(data.train, cfg.train.accum_steps)
     parts = TrainParts(wrap_for_training(model, cfg.model, info), optimizer,
                        build_scheduler(optimizer, cfg.sched, cfg.train.epochs, updates_per_epoch),
-                       nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing), precision)
+                       build_loss(cfg.train, mixing(cfg.data)), precision)
     state = start.load_training(parts, cfg, info)
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
     total_steps = cfg.train.epochs * updates_per_epoch
     loop = LoopConfig(cfg.train.accum_steps, cfg.optim.clip_grad, cfg.train.max_steps, cfg.logging.interval,
                       normalize, cfg.logging.progress, cfg.train.max_nonfinite,
-                      min(total_steps, cfg.train.max_steps or total_steps))
+                      min(total_steps, cfg.train.max_steps or total_steps),
+                      BatchMix(data.num_classes, cfg.train.label_smoothing) if mixing(cfg.data) else None)
     global_batch = cfg.train.batch_size * info.world_size * cfg.train.accum_steps
     log.info("model %s (%.1fM params), %d process(es) on %s, %s, global batch %d, %d steps/epoch",
              cfg.model.name, sum(p.numel() for p in model.parameters()) / 1e6, info.world_size,

@@ -12,13 +12,19 @@ of 32), alternating:
 - torchvision: datasets.ImageFolder + RandomResizedCrop(224), RandomHorizontalFlip, ToTensor, Normalize
   (the pytorch/examples ImageNet pipeline), and the same with transforms.v2 (PILToTensor + ToDtype).
 
+RandAugment (issue 14): the same sides with RandAugment, 2 ops at magnitude 9 of timm's 0-10 scale, every op
+applied, after the crop and flip: ours with data.auto_augment=rand-m9-n2-p1 (torchvision.transforms.v2's
+policy on the uint8 tensor with data.transforms.FastKernels, seeded per sample inside torch.random.fork_rng),
+torchvision with transforms.RandAugment(num_ops=2, magnitude=27) on the PIL image (27 of its 31 bins is the
+same 0.9 of each op's range; the 14 ops are the same).
+
 Reduced-size decoding: libjpeg can decode at 1/2, 1/4, 1/8 scale (cv2.IMREAD_REDUCED_COLOR_*, PIL draft).
 It keeps the result correct only when the crop, after reduction, is still at least the output size;
 RandomResizedCrop samples the crop from the image size, so the crop must be sampled (from the JPEG
 header's size) before decoding. The second table measures that "reduce when valid" pipeline against the
 same pipeline always decoding at full size, at 224 px and at 128 px, and counts how often reduction is valid.
 
-    python benchmarks/data_pipeline.py [--images 256] [--repeats 7]
+    python benchmarks/data_pipeline.py [--images 256] [--repeats 7] [--only randaugment]
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--images", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--only", choices=["randaugment"], help="run only the RandAugment comparison")
     return parser.parse_args()
 
 
@@ -147,6 +154,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-jpeg-") as tmp:
         root = Path(tmp)
         kb = write_jpegs(root, args.images)
+        if args.only == "randaugment":
+            randaugment_tables(root, kb, args)
+            print(machine_line())
+            return
         ours = ImageFolderDataset(root / "train", train_transform(DataConfig(img_size=224, mean=list(MEAN),
                                                                              std=list(STD))), seed=0)
         classic = datasets.ImageFolder(str(root / "train"), transform=T.Compose([
@@ -201,7 +212,47 @@ def main() -> None:
             total = sum(counts.values())
             shares = ", ".join(f"1/{r}: {100 * c / total:.0f}%" for r, c in counts.items() if c)
             print(f"  - {out_size}px: decodes by scale over all runs: {shares}")
+        randaugment_tables(root, kb, args)
     print(machine_line())
+
+
+def randaugment_tables(root: Path, kb: float, args: argparse.Namespace) -> None:
+    """Ours vs torchvision's PIL pipelines, both with RandAugment 2 ops at 0.9 of each op's range."""
+    import torch
+    from torchvision import datasets
+    from torchvision import transforms as T
+    from torchvision.transforms import v2
+
+    from data.datasets import ImageFolderDataset
+    from data.loader import collate_channels_last
+    from data.transforms import DeviceNormalize, tensor_augment, train_transform
+    from engine.config import DataConfig
+
+    cfg = DataConfig(img_size=224, mean=list(MEAN), std=list(STD), auto_augment="rand-m9-n2-p1")
+    ours = ImageFolderDataset(root / "train", train_transform(cfg), seed=0, tensor_transform=tensor_augment(cfg))
+    classic = datasets.ImageFolder(str(root / "train"), transform=T.Compose([
+        T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.RandAugment(num_ops=2, magnitude=27),
+        T.ToTensor(), T.Normalize(MEAN, STD)]))
+    modern = datasets.ImageFolder(str(root / "train"), transform=v2.Compose([
+        v2.RandomResizedCrop(224), v2.RandomHorizontalFlip(), v2.RandAugment(num_ops=2, magnitude=27),
+        v2.PILToTensor(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)]))
+    normalize = DeviceNormalize(MEAN, STD, torch.device("cpu"), channels_last=True)
+    n, bs = len(ours), args.batch_size
+    getters = {"ours + RandAugment (v2 on uint8)": lambda i: ours[(0, i)],
+               "ours + RandAugment + normalize here": lambda i: ours[(0, i)],
+               "torchvision + RandAugment (PIL, transforms)": classic.__getitem__,
+               "torchvision + RandAugment (PIL, transforms.v2)": modern.__getitem__}
+    collates = {"ours + RandAugment (v2 on uint8)": collate_channels_last,
+                "ours + RandAugment + normalize here": lambda batch: normalize(collate_channels_last(batch)[0])}
+    wall: dict[str, list[float]] = {name: [] for name in getters}
+    results = alternate({name: epoch_img_per_s(get, n, bs, wall[name], collates.get(name))
+                         for name, get in getters.items()}, args.repeats, warmup=1)
+    print_table(f"Data pipeline with RandAugment (2 ops, magnitude 0.9): decode + RandomResizedCrop 224 + flip + "
+                f"RandAugment + normalize + collate, {n} JPEGs (mean {kb:.0f} KB), one worker", results,
+                "images per CPU-second of the worker, higher is better")
+    ratio_line(results, "ours + RandAugment (v2 on uint8)", "torchvision + RandAugment (PIL, transforms)")
+    ratio_line(results, "ours + RandAugment (v2 on uint8)", "torchvision + RandAugment (PIL, transforms.v2)")
+    ratio_line(results, "ours + RandAugment + normalize here", "torchvision + RandAugment (PIL, transforms)")
 
 
 if __name__ == "__main__":

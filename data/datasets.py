@@ -1,8 +1,9 @@
 """Map-style datasets: an ImageFolder tree on disk, and synthetic images with no files.
 
-Both return (CHW float tensor, int label). The augmentation RNG of a sample is seeded from
-(seed, epoch, index): results do not depend on the number of workers or ranks, every epoch
-sees new augmentations, and a resumed run sees exactly the ones it would have seen.
+Both return (CHW uint8 tensor, int label). The augmentation RNG of a sample is seeded from
+(seed, epoch, index), and the repeat number with data.aug_repeats: results do not depend on the number of
+workers or ranks, every epoch (and every repeat) sees new augmentations, and a resumed run sees exactly
+the ones it would have seen.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import os
 import random
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import albumentations as A
@@ -25,6 +27,7 @@ from torch.utils.data import Dataset
 from engine.config import DataConfig
 from engine.errors import UserError
 
+TensorTransform = Callable[[torch.Tensor], torch.Tensor]
 log = logging.getLogger(__name__)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
@@ -51,14 +54,16 @@ class PackedStrings:
 
 
 class AugmentedDataset(Dataset, abc.ABC):
-    """Applies an albumentations pipeline to `load_image(index)` with a per-sample seeded RNG."""
+    """Applies an albumentations pipeline, then torchvision's tensor policies, to `load_image(index)` with
+    per-sample seeded RNGs."""
 
     classes: list[str]
     labels: np.ndarray
     skip_corrupt = False  # True: an unreadable image gives None (collate_readable drops it), not an error
 
-    def __init__(self, transform: A.Compose, seed: int) -> None:
+    def __init__(self, transform: A.Compose, seed: int, tensor_transform: TensorTransform | None = None) -> None:
         self.transform = transform
+        self.tensor_transform = tensor_transform
         self.seed = seed
 
     def __len__(self) -> int:
@@ -72,10 +77,14 @@ class AugmentedDataset(Dataset, abc.ABC):
     def path(self, index: int) -> str:
         """Where sample `index` comes from (a file path, or a synthetic name), for predictions.csv."""
 
-    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
-        # Train samplers yield (epoch, index); evaluation yields plain indices.
-        epoch, index = key if isinstance(key, tuple) else (0, key)
-        rng = np.random.default_rng([self.seed, epoch, index])
+    def __getitem__(self, key: int | tuple[int, ...]) -> tuple:
+        """(image, label); (image, label, (epoch, pair)) for a sample of a mixed pair (data.loader.EpochSampler).
+
+        Train samplers yield (epoch, index) or (epoch, index, repeat, pair); evaluation yields plain indices.
+        """
+        epoch, index, repeat, pair = (*key, 0, -1)[:4] if isinstance(key, tuple) else (0, key, 0, -1)
+        entropy = [self.seed, epoch, index] if repeat == 0 else [self.seed, epoch, index, repeat]
+        rng = np.random.default_rng(entropy)
         self.transform.set_random_state(rng, random.Random(int(rng.integers(2**63))))
         try:
             image = self.load_image(index)
@@ -84,7 +93,25 @@ class AugmentedDataset(Dataset, abc.ABC):
                 raise
             log.warning("data.skip_corrupt: %s", err)
             return None
-        return self.transform(image=image)["image"], int(self.labels[index])
+        image = self.transform(image=image)["image"]
+        if self.tensor_transform is not None:
+            image = seeded(self.tensor_transform, image, tensor_seed(entropy))
+        if pair >= 0:
+            return image, int(self.labels[index]), (epoch, pair)
+        return image, int(self.labels[index])
+
+
+def tensor_seed(entropy: list[int]) -> int:
+    """The torch seed of a sample's torchvision policies: a child of its albumentations seed sequence."""
+    return int(np.random.SeedSequence(entropy, spawn_key=(1,)).generate_state(1, np.uint64)[0])
+
+
+def seeded(transform: TensorTransform, image: torch.Tensor, seed: int) -> torch.Tensor:
+    """transform(image) with torch's global CPU RNG set to `seed`, and put back afterwards (torchvision v2
+    draws from it, and dropout in this process must not see the difference)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)  # torch.manual_seed would also queue a lazy CUDA seeding per call
+        return transform(image)
 
 
 def shared_labels(labels: np.ndarray, own: list[str], classes: list[str], where: str) -> np.ndarray:
@@ -284,8 +311,9 @@ class ImageFolderDataset(AugmentedDataset):
     """`<root>/<split>/<class>/*` images; the index is kept in numpy arrays (see PackedStrings)."""
 
     def __init__(self, split_dir: str | Path, transform: A.Compose, seed: int, classes: list[str] | None = None,
-                 *, skip_corrupt: bool = False, max_pixels: int = DataConfig.max_image_pixels) -> None:
-        super().__init__(transform, seed)
+                 *, skip_corrupt: bool = False, max_pixels: int = DataConfig.max_image_pixels,
+                 tensor_transform: TensorTransform | None = None) -> None:
+        super().__init__(transform, seed, tensor_transform)
         self.root = Path(split_dir)
         self.skip_corrupt = skip_corrupt
         self.max_pixels = max_pixels
@@ -310,8 +338,8 @@ class DummyDataset(AugmentedDataset):
     """
 
     def __init__(self, size: int, num_classes: int, image_size: int, transform: A.Compose,
-                 seed: int, offset: int = 0) -> None:
-        super().__init__(transform, seed)
+                 seed: int, offset: int = 0, tensor_transform: TensorTransform | None = None) -> None:
+        super().__init__(transform, seed, tensor_transform)
         self.classes = [f"class_{i}" for i in range(num_classes)]
         self.labels = (np.arange(size, dtype=np.int64) + offset) % num_classes
         self.offset = offset

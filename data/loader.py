@@ -25,9 +25,10 @@ from data.datasets import AugmentedDataset, DummyDataset, ImageFolderDataset
 from data.digits import export_digits
 from data.hf import HFDataset
 from data.listfile import ListFileDataset
+from data.mixing import MixCollate
 from data.shards import ShardDataset, split_index
-from data.transforms import eval_transform, train_transform
-from engine.config import DataConfig
+from data.transforms import eval_transform, tensor_augment, train_transform
+from engine.config import DataConfig, mixing
 from engine.dist import DistInfo, local_main_first
 from engine.errors import UserError
 from engine.signals import worker_signals
@@ -40,16 +41,48 @@ class EpochSampler(DistributedSampler):
 
     `set_epoch(epoch, start)` skips this rank's first `start` samples of that epoch: a run resumed
     from a mid-epoch checkpoint trains on exactly the samples the interrupted run had not reached.
+
+    The epoch's global order is defined first and then dealt out to the ranks in units: unit u (u = 1, or 2
+    for mixed pairs) goes to rank u % world_size. With per-rank batch B (a multiple of the unit), step j of
+    every rank together covers global positions [j B W, (j + 1) B W): the same global batches for any world
+    size. With units of 2 (mixing) the keys are (epoch, index, repeat, pair), pair = position // 2; with
+    `repeats` k >= 2 (repeated augmentation, as timm's RepeatAugSampler: the epoch keeps the dataset's
+    length) each unit of indices appears k times in a row, as repeat 0..k-1, on k different ranks when
+    world_size >= k, keyed (epoch, index, repeat, -1) without mixing. With neither, this is torch's
+    DistributedSampler (shuffle, drop_last) exactly.
     """
 
     start = 0
+
+    def __init__(self, dataset, *args, unit: int = 1, repeats: int = 1, **kwargs) -> None:
+        super().__init__(dataset, *args, **kwargs)
+        self.unit, self.repeats = unit, max(repeats, 1)
+        self.num_samples = len(self.dataset) // unit // self.num_replicas * unit
+        self.total_size = self.num_samples * self.num_replicas
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         super().set_epoch(epoch)
         self.start = start
 
-    def __iter__(self) -> Iterator[tuple[int, int]]:
-        return ((self.epoch, i) for i in itertools.islice(super().__iter__(), self.start, None))
+    def global_order(self) -> list[tuple[int, int]]:
+        """(index, repeat) at each position of this epoch, the same list for every rank and world size."""
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)  # DistributedSampler's shuffle
+        perm = torch.randperm(len(self.dataset), generator=generator).tolist()
+        units = [perm[i:i + self.unit] for i in range(0, len(perm), self.unit)]
+        return [(index, repeat) for unit in units for repeat in range(self.repeats) for index in unit][:len(perm)]
+
+    def __iter__(self) -> Iterator[tuple[int, ...]]:
+        order, u = self.global_order(), self.unit
+        positions = (p for first in range(self.rank * u, self.total_size, self.num_replicas * u)
+                     for p in range(first, first + u))
+        return itertools.islice((self.key(order[p], p) for p in positions), self.start, None)
+
+    def key(self, item: tuple[int, int], position: int) -> tuple[int, ...]:
+        index, repeat = item
+        if self.unit == 1 and self.repeats == 1:
+            return self.epoch, index
+        return self.epoch, index, repeat, position // 2 if self.unit == 2 else -1
 
     def __len__(self) -> int:
         return max(self.num_samples - self.start, 0)
@@ -220,16 +253,18 @@ def worker_message(text: str) -> str:
 
 def build_train_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: int, seed: int,
                        info: DistInfo) -> DataLoader:
-    """Shuffled, drop_last loader over this rank's share of the training set."""
-    sampler = EpochSampler(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=True,
-                           seed=seed, drop_last=True)
+    """Shuffled, drop_last loader over this rank's share of the training set (with mixing, batches carry
+    their mixes: data.mixing)."""
+    sampler = EpochSampler(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=seed,
+                           drop_last=True, unit=2 if mixing(cfg) else 1, repeats=cfg.aug_repeats)
     if len(sampler) < batch_size:
         raise UserError(f"each rank gets {len(sampler)} training images but train.batch_size is {batch_size}; "
                         "lower train.batch_size or use fewer processes")
     if cfg.num_workers > 0:
         before_workers_fork()
+    collate = MixCollate(cfg, seed) if mixing(cfg) else collate_readable
     return OneLineErrorLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
-                              collate_fn=collate_readable, **_loader_kwargs(cfg, info.device, seed + info.rank))
+                              collate_fn=collate, **_loader_kwargs(cfg, info.device, seed + info.rank))
 
 
 def collate_readable(samples: list) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,6 +306,7 @@ class DataBundle:
 def build_data(cfg: DataConfig, batch_size: int, seed: int, info: DistInfo) -> DataBundle:
     """Everything training needs from data/: both loaders and the class list."""
     train_set, val_set = build_datasets(cfg, seed, info.local_rank)
+    train_set.tensor_transform = tensor_augment(cfg)  # data.auto_augment, data.random_erase: for any data format
     log.info("data %s: train %d images, val %d images, %d classes",
              cfg.name, len(train_set), len(val_set), len(train_set.classes))
     val = build_eval_loader(val_set, cfg, batch_size, info)

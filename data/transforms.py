@@ -1,21 +1,32 @@
-"""The two albumentations presets (training, evaluation) and the normalization that follows them on the device.
+"""The two albumentations presets (training, evaluation), the torchvision policies after them, and the
+normalization that follows them on the device.
 
 The presets end in uint8 tensors; `DeviceNormalize` turns a batch into normalized float32 where the model
 runs. Workers then ship uint8 (a quarter of float32's bytes, through shared memory and, on a GPU, host to
 device) and skip the float conversion; the normalization is one elementwise pass on the device, as in
 timm's prefetcher (docs/benchmarks.md measures the difference). Nothing else touches transforms.
+
+RandAugment, TrivialAugmentWide, AugMix, AutoAugment and random erasing (`tensor_augment`) come from
+torchvision.transforms.v2 and run on the uint8 CHW tensor after the albumentations crop and flip
+(albumentations 2.0.8, its last MIT release, has no RandAugment). They draw from torch's global RNG, which
+data.datasets seeds per sample.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 
 import albumentations as A
 import cv2
+import numpy as np
 import torch
 from albumentations.pytorch import ToTensorV2
+from torchvision.transforms import v2
 
-from engine.config import DataConfig
+from engine.config import DataConfig, parse_auto_augment
+
+TensorTransform = Callable[[torch.Tensor], torch.Tensor]  # uint8 CHW -> uint8 CHW
 
 INTERPOLATION = {"bilinear": cv2.INTER_LINEAR, "bicubic": cv2.INTER_CUBIC, "nearest": cv2.INTER_NEAREST,
                  "area": cv2.INTER_AREA, "lanczos": cv2.INTER_LANCZOS4}  # data.interpolation -> OpenCV flag
@@ -35,6 +46,169 @@ def train_transform(cfg: DataConfig) -> A.Compose:
         strength = cfg.color_jitter
         steps.append(A.ColorJitter(brightness=strength, contrast=strength, saturation=strength, hue=0.0, p=0.8))
     return A.Compose([*steps, ToTensorV2()])
+
+
+def tensor_augment(cfg: DataConfig) -> TensorTransform | None:
+    """data.auto_augment's policy, then random erasing, on uint8 CHW tensors; None when both are off."""
+    if not cfg.augment:
+        return None
+    steps: list[TensorTransform] = []
+    policy, options = parse_auto_augment(cfg.auto_augment)
+    if policy == "rand":
+        steps.append(TimmRandAugment(int(options["n"]), options["m"], options["mstd"], options["p"]))
+    elif policy == "trivialaugment":
+        steps.append(TrivialAugmentWide())
+    elif policy == "augmix":
+        steps.append(v2.AugMix(severity=int(options["m"]), mixture_width=int(options["w"]),
+                               chain_depth=int(options["d"])))
+    elif policy == "autoaugment":
+        steps.append(AutoAugment(v2.AutoAugmentPolicy.IMAGENET))
+    if cfg.random_erase > 0:
+        steps.append(PixelErasing(cfg.random_erase, cfg.mean, cfg.std))
+    return v2.Compose(steps) if steps else None
+
+
+class FastKernels:
+    """For torchvision's policies: Rotate, Shear, Translate, Sharpness, Solarize, AutoContrast on a uint8 CHW image run
+    through OpenCV on its HWC view with torchvision's parameters (the same inverse affine map, nearest
+    neighbour, fill 0; the same 3x3 smoothing kernel and blend), not through torch's float kernels, which
+    cost several times more per image on a single-threaded worker (docs/benchmarks.md). Other ops, and any
+    other input or setting (AugMix's float batches), go to torchvision."""
+
+    def _apply_image_or_video_transform(self, image, transform_id, magnitude, interpolation, fill):
+        fast = (type(image) is torch.Tensor and image.dtype == torch.uint8 and image.ndim == 3
+                and image.shape[0] == 3 and v2.InterpolationMode(interpolation) == v2.InterpolationMode.NEAREST
+                and self.fill is None)
+        if fast and transform_id in AFFINE_OPS:
+            return warp_affine(image, **AFFINE_OPS[transform_id](magnitude))
+        if fast and transform_id == "Sharpness":
+            return sharpen(image, 1.0 + magnitude)
+        if fast and transform_id == "Solarize":
+            return solarize(image, math.ceil(255 * magnitude))
+        if fast and transform_id == "AutoContrast":
+            return autocontrast(image)
+        return super()._apply_image_or_video_transform(image, transform_id, magnitude, interpolation, fill)
+
+
+AFFINE_OPS = {  # torchvision's F.affine / F.rotate arguments for each op (v2._auto_augment)
+    "ShearX": lambda m: dict(shear=(math.degrees(math.atan(m)), 0.0), corner=True),
+    "ShearY": lambda m: dict(shear=(0.0, math.degrees(math.atan(m))), corner=True),
+    "TranslateX": lambda m: dict(translate=(int(m), 0)),
+    "TranslateY": lambda m: dict(translate=(0, int(m))),
+    "Rotate": lambda m: dict(angle=-m),  # F.rotate passes -angle to the affine matrix
+}
+
+
+def warp_affine(image: torch.Tensor, angle: float = 0.0, translate: tuple[int, int] = (0, 0),
+                shear: tuple[float, float] = (0.0, 0.0), corner: bool = False) -> torch.Tensor:
+    """torchvision's tensor affine (nearest, zeros outside) as one cv2.warpAffine on the HWC view."""
+    from torchvision.transforms.v2.functional._geometry import _get_inverse_affine_matrix
+
+    height, width = image.shape[1:]
+    center = [-width * 0.5, -height * 0.5] if corner else [0.0, 0.0]  # center=[0, 0] in pixels, or the middle
+    a, b, c, d, e, f = _get_inverse_affine_matrix(center, angle, list(translate), 1.0, list(shear))
+    # The matrix maps output to input coordinates taken from the image's middle; here from pixel (0, 0).
+    cx, cy = (width - 1) * 0.5, (height - 1) * 0.5
+    matrix = np.array([[a, b, c + cx - a * cx - b * cy], [d, e, f + cy - d * cx - e * cy]])
+    hwc = np.ascontiguousarray(image.permute(1, 2, 0).numpy())
+    out = cv2.warpAffine(hwc, matrix, (width, height), flags=cv2.INTER_NEAREST | cv2.WARP_INVERSE_MAP,
+                         borderMode=cv2.BORDER_CONSTANT, borderValue=(0, 0, 0))
+    return torch.from_numpy(out).permute(2, 0, 1)
+
+
+def sharpen(image: torch.Tensor, factor: float) -> torch.Tensor:
+    """torchvision's adjust_sharpness on uint8: blend with the 3x3 (1, 5 in the middle) / 13 blur, borders kept."""
+    hwc = image.permute(1, 2, 0)
+    kernel = np.array([[1, 1, 1], [1, 5, 1], [1, 1, 1]], np.float32) / 13
+    blurred = torch.from_numpy(cv2.filter2D(np.ascontiguousarray(hwc.numpy()), cv2.CV_32F, kernel)).round_()
+    out = hwc.float()
+    inner = out[1:-1, 1:-1]
+    inner.add_(blurred[1:-1, 1:-1].sub_(inner), alpha=1.0 - factor)  # torchvision's blend, to its rounding
+    return out.clamp_(0, 255).to(torch.uint8).permute(2, 0, 1)
+
+
+def solarize(image: torch.Tensor, threshold: int) -> torch.Tensor:
+    """torchvision's solarize on uint8 (invert the pixels >= threshold) as one table lookup."""
+    table = np.arange(256, dtype=np.uint8)
+    table[threshold:] = 255 - table[threshold:]
+    return torch.from_numpy(cv2.LUT(np.ascontiguousarray(image.permute(1, 2, 0).numpy()), table)).permute(2, 0, 1)
+
+
+def autocontrast(image: torch.Tensor) -> torch.Tensor:
+    """torchvision's autocontrast on uint8 (each channel stretched to 0-255), its float32 formula applied to a
+    per-channel table of the 256 values, then one lookup."""
+    hwc = np.ascontiguousarray(image.permute(1, 2, 0).numpy())
+    ranges = [cv2.minMaxLoc(channel)[:2] for channel in cv2.split(hwc)]
+    low, high = torch.tensor(ranges, dtype=torch.float32).T[:, :, None]  # [3, 1] each
+    flat = high == low
+    inv_scale = (high - low).mul_(1.0 / 255)
+    low[flat], inv_scale[flat] = 0.0, 1.0
+    values = torch.arange(256, dtype=torch.float32).expand(3, 256)
+    table = (values - low).div_(inv_scale).clamp_(0, 255).to(torch.uint8)  # [3, 256]
+    return torch.from_numpy(cv2.LUT(hwc, np.ascontiguousarray(table.T.numpy())[None])).permute(2, 0, 1)
+
+
+class TrivialAugmentWide(FastKernels, v2.TrivialAugmentWide):
+    """torchvision's TrivialAugmentWide with the OpenCV kernels of FastKernels."""
+
+
+class AutoAugment(FastKernels, v2.AutoAugment):
+    """torchvision's AutoAugment with the OpenCV kernels of FastKernels."""
+
+
+class TimmRandAugment(FastKernels, v2.RandAugment):
+    """torchvision's RandAugment with timm's rand-m9-n2-mstd0.5-p0.5 semantics: magnitude on a 0-10 scale,
+    each op applied with probability p (timm's default 0.5; torchvision always applies), magnitude noise.
+
+    Each op's magnitude is m + N(0, mstd) (uniform in [0, m] for mstd > 100, as timm), clipped to [0, 10], on a
+    grid of 0.1 (torchvision indexes a table of magnitudes); the ops are torchvision's (the paper's 14), not
+    timm's 15 (timm adds Invert and SolarizeAdd and has no Identity).
+    """
+
+    STEPS = 10  # grid points per unit of timm magnitude
+
+    def __init__(self, num_ops: int, magnitude: float, magnitude_std: float, prob: float = 1.0) -> None:
+        super().__init__(num_ops=num_ops, magnitude=round(magnitude * self.STEPS),
+                         num_magnitude_bins=10 * self.STEPS + 1)
+        self.mean_magnitude, self.magnitude_std, self.prob = magnitude, magnitude_std, prob
+
+    def forward(self, *inputs):
+        flat_inputs_with_spec, image = self._flatten_and_extract_image_or_video(inputs)
+        height, width = v2.functional.get_size(image)
+        for _ in range(self.num_ops):
+            transform_id, (magnitudes_fn, signed) = self._get_random_item(self._AUGMENTATION_SPACE)
+            if self.prob < 1 and torch.rand(()).item() >= self.prob:
+                continue
+            magnitudes = magnitudes_fn(self.num_magnitude_bins, height, width)
+            magnitude = 0.0
+            if magnitudes is not None:
+                level = self.mean_magnitude
+                if self.magnitude_std > 100:
+                    level = self.mean_magnitude * torch.rand(()).item()
+                elif self.magnitude_std > 0:
+                    level = min(max(level + self.magnitude_std * torch.randn(()).item(), 0.0), 10.0)
+                magnitude = float(magnitudes[round(level * self.STEPS)])
+                if signed and torch.rand(()) <= 0.5:
+                    magnitude *= -1
+            image = self._apply_image_or_video_transform(image, transform_id, magnitude,
+                                                         interpolation=self.interpolation, fill=self._fill)
+        return self._unflatten_and_insert_image_or_video(flat_inputs_with_spec, image)
+
+
+class PixelErasing(v2.RandomErasing):
+    """Random erasing on uint8 with per-pixel random values: timm's mode='pixel' (normal in the normalized
+    space, i.e. mean + std * N(0, 1) per channel) mapped back to uint8 pixels."""
+
+    def __init__(self, p: float, mean: Sequence[float], std: Sequence[float]) -> None:
+        super().__init__(p=p, value="random")
+        self.mean = torch.tensor(mean)[:, None, None]
+        self.std = torch.tensor(std)[:, None, None]
+
+    def make_params(self, flat_inputs):
+        params = super().make_params(flat_inputs)
+        if params["v"] is not None:  # N(0, 1) per pixel, as float
+            params["v"] = (255 * (self.mean + self.std * params["v"])).round().clamp(0, 255).to(torch.uint8)
+        return params
 
 
 def eval_transform(cfg: DataConfig) -> A.Compose:

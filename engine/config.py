@@ -98,6 +98,13 @@ class DataConfig:
     dummy_val_size: int = 250  # dummy: validation images
     dummy_num_classes: int = 10  # dummy: classes
     dummy_image_size: int = 64  # dummy: side of the generated images (pixels)
+    auto_augment: str = ""  # "" | rand-m9-mstd0.5 (-n2: ops, -p0.5: per op) | trivialaugment | augmix | autoaugment
+    random_erase: float = 0.0  # probability of erasing a random box with random pixels (timm mode='pixel')
+    mixup_alpha: float = 0.0  # mixup Beta(alpha, alpha) between pairs of images; 0 = off
+    cutmix_alpha: float = 0.0  # cutmix Beta(alpha, alpha) box between pairs of images; 0 = off
+    mixup_prob: float = 1.0  # probability that a pair is mixed (when mixup or cutmix is on)
+    mixup_switch_prob: float = 0.5  # probability of cutmix instead of mixup when both are on
+    aug_repeats: int = 0  # repeated augmentation: each image k times per epoch (k >= 2), differently augmented
 
 
 @dataclass
@@ -125,6 +132,7 @@ class TrainConfig:
     batch_size: int = 64  # per process; the global batch is batch_size x world size x accum_steps
     accum_steps: int = 1  # micro-batches per optimizer step
     label_smoothing: float = 0.0  # cross-entropy label smoothing, in [0, 1)
+    loss: str = "ce"  # ce (soft-target cross-entropy when mixing) | bce (binary cross-entropy, the RSB recipes)
     max_steps: int = 0  # stop after this many optimizer steps (smoke runs); 0 = no limit
     ckpt_every_steps: int = 0  # also write last.pth every this many optimizer steps; 0 = only after each epoch
     keep_last_k: int = 0  # keep the newest k epoch_NNNN.pth files; 0 = none
@@ -177,6 +185,7 @@ CHOICES = {
     "data.interpolation": ("bilinear", "bicubic", "nearest", "area", "lanczos"),
     "dist.backend": ("auto", "nccl", "gloo"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
+    "train.loss": ("ce", "bce"),
 }
 POSITIVE = ("train.epochs", "train.batch_size", "train.accum_steps", "data.img_size",
             "logging.interval", "dist.rendezvous_timeout_s", "train.max_nonfinite", "data.prefetch_factor",
@@ -184,7 +193,8 @@ POSITIVE = ("train.epochs", "train.batch_size", "train.accum_steps", "data.img_s
             "data.max_image_pixels")
 NON_NEGATIVE = ("dist.timeout_s", "logging.wandb_samples", "optim.lr", "optim.weight_decay", "optim.clip_grad",
                 "train.max_steps", "data.num_workers", "train.ckpt_every_steps", "train.keep_last_k",
-                "data.color_jitter", "sched.warmup_epochs", "sched.warmup_lr", "sched.min_lr")
+                "data.color_jitter", "sched.warmup_epochs", "sched.warmup_lr", "sched.min_lr",
+                "data.mixup_alpha", "data.cutmix_alpha", "data.aug_repeats")
 FRACTIONS = ("model.drop_rate", "model.drop_path_rate", "train.label_smoothing", "model.ema_decay")  # in [0, 1)
 MAX_SEED = 2**32 - 1  # np.random.seed (train.py) takes nothing larger
 OPENCV_MAX_PIXELS = 2**30  # OpenCV refuses larger images (CV_IO_MAX_IMAGE_PIXELS)
@@ -364,8 +374,13 @@ def validate(cfg: Config) -> None:
     for key in NON_NEGATIVE:
         if _get(cfg, key) < 0:
             raise UserError(f"config key {key!r} must be >= 0, got {_get(cfg, key)!r}")
-    if not 0 <= cfg.data.hflip <= 1:
-        raise UserError(f"config key 'data.hflip' must be in [0, 1], got {cfg.data.hflip!r}")
+    for key in ("data.hflip", "data.random_erase", "data.mixup_prob", "data.mixup_switch_prob"):
+        if not 0 <= _get(cfg, key) <= 1:
+            raise UserError(f"config key {key!r} must be in [0, 1], got {_get(cfg, key)!r}")
+    parse_auto_augment(cfg.data.auto_augment)
+    if mixing(cfg.data) and cfg.train.batch_size % 2:
+        raise UserError(f"config key 'train.batch_size' must be even with mixup or cutmix on (images are mixed in "
+                        f"pairs within a process's batch), got {cfg.train.batch_size}")
     for key in FRACTIONS:
         if not 0 <= _get(cfg, key) < 1:
             raise UserError(f"config key {key!r} must be in [0, 1), got {_get(cfg, key)!r}")
@@ -391,6 +406,40 @@ def validate(cfg: Config) -> None:
         raise UserError("config key 'resume' is empty; use auto, none or the path of a checkpoint")
     if len(cfg.data.mean) != 3 or len(cfg.data.std) != 3 or min(cfg.data.std) <= 0:
         raise UserError("config keys 'data.mean' and 'data.std' need 3 values each (RGB), std > 0")
+
+
+AUTO_AUGMENT_FORMS = ("rand-m<magnitude 0-10>[-n<ops>][-mstd<std>][-p<op probability>] (e.g. rand-m9-mstd0.5), "
+                      "trivialaugment, "
+                      "augmix[-m<severity 1-10>][-w<width>][-d<depth>], autoaugment, or \"\" for none")
+AUTO_AUGMENT_OPTIONS = {"rand": {"m": 9.0, "n": 2.0, "mstd": 0.0, "p": 0.5}, "augmix": {"m": 3.0, "w": 3.0, "d": -1.0},
+                        "trivialaugment": {}, "autoaugment": {}}
+
+
+def parse_auto_augment(text: str) -> tuple[str, dict[str, float]]:
+    """timm-style policy string -> (policy, options with defaults); ("", {}) for none."""
+    if not text:
+        return "", {}
+    name, *parts = text.split("-")
+    if name not in AUTO_AUGMENT_OPTIONS:
+        raise UserError(f"config key 'data.auto_augment' is {text!r}; use {AUTO_AUGMENT_FORMS}")
+    options = dict(AUTO_AUGMENT_OPTIONS[name])
+    for part in parts:
+        match = re.fullmatch(r"(mstd|[a-z]+?)(\d+(?:\.\d*)?)", part)
+        integer_only = match and match.group(1) not in ("mstd", "p")
+        if not match or match.group(1) not in options or (integer_only and "." in match.group(2)):
+            raise UserError(f"config key 'data.auto_augment' is {text!r}: cannot read {part!r}; use "
+                            f"{AUTO_AUGMENT_FORMS}")
+        options[match.group(1)] = float(match.group(2))
+    if name == "rand" and not (options["m"] <= 10 and options["n"] >= 1 and options["p"] <= 1):
+        raise UserError(f"config key 'data.auto_augment' is {text!r}: rand needs m in 0-10, n >= 1 and p in [0, 1]")
+    if name == "augmix" and not (1 <= options["m"] <= 10 and options["w"] >= 1):
+        raise UserError(f"config key 'data.auto_augment' is {text!r}: augmix needs m in 1-10 and w >= 1")
+    return name, options
+
+
+def mixing(cfg: DataConfig) -> bool:
+    """Whether training mixes pairs of images (mixup or cutmix)."""
+    return cfg.mixup_alpha > 0 or cfg.cutmix_alpha > 0
 
 
 def validate_wandb(cfg: LoggingConfig) -> None:

@@ -13,20 +13,21 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 Normalize = Callable[[torch.Tensor], torch.Tensor]  # uint8 batch on the device -> model input (data.transforms)
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[torch.Tensor, ...]  # (images, targets), or (images, targets, mix) with mixup/cutmix (data.mixing)
 
 
 def device_batches(loader: Iterable[Batch], device: torch.device, normalize: Normalize) -> Iterator[Batch]:
-    """Yield the loader's (uint8 images, targets) as (normalized images, targets) on `device`."""
+    """Yield the loader's (uint8 images, targets, ...) as (normalized images, targets, ...) on `device`."""
     if device.type != "cuda":  # nothing to overlap: no read-ahead either
-        for images, targets in loader:
-            yield normalize(images.to(device)), targets.to(device)
+        for images, *rest in loader:
+            yield normalize(images.to(device)), *(tensor.to(device) for tensor in rest)
         return
     side = torch.cuda.Stream(device)
     ready: Batch | None = None
-    for images, targets in loader:
+    for images, *rest in loader:
         with torch.cuda.stream(side):
-            upcoming = normalize(images.to(device, non_blocking=True)), targets.to(device, non_blocking=True)
+            upcoming = (normalize(images.to(device, non_blocking=True)),
+                        *(tensor.to(device, non_blocking=True) for tensor in rest))
         if ready is not None:
             yield ready
         compute = torch.cuda.current_stream(device)

@@ -54,6 +54,7 @@ class LoopConfig:
     show_progress: bool
     max_nonfinite: int = 5  # consecutive skipped (inf/NaN) steps before training stops
     total_steps: int = 0  # optimizer steps of the whole run, for its ETA (0: unknown, the epoch's are shown)
+    mix: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # (images, labels, mix) -> images, targets
 
 
 def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cfg: LoopConfig, info: DistInfo,
@@ -78,7 +79,9 @@ def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cf
     optimizer.zero_grad(set_to_none=True)
     skipped = 0  # optimizer steps in a row skipped for inf/NaN gradients
     with training_steps():  # from here SIGTERM, like SIGUSR1, only asks for a stop at the next step boundary
-        for i, (images, targets) in enumerate(shown):
+        for i, (images, labels, *mix) in enumerate(shown):
+            # Mixup/cutmix (data.mixing): soft targets for the loss; train_top1 counts against the hard labels.
+            images, targets = cfg.mix(images, labels, *mix) if mix else (images, labels)
             group_start = i - i % cfg.accum_steps
             group_size = min(cfg.accum_steps, num_batches - group_start)
             last_micro_step = i == group_start + group_size - 1
@@ -89,7 +92,7 @@ def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cf
                     logits = model(images)
                     loss = parts.loss_fn(logits, targets)
                 parts.precision.backward(loss / group_size)
-            meter.add(loss.detach() * len(targets), hits(ranked_classes(logits.detach(), 1), targets, 1), len(targets))
+            meter.add(loss.detach() * len(labels), hits(ranked_classes(logits.detach(), 1), labels, 1), len(labels))
             if not last_micro_step:
                 continue
             skipped = 0 if parts.precision.step(optimizer, model, cfg.clip_grad) else skipped + 1

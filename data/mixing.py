@@ -1,0 +1,108 @@
+"""Mixup and CutMix between pairs of images, drawn on the CPU per pair and applied on the device.
+
+timm mixes sample i with sample B-1-i of a process's batch, one lambda per batch: the pairs, and so the
+training, then depend on the world size. Here the pairs are fixed by the epoch's global sample order
+(positions 2k and 2k+1 form pair k; data.loader.EpochSampler hands whole pairs to ranks) and each pair's
+mix (mixup or cutmix, lambda, box) is drawn from (seed, epoch, k): a resumed or re-sharded run mixes the
+same images in the same way. Both images of a pair are mixed with each other (timm's mode='pair').
+
+The collate (`MixCollate`, in the DataLoader workers) draws the mixes and ships them beside the uint8
+batch; `BatchMix` applies them after DeviceNormalize and builds the soft targets, with label smoothing
+folded in.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from engine.config import DataConfig
+from engine.errors import UserError
+
+MIX_STREAM = 0x4D4958  # ends a pair's seed sequence, apart from the augmentation's (seed, epoch, index[, repeat])
+NONE, MIXUP, CUTMIX = 0, 1, 2
+# Columns of the mix tensor a mixed batch carries: partner row, kind, lambda, box (y0, y1, x0, x1).
+PARTNER, KIND, LAM, Y0, Y1, X0, X1 = range(7)
+
+
+def draw_mix(cfg: DataConfig, seed: int, epoch: int, pair: int, height: int, width: int) -> list[float]:
+    """[kind, lambda, y0, y1, x0, x1] of one pair, a pure function of (seed, epoch, pair); timm's rules:
+    mixed with mixup_prob, cutmix instead of mixup with mixup_switch_prob, the cutmix lambda corrected
+    to the box's area after clipping."""
+    rng = np.random.default_rng([seed, epoch, pair, MIX_STREAM])
+    if rng.random() >= cfg.mixup_prob:
+        return [NONE, 1.0, 0, 0, 0, 0]
+    use_cutmix = cfg.cutmix_alpha > 0 and (cfg.mixup_alpha == 0 or rng.random() < cfg.mixup_switch_prob)
+    alpha = cfg.cutmix_alpha if use_cutmix else cfg.mixup_alpha
+    lam = float(rng.beta(alpha, alpha))
+    if not use_cutmix:
+        return [MIXUP, lam, 0, 0, 0, 0]
+    cut = math.sqrt(1.0 - lam)
+    cut_h, cut_w = int(height * cut), int(width * cut)
+    cy, cx = int(rng.integers(height)), int(rng.integers(width))
+    y0, y1 = min(max(cy - cut_h // 2, 0), height), min(max(cy + cut_h // 2, 0), height)
+    x0, x1 = min(max(cx - cut_w // 2, 0), width), min(max(cx + cut_w // 2, 0), width)
+    return [CUTMIX, 1.0 - (y1 - y0) * (x1 - x0) / (height * width), y0, y1, x0, x1]
+
+
+class MixCollate:
+    """Collate (image, label, (epoch, pair)) samples into (uint8 images, labels, mix): mix[i] holds row i's
+    partner and its pair's draw. A sample whose partner could not be read (data.skip_corrupt) is its own
+    partner, unmixed."""
+
+    def __init__(self, cfg: DataConfig, seed: int) -> None:
+        self.cfg, self.seed = cfg, seed
+
+    def __call__(self, samples: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        from data.loader import collate_channels_last  # (data.loader imports this module)
+
+        kept = [sample for sample in samples if sample is not None]
+        if not kept:
+            raise UserError(f"all {len(samples)} images of a training batch are unreadable (data.skip_corrupt=true); "
+                            "check data.root")
+        images, labels = collate_channels_last([(image, label) for image, label, _ in kept])
+        height, width = images.shape[-2:]
+        rows: dict[tuple[int, int], list[int]] = {}
+        for row, (*_, pair) in enumerate(kept):
+            rows.setdefault(pair, []).append(row)
+        mix = torch.zeros(len(kept), 7)
+        for (epoch, pair), members in rows.items():
+            draw = draw_mix(self.cfg, self.seed, epoch, pair, height, width) if len(members) == 2 else [NONE, 1.0]
+            for row, partner in zip(members, reversed(members)):
+                mix[row, PARTNER] = partner
+                mix[row, KIND:KIND + len(draw)] = torch.tensor(draw)
+        return images, labels, mix
+
+
+class BatchMix:
+    """(normalized images, labels, mix) -> (mixed images, soft targets), on the training device."""
+
+    def __init__(self, num_classes: int, smoothing: float) -> None:
+        self.num_classes, self.smoothing = num_classes, smoothing
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor, mix: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                               torch.Tensor]:
+        partner = mix[:, PARTNER].long()
+        lam = mix[:, LAM].to(images.dtype)
+        other = images[partner]
+        rows = torch.arange(images.shape[-2], device=images.device)
+        cols = torch.arange(images.shape[-1], device=images.device)
+        in_rows = (rows >= mix[:, Y0, None]) & (rows < mix[:, Y1, None])  # [n, H]
+        in_cols = (cols >= mix[:, X0, None]) & (cols < mix[:, X1, None])  # [n, W]
+        box = (in_rows[:, :, None] & in_cols[:, None, :])[:, None]  # [n, 1, H, W]; empty unless cutmix
+        blend = torch.where(mix[:, KIND] == MIXUP, lam, torch.ones_like(lam))[:, None, None, None]
+        mixed = torch.where(box, other, blend * images + (1 - blend) * other)
+        if images.is_contiguous(memory_format=torch.channels_last) and not images.is_contiguous():
+            mixed = mixed.contiguous(memory_format=torch.channels_last)
+        own = smooth_one_hot(labels, self.num_classes, self.smoothing, images.dtype)
+        targets = lam[:, None] * own + (1 - lam[:, None]) * own[partner]
+        return mixed, targets
+
+
+def smooth_one_hot(labels: torch.Tensor, num_classes: int, smoothing: float, dtype: torch.dtype) -> torch.Tensor:
+    """One-hot rows with label smoothing as timm folds it into mixup targets: smoothing / C off, the rest on."""
+    off = smoothing / num_classes
+    targets = torch.full((len(labels), num_classes), off, dtype=dtype, device=labels.device)
+    return targets.scatter_(1, labels[:, None], 1.0 - smoothing + off)

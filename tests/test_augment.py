@@ -1,0 +1,358 @@
+"""Recipe augmentations (issue 14): torchvision policies and erasing, mixup/cutmix, repeated augmentation.
+
+Every draw is a pure function of (seed, epoch, index[, repeat]) or, for a mixed pair, (seed, epoch, pair):
+the tests compare per-sample outputs through real DataLoaders and samplers for 1 and 2 ranks and 0 and 2
+workers, and the global batches the samplers hand out for 1 and 2 ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torchvision.transforms import v2
+
+import train
+from data.datasets import DummyDataset
+from data.loader import EpochSampler, build_train_loader
+from data.mixing import BatchMix, MixCollate
+from data.transforms import TimmRandAugment, tensor_augment, train_transform
+from engine.checkpoint import load_checkpoint
+from engine.cli import report_errors
+from engine.config import DataConfig, TrainConfig, load_config
+from engine.dist import DistInfo
+from engine.errors import UserError
+from engine.losses import build_loss
+from tests import test_correctness as correctness, test_resume as resume
+from tests.helpers import TINY, read_jsonl, run_script
+
+RECIPE = dict(img_size=16, auto_augment="rand-m9-mstd0.5", random_erase=0.5)
+
+
+def dataset(cfg: DataConfig, size: int = 24) -> DummyDataset:
+    return DummyDataset(size, 4, 20, train_transform(cfg), seed=3, tensor_transform=tensor_augment(cfg))
+
+
+@pytest.mark.parametrize("value, message", [
+    ("rand", None), ("rand-m9-mstd0.5", None), ("rand-m7-n3-p1", None), ("rand-m9-mstd101-p0.25", None),
+    ("trivialaugment", None), ("augmix", None),
+    ("augmix-m3-w3", None), ("autoaugment", None),
+    ("randaugment", "config key 'data.auto_augment' is 'randaugment'; use rand-m<magnitude"),
+    ("rand-m9-x2", "config key 'data.auto_augment' is 'rand-m9-x2': cannot read 'x2'"),
+    ("rand-m12", "rand needs m in 0-10"), ("rand-m9-p1.5", "p in [0, 1]"), ("rand-m9.5", "cannot read 'm9.5'"),
+    ("augmix-m0", "augmix needs m in 1-10"),
+])
+def test_auto_augment_strings(value, message, capsys):
+    if message is None:
+        assert load_config(None, [f"data.auto_augment={value}"]).data.auto_augment == value
+        return
+    assert report_errors(train.main, [*TINY, f"data.auto_augment={value}", "output_dir=/nonexistent/x"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.random_erase=1.5", "config key 'data.random_erase' must be in [0, 1], got 1.5"),
+    ("data.mixup_prob=-1", "config key 'data.mixup_prob' must be in [0, 1], got -1.0"),
+    ("data.cutmix_alpha=-1", "config key 'data.cutmix_alpha' must be >= 0, got -1.0"),
+    ("data.aug_repeats=-2", "config key 'data.aug_repeats' must be >= 0, got -2"),
+    ("train.loss=focal", "config key 'train.loss' is 'focal'; choose one of ce, bce"),
+])
+def test_recipe_keys_out_of_range(override, message):
+    with pytest.raises(UserError) as err:
+        load_config(None, [override])
+    assert str(err.value) == message
+
+
+def test_mixing_needs_an_even_batch():
+    with pytest.raises(UserError, match="'train.batch_size' must be even with mixup or cutmix on .* got 7"):
+        load_config(None, ["data.mixup_alpha=0.2", "train.batch_size=7"])
+    load_config(None, ["data.mixup_alpha=0.2", "train.batch_size=8"])
+
+
+@pytest.mark.parametrize("policy", ["rand-m9-mstd0.5", "trivialaugment", "augmix", "autoaugment", ""])
+def test_each_policy_changes_images_and_keeps_them_uint8(policy):
+    plain = dataset(DataConfig(img_size=16))
+    augmented = dataset(DataConfig(img_size=16, auto_augment=policy, random_erase=0.0 if policy else 1.0))
+    changed = 0
+    for i in range(8):
+        image, label = augmented[(0, i)]
+        assert image.dtype == torch.uint8 and image.shape == (3, 16, 16) and label == plain[(0, i)][1]
+        changed += not torch.equal(image, plain[(0, i)][0])  # same crop and flip underneath
+    assert changed >= 4
+
+
+@pytest.mark.parametrize("op, magnitudes", [
+    ("Rotate", (-27.0, -5.5, 13.0, 30.0)), ("ShearX", (-0.27, 0.1, 0.3)), ("ShearY", (-0.3, 0.05, 0.27)),
+    ("TranslateX", (-13.0, 4.7, 61.0)), ("TranslateY", (-9.0, 20.0)), ("Sharpness", (-0.9, -0.3, 0.3, 0.9)),
+    ("Solarize", (0.0, 0.3, 0.5001, 1.0)), ("AutoContrast", (0.0,)),
+])
+def test_opencv_kernels_match_torchvision(op, magnitudes):
+    """FastKernels' ops against torchvision's own kernels, on uint8 CHW views of HWC images (as ToTensorV2 gives)."""
+    ours, theirs = TimmRandAugment(2, 9, 0.0), v2.RandAugment()
+    generator = torch.Generator().manual_seed(0)
+    for height, width in ((32, 32), (45, 28), (224, 180)):
+        noise = torch.randint(0, 256, (height, width, 3), dtype=torch.uint8, generator=generator)
+        image = noise.permute(2, 0, 1)
+        if op == "AutoContrast":  # narrow channel ranges to stretch, one of them flat
+            image = (noise // 3 + 40).permute(2, 0, 1).contiguous()
+            image[1] = 77
+            image = image.permute(1, 2, 0).contiguous().permute(2, 0, 1)
+        for magnitude in magnitudes:
+            got, want = (policy._apply_image_or_video_transform(image, op, magnitude, policy.interpolation,
+                                                                policy._fill) for policy in (ours, theirs))
+            assert got.shape == want.shape and got.dtype == torch.uint8
+            same = (got == want).all(dim=0).float().mean().item()
+            # nearest-neighbour ties may round the other way in OpenCV's fixed point: a pixel in thousands
+            assert same == 1.0 or (op in ("Rotate", "ShearX", "ShearY") and same > 0.999), (op, magnitude, same)
+
+
+@pytest.mark.parametrize("policy", ["rand-m9-n3-p1", "trivialaugment", "autoaugment"])
+def test_policies_take_the_opencv_kernels(policy, monkeypatch):
+    """The policies call the ops as torchvision does (interpolation as the string "nearest"); a spy on
+    torchvision's own kernels (which still run when called) shows FastKernels answered every such op."""
+    from torchvision.transforms.v2 import _auto_augment
+
+    called = []
+
+    def spy(name: str):
+        kernel = getattr(_auto_augment.F, name)
+        return lambda *args, **kwargs: called.append(name) or kernel(*args, **kwargs)
+
+    for name in ("affine", "rotate", "adjust_sharpness", "solarize", "autocontrast"):
+        monkeypatch.setattr(_auto_augment.F, name, spy(name))
+    transform = tensor_augment(DataConfig(img_size=32, auto_augment=policy))
+    generator = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    for _ in range(60):
+        transform(torch.randint(0, 256, (32, 32, 3), dtype=torch.uint8, generator=generator).permute(2, 0, 1))
+    assert called == []
+
+
+def test_erasing_fills_a_box_with_varied_pixels():
+    cfg = DataConfig(img_size=16, random_erase=1.0)
+    erased, plain = dataset(cfg)[(0, 1)][0], dataset(DataConfig(img_size=16))[(0, 1)][0]
+    box = (erased != plain).any(dim=0).nonzero()
+    rows, cols = box[:, 0], box[:, 1]
+    inside = erased[:, rows.min():rows.max() + 1, cols.min():cols.max() + 1]
+    assert inside.float().std() > 20  # random pixel values, not one constant
+
+
+def test_policy_draws_leave_the_global_torch_rng_alone():
+    data = dataset(DataConfig(**RECIPE))
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    first = data[(0, 5)][0]
+    assert torch.equal(torch.rand(3), expected)
+    assert torch.equal(data[(0, 5)][0], first)  # a pure function of (seed, epoch, index)
+    assert not torch.equal(data[(1, 5)][0], first)  # a new epoch, new draws
+
+
+def per_sample_images(cfg: DataConfig, world: int, workers: int, epoch: int = 1) -> dict[tuple, tuple]:
+    """key -> (image, and with mixing: its mix draw and its partner's key), as the training loaders of all
+    `world` ranks deliver them in `epoch`."""
+    cfg.num_workers = workers
+    data = dataset(cfg)
+    samples = {}
+    for rank in range(world):
+        loader = build_train_loader(data, cfg, 4, seed=3, info=DistInfo(rank, world, rank, world, torch.device("cpu")))
+        loader.sampler.set_epoch(epoch)
+        keys = list(loader.sampler)
+        for step, batch in enumerate(loader):
+            batch_keys = keys[step * 4:(step + 1) * 4]
+            for row, key in enumerate(batch_keys):
+                extra = () if len(batch) == 2 else (batch[2][row, 1:], batch_keys[int(batch[2][row, 0])])
+                samples[key] = (batch[0][row], *extra)
+    return samples
+
+
+def equal(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
+
+
+def test_sample_augmentation_is_the_same_for_any_ranks_and_workers():
+    cfg = DataConfig(**RECIPE)
+    reference = per_sample_images(cfg, world=1, workers=0)
+    for world, workers in ((2, 0), (1, 2), (2, 2)):
+        images = per_sample_images(DataConfig(**RECIPE), world, workers)
+        assert images.keys() <= reference.keys() and len(images) >= 16
+        assert all(equal(images[key], reference[key]) for key in images), (world, workers)
+
+
+# ---- mixup / cutmix ----------------------------------------------------------------------------------------
+
+MIX = dict(mixup_alpha=1.0, cutmix_alpha=1.0, mixup_switch_prob=0.5, mixup_prob=0.9)
+
+
+def constant_samples(pairs: int, epoch: int = 0) -> list:
+    """Pair k's two samples; sample j is filled with the value 3 j + 1 and has label j (pixels reveal sources)."""
+    return [(torch.full((3, 12, 10), 3 * j + 1, dtype=torch.uint8), j, (epoch, j // 2)) for j in range(2 * pairs)]
+
+
+def test_mixed_targets_sum_to_one_and_match_the_mixed_pixels():
+    n = 64
+    images, labels, mix = MixCollate(DataConfig(**MIX), seed=1)(constant_samples(n // 2))
+    mixed, targets = BatchMix(n, smoothing=0.0)(images.float(), labels, mix)
+    torch.testing.assert_close(targets.sum(dim=1), torch.ones(n))
+    kinds = set()
+    for row in range(n):
+        own, partner = 3 * row + 1, 3 * (row ^ 1) + 1
+        share = targets[row, row].item()  # this image's weight in its target
+        assert targets[row, row ^ 1].item() == pytest.approx(1 - share, abs=1e-6)
+        pixels = mixed[row]
+        if (pixels == own).all():
+            kinds.add("none")
+            assert share == 1.0
+        elif ((pixels == own) | (pixels == partner)).all():  # cutmix: a box of the partner's pixels
+            kinds.add("cutmix")
+            assert share == pytest.approx((pixels == own).float().mean().item(), abs=1e-6)
+            box = (pixels[0] == partner).nonzero()
+            assert len(box) == (box[:, 0].max() - box[:, 0].min() + 1) * (box[:, 1].max() - box[:, 1].min() + 1)
+        else:  # mixup: every pixel share * own + (1 - share) * partner
+            kinds.add("mixup")
+            torch.testing.assert_close(pixels, torch.full_like(pixels, share * own + (1 - share) * partner))
+    assert kinds == {"none", "cutmix", "mixup"}
+
+
+def test_label_smoothing_is_folded_into_the_mixed_targets():
+    images, labels, mix = MixCollate(DataConfig(mixup_alpha=0.4), seed=1)(constant_samples(4))
+    _, targets = BatchMix(10, smoothing=0.1)(images.float(), labels, mix)
+    torch.testing.assert_close(targets.sum(dim=1), torch.ones(8))
+    assert targets.min().item() == pytest.approx(0.01)  # smoothing / classes on every class not in the pair
+
+
+def test_a_pair_draws_the_same_mix_in_any_batch_and_a_lone_sample_is_unmixed():
+    collate = MixCollate(DataConfig(**MIX), seed=1)
+    samples = constant_samples(6, epoch=2)
+    _, _, whole = collate(samples)
+    _, _, later = collate(samples[4:])
+    assert torch.equal(later[:, 1:], whole[4:, 1:])  # same draws; partner rows are batch-local
+    _, _, other_epoch = collate(constant_samples(6, epoch=3))
+    assert not torch.equal(other_epoch[:, 1:], whole[:, 1:])
+    _, _, lone = collate([*samples[:3], None, *samples[4:]])  # data.skip_corrupt dropped sample 3
+    assert lone[2, 0] == 2 and lone[2, 1] == 0 and lone[2, 2] == 1  # its own partner, unmixed
+    assert torch.equal(lone[3:, 1:], whole[4:, 1:])
+
+
+@pytest.mark.parametrize("loss", ["ce", "bce"])
+def test_losses_take_hard_labels_and_soft_targets(loss):
+    logits, labels = torch.randn(6, 5), torch.tensor([0, 1, 2, 3, 4, 0])
+    fn = build_loss(TrainConfig(loss=loss, label_smoothing=0.1), mixing=False)
+    soft = build_loss(TrainConfig(loss=loss, label_smoothing=0.1), mixing=True)
+    smoothed = torch.nn.functional.one_hot(labels, 5) * 0.9 + 0.02
+    torch.testing.assert_close(fn(logits, labels), soft(logits, smoothed))
+    if loss == "bce":
+        expected = torch.nn.functional.binary_cross_entropy_with_logits(logits, smoothed)
+        torch.testing.assert_close(fn(logits, labels), expected)
+
+
+# ---- the samplers: pairs, repeats, global batches ----------------------------------------------------------
+
+
+def global_batches(n: int, world: int, batch: int, unit: int, repeats: int, epoch: int = 1) -> list[list[tuple]]:
+    """For each step, the sorted keys all `world` ranks read (per-rank batch `batch`)."""
+    samplers = [EpochSampler(range(n), num_replicas=world, rank=r, shuffle=True, seed=7, drop_last=True,
+                             unit=unit, repeats=repeats) for r in range(world)]
+    per_rank = []
+    for sampler in samplers:
+        sampler.set_epoch(epoch)
+        keys = list(sampler)
+        assert len(keys) == len(sampler)
+        per_rank.append([keys[s:s + batch] for s in range(0, len(keys) - batch + 1, batch)])
+    steps = min(len(batches) for batches in per_rank)
+    assert all(len(batches) == steps for batches in per_rank)
+    return [sorted(k for batches in per_rank for k in batches[step]) for step in range(steps)]
+
+
+@pytest.mark.parametrize("unit, repeats", [(1, 1), (2, 1), (1, 3), (2, 2), (2, 3)])
+def test_the_global_batches_are_the_same_for_one_and_two_ranks(unit, repeats):
+    for n in (50, 51):
+        one, two = global_batches(n, 1, 12, unit, repeats), global_batches(n, 2, 6, unit, repeats)
+        assert one == two and len(one) == n // 12
+        keys = [key for batch in one for key in batch]
+        assert len(set(keys)) == len(keys)  # (index, repeat) once each
+        if repeats > 1:
+            assert {k[2] for k in keys} == set(range(repeats))
+            counts = torch.bincount(torch.tensor([k[1] for k in keys]))
+            assert counts.max() == repeats  # an index k times, the epoch as long as the dataset
+
+
+def test_pairs_stay_on_one_rank_and_repeats_go_to_different_ranks():
+    ranks = {}
+    for rank in range(3):
+        sampler = EpochSampler(range(60), num_replicas=3, rank=rank, shuffle=True, seed=7, drop_last=True,
+                               unit=2, repeats=3)
+        keys = list(sampler)
+        assert [k[3] for k in keys[::2]] == [k[3] for k in keys[1::2]]  # consecutive samples form a pair
+        ranks.update({k: rank for k in keys})
+    pairs = {}
+    for (_, index, repeat, pair), rank in ranks.items():
+        pairs.setdefault(pair, set()).add(rank)
+    assert all(len(r) == 1 for r in pairs.values())
+    by_index = {}
+    for (_, index, repeat, _), rank in ranks.items():
+        by_index.setdefault(index, []).append(rank)
+    assert all(len(set(r)) == len(r) for r in by_index.values())  # world size 3 >= 3 repeats
+
+
+def test_the_start_skip_resumes_pairs_and_repeats_exactly():
+    full = EpochSampler(range(61), num_replicas=2, rank=1, shuffle=True, seed=7, drop_last=True, unit=2, repeats=2)
+    full.set_epoch(4)
+    resumed = EpochSampler(range(61), num_replicas=2, rank=1, shuffle=True, seed=7, drop_last=True, unit=2,
+                           repeats=2)
+    resumed.set_epoch(4, start=8)
+    assert list(resumed) == list(full)[8:] and len(resumed) == len(full) - 8
+
+
+def test_repeats_get_different_augmentations_and_repeat_zero_is_unchanged():
+    data = dataset(DataConfig(**RECIPE))
+    plain = data[(2, 5)][0]
+    assert torch.equal(data[(2, 5, 0, -1)][0], plain)  # repeat 0 is seeded as without repeats
+    repeats = [data[(2, 5, r, -1)][0] for r in range(4)]
+    assert all(not torch.equal(repeats[a], repeats[b]) for a in range(4) for b in range(a))
+    image, label, key = data[(2, 5, 1, 9)]
+    assert torch.equal(image, repeats[1]) and key == (2, 9)
+
+
+def test_mixed_batches_are_the_same_for_any_ranks_and_workers():
+    """Through real loaders: each key's image, mix draw and partner key are independent of ranks and workers."""
+    cfg = dict(**RECIPE, **MIX, aug_repeats=2)
+    reference = per_sample_images(DataConfig(**cfg), world=1, workers=0)
+    assert len(reference) >= 16 and all(len(key) == 4 for key in reference)
+    for world, workers in ((2, 0), (2, 2)):
+        images = per_sample_images(DataConfig(**cfg), world, workers)
+        assert images.keys() <= reference.keys() and len(images) >= 16
+        assert all(equal(images[key], reference[key]) for key in images), (world, workers)
+
+
+# ---- end to end: the guarantees hold with every recipe option on (fp32) ------------------------------------
+
+RECIPE_RUN = ("data.augment=true", "data.mixup_alpha=0.2", "data.cutmix_alpha=1.0", "data.mixup_prob=0.8",
+              "data.auto_augment=rand-m9-mstd0.5", "data.random_erase=0.25", "data.aug_repeats=2")
+
+
+@pytest.mark.slow
+def test_recipe_one_process_equals_two_ranks(tmp_path):
+    """Guarantee 1 of docs/correctness.md with mixup, cutmix, RandAugment, erasing and repeats on."""
+    common = (*correctness.COMMON, correctness.NO_BN_MODEL, *RECIPE_RUN)
+    run_script("train.py", *common, "train.batch_size=12", f"output_dir={tmp_path}/one")
+    run_script("train.py", *common, "train.batch_size=6", f"output_dir={tmp_path}/two", nproc=2)
+    correctness.assert_same_model(tmp_path / "one", tmp_path / "two")
+
+
+@pytest.mark.slow
+def test_recipe_resume_mid_epoch_is_bitwise_identical(tmp_path):
+    """2 ranks x 4 steps per epoch, stopped at step 6 (mid-epoch 1) and resumed == uninterrupted, every bit."""
+    straight, out = tmp_path / "straight", tmp_path / "run"
+    args = [*resume.RUN, *RECIPE_RUN, "train.loss=bce", "train.label_smoothing=0.1"]
+    run_script("train.py", *args, f"output_dir={straight}", nproc=2)
+    run_script("train.py", *args, f"output_dir={out}", "train.max_steps=6", nproc=2)
+    partial = load_checkpoint(out / "last.pth")
+    assert (partial["epoch"], partial["epoch_step"]) == (1, 2)
+    stop_top1 = read_jsonl(out / "metrics.jsonl")[-1]["val_top1"]  # the evaluation at the stop
+    run_script("train.py", *args, f"output_dir={out}", nproc=2)
+    expected, resumed = load_checkpoint(straight / "last.pth"), load_checkpoint(out / "last.pth")
+    assert resumed["best_top1"] == max(expected["best_top1"], stop_top1)  # the only allowed difference
+    resumed["best_top1"] = expected["best_top1"]
+    resume.assert_same(expected, resumed)
+    assert resume.rows_without_timing(out) == resume.rows_without_timing(straight)
