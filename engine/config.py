@@ -104,10 +104,15 @@ class OptimConfig:
 
 @dataclass
 class SchedConfig:
-    name: str = "cosine"  # any timm scheduler name (cosine, step, multistep, plateau, ...)
-    warmup_epochs: int = 0  # linear warmup from warmup_lr, stepped every update
+    name: str = "cosine"  # cosine | tanh | poly | wsd | rsqrt | step | multistep | constant (timm), stepped every update
+    warmup_epochs: int = 0  # linear warmup from warmup_lr over this many epochs
+    warmup_steps: int = 0  # or over this many optimizer steps (set one of the two)
     warmup_lr: float = 1e-5  # learning rate at the start of warmup
     min_lr: float = 0.0  # floor of the schedule
+    decay_epochs: float = 0.0  # step: decay every this many epochs; wsd/rsqrt: decay phase (< 1: fraction; 0: 0.2)
+    decay_milestones: list[int] = field(default_factory=list)  # multistep: epochs to decay at, e.g. [30,60,80]
+    decay_rate: float = 0.1  # step/multistep: lr factor at each decay; poly: the power
+    cooldown_epochs: int = 0  # cosine/tanh/poly/wsd/rsqrt: the schedule ends this many epochs early; min_lr after
 
 
 @dataclass
@@ -166,14 +171,17 @@ CHOICES = {
     "data.name": ("imagefolder", "dummy", "digits"),
     "dist.backend": ("auto", "nccl", "gloo"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
+    "sched.name": ("cosine", "tanh", "poly", "wsd", "rsqrt", "step", "multistep", "constant"),
 }
+ENDLESS_SCHEDULES = ("step", "multistep", "constant")  # no end to cool down after
 POSITIVE = ("train.epochs", "train.batch_size", "train.accum_steps", "data.img_size",
             "logging.interval", "dist.rendezvous_timeout_s", "train.max_nonfinite", "data.prefetch_factor",
             "data.dummy_train_size", "data.dummy_val_size", "data.dummy_num_classes", "data.dummy_image_size",
-            "data.max_image_pixels")
+            "data.max_image_pixels", "sched.decay_rate")
 NON_NEGATIVE = ("dist.timeout_s", "logging.wandb_samples", "optim.lr", "optim.weight_decay", "optim.clip_grad",
                 "train.max_steps", "data.num_workers", "train.ckpt_every_steps", "train.keep_last_k",
-                "data.color_jitter", "sched.warmup_epochs", "sched.warmup_lr", "sched.min_lr")
+                "data.color_jitter", "sched.warmup_epochs", "sched.warmup_lr", "sched.min_lr",
+                "sched.warmup_steps", "sched.decay_epochs", "sched.cooldown_epochs")
 FRACTIONS = ("model.drop_rate", "model.drop_path_rate", "train.label_smoothing", "model.ema_decay")  # in [0, 1)
 MAX_SEED = 2**32 - 1  # np.random.seed (train.py) takes nothing larger
 OPENCV_MAX_PIXELS = 2**30  # OpenCV refuses larger images (CV_IO_MAX_IMAGE_PIXELS)
@@ -327,6 +335,9 @@ def _get(cfg: Config, key: str) -> Any:
 
 def validate(cfg: Config) -> None:
     """Reject values that type-check but cannot work (negative lr, batch size 0, unknown modes)."""
+    if cfg.sched.name == "plateau":  # before CHOICES: say why it is missing
+        raise UserError("sched.name 'plateau' is not supported: it steps on a validation metric and timm does not "
+                        "checkpoint its state (a resumed run would not continue it); use cosine, step or multistep")
     for key, allowed in CHOICES.items():
         if _get(cfg, key) not in allowed:
             raise UserError(f"config key {key!r} is {_get(cfg, key)!r}; choose one of {', '.join(allowed)}")
@@ -354,12 +365,34 @@ def validate(cfg: Config) -> None:
         low_high = _get(cfg, key)
         if len(low_high) != 2 or not 0 < low_high[0] <= low_high[1]:
             raise UserError(f"config key {key!r} must be [low, high] with 0 < low <= high, got {low_high}")
+    validate_sched(cfg.sched, cfg.train.epochs)
     if cfg.logging.wandb:
         validate_wandb(cfg.logging)
     if not cfg.resume:
         raise UserError("config key 'resume' is empty; use auto, none or the path of a checkpoint")
     if len(cfg.data.mean) != 3 or len(cfg.data.std) != 3 or min(cfg.data.std) <= 0:
         raise UserError("config keys 'data.mean' and 'data.std' need 3 values each (RGB), std > 0")
+
+
+def validate_sched(cfg: SchedConfig, epochs: int) -> None:
+    """Schedule settings timm would ignore or take a default for (step's is 90 epochs), refused at load time."""
+    if cfg.name == "step" and cfg.decay_epochs <= 0:
+        raise UserError("sched.name=step needs sched.decay_epochs > 0 (decay the lr every that many epochs), "
+                        "e.g. sched.decay_epochs=30")
+    if cfg.name == "multistep" and not cfg.decay_milestones:
+        raise UserError("sched.name=multistep needs sched.decay_milestones, the epochs to decay at, "
+                        "e.g. sched.decay_milestones=[30,60,80]")
+    milestones = cfg.decay_milestones
+    if milestones and (milestones[0] <= 0 or any(b <= a for a, b in zip(milestones, milestones[1:]))):
+        raise UserError(f"config key 'sched.decay_milestones' must increase from an epoch > 0, got {milestones}")
+    if cfg.warmup_epochs and cfg.warmup_steps:
+        raise UserError(f"set sched.warmup_epochs or sched.warmup_steps, not both (got {cfg.warmup_epochs} and "
+                        f"{cfg.warmup_steps})")
+    if cfg.cooldown_epochs and cfg.name in ENDLESS_SCHEDULES:
+        raise UserError(f"sched.cooldown_epochs applies to schedules with an end (cosine, tanh, poly, wsd, rsqrt), "
+                        f"not sched.name={cfg.name}; set it to 0")
+    if cfg.cooldown_epochs >= epochs:
+        raise UserError(f"sched.cooldown_epochs must be below train.epochs ({epochs}), got {cfg.cooldown_epochs}")
 
 
 def validate_wandb(cfg: LoggingConfig) -> None:

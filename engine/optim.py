@@ -51,12 +51,24 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, grad_scaler: bool = Fals
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedConfig, epochs: int,
                     updates_per_epoch: int) -> Scheduler:
-    """timm scheduler stepped every optimizer update (`step_update`), so warmup is smooth."""
+    """timm scheduler stepped every optimizer update (`step_update`), so warmup is smooth.
+
+    Every length is converted to optimizer updates here, in one place (timm then counts in updates:
+    updates_per_epoch=1), which lets warmup be given in steps as well as in epochs.
+    """
+    per_epoch = updates_per_epoch
+    # timm applies a multistep milestone m at update m - 1 (its convention, kept for old recipes): + 1 starts
+    # the decay with epoch m's first update, as torch's MultiStepLR does.
+    milestones = [m * per_epoch + 1 for m in cfg.decay_milestones]
+    decay = cfg.decay_epochs
+    if not (cfg.name in ("wsd", "rsqrt") and 0 < decay < 1):  # wsd/rsqrt: a decay below 1 is a fraction
+        decay = decay * per_epoch or None  # None: timm's default (wsd/rsqrt only: step needs decay_epochs)
     try:
-        scheduler, _ = create_scheduler_v2(optimizer, sched=cfg.name, num_epochs=epochs,
-                                           warmup_epochs=cfg.warmup_epochs, warmup_lr=cfg.warmup_lr,
-                                           min_lr=cfg.min_lr, step_on_epochs=False,
-                                           updates_per_epoch=updates_per_epoch)
+        scheduler, _ = create_scheduler_v2(optimizer, sched=cfg.name, num_epochs=(epochs - cfg.cooldown_epochs) * per_epoch,
+                                           warmup_epochs=cfg.warmup_steps or cfg.warmup_epochs * per_epoch,
+                                           warmup_lr=cfg.warmup_lr, min_lr=cfg.min_lr, decay_epochs=decay,
+                                           decay_milestones=milestones,
+                                           decay_rate=cfg.decay_rate, step_on_epochs=False, updates_per_epoch=1)
     except (AssertionError, ValueError) as err:
         raise UserError(f"sched.name {cfg.name!r} is not usable ({err})") from None
     if scheduler is None:
