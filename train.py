@@ -33,7 +33,7 @@ from engine.config import Config, ModelConfig, config_yaml, keys_help, load_conf
 from engine.dist import DistInfo, broadcast_tensors, init_distributed, rank0_decides, read_launch_env
 from engine.hooks import EmaUpdate, IntervalTracking, StepCheckpoint
 from engine.logs import setup_logging
-from engine.optim import build_optimizer, build_scheduler
+from engine.optim import build_optimizer, build_scheduler, check_optimizer, scaled_lr_note, with_scaled_lr
 from engine.precision import Precision, resolve_precision
 from engine.resume import Resume
 from engine.run_dir import RunRecord, check_writable, locked
@@ -65,6 +65,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def start_up(cfg: Config, info: DistInfo) -> tuple[Resume, DataBundle, Precision, nn.Module]:
     """What fit() checks and builds before anything is placed on the device: the checkpoint to resume, the data,
     the precision, the model with its starting weights. --dry-run stops after it."""
+    check_optimizer(cfg.optim)
     start = Resume.find(cfg.resume, Path(cfg.output_dir))
     seed_everything(cfg.seed)
     data = build_data(cfg.data, cfg.train.batch_size, cfg.seed, info)
@@ -77,7 +78,7 @@ def start_up(cfg: Config, info: DistInfo) -> tuple[Resume, DataBundle, Precision
 def dry_run(cfg: Config, info: DistInfo) -> str:
     """fit()'s checks up to the first training step, with nothing written to output_dir; returns a summary."""
     out = Path(cfg.output_dir)
-    start, data, _, _ = start_up(cfg, info)
+    start, data, _, _ = start_up(with_scaled_lr(cfg, info.world_size), info)
     rank0_decides(lambda: check_writable(out))
     resumed = f"resumes {start.path}" if start.path else "starts fresh"
     return (f"dry run passed: {cfg.model.name} on {len(data.train.dataset)} train / {len(data.val.dataset)} val "
@@ -106,6 +107,9 @@ def wrap_for_training(model: nn.Module, cfg: ModelConfig, info: DistInfo) -> nn.
 
 def fit(cfg: Config, info: DistInfo) -> TrainState:
     out = Path(cfg.output_dir)
+    cfg = with_scaled_lr(cfg, info.world_size)  # optim.lr_base: optim.lr for this global batch
+    if cfg.optim.lr_base and info.is_main:
+        log.info(scaled_lr_note(cfg, info.world_size))
     start, data, precision, model = start_up(cfg, info)
     model = prepare_model(model, cfg.model, info.device, info.world_size)
     ema = create_ema(model, cfg.model.ema_decay)

@@ -12,6 +12,7 @@ import inspect
 import math
 import os
 import re
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,6 +100,13 @@ class OptimConfig:
     weight_decay: float = 1e-4  # L2 penalty / decoupled decay (adamw)
     no_decay_norm_bias: bool = True  # no weight decay on norm layers and biases
     clip_grad: float = 0.0  # max gradient norm; 0 disables clipping
+    betas: list[float] = field(default_factory=list)  # Adam-family [beta1, beta2]; [] = the optimizer's default
+    eps: float | None = None  # the optimizer's epsilon; null = its default
+    nesterov: bool | None = None  # SGD-family Nesterov momentum; null = the optimizer's default (timm: sgd yes, momentum no)
+    layer_decay: float = 0.0  # layer-wise lr decay (ViT, ConvNeXt: 0.65-0.8), lr x decay^(blocks above); 0 = off
+    lr_base: float = 0.0  # lr per lr_base_size images; > 0: optim.lr = lr_base x global batch / lr_base_size, given optim.lr ignored
+    lr_base_size: int = 256  # the batch lr_base is given for
+    lr_base_scale: str = "linear"  # linear | sqrt: how lr_base follows the global batch (timm uses sqrt for ada*/lamb)
     kwargs: dict[str, Any] = field(default_factory=dict)  # more options for the optimizer, e.g. kwargs.eps=1e-6
 
 
@@ -171,17 +179,18 @@ CHOICES = {
     "data.name": ("imagefolder", "dummy", "digits"),
     "dist.backend": ("auto", "nccl", "gloo"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
+    "optim.lr_base_scale": ("linear", "sqrt"),
     "sched.name": ("cosine", "tanh", "poly", "wsd", "rsqrt", "step", "multistep", "constant"),
 }
 ENDLESS_SCHEDULES = ("step", "multistep", "constant")  # no end to cool down after
 POSITIVE = ("train.epochs", "train.batch_size", "train.accum_steps", "data.img_size",
             "logging.interval", "dist.rendezvous_timeout_s", "train.max_nonfinite", "data.prefetch_factor",
             "data.dummy_train_size", "data.dummy_val_size", "data.dummy_num_classes", "data.dummy_image_size",
-            "data.max_image_pixels", "sched.decay_rate")
+            "data.max_image_pixels", "sched.decay_rate", "optim.lr_base_size")
 NON_NEGATIVE = ("dist.timeout_s", "logging.wandb_samples", "optim.lr", "optim.weight_decay", "optim.clip_grad",
                 "train.max_steps", "data.num_workers", "train.ckpt_every_steps", "train.keep_last_k",
                 "data.color_jitter", "sched.warmup_epochs", "sched.warmup_lr", "sched.min_lr",
-                "sched.warmup_steps", "sched.decay_epochs", "sched.cooldown_epochs")
+                "sched.warmup_steps", "sched.decay_epochs", "sched.cooldown_epochs", "optim.lr_base")
 FRACTIONS = ("model.drop_rate", "model.drop_path_rate", "train.label_smoothing", "model.ema_decay")  # in [0, 1)
 MAX_SEED = 2**32 - 1  # np.random.seed (train.py) takes nothing larger
 OPENCV_MAX_PIXELS = 2**30  # OpenCV refuses larger images (CV_IO_MAX_IMAGE_PIXELS)
@@ -295,6 +304,14 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
 
 def _coerce(key: str, hint: Any, value: Any) -> Any:
     """Check one leaf value against its annotation; ints are accepted where floats are expected."""
+    if isinstance(hint, types.UnionType) and type(None) in hint.__args__:  # `bool | None`: null = a library default
+        (inner,) = [arg for arg in hint.__args__ if arg is not type(None)]
+        if value is None:
+            return None
+        try:
+            return _coerce(key, inner, value)
+        except UserError as err:
+            raise UserError(str(err).replace(f"must be {inner.__name__},", f"must be {inner.__name__} or null,")) from None
     if hint is float and isinstance(value, (int, str)) and not isinstance(value, bool):
         try:  # (PyYAML reads 1e-3, without a dot, as a string)
             value = float(value)
@@ -366,6 +383,7 @@ def validate(cfg: Config) -> None:
         if len(low_high) != 2 or not 0 < low_high[0] <= low_high[1]:
             raise UserError(f"config key {key!r} must be [low, high] with 0 < low <= high, got {low_high}")
     validate_sched(cfg.sched, cfg.train.epochs)
+    validate_optim(cfg.optim)
     if cfg.logging.wandb:
         validate_wandb(cfg.logging)
     if not cfg.resume:
@@ -393,6 +411,16 @@ def validate_sched(cfg: SchedConfig, epochs: int) -> None:
                         f"not sched.name={cfg.name}; set it to 0")
     if cfg.cooldown_epochs >= epochs:
         raise UserError(f"sched.cooldown_epochs must be below train.epochs ({epochs}), got {cfg.cooldown_epochs}")
+
+
+def validate_optim(cfg: OptimConfig) -> None:
+    """Optimizer values out of range (whether this optimizer takes them is checked at start-up: engine/optim.py)."""
+    if cfg.betas and (len(cfg.betas) != 2 or not all(0 <= b < 1 for b in cfg.betas)):
+        raise UserError(f"config key 'optim.betas' must be [beta1, beta2], each in [0, 1), got {cfg.betas}")
+    if cfg.eps is not None and cfg.eps <= 0:
+        raise UserError(f"config key 'optim.eps' must be > 0 (or null: the optimizer's default), got {cfg.eps}")
+    if not 0 <= cfg.layer_decay <= 1:
+        raise UserError(f"config key 'optim.layer_decay' must be in [0, 1] (0: off), got {cfg.layer_decay}")
 
 
 def validate_wandb(cfg: LoggingConfig) -> None:
@@ -424,6 +452,8 @@ def config_keys(cls: type = Config, prefix: str = "") -> list[tuple[str, str, An
             keys += config_keys(hint, f"{prefix}{f.name}.")
         else:
             name = hint.__name__ if isinstance(hint, type) else str(hint)
+            if isinstance(hint, types.UnionType):  # `float | None` -> float|null, one word in --help
+                name = "|".join("null" if arg is type(None) else arg.__name__ for arg in hint.__args__)
             keys.append((f"{prefix}{f.name}", name, getattr(defaults, f.name), notes.get(f.name, "")))
     return keys
 

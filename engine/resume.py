@@ -26,7 +26,7 @@ from engine.weights import init_from, load_weights
 log = logging.getLogger(__name__)
 TRAINING_KEYS = ("model", "optimizer", "epoch", "global_step", "config", "class_names", "rng")
 RUN_FILES = ("config.yaml", "metrics.jsonl", "last.pth", "best.pth")  # and epoch_NNNN.pth
-OPTIMIZER_KEYS = ("name", "no_decay_norm_bias")  # what the optimizer state's layout depends on
+OPTIMIZER_KEYS = ("name", "no_decay_norm_bias", "layer_decay")  # what the optimizer state's layout depends on
 
 
 def find_resume_checkpoint(resume: str, out_dir: Path) -> Path | None:

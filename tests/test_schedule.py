@@ -98,3 +98,107 @@ def test_step_schedule_in_a_run_decays_at_the_configured_epoch(tmp_path):
             f"output_dir={out}"]
     assert report_errors(train.main, argv) == 0
     assert [row["lr"] for row in read_jsonl(out / "metrics.jsonl")] == pytest.approx([0.01, 0.001, 0.001])
+
+
+def optimizer_for(overrides: list[str], model: nn.Module | None = None) -> torch.optim.Optimizer:
+    """The optimizer fit() builds for `overrides`, after the start-up check of the optim section."""
+    from engine.optim import check_optimizer
+
+    cfg = load_config(None, overrides)
+    check_optimizer(cfg.optim)
+    return build_optimizer(model or nn.Linear(2, 2), cfg.optim)
+
+
+def test_betas_eps_and_nesterov_reach_the_optimizer():
+    adamw = optimizer_for(["optim.name=adamw", "optim.betas=[0.9, 0.95]", "optim.eps=1e-6"])
+    assert adamw.defaults["betas"] == (0.9, 0.95) and adamw.defaults["eps"] == 1e-6
+    assert optimizer_for(["optim.name=adamw"]).defaults["betas"] == (0.9, 0.999)  # unset: the optimizer's own
+    assert optimizer_for(["optim.name=sgd"]).defaults["nesterov"] is True  # timm's sgd is Nesterov SGD
+    assert optimizer_for(["optim.name=sgd", "optim.nesterov=false"]).defaults["nesterov"] is False
+    assert optimizer_for(["optim.name=momentum", "optim.nesterov=true"]).defaults["nesterov"] is True
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["optim.betas=[0.9]"], "config key 'optim.betas' must be [beta1, beta2]"),
+    (["optim.betas=[0.9, 1.5]"], "config key 'optim.betas' must be [beta1, beta2]"),
+    (["optim.eps=-1"], "config key 'optim.eps' must be > 0"),
+    (["optim.layer_decay=1.5"], "config key 'optim.layer_decay' must be in [0, 1]"),
+    (["optim.lr_base_scale=cube"], "config key 'optim.lr_base_scale' is 'cube'; choose one of linear, sqrt"),
+    (["optim.lr_base=0.1", "optim.lr_base_size=0"], "config key 'optim.lr_base_size' must be > 0"),
+    (["optim.nesterov=maybe"], "config key 'optim.nesterov' must be bool or null, got 'maybe'"),
+])
+def test_optimizer_config_mistakes(overrides, message):
+    with pytest.raises(UserError) as err:
+        load_config(None, overrides)
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["optim.name=sgd", "optim.betas=[0.9, 0.99]"], "optim.betas: optimizer 'sgd' has no betas"),
+    (["optim.name=sgd", "optim.eps=1e-8"], "optim.eps: optimizer 'sgd' has no eps"),
+    (["optim.name=adamw", "optim.nesterov=true"], "optim.nesterov: optimizer 'adamw' has no Nesterov option"),
+    (["optim.name=adamz"], "optim.name 'adamz' is not a timm optimizer"),
+])
+def test_optimizer_option_it_does_not_take_is_a_start_up_error(overrides, message, tmp_path, capsys):
+    """Found before the data is built, so --dry-run finds it too."""
+    argv = ["--dry-run", *TINY, f"output_dir={tmp_path / 'run'}", *overrides]
+    assert report_errors(train.main, argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and message in err.strip().splitlines()[-1], err
+
+
+def test_layer_decay_scales_the_lr_per_block_of_a_vit():
+    from models.factory import create_model
+
+    cfg = load_config(None, ["model.name=vit_tiny_patch16_224", "model.kwargs.img_size=32", "optim.name=adamw",
+                             "optim.layer_decay=0.5"])
+    optimizer = optimizer_for(["optim.name=adamw", "optim.layer_decay=0.5"], create_model(cfg.model, 3))
+    scales = sorted({group["lr_scale"] for group in optimizer.param_groups})
+    assert scales == pytest.approx([0.5 ** k for k in range(13, -1, -1)])  # embeddings, 12 blocks, head
+
+
+@pytest.mark.parametrize("world, accum, scale, expected", [
+    (1, 1, "linear", 0.025), (2, 1, "linear", 0.05), (2, 2, "linear", 0.1), (1, 1, "sqrt", 0.05),
+    (2, 1, "sqrt", 0.1 * 0.5 ** 0.5),
+])
+def test_lr_base_scales_with_the_global_batch(world, accum, scale, expected):
+    """optim.lr = lr_base x (batch_size x world size x accum_steps / lr_base_size), or its square root."""
+    from engine.optim import with_scaled_lr
+
+    cfg = load_config(None, ["optim.lr_base=0.1", "train.batch_size=64", f"train.accum_steps={accum}",
+                             f"optim.lr_base_scale={scale}"])
+    assert with_scaled_lr(cfg, world).optim.lr == pytest.approx(expected)
+    assert with_scaled_lr(load_config(None, ["optim.lr=0.3"]), world).optim.lr == 0.3  # lr_base=0: lr as given
+
+
+def lr_of_a_run(rank: int, world: int, out: str) -> dict:
+    """Train TINY for one step on this rank with optim.lr_base; return the lr the optimizer used and the log."""
+    import logging
+
+    from engine.dist import DistInfo
+    from train import fit
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("train").addHandler(handler)
+    logging.getLogger("train").setLevel(logging.INFO)
+    cfg = load_config("dummy", [*TINY[2:], "train.max_steps=1", "optim.lr_base=0.1", "optim.lr_base_size=32",
+                                "sched.name=constant", f"output_dir={out}"])
+    fit(cfg, DistInfo(rank, world, rank, world, torch.device("cpu")))
+    ckpt = torch.load(f"{out}/last.pth", weights_only=True)
+    return {"lr": ckpt["optimizer"]["param_groups"][0]["lr"], "config_lr": ckpt["config"]["optim"]["lr"],
+            "log": [line for line in lines if "optim.lr" in line]}
+
+
+@pytest.mark.slow
+def test_lr_base_in_one_and_two_rank_runs(tmp_path):
+    """A real 2-process gloo group trains at lr_base x 16 / 32 (8 per rank): rank 0 logs it, the checkpoint keeps it."""
+    from tests.helpers import run_ranks
+
+    one = lr_of_a_run(0, 1, str(tmp_path / "one"))
+    two = run_ranks(lr_of_a_run, 2, tmp_path, str(tmp_path / "two"))
+    assert (one["lr"], one["config_lr"]) == (pytest.approx(0.025), pytest.approx(0.025))  # 8 / 32 x 0.1
+    assert [(r["lr"], r["config_lr"]) for r in two] == [(pytest.approx(0.05), pytest.approx(0.05))] * 2
+    assert len(two[0]["log"]) == 1 and two[1]["log"] == []
+    assert "optim.lr 0.05 = optim.lr_base 0.1 x global batch 16 / 32 (linear)" in two[0]["log"][0]
