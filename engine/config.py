@@ -65,6 +65,7 @@ class ModelConfig:
     compile: bool = False  # torch.compile the model
     init_from: str = ""  # local checkpoint or timm/torchvision state dict to start from; "" = random init
     ema_decay: float = 0.0  # keep an EMA of the weights (timm ModelEmaV3), e.g. 0.9998; 0 = off
+    ema_warmup: bool = False  # EMA decay rises from 0 to ema_decay (timm ModelEmaV3 use_warmup), by global step
     kwargs: dict[str, Any] = field(default_factory=dict)  # more timm.create_model options, e.g. kwargs.img_size=224
 
 
@@ -133,6 +134,7 @@ class TrainConfig:
     ckpt_every_steps: int = 0  # also write last.pth every this many optimizer steps; 0 = only after each epoch
     keep_last_k: int = 0  # keep the newest k epoch_NNNN.pth files; 0 = none
     max_nonfinite: int = 5  # fp32/bf16: stop after this many optimizer steps in a row with inf/NaN gradients
+    best_on_ema: bool = True  # with model.ema_decay: best.pth is the epoch with the best ema_val_top1 (as timm)
 
 
 @dataclass
