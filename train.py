@@ -29,7 +29,7 @@ from data.loader import DataBundle, build_data, skipped_train_images, steps_per_
 from data.transforms import DeviceNormalize
 from engine.checkpoint import Checkpointer
 from engine.cli import run_main
-from engine.config import Config, ModelConfig, config_yaml, keys_help, load_config, to_dict
+from engine.config import Config, ModelConfig, best_metric, config_yaml, keys_help, load_config, to_dict
 from engine.dist import DistInfo, broadcast_tensors, init_distributed, rank0_decides, read_launch_env
 from engine.hooks import EmaUpdate, IntervalTracking, StepCheckpoint
 from engine.logs import setup_logging
@@ -132,14 +132,14 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
     log.info("model %s (%.1fM params), %d process(es) on %s, %s, global batch %d, %d steps/epoch",
              cfg.model.name, sum(p.numel() for p in model.parameters()) / 1e6, info.world_size,
              info.device.type, precision.name, global_batch, updates_per_epoch)
-    best_metric = "ema_val_top1" if ema is not None and cfg.train.best_on_ema else "val_top1"  # picks best.pth
+    chosen_on = best_metric(cfg)  # the metrics.jsonl column best.pth follows
     tracker = WandbTracker(cfg.logging, info.is_main)  # W&B on rank 0; never raises
     tracker.start({**to_dict(cfg), "world_size": info.world_size}, out, resume_id=start.wandb_id)
     checkpointer = Checkpointer(out, info, cfg.train.keep_last_k, model=model, optimizer=optimizer,
                                 scheduler=parts.scheduler, scaler=precision.scaler, config=to_dict(cfg),
                                 class_names=data.class_names, ema=ema.module if ema is not None else None,
                                 wandb_id=tracker.run_id or start.wandb_id,  # kept for a resume with tracking on
-                                best_metric=best_metric)
+                                best_metric=chosen_on)
     # Nothing in output_dir changes before the run's first write (record.start): a run that fails to
     # start leaves the previous run's config.yaml, metrics.jsonl and checkpoints as they were.
     record = RunRecord(out, to_dict(cfg), first_epoch=state.epoch)
@@ -172,7 +172,7 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
             broadcast_tensors(ema.module.state_dict().values())
             ema_stats = evaluate(ema.module, data.val, precision, info, normalize)
             row.update({f"ema_{k}": ema_stats[k] for k in ("val_loss", "val_top1", "val_top5")})
-        is_best = state.update_best(row[best_metric])
+        is_best = state.update_best(row[chosen_on])
         finished = state.epoch_finished(updates_per_epoch)  # else max_steps stopped it: resume continues it
         if finished and cfg.data.skip_corrupt:
             row["skipped_images"] = skipped_train_images(data.train, info.world_size, train_stats["train_images"])
@@ -188,13 +188,13 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
             log.info("epoch %d: train_loss %.4f train_top1 %.2f | val_loss %.4f val_top1 %.2f val_top5 %.2f | "
                      "%.0f img/s, %.1fs", row["epoch"], row["train_loss"], row["train_top1"], row["val_loss"],
                      row["val_top1"], row["val_top5"], row["train_img_per_s"], row["epoch_time_s"])
-        checkpointer.save(state, val_top1=row[best_metric], best=is_best, epoch_file=finished)
+        checkpointer.save(state, val_top1=row[chosen_on], best=is_best, epoch_file=finished)
         if is_best:  # a model version per best.pth, so a preempted run keeps its best model in W&B
             tracker.log_checkpoint(out / "best.pth", {"epoch": row["epoch"], "global_step": state.global_step,
                                                       "val_top1": state.best_top1, "model": cfg.model.name})
     for sink in sinks:
         sink.finish()
-    log.info("done: best %s %.2f, outputs in %s", best_metric, state.best_top1, out)
+    log.info("done: best %s %.2f, outputs in %s", chosen_on, state.best_top1, out)
     return state
 
 

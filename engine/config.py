@@ -476,6 +476,11 @@ def config_yaml(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
+def best_metric(cfg: Config) -> str:
+    """The metrics.jsonl column best.pth is chosen on: the EMA's top-1 with model.ema_decay and train.best_on_ema."""
+    return "ema_val_top1" if cfg.model.ema_decay > 0 and cfg.train.best_on_ema else "val_top1"
+
+
 def to_dict(cfg: Config) -> dict[str, Any]:
     """Plain nested dict: what checkpoints and config.yaml store."""
     return dataclasses.asdict(cfg)

@@ -58,3 +58,20 @@ def evaluate_top1(out) -> float:
     import json
 
     return json.loads((out / "eval.json").read_text())["top1"]
+
+
+@pytest.mark.slow
+def test_a_resume_that_changes_the_best_metric_restarts_the_best(tmp_path, capsys):
+    """best_top1 measured the model's val_top1; a resume choosing on ema_val_top1 must not compare the two."""
+    out = tmp_path / "run"
+    base = [*TINY, "model.ema_decay=0.5", f"output_dir={out}"]
+    assert report_errors(train.main, [*base, "train.best_on_ema=false"]) == 0
+    last = torch.load(out / "last.pth", weights_only=True)
+    assert last["best_metric"] == "val_top1"
+    last["best_top1"] = 100.0  # unbeatable, were it compared with the EMA's top-1
+    torch.save(last, out / "last.pth")
+    assert report_errors(train.main, [*base, "train.epochs=2", "train.best_on_ema=true"]) == 0
+    best = torch.load(out / "best.pth", weights_only=True)
+    row = read_jsonl(out / "metrics.jsonl")[-1]
+    assert (best["epoch"], best["best_metric"], best["val_top1"]) == (2, "ema_val_top1", row["ema_val_top1"])
+    assert "best.pth is now chosen on ema_val_top1" in capsys.readouterr().err
