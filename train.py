@@ -33,7 +33,7 @@ from engine.config import Config, ModelConfig, best_metric, config_yaml, keys_he
 from engine.dist import DistInfo, broadcast_tensors, init_distributed, rank0_decides, read_launch_env
 from engine.hooks import EmaUpdate, IntervalTracking, StepCheckpoint
 from engine.logs import setup_logging
-from engine.optim import build_optimizer, build_scheduler, check_optimizer, scaled_lr_note, with_scaled_lr
+from engine.optim import build_optimizer, build_scheduler, check_optimizer, check_scheduler, scaled_lr_note, with_scaled_lr
 from engine.precision import Precision, resolve_precision
 from engine.resume import Resume
 from engine.run_dir import RunRecord, check_writable, locked
@@ -69,6 +69,7 @@ def start_up(cfg: Config, info: DistInfo) -> tuple[Resume, DataBundle, Precision
     start = Resume.find(cfg.resume, Path(cfg.output_dir))
     seed_everything(cfg.seed)
     data = build_data(cfg.data, cfg.train.batch_size, cfg.seed, info)
+    check_scheduler(cfg.sched, cfg.train.epochs, steps_per_epoch(data.train, cfg.train.accum_steps))
     precision = resolve_precision(cfg.amp, info.device)
     model = create_model(cfg.model, data.num_classes)
     start.load_model(model, cfg, data.class_names, info.world_size)

@@ -121,3 +121,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedConfig, epochs: 
     if scheduler is None:
         raise UserError(f"sched.name {cfg.name!r} is not a timm scheduler; try cosine, step or multistep")
     return scheduler
+
+
+def check_scheduler(cfg: SchedConfig, epochs: int, updates_per_epoch: int) -> None:
+    """Build the schedule once over a stand-in parameter, so start-up (and --dry-run) meets any error timm raises."""
+    build_scheduler(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0), cfg, epochs, updates_per_epoch)

@@ -202,3 +202,12 @@ def test_lr_base_in_one_and_two_rank_runs(tmp_path):
     assert [(r["lr"], r["config_lr"]) for r in two] == [(pytest.approx(0.05), pytest.approx(0.05))] * 2
     assert len(two[0]["log"]) == 1 and two[1]["log"] == []
     assert "optim.lr 0.05 = optim.lr_base 0.1 x global batch 16 / 32 (linear)" in two[0]["log"][0]
+
+
+def test_a_schedule_timm_refuses_is_found_by_dry_run(tmp_path, capsys):
+    """wsd's decay phase longer than the run: timm raises when the schedule is built, which --dry-run now does."""
+    argv = ["--dry-run", *TINY, f"output_dir={tmp_path / 'run'}", "train.epochs=2", "sched.name=wsd",
+            "sched.decay_epochs=5"]
+    assert report_errors(train.main, argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "sched.name 'wsd' is not usable" in err.strip().splitlines()[-1], err
