@@ -108,7 +108,7 @@ class OptimConfig:
     lr_base: float = 0.0  # lr per lr_base_size images; > 0: optim.lr = lr_base x global batch / lr_base_size, given optim.lr ignored
     lr_base_size: int = 256  # the batch lr_base is given for
     lr_base_scale: str = "linear"  # linear | sqrt: how lr_base follows the global batch (timm uses sqrt for ada*/lamb)
-    kwargs: dict[str, Any] = field(default_factory=dict)  # more options for the optimizer, e.g. kwargs.eps=1e-6
+    kwargs: dict[str, Any] = field(default_factory=dict)  # more options for the optimizer, e.g. kwargs.trust_clip=true (lamb)
 
 
 @dataclass
