@@ -33,7 +33,8 @@ from engine.config import Config, ModelConfig, best_metric, config_yaml, keys_he
 from engine.dist import DistInfo, broadcast_tensors, init_distributed, rank0_decides, read_launch_env
 from engine.hooks import EmaUpdate, IntervalTracking, StepCheckpoint
 from engine.logs import setup_logging
-from engine.optim import build_optimizer, build_scheduler, check_optimizer, check_scheduler, scaled_lr_note, with_scaled_lr
+from engine.optim import (build_optimizer, build_scheduler, check_optimizer, check_scheduler, scaled_lr_note,
+                          with_scaled_lr)
 from engine.precision import Precision, resolve_precision
 from engine.resume import Resume
 from engine.run_dir import RunRecord, check_writable, locked

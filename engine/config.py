@@ -103,17 +103,17 @@ class OptimConfig:
     clip_grad: float = 0.0  # max gradient norm; 0 disables clipping
     betas: list[float] = field(default_factory=list)  # Adam-family [beta1, beta2]; [] = the optimizer's default
     eps: float | None = None  # the optimizer's epsilon; null = its default
-    nesterov: bool | None = None  # SGD-family Nesterov momentum; null = the optimizer's default (timm: sgd yes, momentum no)
+    nesterov: bool | None = None  # SGD-family Nesterov momentum; null = optimizer default (timm: sgd yes, momentum no)
     layer_decay: float = 0.0  # layer-wise lr decay (ViT, ConvNeXt: 0.65-0.8), lr x decay^(blocks above); 0 = off
-    lr_base: float = 0.0  # lr per lr_base_size images; > 0: optim.lr = lr_base x global batch / lr_base_size, given optim.lr ignored
+    lr_base: float = 0.0  # > 0: optim.lr = lr_base x global batch / lr_base_size (optim.lr ignored); 0 = off
     lr_base_size: int = 256  # the batch lr_base is given for
-    lr_base_scale: str = "linear"  # linear | sqrt: how lr_base follows the global batch (timm uses sqrt for ada*/lamb)
-    kwargs: dict[str, Any] = field(default_factory=dict)  # more options for the optimizer, e.g. kwargs.trust_clip=true (lamb)
+    lr_base_scale: str = "linear"  # linear | sqrt: how lr_base follows the global batch (timm: sqrt for lamb)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # more optimizer options, e.g. kwargs.trust_clip=true (lamb)
 
 
 @dataclass
 class SchedConfig:
-    name: str = "cosine"  # cosine | tanh | poly | wsd | rsqrt | step | multistep | constant (timm), stepped every update
+    name: str = "cosine"  # cosine | tanh | poly | wsd | rsqrt | step | multistep | constant, stepped every update
     warmup_epochs: int = 0  # linear warmup from warmup_lr over this many epochs
     warmup_steps: int = 0  # or over this many optimizer steps (set one of the two)
     warmup_lr: float = 1e-5  # learning rate at the start of warmup
@@ -313,7 +313,8 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
         try:
             return _coerce(key, inner, value)
         except UserError as err:
-            raise UserError(str(err).replace(f"must be {inner.__name__},", f"must be {inner.__name__} or null,")) from None
+            message = str(err).replace(f"must be {inner.__name__},", f"must be {inner.__name__} or null,")
+            raise UserError(message) from None
     if hint is float and isinstance(value, (int, str)) and not isinstance(value, bool):
         try:  # (PyYAML reads 1e-3, without a dot, as a string)
             value = float(value)

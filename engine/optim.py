@@ -111,7 +111,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedConfig, epochs: 
     if not (cfg.name in ("wsd", "rsqrt") and 0 < decay < 1):  # wsd/rsqrt: a decay below 1 is a fraction
         decay = decay * per_epoch or None  # None: timm's default (wsd/rsqrt only: step needs decay_epochs)
     try:
-        scheduler, _ = create_scheduler_v2(optimizer, sched=cfg.name, num_epochs=(epochs - cfg.cooldown_epochs) * per_epoch,
+        scheduler, _ = create_scheduler_v2(optimizer, sched=cfg.name,
+                                           num_epochs=(epochs - cfg.cooldown_epochs) * per_epoch,
                                            warmup_epochs=cfg.warmup_steps or cfg.warmup_epochs * per_epoch,
                                            warmup_lr=cfg.warmup_lr, min_lr=cfg.min_lr, decay_epochs=decay,
                                            decay_milestones=milestones,

@@ -20,7 +20,8 @@ def ema_after_two_steps(out, *overrides: str) -> tuple[dict, dict, dict]:
     return first["model"], second["model"], second["ema"]
 
 
-@pytest.mark.parametrize("warmup, decay", [pytest.param(False, 0.99, marks=pytest.mark.slow), (True, 1 - 2 ** (-2 / 3))])
+@pytest.mark.parametrize("warmup, decay", [pytest.param(False, 0.99, marks=pytest.mark.slow),
+                                           (True, 1 - 2 ** (-2 / 3))])
 def test_ema_warmup_uses_timm_warmup_decay(warmup, decay, tmp_path):
     """Step 1 copies the model (timm: decay 0 at the first update); step 2 averages with 0.99, or with
     warmup with 1 - (1 + 1)^(-2/3) (timm's use_warmup, gamma 1, power 2/3): global step drives it, so a resume
