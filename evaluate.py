@@ -94,6 +94,9 @@ def build_model(cfg: Config, ckpt: dict[str, Any], args: argparse.Namespace, inf
     if cfg.model.name != trained:
         raise UserError(f"checkpoint {args.checkpoint} is a {trained}; it cannot be evaluated as "
                         f"model.name={cfg.model.name} (drop that override)")
+    if ckpt.get("best_metric") == "ema_val_top1" and not args.ema and info.is_main:
+        log.warning("checkpoint %s was chosen on its EMA weights' val_top1 (train.best_on_ema); add --ema to "
+                    "evaluate those", args.checkpoint)
     model = create_model(dataclasses.replace(cfg.model, grad_checkpointing=False), len(ckpt["class_names"]))
     load_weights(model, ckpt[key], f"checkpoint {args.checkpoint}")
     # Eval uses running statistics: no synchronized BatchNorm needed, whatever the training used.

@@ -30,12 +30,13 @@ from data.mixing import BatchMix
 from data.transforms import DeviceNormalize
 from engine.checkpoint import Checkpointer
 from engine.cli import run_main
-from engine.config import Config, ModelConfig, config_yaml, keys_help, load_config, mixing, to_dict
+from engine.config import Config, ModelConfig, best_metric, config_yaml, keys_help, load_config, mixing, to_dict
 from engine.dist import DistInfo, broadcast_tensors, init_distributed, rank0_decides, read_launch_env
 from engine.hooks import EmaUpdate, IntervalTracking, StepCheckpoint
 from engine.logs import setup_logging
 from engine.losses import build_loss
-from engine.optim import build_optimizer, build_scheduler
+from engine.optim import (build_optimizer, build_scheduler, check_optimizer, check_scheduler, scaled_lr_note,
+                          with_scaled_lr)
 from engine.precision import Precision, resolve_precision
 from engine.resume import Resume
 from engine.run_dir import RunRecord, check_writable, locked
@@ -67,13 +68,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def start_up(cfg: Config, info: DistInfo) -> tuple[Config, Resume, DataBundle, Precision, nn.Module]:
     """What fit() checks and builds before anything is placed on the device: the checkpoint to resume, the
-    preprocessing (unset keys resolved: resumed, the weights', or defaults), the data, the precision, the model
-    with its starting weights (resumed, or model.init_from's through timm's loading). --dry-run stops after it."""
+    preprocessing (unset keys resolved: resumed, the weights', or defaults), optim.lr from optim.lr_base, the data,
+    the precision, the model with its starting weights (resumed, or model.init_from's through timm's loading).
+    --dry-run stops after it."""
+    check_optimizer(cfg.optim)
     start = Resume.find(cfg.resume, Path(cfg.output_dir))
     pretrained = start.pretrained(cfg.model)
     cfg = resolve_preprocessing(cfg, pretrained, start.ckpt["config"] if start.ckpt else None)
+    cfg = with_scaled_lr(cfg, info.world_size)  # after resolve_preprocessing, which reads the keys the user set
     seed_everything(cfg.seed)
     data = build_data(cfg.data, cfg.train.batch_size, cfg.seed, info)
+    check_scheduler(cfg.sched, cfg.train.epochs, steps_per_epoch(data.train, cfg.train.accum_steps))
     precision = resolve_precision(cfg.amp, info.device)
     if pretrained is None:
         model = create_model(cfg.model, data.num_classes)
@@ -117,8 +122,10 @@ def wrap_for_training(model: nn.Module, cfg: ModelConfig, info: DistInfo) -> nn.
 def fit(cfg: Config, info: DistInfo) -> TrainState:
     out = Path(cfg.output_dir)
     cfg, start, data, precision, model = start_up(cfg, info)
+    if cfg.optim.lr_base and info.is_main:
+        log.info(scaled_lr_note(cfg, info.world_size))
     model = prepare_model(model, cfg.model, info.device, info.world_size)
-    ema = create_ema(model, cfg.model.ema_decay)
+    ema = create_ema(model, cfg.model.ema_decay, cfg.model.ema_warmup)
     start.load_ema(ema.module if ema is not None else None)
     torch.manual_seed(cfg.seed + info.rank)  # dropout / drop-path differ per rank, reproducibly
     if info.device.type == "cuda":
@@ -139,12 +146,14 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
     log.info("model %s (%.1fM params), %d process(es) on %s, %s, global batch %d, %d steps/epoch",
              cfg.model.name, sum(p.numel() for p in model.parameters()) / 1e6, info.world_size,
              info.device.type, precision.name, global_batch, updates_per_epoch)
+    chosen_on = best_metric(cfg)  # the metrics.jsonl column best.pth follows
     tracker = WandbTracker(cfg.logging, info.is_main)  # W&B on rank 0; never raises
     tracker.start({**to_dict(cfg), "world_size": info.world_size}, out, resume_id=start.wandb_id)
     checkpointer = Checkpointer(out, info, cfg.train.keep_last_k, model=model, optimizer=optimizer,
                                 scheduler=parts.scheduler, scaler=precision.scaler, config=to_dict(cfg),
                                 class_names=data.class_names, ema=ema.module if ema is not None else None,
-                                wandb_id=tracker.run_id or start.wandb_id)  # kept for a resume with tracking on
+                                wandb_id=tracker.run_id or start.wandb_id,  # kept for a resume with tracking on
+                                best_metric=chosen_on)
     # Nothing in output_dir changes before the run's first write (record.start): a run that fails to
     # start leaves the previous run's config.yaml, metrics.jsonl and checkpoints as they were.
     record = RunRecord(out, to_dict(cfg), first_epoch=state.epoch)
@@ -177,7 +186,7 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
             broadcast_tensors(ema.module.state_dict().values())
             ema_stats = evaluate(ema.module, data.val, precision, info, normalize)
             row.update({f"ema_{k}": ema_stats[k] for k in ("val_loss", "val_top1", "val_top5")})
-        is_best = state.update_best(val_stats["val_top1"])
+        is_best = state.update_best(row[chosen_on])
         finished = state.epoch_finished(updates_per_epoch)  # else max_steps stopped it: resume continues it
         if finished and cfg.data.skip_corrupt:
             row["skipped_images"] = skipped_train_images(data.train, info.world_size, train_stats["train_images"])
@@ -193,13 +202,13 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
             log.info("epoch %d: train_loss %.4f train_top1 %.2f | val_loss %.4f val_top1 %.2f val_top5 %.2f | "
                      "%.0f img/s, %.1fs", row["epoch"], row["train_loss"], row["train_top1"], row["val_loss"],
                      row["val_top1"], row["val_top5"], row["train_img_per_s"], row["epoch_time_s"])
-        checkpointer.save(state, val_top1=val_stats["val_top1"], best=is_best, epoch_file=finished)
+        checkpointer.save(state, val_top1=row[chosen_on], best=is_best, epoch_file=finished)
         if is_best:  # a model version per best.pth, so a preempted run keeps its best model in W&B
             tracker.log_checkpoint(out / "best.pth", {"epoch": row["epoch"], "global_step": state.global_step,
                                                       "val_top1": state.best_top1, "model": cfg.model.name})
     for sink in sinks:
         sink.finish()
-    log.info("done: best val_top1 %.2f, outputs in %s", state.best_top1, out)
+    log.info("done: best %s %.2f, outputs in %s", chosen_on, state.best_top1, out)
     return state
 
 

@@ -173,10 +173,11 @@ class Checkpointer:
     def __init__(self, out_dir: Path, info: DistInfo, keep_last_k: int, *, model: nn.Module,
                  optimizer: torch.optim.Optimizer, scheduler, scaler: torch.amp.GradScaler | None,
                  config: dict[str, Any], class_names: list[str], ema: nn.Module | None = None,
-                 wandb_id: str | None = None) -> None:
+                 wandb_id: str | None = None, best_metric: str = "val_top1") -> None:
         self.out_dir, self.info, self.keep_last_k = Path(out_dir), info, keep_last_k
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.ema = ema
+        self.best_metric = best_metric  # what val_top1 and best_top1 measure: val_top1, or ema_val_top1 (EMA weights)
         self.config, self.class_names = config, class_names
         self.wandb_id = wandb_id  # the W&B run a later resume continues (kept even when tracking is now off)
         self.saved_step: int | None = None  # global step of the last checkpoint this run wrote
@@ -192,6 +193,7 @@ class Checkpointer:
             "scaler": on_cpu(self.scaler.state_dict()) if self.scaler else {},
             **fields,  # epoch, global_step, best_top1, epoch_step, epoch_sums, epoch_seconds
             "val_top1": val_top1,
+            "best_metric": self.best_metric,  # ema_val_top1: best.pth was chosen on its EMA weights (evaluate --ema)
             "world_size": self.info.world_size,
             "rng": rng,  # one entry per rank
             "class_names": list(self.class_names),

@@ -12,6 +12,7 @@ import inspect
 import math
 import os
 import re
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +65,7 @@ class ModelConfig:
     compile: bool = False  # torch.compile the model
     init_from: str = ""  # weights to start from: checkpoint, .pth, .safetensors or model folder; "" = random init
     ema_decay: float = 0.0  # keep an EMA of the weights (timm ModelEmaV3), e.g. 0.9998; 0 = off
+    ema_warmup: bool = False  # EMA decay rises from 0 to ema_decay (timm ModelEmaV3 use_warmup), by global step
     kwargs: dict[str, Any] = field(default_factory=dict)  # more timm.create_model options, e.g. kwargs.img_size=224
     grad_checkpointing: bool = False  # recompute activations in the backward pass (less memory, slower steps)
     freeze: str = "none"  # none | backbone: train only the classifier (linear probing; frozen BatchNorm stays in eval)
@@ -115,15 +117,27 @@ class OptimConfig:
     weight_decay: float = 1e-4  # L2 penalty / decoupled decay (adamw)
     no_decay_norm_bias: bool = True  # no weight decay on norm layers and biases
     clip_grad: float = 0.0  # max gradient norm; 0 disables clipping
-    kwargs: dict[str, Any] = field(default_factory=dict)  # more options for the optimizer, e.g. kwargs.eps=1e-6
+    betas: list[float] = field(default_factory=list)  # Adam-family [beta1, beta2]; [] = the optimizer's default
+    eps: float | None = None  # the optimizer's epsilon; null = its default
+    nesterov: bool | None = None  # SGD-family Nesterov momentum; null = optimizer default (timm: sgd yes, momentum no)
+    layer_decay: float = 0.0  # layer-wise lr decay (ViT, ConvNeXt: 0.65-0.8), lr x decay^(blocks above); 0 = off
+    lr_base: float = 0.0  # > 0: optim.lr = lr_base x global batch / lr_base_size (optim.lr ignored); 0 = off
+    lr_base_size: int = 256  # the batch lr_base is given for
+    lr_base_scale: str = "linear"  # linear | sqrt: how lr_base follows the global batch (timm: sqrt for lamb)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # more optimizer options, e.g. kwargs.trust_clip=true (lamb)
 
 
 @dataclass
 class SchedConfig:
-    name: str = "cosine"  # any timm scheduler name (cosine, step, multistep, plateau, ...)
-    warmup_epochs: int = 0  # linear warmup from warmup_lr, stepped every update
+    name: str = "cosine"  # cosine | tanh | poly | wsd | rsqrt | step | multistep | constant, stepped every update
+    warmup_epochs: int = 0  # linear warmup from warmup_lr over this many epochs
+    warmup_steps: int = 0  # or over this many optimizer steps (set one of the two)
     warmup_lr: float = 1e-5  # learning rate at the start of warmup
     min_lr: float = 0.0  # floor of the schedule
+    decay_epochs: float = 0.0  # step: decay every this many epochs; wsd/rsqrt: decay phase (< 1: fraction; 0: 0.2)
+    decay_milestones: list[int] = field(default_factory=list)  # multistep: epochs to decay at, e.g. [30,60,80]
+    decay_rate: float = 0.1  # step/multistep: lr factor at each decay; poly: the power
+    cooldown_epochs: int = 0  # cosine/tanh/poly/wsd/rsqrt: the schedule ends this many epochs early; min_lr after
 
 
 @dataclass
@@ -137,6 +151,7 @@ class TrainConfig:
     ckpt_every_steps: int = 0  # also write last.pth every this many optimizer steps; 0 = only after each epoch
     keep_last_k: int = 0  # keep the newest k epoch_NNNN.pth files; 0 = none
     max_nonfinite: int = 5  # fp32/bf16: stop after this many optimizer steps in a row with inf/NaN gradients
+    best_on_ema: bool = True  # with model.ema_decay: best.pth is the epoch with the best ema_val_top1 (as timm)
 
 
 @dataclass
@@ -186,15 +201,19 @@ CHOICES = {
     "dist.backend": ("auto", "nccl", "gloo"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
     "train.loss": ("ce", "bce"),
+    "optim.lr_base_scale": ("linear", "sqrt"),
+    "sched.name": ("cosine", "tanh", "poly", "wsd", "rsqrt", "step", "multistep", "constant"),
 }
+ENDLESS_SCHEDULES = ("step", "multistep", "constant")  # no end to cool down after
 POSITIVE = ("train.epochs", "train.batch_size", "train.accum_steps", "data.img_size",
             "logging.interval", "dist.rendezvous_timeout_s", "train.max_nonfinite", "data.prefetch_factor",
             "data.dummy_train_size", "data.dummy_val_size", "data.dummy_num_classes", "data.dummy_image_size",
-            "data.max_image_pixels")
+            "data.max_image_pixels", "sched.decay_rate", "optim.lr_base_size")
 NON_NEGATIVE = ("dist.timeout_s", "logging.wandb_samples", "optim.lr", "optim.weight_decay", "optim.clip_grad",
                 "train.max_steps", "data.num_workers", "train.ckpt_every_steps", "train.keep_last_k",
                 "data.color_jitter", "sched.warmup_epochs", "sched.warmup_lr", "sched.min_lr",
-                "data.mixup_alpha", "data.cutmix_alpha", "data.aug_repeats")
+                "data.mixup_alpha", "data.cutmix_alpha", "data.aug_repeats",
+                "sched.warmup_steps", "sched.decay_epochs", "sched.cooldown_epochs", "optim.lr_base")
 FRACTIONS = ("model.drop_rate", "model.drop_path_rate", "train.label_smoothing", "model.ema_decay")  # in [0, 1)
 MAX_SEED = 2**32 - 1  # np.random.seed (train.py) takes nothing larger
 OPENCV_MAX_PIXELS = 2**30  # OpenCV refuses larger images (CV_IO_MAX_IMAGE_PIXELS)
@@ -325,6 +344,15 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
 
 def _coerce(key: str, hint: Any, value: Any) -> Any:
     """Check one leaf value against its annotation; ints are accepted where floats are expected."""
+    if isinstance(hint, types.UnionType) and type(None) in hint.__args__:  # `bool | None`: null = a library default
+        (inner,) = [arg for arg in hint.__args__ if arg is not type(None)]
+        if value is None:
+            return None
+        try:
+            return _coerce(key, inner, value)
+        except UserError as err:
+            message = str(err).replace(f"must be {inner.__name__},", f"must be {inner.__name__} or null,")
+            raise UserError(message) from None
     if hint is float and isinstance(value, (int, str)) and not isinstance(value, bool):
         try:  # (PyYAML reads 1e-3, without a dot, as a string)
             value = float(value)
@@ -365,6 +393,9 @@ def _get(cfg: Config, key: str) -> Any:
 
 def validate(cfg: Config) -> None:
     """Reject values that type-check but cannot work (negative lr, batch size 0, unknown modes)."""
+    if cfg.sched.name == "plateau":  # before CHOICES: say why it is missing
+        raise UserError("sched.name 'plateau' is not supported: it steps on a validation metric and timm does not "
+                        "checkpoint its state (a resumed run would not continue it); use cosine, step or multistep")
     for key, allowed in CHOICES.items():
         if _get(cfg, key) not in allowed:
             raise UserError(f"config key {key!r} is {_get(cfg, key)!r}; choose one of {', '.join(allowed)}")
@@ -400,6 +431,8 @@ def validate(cfg: Config) -> None:
         low_high = _get(cfg, key)
         if len(low_high) != 2 or not 0 < low_high[0] <= low_high[1]:
             raise UserError(f"config key {key!r} must be [low, high] with 0 < low <= high, got {low_high}")
+    validate_sched(cfg.sched, cfg.train.epochs)
+    validate_optim(cfg.optim)
     if cfg.logging.wandb:
         validate_wandb(cfg.logging)
     if not cfg.resume:
@@ -442,6 +475,37 @@ def mixing(cfg: DataConfig) -> bool:
     return cfg.mixup_alpha > 0 or cfg.cutmix_alpha > 0
 
 
+def validate_sched(cfg: SchedConfig, epochs: int) -> None:
+    """Schedule settings timm would ignore or take a default for (step's is 90 epochs), refused at load time."""
+    if cfg.name == "step" and cfg.decay_epochs <= 0:
+        raise UserError("sched.name=step needs sched.decay_epochs > 0 (decay the lr every that many epochs), "
+                        "e.g. sched.decay_epochs=30")
+    if cfg.name == "multistep" and not cfg.decay_milestones:
+        raise UserError("sched.name=multistep needs sched.decay_milestones, the epochs to decay at, "
+                        "e.g. sched.decay_milestones=[30,60,80]")
+    milestones = cfg.decay_milestones
+    if milestones and (milestones[0] <= 0 or any(b <= a for a, b in zip(milestones, milestones[1:]))):
+        raise UserError(f"config key 'sched.decay_milestones' must increase from an epoch > 0, got {milestones}")
+    if cfg.warmup_epochs and cfg.warmup_steps:
+        raise UserError(f"set sched.warmup_epochs or sched.warmup_steps, not both (got {cfg.warmup_epochs} and "
+                        f"{cfg.warmup_steps})")
+    if cfg.cooldown_epochs and cfg.name in ENDLESS_SCHEDULES:
+        raise UserError(f"sched.cooldown_epochs applies to schedules with an end (cosine, tanh, poly, wsd, rsqrt), "
+                        f"not sched.name={cfg.name}; set it to 0")
+    if cfg.cooldown_epochs >= epochs:
+        raise UserError(f"sched.cooldown_epochs must be below train.epochs ({epochs}), got {cfg.cooldown_epochs}")
+
+
+def validate_optim(cfg: OptimConfig) -> None:
+    """Optimizer values out of range (whether this optimizer takes them is checked at start-up: engine/optim.py)."""
+    if cfg.betas and (len(cfg.betas) != 2 or not all(0 <= b < 1 for b in cfg.betas)):
+        raise UserError(f"config key 'optim.betas' must be [beta1, beta2], each in [0, 1), got {cfg.betas}")
+    if cfg.eps is not None and cfg.eps <= 0:
+        raise UserError(f"config key 'optim.eps' must be > 0 (or null: the optimizer's default), got {cfg.eps}")
+    if not 0 <= cfg.layer_decay <= 1:
+        raise UserError(f"config key 'optim.layer_decay' must be in [0, 1] (0: off), got {cfg.layer_decay}")
+
+
 def validate_wandb(cfg: LoggingConfig) -> None:
     """Names W&B would refuse at init time; caught here so the mistake is a one-line error, not a lost run."""
     if not 0 < len(cfg.wandb_project) <= 128 or any(c in cfg.wandb_project for c in "/\\#?%:"):
@@ -471,6 +535,8 @@ def config_keys(cls: type = Config, prefix: str = "") -> list[tuple[str, str, An
             keys += config_keys(hint, f"{prefix}{f.name}.")
         else:
             name = hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+            if isinstance(hint, types.UnionType):  # `float | None` -> float|null, one word in --help
+                name = "|".join("null" if arg is type(None) else arg.__name__ for arg in hint.__args__)
             keys.append((f"{prefix}{f.name}", name, getattr(defaults, f.name), notes.get(f.name, "")))
     return keys
 
@@ -489,6 +555,11 @@ def keys_help() -> str:
 def config_yaml(cfg: Config) -> str:
     """The resolved config as YAML (config.yaml's text, and --print-config's)."""
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def best_metric(cfg: Config) -> str:
+    """The metrics.jsonl column best.pth is chosen on: the EMA's top-1 with model.ema_decay and train.best_on_ema."""
+    return "ema_val_top1" if cfg.model.ema_decay > 0 and cfg.train.best_on_ema else "val_top1"
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

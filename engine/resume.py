@@ -9,6 +9,7 @@ another optimizer) stops the run before anything in output_dir is touched.
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from engine.checkpoint import EPOCH_FILE, UnreadableCheckpoint, load_checkpoint, set_rng_state
-from engine.config import Config, to_dict
+from engine.config import Config, best_metric, to_dict
 from engine.dist import DistInfo, rank0_decides
 from engine.errors import UserError
 from engine.state import TrainState
@@ -27,7 +28,7 @@ from engine.weights import Pretrained, check_architecture, load_weights, read_pr
 log = logging.getLogger(__name__)
 TRAINING_KEYS = ("model", "optimizer", "epoch", "global_step", "config", "class_names", "rng")
 RUN_FILES = ("config.yaml", "metrics.jsonl", "last.pth", "best.pth")  # and epoch_NNNN.pth
-OPTIMIZER_KEYS = ("name", "no_decay_norm_bias")  # what the optimizer state's layout depends on
+OPTIMIZER_KEYS = ("name", "no_decay_norm_bias", "layer_decay")  # what the optimizer state's layout depends on
 
 
 def find_resume_checkpoint(resume: str, out_dir: Path) -> Path | None:
@@ -218,6 +219,12 @@ class Resume:
         if parts.precision.scaler is not None and ckpt.get("scaler"):
             parts.precision.scaler.load_state_dict(ckpt["scaler"])
         state.load_state_dict(ckpt)
+        then, now = ckpt.get("best_metric", "val_top1"), best_metric(cfg)
+        if then != now:  # best_top1 measured another metric: comparing the two would pick best.pth wrongly
+            state.best_top1 = -math.inf
+            if info.is_main:
+                log.info("checkpoint %s chose best.pth on %s; best.pth is now chosen on %s, from the next evaluation "
+                         "on", path, then, now)
         # The schedule is a function of the config and the step (timm's schedulers keep no other
         # state): rebuilt from the config, a resumed run may extend train.epochs.
         parts.scheduler.step_update(num_updates=state.global_step)

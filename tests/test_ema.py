@@ -1,0 +1,78 @@
+"""EMA warmup (timm ModelEmaV3 use_warmup) and best.pth chosen on the EMA's val_top1 (train.best_on_ema)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import evaluate
+import train
+from engine.cli import report_errors
+from tests.helpers import TINY, read_jsonl
+
+
+def ema_after_two_steps(out, *overrides: str) -> tuple[dict, dict, dict]:
+    """One optimizer step per epoch, two epochs: (model after step 1, model after step 2, EMA after step 2)."""
+    argv = [*TINY, "data.dummy_train_size=8", "train.epochs=2", "train.keep_last_k=2", "model.ema_decay=0.99",
+            f"output_dir={out}", *overrides]
+    assert report_errors(train.main, argv) == 0
+    first, second = (torch.load(out / f"epoch_000{i}.pth", weights_only=True) for i in (0, 1))
+    return first["model"], second["model"], second["ema"]
+
+
+@pytest.mark.parametrize("warmup, decay", [pytest.param(False, 0.99, marks=pytest.mark.slow),
+                                           (True, 1 - 2 ** (-2 / 3))])
+def test_ema_warmup_uses_timm_warmup_decay(warmup, decay, tmp_path):
+    """Step 1 copies the model (timm: decay 0 at the first update); step 2 averages with 0.99, or with
+    warmup with 1 - (1 + 1)^(-2/3) (timm's use_warmup, gamma 1, power 2/3): global step drives it, so a resume
+    continues it."""
+    w1, w2, ema = ema_after_two_steps(tmp_path / "run", f"model.ema_warmup={str(warmup).lower()}")
+    for name, value in ema.items():
+        if value.is_floating_point() and "running" not in name:
+            assert torch.allclose(value, decay * w1[name] + (1 - decay) * w2[name], atol=1e-6), name
+
+
+@pytest.mark.parametrize("best_on_ema", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_best_pth_is_chosen_on_the_ema_metric(best_on_ema, tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = [*TINY, "train.epochs=3", "model.ema_decay=0.5", "optim.lr=0.1", f"output_dir={out}",
+            f"train.best_on_ema={str(best_on_ema).lower()}"]
+    assert report_errors(train.main, argv) == 0
+    rows = read_jsonl(out / "metrics.jsonl")
+    chosen = "ema_val_top1" if best_on_ema else "val_top1"
+    other = "val_top1" if best_on_ema else "ema_val_top1"
+    best_row = max(rows, key=lambda row: row[chosen])  # the first of equals, as the run keeps the first
+    best = torch.load(out / "best.pth", weights_only=True)
+    assert [r[chosen] for r in rows] != [r[other] for r in rows]  # else this test could not tell them apart
+    assert (best["val_top1"], best["best_top1"], best["epoch"] - 1) == (best_row[chosen], best_row[chosen],
+                                                                        best_row["epoch"])
+    assert best["best_metric"] == chosen and "ema" in best and "model" in best
+    if best_on_ema:  # evaluate.py --ema on best.pth gives the top-1 it was chosen on; without --ema it says so
+        assert report_errors(evaluate.main, [str(out / "best.pth"), "--ema", "--output-dir", str(tmp_path / "e")]) == 0
+        assert evaluate_top1(tmp_path / "e") == best["val_top1"]
+        capsys.readouterr()
+        assert report_errors(evaluate.main, [str(out / "best.pth"), "--output-dir", str(tmp_path / "m")]) == 0
+        assert "add --ema" in capsys.readouterr().err
+
+
+def evaluate_top1(out) -> float:
+    import json
+
+    return json.loads((out / "eval.json").read_text())["top1"]
+
+
+@pytest.mark.slow
+def test_a_resume_that_changes_the_best_metric_restarts_the_best(tmp_path, capsys):
+    """best_top1 measured the model's val_top1; a resume choosing on ema_val_top1 must not compare the two."""
+    out = tmp_path / "run"
+    base = [*TINY, "model.ema_decay=0.5", f"output_dir={out}"]
+    assert report_errors(train.main, [*base, "train.best_on_ema=false"]) == 0
+    last = torch.load(out / "last.pth", weights_only=True)
+    assert last["best_metric"] == "val_top1"
+    last["best_top1"] = 100.0  # unbeatable, were it compared with the EMA's top-1
+    torch.save(last, out / "last.pth")
+    assert report_errors(train.main, [*base, "train.epochs=2", "train.best_on_ema=true"]) == 0
+    best = torch.load(out / "best.pth", weights_only=True)
+    row = read_jsonl(out / "metrics.jsonl")[-1]
+    assert (best["epoch"], best["best_metric"], best["val_top1"]) == (2, "ema_val_top1", row["ema_val_top1"])
+    assert "best.pth is now chosen on ema_val_top1" in capsys.readouterr().err

@@ -1,0 +1,213 @@
+"""LR schedule and optimizer knobs: decay at the configured epochs, warmup in steps, and config-time errors.
+
+The schedules are driven as train.py drives them: built by engine.optim.build_scheduler from the config, then
+`step_update(global_step)` after every optimizer step; `epoch_lrs` records the lr each step trained with.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import train
+from engine.cli import report_errors
+from engine.config import load_config
+from engine.errors import UserError
+from engine.optim import build_optimizer, build_scheduler
+from tests.helpers import TINY, read_jsonl
+
+
+def step_lrs(overrides: list[str], epochs: int, updates_per_epoch: int) -> list[list[float]]:
+    """The lr of every optimizer step, per epoch, for a schedule built from `overrides` as fit() builds it."""
+    cfg = load_config(None, ["optim.lr=0.1", f"train.epochs={epochs}", *overrides])
+    optimizer = build_optimizer(nn.Linear(2, 2), cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.sched, cfg.train.epochs, updates_per_epoch)
+    lrs, step = [], 0
+    for _ in range(epochs):
+        lrs.append([])
+        for _ in range(updates_per_epoch):
+            lrs[-1].append(optimizer.param_groups[0]["lr"])
+            step += 1
+            scheduler.step_update(num_updates=step)
+    return lrs
+
+
+def epoch_lrs(overrides: list[str], epochs: int, updates_per_epoch: int = 3) -> list[float]:
+    """The lr of each epoch, for schedules that hold it constant through an epoch."""
+    lrs = step_lrs(overrides, epochs, updates_per_epoch)
+    assert all(len(set(epoch)) == 1 for epoch in lrs), lrs
+    return [epoch[0] for epoch in lrs]
+
+
+def test_step_decays_every_decay_epochs_by_decay_rate():
+    got = epoch_lrs(["sched.name=step", "sched.decay_epochs=2", "sched.decay_rate=0.5"], epochs=5)
+    assert got == pytest.approx([0.1, 0.1, 0.05, 0.05, 0.025])
+
+
+def test_multistep_decays_at_the_milestones():
+    got = epoch_lrs(["sched.name=multistep", "sched.decay_milestones=[1, 3]", "sched.decay_rate=0.1"], epochs=5)
+    assert got == pytest.approx([0.1, 0.01, 0.01, 0.001, 0.001])
+
+
+def test_warmup_in_steps_rises_linearly_from_warmup_lr():
+    lrs = [lr for epoch in step_lrs(["sched.name=constant", "sched.warmup_steps=4", "sched.warmup_lr=0.02"],
+                                    epochs=2, updates_per_epoch=3) for lr in epoch]
+    assert lrs == pytest.approx([0.02, 0.04, 0.06, 0.08, 0.1, 0.1])
+
+
+def test_warmup_in_epochs_counts_updates_per_epoch():
+    lrs = [lr for epoch in step_lrs(["sched.name=constant", "sched.warmup_epochs=1", "sched.warmup_lr=0.04"],
+                                    epochs=2, updates_per_epoch=3) for lr in epoch]
+    assert lrs == pytest.approx([0.04, 0.06, 0.08, 0.1, 0.1, 0.1])
+
+
+def test_cooldown_epochs_hold_min_lr_at_the_end():
+    lrs = step_lrs(["sched.name=cosine", "sched.cooldown_epochs=2", "sched.min_lr=0.001"], epochs=5,
+                   updates_per_epoch=3)
+    assert lrs[0][0] == pytest.approx(0.1) and lrs[2][-1] > 0.001  # the cosine spans epochs 0-2
+    assert lrs[3] + lrs[4] == pytest.approx([0.001] * 6)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["sched.name=plateau"], "sched.name 'plateau' is not supported"),
+    (["sched.name=step"], "sched.name=step needs sched.decay_epochs > 0"),
+    (["sched.name=multistep"], "sched.name=multistep needs sched.decay_milestones"),
+    (["sched.name=multistep", "sched.decay_milestones=[3, 2]"], "must increase"),
+    (["sched.name=multistep", "sched.decay_milestones=[0, 2]"], "must increase"),
+    (["sched.warmup_epochs=1", "sched.warmup_steps=100"], "set sched.warmup_epochs or sched.warmup_steps, not both"),
+    (["sched.name=step", "sched.decay_epochs=30", "sched.cooldown_epochs=5"],
+     "sched.cooldown_epochs applies to schedules with an end"),
+    (["sched.cooldown_epochs=10"], "sched.cooldown_epochs must be below train.epochs"),
+    (["sched.name=cosinee"], "config key 'sched.name' is 'cosinee'; choose one of"),
+    (["sched.decay_rate=0"], "config key 'sched.decay_rate' must be > 0"),
+    (["sched.warmup_steps=-1"], "config key 'sched.warmup_steps' must be >= 0"),
+])
+def test_schedule_mistakes_are_config_errors(overrides, message):
+    """Caught when the config loads (also by --dry-run and --print-config), never at run time."""
+    with pytest.raises(UserError) as err:
+        load_config(None, ["train.epochs=10", *overrides])
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_step_schedule_in_a_run_decays_at_the_configured_epoch(tmp_path):
+    """fit() passes the epochs and steps per epoch: the lr column (the lr after each epoch's last update,
+    i.e. the next epoch's) shows the decay after epoch 1, not timm's default of 90 epochs."""
+    out = tmp_path / "run"
+    argv = [*TINY, "train.epochs=3", "sched.name=step", "sched.decay_epochs=2", "sched.decay_rate=0.1",
+            f"output_dir={out}"]
+    assert report_errors(train.main, argv) == 0
+    assert [row["lr"] for row in read_jsonl(out / "metrics.jsonl")] == pytest.approx([0.01, 0.001, 0.001])
+
+
+def optimizer_for(overrides: list[str], model: nn.Module | None = None) -> torch.optim.Optimizer:
+    """The optimizer fit() builds for `overrides`, after the start-up check of the optim section."""
+    from engine.optim import check_optimizer
+
+    cfg = load_config(None, overrides)
+    check_optimizer(cfg.optim)
+    return build_optimizer(model or nn.Linear(2, 2), cfg.optim)
+
+
+def test_betas_eps_and_nesterov_reach_the_optimizer():
+    adamw = optimizer_for(["optim.name=adamw", "optim.betas=[0.9, 0.95]", "optim.eps=1e-6"])
+    assert adamw.defaults["betas"] == (0.9, 0.95) and adamw.defaults["eps"] == 1e-6
+    assert optimizer_for(["optim.name=adamw"]).defaults["betas"] == (0.9, 0.999)  # unset: the optimizer's own
+    assert optimizer_for(["optim.name=sgd"]).defaults["nesterov"] is True  # timm's sgd is Nesterov SGD
+    assert optimizer_for(["optim.name=sgd", "optim.nesterov=false"]).defaults["nesterov"] is False
+    assert optimizer_for(["optim.name=momentum", "optim.nesterov=true"]).defaults["nesterov"] is True
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["optim.betas=[0.9]"], "config key 'optim.betas' must be [beta1, beta2]"),
+    (["optim.betas=[0.9, 1.5]"], "config key 'optim.betas' must be [beta1, beta2]"),
+    (["optim.eps=-1"], "config key 'optim.eps' must be > 0"),
+    (["optim.layer_decay=1.5"], "config key 'optim.layer_decay' must be in [0, 1]"),
+    (["optim.lr_base_scale=cube"], "config key 'optim.lr_base_scale' is 'cube'; choose one of linear, sqrt"),
+    (["optim.lr_base=0.1", "optim.lr_base_size=0"], "config key 'optim.lr_base_size' must be > 0"),
+    (["optim.nesterov=maybe"], "config key 'optim.nesterov' must be bool or null, got 'maybe'"),
+])
+def test_optimizer_config_mistakes(overrides, message):
+    with pytest.raises(UserError) as err:
+        load_config(None, overrides)
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["optim.name=sgd", "optim.betas=[0.9, 0.99]"], "optim.betas: optimizer 'sgd' has no betas"),
+    (["optim.name=sgd", "optim.eps=1e-8"], "optim.eps: optimizer 'sgd' has no eps"),
+    (["optim.name=adamw", "optim.nesterov=true"], "optim.nesterov: optimizer 'adamw' has no Nesterov option"),
+    (["optim.name=adamz"], "optim.name 'adamz' is not a timm optimizer"),
+])
+def test_optimizer_option_it_does_not_take_is_a_start_up_error(overrides, message, tmp_path, capsys):
+    """Found before the data is built, so --dry-run finds it too."""
+    argv = ["--dry-run", *TINY, f"output_dir={tmp_path / 'run'}", *overrides]
+    assert report_errors(train.main, argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and message in err.strip().splitlines()[-1], err
+
+
+def test_layer_decay_scales_the_lr_per_block_of_a_vit():
+    from models.factory import create_model
+
+    cfg = load_config(None, ["model.name=vit_tiny_patch16_224", "model.kwargs.img_size=32", "optim.name=adamw",
+                             "optim.layer_decay=0.5"])
+    optimizer = optimizer_for(["optim.name=adamw", "optim.layer_decay=0.5"], create_model(cfg.model, 3))
+    scales = sorted({group["lr_scale"] for group in optimizer.param_groups})
+    assert scales == pytest.approx([0.5 ** k for k in range(13, -1, -1)])  # embeddings, 12 blocks, head
+
+
+@pytest.mark.parametrize("world, accum, scale, expected", [
+    (1, 1, "linear", 0.025), (2, 1, "linear", 0.05), (2, 2, "linear", 0.1), (1, 1, "sqrt", 0.05),
+    (2, 1, "sqrt", 0.1 * 0.5 ** 0.5),
+])
+def test_lr_base_scales_with_the_global_batch(world, accum, scale, expected):
+    """optim.lr = lr_base x (batch_size x world size x accum_steps / lr_base_size), or its square root."""
+    from engine.optim import with_scaled_lr
+
+    cfg = load_config(None, ["optim.lr_base=0.1", "train.batch_size=64", f"train.accum_steps={accum}",
+                             f"optim.lr_base_scale={scale}"])
+    assert with_scaled_lr(cfg, world).optim.lr == pytest.approx(expected)
+    assert with_scaled_lr(load_config(None, ["optim.lr=0.3"]), world).optim.lr == 0.3  # lr_base=0: lr as given
+
+
+def lr_of_a_run(rank: int, world: int, out: str) -> dict:
+    """Train TINY for one step on this rank with optim.lr_base; return the lr the optimizer used and the log."""
+    import logging
+
+    from engine.dist import DistInfo
+    from train import fit
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("train").addHandler(handler)
+    logging.getLogger("train").setLevel(logging.INFO)
+    cfg = load_config("dummy", [*TINY[2:], "train.max_steps=1", "optim.lr_base=0.1", "optim.lr_base_size=32",
+                                "sched.name=constant", f"output_dir={out}"])
+    fit(cfg, DistInfo(rank, world, rank, world, torch.device("cpu")))
+    ckpt = torch.load(f"{out}/last.pth", weights_only=True)
+    return {"lr": ckpt["optimizer"]["param_groups"][0]["lr"], "config_lr": ckpt["config"]["optim"]["lr"],
+            "log": [line for line in lines if "optim.lr" in line]}
+
+
+@pytest.mark.slow
+def test_lr_base_in_one_and_two_rank_runs(tmp_path):
+    """A real 2-process gloo group trains at lr_base x 16 / 32 (8 per rank): rank 0 logs it, the checkpoint keeps it."""
+    from tests.helpers import run_ranks
+
+    one = lr_of_a_run(0, 1, str(tmp_path / "one"))
+    two = run_ranks(lr_of_a_run, 2, tmp_path, str(tmp_path / "two"))
+    assert (one["lr"], one["config_lr"]) == (pytest.approx(0.025), pytest.approx(0.025))  # 8 / 32 x 0.1
+    assert [(r["lr"], r["config_lr"]) for r in two] == [(pytest.approx(0.05), pytest.approx(0.05))] * 2
+    assert len(two[0]["log"]) == 1 and two[1]["log"] == []
+    assert "optim.lr 0.05 = optim.lr_base 0.1 x global batch 16 / 32 (linear)" in two[0]["log"][0]
+
+
+def test_a_schedule_timm_refuses_is_found_by_dry_run(tmp_path, capsys):
+    """wsd's decay phase longer than the run: timm raises when the schedule is built, which --dry-run now does."""
+    argv = ["--dry-run", *TINY, f"output_dir={tmp_path / 'run'}", "train.epochs=2", "sched.name=wsd",
+            "sched.decay_epochs=5"]
+    assert report_errors(train.main, argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "sched.name 'wsd' is not usable" in err.strip().splitlines()[-1], err
