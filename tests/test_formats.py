@@ -245,7 +245,7 @@ def test_mid_epoch_resume_from_shards_is_bitwise_identical(shards, tmp_path):
     assert (partial["epoch"], partial["epoch_step"]) == (1, 2)
     run_script("train.py", *args, f"output_dir={out}")
     expected, resumed = load_checkpoint(straight / "last.pth"), load_checkpoint(out / "last.pth")
-    partial_top1 = read_jsonl(out / "metrics.jsonl")[1]["val_top1"]  # the evaluation at the stop
+    partial_top1 = read_jsonl(out / "metrics.jsonl")[1][partial["best_metric"]]  # the evaluation at the stop
     assert resumed["best_top1"] == max(expected["best_top1"], partial_top1)
     resumed["best_top1"] = expected["best_top1"]
     assert_same(expected, resumed)
