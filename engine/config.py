@@ -552,6 +552,16 @@ def keys_help() -> str:
     return "\n".join(lines)
 
 
+def keys_markdown() -> str:
+    """The config keys as the README's reference table (generated from the schema; tests/test_cli.py compares)."""
+    lines = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for key, kind, default, note in config_keys():
+        shown = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()
+        cells = [f"`{key}`", kind, f"`{shown or repr(default)}`", note]
+        lines.append("| " + " | ".join(cell.replace("|", "\\|").replace("<", "\\<") for cell in cells) + " |")
+    return "\n".join(lines)
+
+
 def config_yaml(cfg: Config) -> str:
     """The resolved config as YAML (config.yaml's text, and --print-config's)."""
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)

@@ -66,3 +66,15 @@ def test_dry_run_catches_a_missing_data_folder_and_a_misspelled_model(tmp_path, 
         err = capsys.readouterr().err.strip()
         assert "Traceback" not in err and message in err.splitlines()[-1], err
         assert not out.exists()
+
+
+def test_readme_reference_table_is_the_schema():
+    """The README's configuration table is generated from the schema: every key, nothing hand-kept beside it."""
+    from engine.config import keys_markdown
+    from tests.helpers import REPO
+
+    readme = (REPO / "README.md").read_text()
+    table = readme.split("## Configuration reference", 1)[1].split("\n\n## ", 1)[0]
+    assert [line.split("`")[1] for line in table.splitlines() if line.startswith("| `")] == schema_leaves()
+    assert keys_markdown() in readme, ("README's configuration table is stale; regenerate it with "
+                                       "python -c 'from engine.config import keys_markdown; print(keys_markdown())'")
