@@ -10,7 +10,6 @@ import dataclasses
 import difflib
 import inspect
 import math
-import os
 import re
 import types
 import typing

@@ -134,3 +134,17 @@ def write_jpeg(path: Path, size: int = 64, seed: int = 0) -> bytes:
     image = cv2.GaussianBlur(rng.integers(0, 256, (size, size, 3), dtype=np.uint8), (5, 5), 2)
     cv2.imwrite(str(path), image, [cv2.IMWRITE_JPEG_QUALITY, 90])
     return Path(path).read_bytes()
+
+
+def start_from(path, name: str, num_classes: int, **kwargs):
+    """What train.py's start_up does for model.init_from: read the file, create the model through timm with it,
+    check it (imported here: benchmarks/harness.py imports this module and needs none of it)."""
+    from engine.config import ModelConfig
+    from engine.weights import check_architecture, check_pretrained, read_pretrained
+    from models.factory import create_model
+
+    pretrained = read_pretrained(path)
+    check_architecture(pretrained, name)
+    model = create_model(ModelConfig(name=name, kwargs=kwargs), num_classes, pretrained.state_dict, pretrained.source)
+    check_pretrained(model, pretrained)
+    return model

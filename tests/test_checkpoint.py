@@ -21,9 +21,8 @@ from engine.errors import UserError
 from engine.logs import MetricsFile
 from engine.resume import check_resumable
 from engine.state import TrainState
-from engine.weights import check_architecture, check_pretrained, load_weights, read_pretrained
-from models.factory import create_model
-from tests.helpers import REPO, script_env
+from engine.weights import load_weights, read_pretrained
+from tests.helpers import start_from, REPO, script_env
 
 
 class Unpicklable:
@@ -82,14 +81,6 @@ def test_rng_states_round_trip_through_a_weights_only_file(tmp_path):
     assert np.array_equal(np.random.rand(5), expected[1])
     assert [random.random() for _ in range(5)] == expected[2]
 
-
-def start_from(path, name: str, num_classes: int, **kwargs) -> torch.nn.Module:
-    """What train.py does for model.init_from: read the file, create the model through timm with it, check it."""
-    pretrained = read_pretrained(path)
-    check_architecture(pretrained, name)
-    model = create_model(ModelConfig(name=name, kwargs=kwargs), num_classes, pretrained.state_dict, pretrained.source)
-    check_pretrained(model, pretrained)
-    return model
 
 
 def test_init_from_a_torchvision_state_dict_resets_only_the_head(tmp_path, caplog):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import yaml
 
 from engine.config import Config, config_from_dict, config_yaml, load_config, to_dict
 from engine.errors import UserError

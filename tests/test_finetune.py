@@ -15,10 +15,7 @@ from timm.layers import resample_abs_pos_embed
 
 import train
 from engine.cli import report_errors
-from engine.config import ModelConfig
-from engine.weights import check_architecture, check_pretrained, read_pretrained
-from models.factory import create_model
-from tests.helpers import TINY, read_jsonl, run_script
+from tests.helpers import start_from, TINY, read_jsonl, run_script
 
 
 @pytest.fixture(autouse=True)
@@ -39,14 +36,6 @@ def no_hub(monkeypatch):
                 monkeypatch.setattr(module, name, refuse)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
-
-def start_from(path, name: str, num_classes: int, **kwargs) -> torch.nn.Module:
-    """What train.py does with model.init_from: read the file, create the model through timm with it, check it."""
-    pretrained = read_pretrained(path)
-    check_architecture(pretrained, name)
-    model = create_model(ModelConfig(name=name, kwargs=kwargs), num_classes, pretrained.state_dict, pretrained.source)
-    check_pretrained(model, pretrained)
-    return model
 
 
 def last_error(capsys, code: int) -> str:
