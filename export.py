@@ -41,7 +41,7 @@ from data.transforms import DeviceNormalize, eval_transform
 from engine.cli import run_main
 from engine.config import Config
 from engine.errors import UserError
-from engine.inference import MODEL_CONFIG, MODEL_WEIGHTS, Trained, inference_config, load_trained
+from engine.inference import MODEL_CONFIG, MODEL_WEIGHTS, Trained, ema_hint, inference_config, load_trained
 from engine.logs import setup_logging
 from engine.weights import load_weights
 from models.factory import create_model
@@ -197,6 +197,8 @@ def main(argv: list[str]) -> int:
     if args.check_batch < 1:
         raise UserError(f"--check-batch must be >= 1, got {args.check_batch}")
     trained = load_trained(args.checkpoint, args.ema)
+    if hint := ema_hint(trained):
+        log.warning(hint)
     cfg = inference_config(trained, [("data.num_workers", 0), ("model.grad_checkpointing", False)])
     model = create_model(cfg.model, len(trained.class_names))
     load_weights(model, trained.weights, trained.source)

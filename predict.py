@@ -34,8 +34,8 @@ from engine.cli import run_main
 from engine.config import Config, parse_override
 from engine.dist import DistInfo, barrier, init_distributed, rank0_decides, read_launch_env
 from engine.errors import UserError
-from engine.inference import (Trained, check_same_architecture, inference_config, load_trained, merge_parts, part_file,
-                              write_csv)
+from engine.inference import (Trained, check_same_architecture, ema_hint, inference_config, load_trained,
+                              merge_parts, part_file, write_csv)
 from engine.logs import setup_logging
 from engine.precision import resolve_precision
 from engine.weights import load_weights
@@ -164,6 +164,8 @@ def main(argv: list[str]) -> int:
     info = init_distributed(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.rendezvous_timeout_s)
     if info.device.type == "cpu":
         tune_cpu_process(threads=1)  # as evaluate.py: outputs independent of the number of processes
+    if (hint := ema_hint(trained)) and info.is_main:
+        log.warning(hint)
     result = run(trained, cfg, args, info)  # report_errors leaves the process group, after reporting any error
     if result is not None:
         skipped = len(result["unreadable"])

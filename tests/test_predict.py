@@ -112,3 +112,19 @@ def test_predict_matches_evaluate_on_1_and_2_processes(tmp_path):
         assert [r["path"] for r in rows] == sorted(r["path"] for r in rows)
         outputs[nproc] = ((out / "predictions.csv").read_text(), (out / "predictions.json").read_text())
     assert outputs[1] == outputs[2]  # byte for byte
+
+
+def test_a_checkpoint_chosen_on_its_ema_says_to_use_ema(tiny_run, tmp_path, capsys):
+    """best.pth chosen on ema_val_top1 (train.best_on_ema) holds other weights under "model": predict says so."""
+    import torch
+
+    from engine.checkpoint import save_atomic
+
+    ckpt = torch.load(tiny_run / "best.pth", weights_only=True, map_location="cpu")
+    ckpt.update(ema=ckpt["model"], best_metric="ema_val_top1")
+    save_atomic(ckpt, tmp_path / "ema_best.pth")
+    images = write_images(tmp_path / "images", ["a.png"])
+    assert report_errors(predict.main, [str(tmp_path / "ema_best.pth"), str(images[0])]) == 0
+    assert "chosen on its EMA weights' val_top1 (train.best_on_ema); add --ema" in capsys.readouterr().err
+    assert report_errors(predict.main, [str(tmp_path / "ema_best.pth"), str(images[0]), "--ema"]) == 0
+    assert "add --ema" not in capsys.readouterr().err
