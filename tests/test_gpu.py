@@ -12,6 +12,8 @@ import time
 import warnings
 from pathlib import Path
 
+import cv2
+import numpy as np
 import pytest
 import torch
 
@@ -55,6 +57,31 @@ def test_a_few_mixed_precision_steps_keep_weights_finite(tmp_path, amp, optim, n
     out = train(tmp_path / "run", f"amp={amp}", f"optim.name={optim}", f"optim.lr={lr}", "train.max_steps=6",
                 nproc=nproc)
     assert_finite(out)
+
+
+RECIPE = ["data.mixup_alpha=0.2", "data.cutmix_alpha=1.0", "data.auto_augment=rand-m9-mstd0.5",
+          "data.random_erase=0.25", "data.aug_repeats=2", "model.ema_decay=0.99", "model.ema_warmup=true"]
+
+
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=two_gpus)])
+@pytest.mark.parametrize("loss", ["ce", "bce"])
+def test_recipe_options_train_with_amp_auto(tmp_path, loss, nproc):
+    """Mixup/cutmix pairs through the side-stream prefetch, RandAugment, erasing, repeats, EMA, both losses."""
+    out = train(tmp_path / "run", *RECIPE, f"train.loss={loss}", "train.max_steps=6", nproc=nproc)
+    assert_finite(out)
+
+
+def test_predict_and_onnx_export_of_a_gpu_run(tmp_path):
+    """A checkpoint written on a GPU runs in predict.py and exports to ONNX checked in onnxruntime."""
+    run_dir = train(tmp_path / "run", "train.max_steps=3")
+    images = tmp_path / "images"
+    images.mkdir()
+    for i in range(3):
+        cv2.imwrite(str(images / f"{i}.png"), np.random.default_rng(i).integers(0, 256, (40, 40, 3), dtype=np.uint8))
+    run_script("predict.py", str(run_dir / "last.pth"), str(images), "--output-dir", str(tmp_path / "pred"))
+    assert len(json.loads((tmp_path / "pred" / "predictions.json").read_text())["predictions"]) == 3
+    run_script("export.py", str(run_dir / "last.pth"), "--format", "onnx", "--output", str(tmp_path / "m.onnx"))
+    assert (tmp_path / "m.onnx").stat().st_size > 0
 
 
 @two_gpus

@@ -20,11 +20,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import evaluate
 from data.datasets import DummyDataset
 from data.loader import build_eval_loader
+from data.mixing import BatchMix, MixCollate
 from data.transforms import DeviceNormalize, eval_transform
 from engine.checkpoint import Checkpointer
-from engine.config import DataConfig, OptimConfig, SchedConfig
+from engine.config import DataConfig, OptimConfig, SchedConfig, TrainConfig
 from engine.dist import DistInfo, cuda_device_index
 from engine.errors import UserError
+from engine.losses import build_loss
 from engine.optim import build_optimizer, build_scheduler
 from engine.precision import Precision, gpu_auto_mode
 from engine.prefetch import device_batches
@@ -159,6 +161,28 @@ def test_training_and_evaluation_steps_make_no_hidden_host_device_traffic():
     # The one documented per-step sync: the inf/NaN gradient check (README, Performance). None in evaluation.
     assert train_traffic.ops["_local_scalar_dense"] == 6
     assert eval_traffic.ops["_local_scalar_dense"] == 0
+
+
+@pytest.mark.parametrize("loss", ["ce", "bce"])
+def test_mixed_training_steps_make_no_hidden_host_device_traffic(loss):
+    """Mixup/cutmix (data.mixing) and the soft-target losses add no copy from the host and no device read."""
+    torch.manual_seed(0)
+    model = timm.create_model("test_resnet", num_classes=4)
+    optimizer = build_optimizer(model, OptimConfig())
+    scheduler = build_scheduler(optimizer, SchedConfig(), 1, 6)
+    normalize = DeviceNormalize([0.5] * 3, [0.5] * 3, CPU.device, channels_last=False)
+    loop = LoopConfig(1, 0.0, 0, 1000, normalize, False, mix=BatchMix(4, smoothing=0.1))
+    data = DataConfig(mixup_alpha=0.2, cutmix_alpha=1.0)
+    collate = MixCollate(data, seed=0)
+    batches = [collate([(images[i], int(labels[i]), (0, step * 2 + i // 2)) for i in range(4)])
+               for step, (images, labels) in enumerate(_batches(6))]  # made by the workers in a real run
+    assert all(batch[2][:, 1].any() for batch in batches)  # every batch mixes something
+    with HostTraffic() as traffic:
+        parts = TrainParts(model, optimizer, scheduler, build_loss(TrainConfig(loss=loss), mixing=True),
+                           Precision("cpu", None))
+        train_one_epoch(parts, batches, TrainState(), loop, CPU)
+    assert traffic.ops["lift_fresh"] == 0
+    assert traffic.ops["_local_scalar_dense"] == 6  # the per-step inf/NaN check only
 
 
 def test_device_batches_yield_every_batch_in_order_normalized():
