@@ -38,7 +38,7 @@ from engine.cli import run_main
 from engine.config import Config, config_from_dict, parse_override, set_dotted, to_dict
 from engine.dist import DistInfo, barrier, init_distributed, rank0_decides, read_launch_env
 from engine.errors import UserError
-from engine.inference import merge_parts, part_file, write_csv
+from engine.inference import ema_hint, merge_parts, part_file, write_csv
 from engine.logs import setup_logging
 from engine.precision import resolve_precision
 from engine.tracking import WandbTracker
@@ -94,9 +94,8 @@ def build_model(cfg: Config, ckpt: dict[str, Any], args: argparse.Namespace, inf
     if cfg.model.name != trained:
         raise UserError(f"checkpoint {args.checkpoint} is a {trained}; it cannot be evaluated as "
                         f"model.name={cfg.model.name} (drop that override)")
-    if ckpt.get("best_metric") == "ema_val_top1" and not args.ema and info.is_main:
-        log.warning("checkpoint %s was chosen on its EMA weights' val_top1 (train.best_on_ema); add --ema to "
-                    "evaluate those", args.checkpoint)
+    if (hint := ema_hint(f"checkpoint {args.checkpoint}", ckpt.get("best_metric"), args.ema)) and info.is_main:
+        log.warning(hint)
     model = create_model(dataclasses.replace(cfg.model, grad_checkpointing=False), len(ckpt["class_names"]))
     load_weights(model, ckpt[key], f"checkpoint {args.checkpoint}")
     # Eval uses running statistics: no synchronized BatchNorm needed, whatever the training used.

@@ -197,7 +197,7 @@ def main(argv: list[str]) -> int:
     if args.check_batch < 1:
         raise UserError(f"--check-batch must be >= 1, got {args.check_batch}")
     trained = load_trained(args.checkpoint, args.ema)
-    if hint := ema_hint(trained):
+    if hint := ema_hint(trained.source, trained.best_metric, args.ema):
         log.warning(hint)
     cfg = inference_config(trained, [("data.num_workers", 0), ("model.grad_checkpointing", False)])
     model = create_model(cfg.model, len(trained.class_names))

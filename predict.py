@@ -164,7 +164,7 @@ def main(argv: list[str]) -> int:
     info = init_distributed(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.rendezvous_timeout_s)
     if info.device.type == "cpu":
         tune_cpu_process(threads=1)  # as evaluate.py: outputs independent of the number of processes
-    if (hint := ema_hint(trained)) and info.is_main:
+    if (hint := ema_hint(trained.source, trained.best_metric, args.ema)) and info.is_main:
         log.warning(hint)
     result = run(trained, cfg, args, info)  # report_errors leaves the process group, after reporting any error
     if result is not None:

@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from engine.config import DataConfig
-from engine.errors import UserError
 
 MIX_STREAM = 0x4D4958  # ends a pair's seed sequence, apart from the augmentation's (seed, epoch, index[, repeat])
 NONE, MIXUP, CUTMIX = 0, 1, 2
@@ -56,13 +55,10 @@ class MixCollate:
         self.cfg, self.seed = cfg, seed
 
     def __call__(self, samples: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        from data.loader import collate_channels_last  # (data.loader imports this module)
+        from data.loader import collate_readable  # (data.loader imports this module)
 
+        images, labels = collate_readable([sample and sample[:2] for sample in samples])  # drops unreadable ones
         kept = [sample for sample in samples if sample is not None]
-        if not kept:
-            raise UserError(f"all {len(samples)} images of a training batch are unreadable (data.skip_corrupt=true); "
-                            "check data.root")
-        images, labels = collate_channels_last([(image, label) for image, label, _ in kept])
         height, width = images.shape[-2:]
         rows: dict[tuple[int, int], list[int]] = {}
         for row, (*_, pair) in enumerate(kept):

@@ -33,15 +33,14 @@ class Trained:
     weights: dict[str, torch.Tensor]
     class_names: list[str]
     source: str  # "checkpoint PATH" or "model folder PATH", for messages
-    ema_chosen: bool = False  # the checkpoint was chosen on its EMA weights' val_top1 (train.best_on_ema), not these
+    best_metric: str = "val_top1"  # what the checkpoint was chosen on: ema_val_top1 with train.best_on_ema
 
 
-def ema_hint(trained: Trained) -> str | None:
-    """What to say when the weights in use are not the ones best.pth was chosen on."""
-    if not trained.ema_chosen:
+def ema_hint(source: str, best_metric: str | None, using_ema: bool) -> str | None:
+    """What to say when the weights in use are not the ones best.pth was chosen on (evaluate, predict, export)."""
+    if using_ema or best_metric != "ema_val_top1":
         return None
-    return (f"{trained.source} was chosen on its EMA weights' val_top1 (train.best_on_ema); add --ema to use those "
-            "weights")
+    return f"{source} was chosen on its EMA weights' val_top1 (train.best_on_ema); add --ema to use those weights"
 
 
 def load_trained(path: str | os.PathLike, ema: bool = False) -> Trained:
@@ -60,7 +59,7 @@ def load_trained(path: str | os.PathLike, ema: bool = False) -> Trained:
     if key not in ckpt:
         raise UserError(f"checkpoint {path} holds no EMA weights; use it without --ema")
     return Trained(json.loads(json.dumps(ckpt["config"])), ckpt[key], list(ckpt["class_names"]),
-                   f"checkpoint {path}", ema_chosen=not ema and ckpt.get("best_metric") == "ema_val_top1")
+                   f"checkpoint {path}", ckpt.get("best_metric", "val_top1"))
 
 
 def load_model_folder(folder: Path) -> Trained:
