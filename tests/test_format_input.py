@@ -127,18 +127,25 @@ def write_parquet(root: Path, split: str, **columns: pa.Array) -> None:
     pq.write_table(pa.table(columns), root / f"{split}.parquet")
 
 
-@pytest.mark.parametrize("labels, kind", [(["a", "b", None, "a", "b", "b"], pa.string()),
-                                          ([0, 1, None, 0, 1, 1], pa.int64())])
-def test_a_null_label_names_its_row(folder, tmp_path, hf_cache, labels, kind):
-    """A null string label was a class named "None"; a null integer: "the label column holds float64"."""
+@pytest.mark.parametrize("labels, feature", [(["a", "b", None, "a", "b", "b"], "string"),
+                                             ([0, 1, None, 0, 1, 1], "int64"),
+                                             ([0, 1, -1, 0, 1, 1], "ClassLabel")])  # datasets' "no label"
+def test_a_row_without_a_label_is_named(folder, tmp_path, hf_cache, labels, feature):
+    """A null string label was a class named "None"; a null integer: "the label column holds float64"; -1 in a
+    ClassLabel: a numpy traceback."""
+    import datasets
+
     images, _ = images_and_labels(folder, "train")
-    write_parquet(tmp_path, "train", image=pa.array(images), label=pa.array(labels, kind))
+    kind = datasets.ClassLabel(names=["a", "b"]) if feature == "ClassLabel" else datasets.Value(feature)
+    datasets.Dataset.from_dict({"image": images, "label": labels},
+                               features=datasets.Features({"image": datasets.Value("binary"), "label": kind})
+                               ).to_parquet(str(tmp_path / "train.parquet"))
     cfg = config("hf", tmp_path)
     with pytest.raises(UserError) as error:
         build_split(cfg, "train", eval_transform(cfg), seed=0)
-    assert str(error.value) == (f"Hugging Face dataset {tmp_path} split train row 2: the label column 'label' is "
-                                "null; give the row its label, or remove it (data.skip_corrupt=true skips rows "
-                                "without a label in training)")
+    assert str(error.value) == (f"Hugging Face dataset {tmp_path} split train row 2 has no label (null, or -1 in a "
+                                "ClassLabel) in column 'label'; give it its label, or remove it "
+                                "(data.skip_corrupt=true skips rows without a label in training)")
 
 
 def test_rows_without_a_label_are_skipped_and_counted_with_skip_corrupt(folder, tmp_path, hf_cache, caplog):
