@@ -29,8 +29,8 @@ def find_list(root: Path, split: str) -> Path:
     for suffix in (".csv", ".tsv"):
         if (root / f"{split}{suffix}").is_file():
             return root / f"{split}{suffix}"
-    raise UserError(f"list file {root / split}.csv (or .tsv) does not exist; write one path,label row per image, "
-                    "or set data.root and the split names")
+    raise UserError(f"list file {root / split}.csv (or .tsv) does not exist; write the header path,label and one "
+                    "path,label row per image, or set data.root and the split names")
 
 
 def read_rows(file: Path, split: str) -> list[tuple[int, str, str]]:
