@@ -28,6 +28,7 @@ from engine.errors import UserError
 
 log = logging.getLogger(__name__)
 
+
 def open_split(root: Path, split: str):
     """The split's datasets.Dataset, never from the network."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # before datasets reads its config
@@ -89,9 +90,8 @@ def labelled_rows(ds, label_column: str, where: str, skip: bool) -> tuple[np.nda
     missing = pc.is_null(column).to_numpy(zero_copy_only=False)
     if column_type(ds.features[label_column]) == "ClassLabel":
         missing |= pc.equal(column, -1).fill_null(False).to_numpy(zero_copy_only=False)
-    column = column.to_numpy()
     if not missing.any():
-        return None, column
+        return None, column.to_numpy()
     rows = np.flatnonzero(missing)
     if not skip:
         more = f" (and {len(rows) - 1} more row(s))" if len(rows) > 1 else ""
@@ -102,7 +102,7 @@ def labelled_rows(ds, label_column: str, where: str, skip: bool) -> tuple[np.nda
     log.warning("data.skip_corrupt: %s: %d row(s) without a label skipped (rows %s%s)", where, len(rows),
                 ", ".join(map(str, rows[:10])), more)
     kept = np.flatnonzero(~missing)
-    return kept, column[kept]
+    return kept, column.filter(~missing).to_numpy()  # in Arrow: numpy makes an int column with nulls float
 
 
 def class_labels(column: np.ndarray, feature, where: str) -> tuple[list[str], np.ndarray]:

@@ -148,9 +148,11 @@ def test_a_row_without_a_label_is_named(folder, tmp_path, hf_cache, labels, feat
                                 "(data.skip_corrupt=true skips rows without a label in training)")
 
 
-def test_rows_without_a_label_are_skipped_and_counted_with_skip_corrupt(folder, tmp_path, hf_cache, caplog):
+@pytest.mark.parametrize("as_index", [False, True])
+def test_rows_without_a_label_are_skipped_and_counted_with_skip_corrupt(folder, tmp_path, hf_cache, caplog,
+                                                                        as_index):
     images, names = images_and_labels(folder, "train")
-    labels = [None if i in (1, 4) else name for i, name in enumerate(names)]
+    labels = [None if i in (1, 4) else int(name == "b") if as_index else name for i, name in enumerate(names)]
     paths = [f"image{i}" for i in range(len(images))]
     write_parquet(tmp_path, "train", image=pa.array(images), label=pa.array(labels), file=pa.array(paths))
     cfg = config("hf", tmp_path, path_column="file")
@@ -159,8 +161,8 @@ def test_rows_without_a_label_are_skipped_and_counted_with_skip_corrupt(folder, 
     assert f"data.skip_corrupt: Hugging Face dataset {tmp_path} split train: 2 row(s) without a label skipped " \
            "(rows 1, 4)" in caplog.text
     kept = [0, 2, 3, 5]
-    assert len(train) == 4 and train.classes == ["a", "b"]
-    assert [train.classes[label] for label in train.labels] == [names[i] for i in kept]
+    assert len(train) == 4 and train.classes == (["0", "1"] if as_index else ["a", "b"])
+    assert [names[i] for i in kept] == [["a", "b"][label] for label in train.labels]
     assert [train.path(i) for i in range(4)] == [paths[i] for i in kept]
     reference = ImageFolderDataset(folder / "train", eval_transform(cfg), seed=0)
     for i, row in enumerate(kept):
