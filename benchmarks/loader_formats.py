@@ -46,8 +46,8 @@ def write_formats(root: Path, shard_size: int) -> dict[str, dict]:
 
     folder = ImageFolderDataset(root / "train", transform=None, seed=0)
     relative = [str(Path(folder.path(i)).relative_to(root)) for i in range(len(folder))]
-    (root / "train.csv").write_text("".join(f"{p},{folder.classes[label]}\n"
-                                            for p, label in zip(relative, folder.labels)))
+    (root / "train.csv").write_text("path,label\n" + "".join(f"{p},{folder.classes[label]}\n"
+                                                            for p, label in zip(relative, folder.labels)))
     make_shards.main([str(root), str(root / "wds"), "--shard-size", str(shard_size), "--splits", "train"])
     features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=folder.classes)})
     rows = {"image": [{"bytes": Path(folder.path(i)).read_bytes(), "path": None} for i in range(len(folder))],

@@ -383,13 +383,46 @@ class ImageListDataset(Dataset):
 
 
 def list_images(folder: Path) -> list[str]:
-    """Every image file under folder, at any depth, sorted (symbolic links followed, hidden entries skipped)."""
+    """Every image file under folder, at any depth, sorted; hidden entries skipped.
+
+    Symbolic links are followed, but each real folder (device, inode) is walked once: a link back up the
+    tree would be followed forever (2**40 paths for two links to `..`). The folders' own paths are taken
+    first, so a link to a folder of the tree (or a loop) is the one skipped, named in a warning.
+    """
+    seen: dict[tuple[int, int] | None, str] = {folder_id(str(folder)): str(folder)}
+    for parent, dirs, _ in os.walk(folder):  # without links: each folder's own path
+        dirs[:] = walk_once(parent, [d for d in dirs if not os.path.islink(os.path.join(parent, d))], seen)
     found = []
-    for parent, dirs, files in os.walk(folder, followlinks=True, onerror=None):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        found += [os.path.join(parent, f) for f in sorted(files)
+    for parent, dirs, files in os.walk(folder, followlinks=True):
+        dirs[:] = walk_once(parent, dirs, seen)
+        found += [os.path.join(parent, f) for f in files
                   if f.lower().endswith(IMAGE_EXTENSIONS) and not f.startswith(".")]
     return sorted(found)
+
+
+def folder_id(path: str) -> tuple[int, int] | None:
+    """(device, inode) of the folder a path leads to; None when it cannot be reached."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
+
+
+def walk_once(parent: str, dirs: list[str], seen: dict[tuple[int, int] | None, str]) -> list[str]:
+    """The sub-folders of `parent` to walk into: not hidden, and not a folder already walked under another path."""
+    keep = []
+    for name in sorted(d for d in dirs if not d.startswith(".")):
+        path = os.path.join(parent, name)
+        if (key := folder_id(path)) is None:  # gone since it was listed
+            continue
+        first = seen.setdefault(key, path)
+        if first == path:
+            keep.append(name)
+        else:
+            log.warning("%s is folder %s again (a symbolic link loop, or a second link to that folder); its images "
+                        "are listed once, under %s", path, first, first)
+    return keep
 
 
 def find_images(inputs: str) -> list[str]:

@@ -4,15 +4,18 @@ data.root is a folder written by `save_to_disk` (a DatasetDict whose keys are th
 Dataset folder per split), or a folder of Parquet files (`<split>.parquet`, `<split>-*.parquet` or
 `<split>/*.parquet`, which datasets converts once into its Arrow cache, HF_DATASETS_CACHE).
 data.image_column holds the encoded image (an Image feature stored with its bytes, or a binary
-column), decoded by decode_image in the DataLoader workers; data.label_column is a ClassLabel (its
-names are the classes), integers, or strings (the classes are their sorted names); data.path_column
-names each image in predictions.csv (default: the file name an Image feature stored, else `<split>[i]`).
+column), decoded by decode_image in the DataLoader workers, or a file path (a string column, relative
+to data.root); data.label_column is a ClassLabel (its names are the classes), integers, or strings (the
+classes are their sorted names). A row without a label (null, or -1 in a ClassLabel) is an error naming
+it; with data.skip_corrupt the training split leaves such rows out, counted in a warning.
+data.path_column names each image in predictions.csv (default: the file path stored, else `<split>[row]`).
 Rows are read one at a time from the memory-mapped table: forked workers share its pages and turn
 only the row they read into Python objects.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -22,6 +25,8 @@ import numpy as np
 from data.datasets import AugmentedDataset, decode_image, read_image, shared_labels
 from engine.config import DataConfig
 from engine.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 def open_split(root: Path, split: str):
@@ -50,6 +55,56 @@ def open_split(root: Path, split: str):
         raise UserError(f"cannot read the Parquet files of split {split!r} in {root} ({err}); check them") from None
 
 
+def column_type(feature) -> str:
+    """A column's type in a word: a Value's dtype (int64, string, binary), or the feature's kind (ClassLabel, Image)."""
+    import datasets
+
+    if isinstance(feature, datasets.Value):
+        return feature.dtype
+    return "struct" if isinstance(feature, dict) else type(feature).__name__  # a struct is a plain dict of features
+
+
+LABEL_TYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "string", "large_string")
+IMAGE_TYPES = ("Image", "binary", "large_binary", "string", "large_string")
+
+
+def check_column_types(features, image_column: str, label_column: str, where: str) -> None:
+    """Labels are class names, integers or a ClassLabel; images are an Image feature, bytes or file paths."""
+    columns = ", ".join(f"{name} {column_type(feature)}" for name, feature in features.items())
+    kind = column_type(features[label_column])
+    if kind != "ClassLabel" and kind not in LABEL_TYPES:
+        raise UserError(f"{where}: data.label_column={label_column} names a column of {kind}, not labels; name a "
+                        f"column of class names, integers or a ClassLabel (columns: {columns})")
+    kind = column_type(features[image_column])
+    if kind not in IMAGE_TYPES:
+        raise UserError(f"{where}: data.image_column={image_column} names a column of {kind}, not images; name a "
+                        f"column of images, encoded image bytes or file paths (columns: {columns})")
+
+
+def labelled_rows(ds, label_column: str, where: str, skip: bool) -> tuple[np.ndarray | None, np.ndarray]:
+    """(the rows kept, None for all; their label column): a row without a label (null, or -1, which a ClassLabel
+    uses for "no label") is an error naming it, or with `skip` (data.skip_corrupt) left out with a warning."""
+    import pyarrow.compute as pc
+
+    column = ds.with_format("arrow")[label_column]
+    missing = pc.is_null(column).to_numpy(zero_copy_only=False)
+    if column_type(ds.features[label_column]) == "ClassLabel":
+        missing |= pc.equal(column, -1).fill_null(False).to_numpy(zero_copy_only=False)
+    if not missing.any():
+        return None, column.to_numpy()
+    rows = np.flatnonzero(missing)
+    if not skip:
+        more = f" (and {len(rows) - 1} more row(s))" if len(rows) > 1 else ""
+        raise UserError(f"{where} row {rows[0]}{more} has no label (null, or -1 in a ClassLabel) in column "
+                        f"{label_column!r}; give it its label, or remove it (data.skip_corrupt=true skips rows "
+                        "without a label in training)")
+    more = f", and {len(rows) - 10} more" if len(rows) > 10 else ""
+    log.warning("data.skip_corrupt: %s: %d row(s) without a label skipped (rows %s%s)", where, len(rows),
+                ", ".join(map(str, rows[:10])), more)
+    kept = np.flatnonzero(~missing)
+    return kept, column.filter(~missing).to_numpy()  # in Arrow: numpy makes an int column with nulls float
+
+
 def class_labels(column: np.ndarray, feature, where: str) -> tuple[list[str], np.ndarray]:
     """(class names, label indices) from a label column: ClassLabel names, integers, or strings."""
     names = getattr(feature, "names", None)
@@ -76,14 +131,15 @@ class HFDataset(AugmentedDataset):
         super().__init__(transform, seed)
         import datasets
 
-        self.split, self.skip_corrupt, self.max_pixels = split, skip_corrupt, max_pixels
+        self.root, self.split, self.skip_corrupt, self.max_pixels = Path(root), split, skip_corrupt, max_pixels
         self.where = f"Hugging Face dataset {root} split {split}"
         ds = open_split(Path(root), split)
         for key, column in (("image", image_column), ("label", label_column), ("path", path_column)):
             if column and column not in ds.column_names:
                 raise UserError(f"{self.where} has no column {column!r} (data.{key}_column); it has "
                                 f"{', '.join(ds.column_names)}")
-        column = np.asarray(ds.with_format("numpy")[label_column])
+        check_column_types(ds.features, image_column, label_column, self.where)
+        self.rows, column = labelled_rows(ds, label_column, self.where, skip_corrupt)
         own, labels = class_labels(column, ds.features[label_column], self.where)
         self.classes = classes if classes is not None else own
         self.labels = shared_labels(labels, own, self.classes, self.where)
@@ -93,20 +149,26 @@ class HFDataset(AugmentedDataset):
             ds = ds.cast_column(image_column, datasets.Image(decode=False))  # bytes, not PIL images
         self.ds, self.image_column, self.path_column = ds, image_column, path_column
 
+    def row(self, index: int) -> int:
+        """The table row of sample `index` (rows without a label may have been left out)."""
+        return index if self.rows is None else int(self.rows[index])
+
     def stored(self, index: int) -> tuple[bytes | None, str | None]:
-        """The image's bytes (None: only a file path was stored) and its stored file name."""
-        value = self.ds[index][self.image_column]
+        """The image's bytes (None: only a file path was stored) and its stored file path."""
+        value = self.ds[self.row(index)][self.image_column]
         if isinstance(value, dict):
             return value.get("bytes"), value.get("path")
+        if isinstance(value, str):  # a column of file paths, relative to data.root
+            return None, str(self.root / value)
         return value, None
 
     def load_image(self, index: int) -> np.ndarray:
         data, path = self.stored(index)
         if data is None and path:
             return read_image(path, self.max_pixels)
-        return decode_image(data or b"", f"{self.path(index)} ({self.where} row {index})", self.max_pixels)
+        return decode_image(data or b"", f"{self.path(index)} ({self.where} row {self.row(index)})", self.max_pixels)
 
     def path(self, index: int) -> str:
         if self.path_column:
-            return str(self.ds[index][self.path_column])
-        return self.stored(index)[1] or f"{self.split}[{index}]"
+            return str(self.ds[self.row(index)][self.path_column])
+        return self.stored(index)[1] or f"{self.split}[{self.row(index)}]"

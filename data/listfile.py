@@ -1,13 +1,16 @@
 """List files: `<data.root>/<split>.csv` (or `.tsv`), one `path,label` row per image, paths relative to data.root.
 
-A first row `path,label` is a header and skipped. A label is a class name, or an index into the class
-list when `<data.root>/classes.txt` (one class name a line, in label order) exists. Without classes.txt
-the classes are the split's label names, sorted (as numbers when every label is an integer).
+The first line is the header `path,label` (`path<TAB>label` in a .tsv): without it a first image row could
+not be told from a header naming other columns. A UTF-8 byte order mark (Excel's "CSV UTF-8") is dropped.
+A label is a class name, or an index into the class list when `<data.root>/classes.txt` (one class name a
+line, in label order) exists. Without classes.txt the classes are the split's label names, sorted (as
+numbers when every label is an integer). A path listed twice counts twice, with a warning naming its lines.
 """
 
 from __future__ import annotations
 
 import csv
+import logging
 from pathlib import Path
 
 import albumentations as A
@@ -18,6 +21,7 @@ from engine.config import DataConfig
 from engine.errors import UserError
 
 CLASS_FILE = "classes.txt"
+log = logging.getLogger(__name__)
 
 
 def find_list(root: Path, split: str) -> Path:
@@ -25,25 +29,49 @@ def find_list(root: Path, split: str) -> Path:
     for suffix in (".csv", ".tsv"):
         if (root / f"{split}{suffix}").is_file():
             return root / f"{split}{suffix}"
-    raise UserError(f"list file {root / split}.csv (or .tsv) does not exist; write one path,label row per image, "
-                    "or set data.root and the split names")
+    raise UserError(f"list file {root / split}.csv (or .tsv) does not exist; write the header path,label and one "
+                    "path,label row per image, or set data.root and the split names")
 
 
-def read_rows(file: Path) -> list[tuple[int, str, str]]:
-    """(line number, path, label) of each row; a row that is not two fields is named by its line."""
+def read_rows(file: Path, split: str) -> list[tuple[int, str, str]]:
+    """(line number, path, label) of each row after the header; a row that is not two fields is named by its line."""
     try:
-        text = file.read_text(encoding="utf-8", errors="surrogateescape")  # paths are bytes on Linux
+        text = file.read_text(encoding="utf-8-sig", errors="surrogateescape")  # paths are bytes on Linux
     except OSError as err:
         raise UserError(f"cannot read list file {file} ({err.strerror})") from None
     delimiter = "\t" if file.suffix == ".tsv" else ","
+    lines = csv.reader(text.splitlines(), delimiter=delimiter)
+    header = next(lines, [])
+    if [cell.strip().lower() for cell in header] != ["path", "label"]:
+        shown = "path<tab>label" if delimiter == "\t" else "path,label"
+        raise UserError(f"list file {file}: line 1 must be the header {shown}, found the columns "
+                        f"{', '.join(header) or '(none)'}; add that header (or rename its columns)")
     rows = []
-    for number, row in enumerate(csv.reader(text.splitlines(), delimiter=delimiter), 1):
-        if not row or (number == 1 and [cell.strip().lower() for cell in row] == ["path", "label"]):
+    for number, row in enumerate(lines, 2):
+        if not row:
             continue
         if len(row) != 2 or not row[0].strip() or not row[1].strip():
             raise UserError(f"{file} line {number}: expected two fields, path{delimiter}label, got {row!r}")
         rows.append((number, row[0].strip(), row[1].strip()))
+    if not rows:
+        raise UserError(f"list file {file} has no rows: split {split!r} is empty; add one path,label row per image "
+                        "after the header")
+    warn_duplicates(file, rows)
     return rows
+
+
+def warn_duplicates(file: Path, rows: list[tuple[int, str, str]]) -> None:
+    """Name the paths listed more than once: each row is a sample (and counts in metrics), which is rarely meant."""
+    lines: dict[str, list[int]] = {}
+    for number, path, _ in rows:
+        lines.setdefault(path, []).append(number)
+    twice = {path: numbers for path, numbers in lines.items() if len(numbers) > 1}
+    if twice:
+        shown = "; ".join(f"{path} on lines {', '.join(map(str, numbers))}"
+                          for path, numbers in list(twice.items())[:5])
+        more = f"; and {len(twice) - 5} more" if len(twice) > 5 else ""
+        log.warning("list file %s names %d image(s) more than once (each row counts): %s%s", file, len(twice), shown,
+                    more)
 
 
 def read_classes(root: Path) -> list[str] | None:
@@ -77,7 +105,7 @@ class ListFileDataset(AugmentedDataset):
         super().__init__(transform, seed)
         self.root, self.skip_corrupt, self.max_pixels = Path(root), skip_corrupt, max_pixels
         file = find_list(self.root, split)
-        rows = read_rows(file)
+        rows = read_rows(file, split)
         own = read_classes(self.root)
         if own is None:
             names = {label for _, _, label in rows}

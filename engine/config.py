@@ -76,7 +76,7 @@ class DataConfig:
     root: str = ".cache/digits"  # the folder (wds: or URL) holding the splits named by data.train_split/val_split
     train_split: str = "train"  # the split trained on: data.root/<split>/, <split>.json (wds), <split>.csv|tsv
     val_split: str = "val"  # the split evaluated (e.g. test)
-    image_column: str = "image"  # hf: the column of encoded images (an Image feature or bytes)
+    image_column: str = "image"  # hf: the column of images (an Image feature, bytes, or paths relative to data.root)
     label_column: str = "label"  # hf: the column of labels (ClassLabel, integers or class names)
     path_column: str = ""  # hf: the column naming each image in predictions.csv; "" = the Image's file name
     shard_cache: str = ""  # wds: folder for shards read from URLs; "" = $WIDS_CACHE or /tmp/_wids_cache

@@ -51,7 +51,7 @@ def lists(folder) -> Path:
     for split, suffix, sep in (("train", ".tsv", "\t"), ("val", ".csv", ",")):
         rows = [f"{split}/{c}/{i:03d}.png{sep}{classes.index(c) if split == 'train' else c}"
                 for c in classes for i in range(COUNTS[split][c])]
-        (folder / f"{split}{suffix}").write_text("path,label\n" * (split == "val") + "\n".join(rows) + "\n")
+        (folder / f"{split}{suffix}").write_text(f"path{sep}label\n" + "\n".join(rows) + "\n")
     return folder
 
 
@@ -146,14 +146,14 @@ def test_make_shards_errors_are_one_line(folder, tmp_path, capsys):
 
 def test_list_files_name_the_folder_images(folder, lists, tmp_path):
     assert_same_samples(data_config("imagefolder", folder), data_config("listfile", lists))
-    (tmp_path / "train.csv").write_text("train/a/000.png,a\ntrain/b/000.png\n")
-    with pytest.raises(UserError, match=f"{tmp_path}/train.csv line 2: expected two fields, path,label, got "):
+    (tmp_path / "train.csv").write_text("path,label\ntrain/a/000.png,a\ntrain/b/000.png\n")
+    with pytest.raises(UserError, match=f"{tmp_path}/train.csv line 3: expected two fields, path,label, got "):
         build_datasets(data_config("listfile", tmp_path), seed=0)
-    (tmp_path / "train.csv").write_text("train/a/000.png,a\ntrain/b/000.png,7\n")
+    (tmp_path / "train.csv").write_text("path,label\ntrain/a/000.png,a\ntrain/b/000.png,7\n")
     (tmp_path / "classes.txt").write_text("a\nb\n")
-    with pytest.raises(UserError, match="train.csv line 2: label '7' is neither a class of classes.txt nor an index"):
+    with pytest.raises(UserError, match="train.csv line 3: label '7' is neither a class of classes.txt nor an index"):
         build_datasets(data_config("listfile", tmp_path), seed=0)
-    (tmp_path / "train.csv").write_text("train/a/000.png,a\ntrain/b/000.png,1\n")
+    (tmp_path / "train.csv").write_text("path,label\ntrain/a/000.png,a\ntrain/b/000.png,1\n")
     with pytest.raises(UserError, match=f"list file {tmp_path}/nope.csv \\(or .tsv\\) does not exist"):
         build_datasets(data_config("listfile", tmp_path, val_split="nope"), seed=0)
 

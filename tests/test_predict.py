@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import cv2
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 
 import predict
+from data.datasets import list_images
 from engine.cli import report_errors
 from tests.helpers import run_script
 
@@ -81,6 +84,51 @@ def test_predict_input_errors_are_one_line(tiny_run, tmp_path, capsys, make_inpu
     error = capsys.readouterr().err.strip()
     assert "\n" not in error and error.startswith("error: ") and message in error, error
     assert not (tmp_path / "out" / "predictions.csv").exists()
+
+
+def within(seconds: int, fn, *args):
+    """fn(*args), or a failure when it has not returned after `seconds` (a hang, not a speed check)."""
+    def hung(signum, frame):
+        raise AssertionError(f"{fn.__name__} did not return within {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(seconds)
+    try:
+        return fn(*args)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_folder_walk_ends_on_symbolic_link_loops_and_lists_each_folder_once(tmp_path, caplog):
+    """Two links to `..` made the walk follow 2**40 paths; a second link to a folder listed its images twice."""
+    images = tmp_path / "images"
+    write_images(images, ["a.png", "sub/b.png", "sub/deeper/c.png"])
+    os.symlink("..", images / "sub" / "up")
+    os.symlink("..", images / "sub" / "up2")
+    os.symlink("sub", images / "again")  # sorts before sub: the folder keeps its own path all the same
+    found = within(30, list_images, images)
+    assert found == [str(images / "a.png"), str(images / "sub/b.png"), str(images / "sub/deeper/c.png")]
+    assert sorted(r.getMessage() for r in caplog.records) == [
+        f"{images}/again is folder {images}/sub again (a symbolic link loop, or a second link to that folder); "
+        f"its images are listed once, under {images}/sub",
+        f"{images}/sub/up is folder {images} again (a symbolic link loop, or a second link to that folder); "
+        f"its images are listed once, under {images}",
+        f"{images}/sub/up2 is folder {images} again (a symbolic link loop, or a second link to that folder); "
+        f"its images are listed once, under {images}"]
+
+
+def test_predict_on_a_folder_with_a_link_loop_predicts_each_image_once(tiny_run, tmp_path, capsys):
+    """`sub/loop -> ..` made predict.py predict `sub/loop/sub/loop/.../a.png` 40 times over (82 images, not 2)."""
+    images = tmp_path / "images"
+    write_images(images, ["a.png", "sub/b.png"])
+    os.symlink("..", images / "sub" / "loop")
+    out = tmp_path / "out"
+    assert report_errors(predict.main, [str(tiny_run / "best.pth"), str(images), "--output-dir", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert f"{images}/sub/loop is folder {images} again (a symbolic link loop" in captured.err
+    assert "predicted 2 image(s), 0 unreadable skipped" in captured.out
+    assert [r["path"] for r in read_rows(out / "predictions.csv")] == [str(images / "a.png"), str(images / "sub/b.png")]
 
 
 @pytest.mark.slow  # a short digits training, evaluate.py, then predict.py on 1 and 2 processes
