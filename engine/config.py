@@ -507,6 +507,9 @@ def validate_sched(cfg: SchedConfig, epochs: int) -> None:
     if cfg.warmup_shape == "nvidia" and not cfg.step_on_epochs:
         raise UserError("sched.warmup_shape=nvidia is NVIDIA's per-epoch warmup; set sched.step_on_epochs=true "
                         "with it")
+    if cfg.warmup_prefix and cfg.warmup_epochs >= epochs - cfg.cooldown_epochs:
+        raise UserError(f"sched.warmup_prefix=true: sched.warmup_epochs {cfg.warmup_epochs} leaves no epoch of "
+                        f"train.epochs {epochs} for the schedule after it; lower sched.warmup_epochs")
     if cfg.cooldown_epochs >= epochs:
         raise UserError(f"sched.cooldown_epochs must be below train.epochs ({epochs}), got {cfg.cooldown_epochs}")
 
