@@ -282,6 +282,7 @@ def build_train_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: i
     their mixes: data.mixing)."""
     sampler = EpochSampler(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=seed,
                            drop_last=True, unit=2 if mixing(cfg) else 1, repeats=cfg.aug_repeats)
+    check_repeats(cfg.aug_repeats, len(dataset), batch_size * info.world_size, mixing(cfg))
     if len(sampler) < batch_size:
         raise UserError(f"each rank gets {len(sampler)} training images but train.batch_size is {batch_size}; "
                         "lower train.batch_size or use fewer processes")
@@ -290,6 +291,21 @@ def build_train_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: i
     collate = MixCollate(cfg, seed, cfg.mix_group or batch_size) if mixing(cfg) else collate_readable
     return OneLineErrorLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
                               collate_fn=collate, **_loader_kwargs(cfg, info.device, seed + info.rank))
+
+
+def check_repeats(repeats: int, images: int, global_batch: int, mixed: bool) -> None:
+    """Refuse data.aug_repeats that would fill an epoch, or a batch, with copies of a few images."""
+    if repeats > images:
+        raise UserError(f"data.aug_repeats {repeats} is more than the {images} training images: an epoch would be "
+                        f"a few images, each many times; use at most {min(images, global_batch)}")
+    if repeats > global_batch:
+        raise UserError(f"data.aug_repeats {repeats} is more than the global batch of {global_batch} images "
+                        f"(train.batch_size x processes): a batch would hold copies of one image; use at most "
+                        f"{global_batch}")
+    block = repeats + 2 - repeats % 2  # repeated_pairs' block
+    if mixed and repeats > 1 and block > images:
+        raise UserError(f"data.aug_repeats {repeats} with mixup or cutmix needs at least {block} training images "
+                        f"(a different partner for each copy); there are {images}")
 
 
 def collate_readable(samples: list) -> tuple[torch.Tensor, torch.Tensor]:

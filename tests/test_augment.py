@@ -71,6 +71,22 @@ def test_mixing_needs_an_even_batch():
     load_config(None, ["data.mixup_alpha=0.2", "train.batch_size=8"])
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["data.aug_repeats=1000"], "data.aug_repeats 1000 is more than the 32 training images"),
+    (["data.aug_repeats=20"], "data.aug_repeats 20 is more than the global batch of 8 images"),
+    (["data.aug_repeats=32", "data.mixup_alpha=0.2", "train.batch_size=32"],
+     "data.aug_repeats 32 with mixup or cutmix needs at least 34 training images (a different partner for "
+     "each copy); there are 32"),
+])
+def test_aug_repeats_beyond_the_data_or_the_batch_is_refused(overrides, message, capsys):
+    """issue 23 item 12: 1000 repeats of 32 images made every epoch one image, silently."""
+    argv = ["--dry-run", *TINY, *overrides, "output_dir=/nonexistent/x"]
+    assert report_errors(train.main, argv) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in err and len(errors) == 1 and message in errors[0], err
+
+
 @pytest.mark.parametrize("policy", ["rand-m9-mstd0.5", "trivialaugment", "augmix", "autoaugment", ""])
 def test_each_policy_changes_images_and_keeps_them_uint8(policy):
     plain = dataset(DataConfig(img_size=16))
