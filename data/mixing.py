@@ -62,6 +62,8 @@ class MixCollate:
 
     def __init__(self, cfg: DataConfig, seed: int, group: int = 0) -> None:
         """`group`: images per draw in data.mix_mode=batch (data.mix_group, or train.batch_size when that is 0)."""
+        if cfg.mix_mode == "batch" and group < 2:
+            raise ValueError(f"data.mix_mode=batch needs a group of at least 2 images, got {group}")
         self.cfg, self.seed = cfg, seed
         self.pairs_per_draw = group // 2 if cfg.mix_mode == "batch" else 1
 

@@ -93,6 +93,7 @@ def torchvision_epoch_lrs(cfg, lr: float) -> list[float]:
     lrs = []
     for _ in range(cfg.train.epochs):
         lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()  # (no gradient: nothing changes; torch expects it before the scheduler's step)
         scheduler.step()
     return lrs
 
