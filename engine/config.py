@@ -130,7 +130,7 @@ class OptimConfig:
 
 @dataclass
 class SchedConfig:
-    name: str = "cosine"  # cosine | tanh | poly | wsd | rsqrt | step | multistep | constant, stepped every update
+    name: str = "cosine"  # cosine | tanh | poly | wsd | rsqrt | step | multistep | constant (timm's schedulers)
     warmup_epochs: int = 0  # linear warmup from warmup_lr over this many epochs
     warmup_steps: int = 0  # or over this many optimizer steps (set one of the two)
     warmup_lr: float = 1e-5  # learning rate at the start of warmup
