@@ -78,7 +78,9 @@ def start_up(cfg: Config, info: DistInfo) -> tuple[Config, Resume, DataBundle, P
     cfg = with_scaled_lr(cfg, info.world_size)  # after resolve_preprocessing, which reads the keys the user set
     seed_everything(cfg.seed)
     data = build_data(cfg.data, cfg.train.batch_size, cfg.seed, info)
-    check_scheduler(cfg.sched, cfg.train.epochs, steps_per_epoch(data.train, cfg.train.accum_steps))
+    for warning in check_scheduler(cfg.sched, cfg.train.epochs, steps_per_epoch(data.train, cfg.train.accum_steps)):
+        if info.is_main:
+            log.warning(warning)
     precision = resolve_precision(cfg.amp, info.device)
     if pretrained is None:
         model = create_model(cfg.model, data.num_classes)

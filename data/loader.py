@@ -47,9 +47,10 @@ class EpochSampler(DistributedSampler):
     every rank together covers global positions [j B W, (j + 1) B W): the same global batches for any world
     size. With units of 2 (mixing) the keys are (epoch, index, repeat, pair), pair = position // 2; with
     `repeats` k >= 2 (repeated augmentation, as timm's RepeatAugSampler: the epoch keeps the dataset's
-    length) each unit of indices appears k times in a row, as repeat 0..k-1, on k different ranks when
-    world_size >= k, keyed (epoch, index, repeat, -1) without mixing. With neither, this is torch's
-    DistributedSampler (shuffle, drop_last) exactly.
+    length) each index appears k times close together, as repeat 0..k-1, keyed (epoch, index, repeat, -1)
+    without mixing: k units in a row, on k different ranks when world_size >= k. With mixing each of the k
+    copies gets a different partner (`repeated_pairs`), as in the sources, where each copy lands in another
+    batch. With neither, this is torch's DistributedSampler (shuffle, drop_last) exactly.
     """
 
     start = 0
@@ -69,6 +70,8 @@ class EpochSampler(DistributedSampler):
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)  # DistributedSampler's shuffle
         perm = torch.randperm(len(self.dataset), generator=generator).tolist()
+        if self.unit == 2 and self.repeats > 1:
+            return repeated_pairs(perm, self.repeats)[:len(perm)]
         units = [perm[i:i + self.unit] for i in range(0, len(perm), self.unit)]
         return [(index, repeat) for unit in units for repeat in range(self.repeats) for index in unit][:len(perm)]
 
@@ -86,6 +89,28 @@ class EpochSampler(DistributedSampler):
 
     def __len__(self) -> int:
         return max(self.num_samples - self.start, 0)
+
+
+def repeated_pairs(perm: list[int], repeats: int) -> list[tuple[int, int]]:
+    """(index, repeat) for mixed pairs with repeated augmentation: an image meets a different partner in
+    each of its `repeats` copies.
+
+    perm is cut into blocks of an even size m > repeats; repeat r pairs a block's images as round r of a
+    round-robin tournament (the circle method: m - 1 rounds, every two players meet exactly once), pair
+    after pair. A last block too short for that (only a dataset barely larger than `repeats`) reuses rounds.
+    """
+    size = repeats + 2 - repeats % 2
+    order = []
+    for start in range(0, len(perm), size):
+        block = perm[start:start + size]
+        block = block[:len(block) - len(block) % 2]
+        last, ring = len(block) - 1, block[:-1]
+        for repeat in range(repeats if block else 0):
+            r = repeat % max(last, 1)
+            pairs = [(block[last], ring[r])] if ring else []
+            pairs += [(ring[(r + i) % last], ring[(r - i) % last]) for i in range(1, len(block) // 2)]
+            order += [(index, repeat) for pair in pairs for index in pair]
+    return order
 
 
 class ShardSampler(Sampler[int]):
@@ -257,14 +282,30 @@ def build_train_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: i
     their mixes: data.mixing)."""
     sampler = EpochSampler(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=seed,
                            drop_last=True, unit=2 if mixing(cfg) else 1, repeats=cfg.aug_repeats)
+    check_repeats(cfg.aug_repeats, len(dataset), batch_size * info.world_size, mixing(cfg))
     if len(sampler) < batch_size:
         raise UserError(f"each rank gets {len(sampler)} training images but train.batch_size is {batch_size}; "
                         "lower train.batch_size or use fewer processes")
     if cfg.num_workers > 0:
         before_workers_fork()
-    collate = MixCollate(cfg, seed) if mixing(cfg) else collate_readable
+    collate = MixCollate(cfg, seed, cfg.mix_group or batch_size) if mixing(cfg) else collate_readable
     return OneLineErrorLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
                               collate_fn=collate, **_loader_kwargs(cfg, info.device, seed + info.rank))
+
+
+def check_repeats(repeats: int, images: int, global_batch: int, mixed: bool) -> None:
+    """Refuse data.aug_repeats that would fill an epoch, or a batch, with copies of a few images."""
+    if repeats > images:
+        raise UserError(f"data.aug_repeats {repeats} is more than the {images} training images: an epoch would be "
+                        f"a few images, each many times; use at most {min(images, global_batch)}")
+    if repeats > global_batch:
+        raise UserError(f"data.aug_repeats {repeats} is more than the global batch of {global_batch} images "
+                        f"(train.batch_size x processes): a batch would hold copies of one image; use at most "
+                        f"{global_batch}")
+    block = repeats + 2 - repeats % 2  # repeated_pairs' block
+    if mixed and repeats > 1 and block > images:
+        raise UserError(f"data.aug_repeats {repeats} with mixup or cutmix needs at least {block} training images "
+                        f"(a different partner for each copy); there are {images}")
 
 
 def collate_readable(samples: list) -> tuple[torch.Tensor, torch.Tensor]:

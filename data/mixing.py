@@ -1,10 +1,13 @@
-"""Mixup and CutMix between pairs of images, drawn on the CPU per pair and applied on the device.
+"""Mixup and CutMix between pairs of images, drawn on the CPU per pair or per group and applied on the device.
 
-timm mixes sample i with sample B-1-i of a process's batch, one lambda per batch: the pairs, and so the
-training, then depend on the world size. Here the pairs are fixed by the epoch's global sample order
-(positions 2k and 2k+1 form pair k; data.loader.EpochSampler hands whole pairs to ranks) and each pair's
-mix (mixup or cutmix, lambda, box) is drawn from (seed, epoch, k): a resumed or re-sharded run mixes the
-same images in the same way. Both images of a pair are mixed with each other (timm's mode='pair').
+timm mixes sample i with sample B-1-i of a process's batch: the pairs, and so the training, then depend on
+the world size. Here the pairs are fixed by the epoch's global sample order (positions 2k and 2k+1 form pair
+k; data.loader.EpochSampler hands whole pairs to ranks) and the draws (mixup or cutmix, lambda, box) are a
+pure function of (seed, epoch, k) in `data.mix_mode=pair` (timm's mode='pair'), or of (seed, epoch, g) in
+`data.mix_mode=batch`, where group g is positions [g G, (g+1) G) of the global order, G = data.mix_group
+(timm's mode='batch' draws once per process batch; a fixed G keeps the draws the same for any world size).
+A resumed or re-sharded run mixes the same images in the same way. Both images of a pair are mixed with
+each other.
 
 The collate (`MixCollate`, in the DataLoader workers) draws the mixes and ships them beside the uint8
 batch; `BatchMix` applies them after DeviceNormalize and builds the soft targets, with label smoothing
@@ -26,11 +29,11 @@ NONE, MIXUP, CUTMIX = 0, 1, 2
 PARTNER, KIND, LAM, Y0, Y1, X0, X1 = range(7)
 
 
-def draw_mix(cfg: DataConfig, seed: int, epoch: int, pair: int, height: int, width: int) -> list[float]:
-    """[kind, lambda, y0, y1, x0, x1] of one pair, a pure function of (seed, epoch, pair); timm's rules:
-    mixed with mixup_prob, cutmix instead of mixup with mixup_switch_prob, the cutmix lambda corrected
+def draw_mix(cfg: DataConfig, seed: int, epoch: int, draw: int, height: int, width: int) -> list[float]:
+    """[kind, lambda, y0, y1, x0, x1] of one pair or group, a pure function of (seed, epoch, draw); timm's
+    rules: mixed with mixup_prob, cutmix instead of mixup with mixup_switch_prob, the cutmix lambda corrected
     to the box's area after clipping."""
-    rng = np.random.default_rng([seed, epoch, pair, MIX_STREAM])
+    rng = np.random.default_rng([seed, epoch, draw, MIX_STREAM])
     if rng.random() >= cfg.mixup_prob:
         return [NONE, 1.0, 0, 0, 0, 0]
     use_cutmix = cfg.cutmix_alpha > 0 and (cfg.mixup_alpha == 0 or rng.random() < cfg.mixup_switch_prob)
@@ -38,12 +41,18 @@ def draw_mix(cfg: DataConfig, seed: int, epoch: int, pair: int, height: int, wid
     lam = float(rng.beta(alpha, alpha))
     if not use_cutmix:
         return [MIXUP, lam, 0, 0, 0, 0]
+    y0, y1, x0, x1 = cutmix_box(lam, int(rng.integers(height)), int(rng.integers(width)), height, width)
+    return [CUTMIX, 1.0 - (y1 - y0) * (x1 - x0) / (height * width), y0, y1, x0, x1]
+
+
+def cutmix_box(lam: float, cy: int, cx: int, height: int, width: int) -> tuple[int, int, int, int]:
+    """(y0, y1, x0, x1) of the box centred at (cy, cx) covering about 1 - lam of the image, clipped: timm's
+    rand_bbox (the upper half-size rounds up)."""
     cut = math.sqrt(1.0 - lam)
     cut_h, cut_w = int(height * cut), int(width * cut)
-    cy, cx = int(rng.integers(height)), int(rng.integers(width))
-    y0, y1 = min(max(cy - cut_h // 2, 0), height), min(max(cy + cut_h // 2, 0), height)
-    x0, x1 = min(max(cx - cut_w // 2, 0), width), min(max(cx + cut_w // 2, 0), width)
-    return [CUTMIX, 1.0 - (y1 - y0) * (x1 - x0) / (height * width), y0, y1, x0, x1]
+    y0, y1 = min(max(cy - cut_h // 2, 0), height), min(max(cy + (cut_h + 1) // 2, 0), height)
+    x0, x1 = min(max(cx - cut_w // 2, 0), width), min(max(cx + (cut_w + 1) // 2, 0), width)
+    return y0, y1, x0, x1
 
 
 class MixCollate:
@@ -51,8 +60,12 @@ class MixCollate:
     partner and its pair's draw. A sample whose partner could not be read (data.skip_corrupt) is its own
     partner, unmixed."""
 
-    def __init__(self, cfg: DataConfig, seed: int) -> None:
+    def __init__(self, cfg: DataConfig, seed: int, group: int = 0) -> None:
+        """`group`: images per draw in data.mix_mode=batch (data.mix_group, or train.batch_size when that is 0)."""
+        if cfg.mix_mode == "batch" and group < 2:
+            raise ValueError(f"data.mix_mode=batch needs a group of at least 2 images, got {group}")
         self.cfg, self.seed = cfg, seed
+        self.pairs_per_draw = group // 2 if cfg.mix_mode == "batch" else 1
 
     def __call__(self, samples: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         from data.loader import collate_readable  # (data.loader imports this module)
@@ -65,7 +78,8 @@ class MixCollate:
             rows.setdefault(pair, []).append(row)
         mix = torch.zeros(len(kept), 7)
         for (epoch, pair), members in rows.items():
-            draw = draw_mix(self.cfg, self.seed, epoch, pair, height, width) if len(members) == 2 else [NONE, 1.0]
+            draw = [NONE, 1.0] if len(members) < 2 else draw_mix(self.cfg, self.seed, epoch,
+                                                                 pair // self.pairs_per_draw, height, width)
             for row, partner in zip(members, reversed(members)):
                 mix[row, PARTNER] = partner
                 mix[row, KIND:KIND + len(draw)] = torch.tensor(draw)

@@ -106,6 +106,8 @@ class DataConfig:
     mixup_prob: float = 1.0  # probability that a pair is mixed (when mixup or cutmix is on)
     mixup_switch_prob: float = 0.5  # probability of cutmix instead of mixup when both are on
     aug_repeats: int = 0  # repeated augmentation: each image k times per epoch (k >= 2), differently augmented
+    mix_mode: str = "pair"  # pair: one mixup/cutmix draw per pair of images | batch: one per data.mix_group images
+    mix_group: int = 0  # batch mode: images per draw, of the global order (any world size); 0 = train.batch_size
 
 
 @dataclass
@@ -128,10 +130,13 @@ class OptimConfig:
 
 @dataclass
 class SchedConfig:
-    name: str = "cosine"  # cosine | tanh | poly | wsd | rsqrt | step | multistep | constant, stepped every update
+    name: str = "cosine"  # cosine | tanh | poly | wsd | rsqrt | step | multistep | constant (timm's schedulers)
     warmup_epochs: int = 0  # linear warmup from warmup_lr over this many epochs
     warmup_steps: int = 0  # or over this many optimizer steps (set one of the two)
     warmup_lr: float = 1e-5  # learning rate at the start of warmup
+    warmup_prefix: bool = False  # the schedule runs over the epochs after warmup (timm's warmup_prefix), not all
+    warmup_shape: str = "timm"  # timm: linear from warmup_lr | nvidia: warmup epoch e at lr x (e+1)/warmup_epochs
+    step_on_epochs: bool = False  # the lr changes once per epoch (at its first step), not every update
     min_lr: float = 0.0  # floor of the schedule
     decay_epochs: float = 0.0  # step: decay every this many epochs; wsd/rsqrt: decay phase (< 1: fraction; 0: 0.2)
     decay_milestones: list[int] = field(default_factory=list)  # multistep: epochs to decay at, e.g. [30,60,80]
@@ -200,6 +205,8 @@ CHOICES = {
     "dist.backend": ("auto", "nccl", "gloo"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
     "train.loss": ("ce", "bce"),
+    "data.mix_mode": ("pair", "batch"),
+    "sched.warmup_shape": ("timm", "nvidia"),
     "optim.lr_base_scale": ("linear", "sqrt"),
     "sched.name": ("cosine", "tanh", "poly", "wsd", "rsqrt", "step", "multistep", "constant"),
 }
@@ -211,7 +218,7 @@ POSITIVE = ("train.epochs", "train.batch_size", "train.accum_steps", "data.img_s
 NON_NEGATIVE = ("dist.timeout_s", "logging.wandb_samples", "optim.lr", "optim.weight_decay", "optim.clip_grad",
                 "train.max_steps", "data.num_workers", "train.ckpt_every_steps", "train.keep_last_k",
                 "data.color_jitter", "sched.warmup_epochs", "sched.warmup_lr", "sched.min_lr",
-                "data.mixup_alpha", "data.cutmix_alpha", "data.aug_repeats",
+                "data.mixup_alpha", "data.cutmix_alpha", "data.aug_repeats", "data.mix_group",
                 "sched.warmup_steps", "sched.decay_epochs", "sched.cooldown_epochs", "optim.lr_base")
 FRACTIONS = ("model.drop_rate", "model.drop_path_rate", "train.label_smoothing", "model.ema_decay")  # in [0, 1)
 MAX_SEED = 2**32 - 1  # np.random.seed (train.py) takes nothing larger
@@ -411,6 +418,9 @@ def validate(cfg: Config) -> None:
     if mixing(cfg.data) and cfg.train.batch_size % 2:
         raise UserError(f"config key 'train.batch_size' must be even with mixup or cutmix on (images are mixed in "
                         f"pairs within a process's batch), got {cfg.train.batch_size}")
+    if mixing(cfg.data) and cfg.data.mix_mode == "batch" and cfg.data.mix_group % 2:
+        raise UserError(f"config key 'data.mix_group' must be even (a group holds whole pairs), got "
+                        f"{cfg.data.mix_group}")
     for key in FRACTIONS:
         if not 0 <= _get(cfg, key) < 1:
             raise UserError(f"config key {key!r} must be in [0, 1), got {_get(cfg, key)!r}")
@@ -491,6 +501,15 @@ def validate_sched(cfg: SchedConfig, epochs: int) -> None:
     if cfg.cooldown_epochs and cfg.name in ENDLESS_SCHEDULES:
         raise UserError(f"sched.cooldown_epochs applies to schedules with an end (cosine, tanh, poly, wsd, rsqrt), "
                         f"not sched.name={cfg.name}; set it to 0")
+    if cfg.step_on_epochs and cfg.warmup_steps:
+        raise UserError(f"sched.warmup_steps={cfg.warmup_steps} needs an lr that changes every step; with "
+                        "sched.step_on_epochs=true give sched.warmup_epochs")
+    if cfg.warmup_shape == "nvidia" and not cfg.step_on_epochs:
+        raise UserError("sched.warmup_shape=nvidia is NVIDIA's per-epoch warmup; set sched.step_on_epochs=true "
+                        "with it")
+    if cfg.warmup_prefix and cfg.warmup_epochs >= epochs - cfg.cooldown_epochs:
+        raise UserError(f"sched.warmup_prefix=true: sched.warmup_epochs {cfg.warmup_epochs} leaves no epoch of "
+                        f"train.epochs {epochs} for the schedule after it; lower sched.warmup_epochs")
     if cfg.cooldown_epochs >= epochs:
         raise UserError(f"sched.cooldown_epochs must be below train.epochs ({epochs}), got {cfg.cooldown_epochs}")
 

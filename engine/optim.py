@@ -97,33 +97,84 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, grad_scaler: bool = Fals
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedConfig, epochs: int,
-                    updates_per_epoch: int) -> Scheduler:
-    """timm scheduler stepped every optimizer update (`step_update`), so warmup is smooth.
+                    updates_per_epoch: int) -> Scheduler | EpochSteps:
+    """timm scheduler stepped every optimizer update (`step_update`), so warmup is smooth; with
+    sched.step_on_epochs, the same schedule counted in epochs (EpochSteps), the lr changing once per epoch.
 
-    Every length is converted to optimizer updates here, in one place (timm then counts in updates:
+    Every length is converted to the schedule's unit here, in one place (timm then counts in that unit:
     updates_per_epoch=1), which lets warmup be given in steps as well as in epochs.
     """
-    per_epoch = updates_per_epoch
+    per_epoch = 1 if cfg.step_on_epochs else updates_per_epoch
     # timm applies a multistep milestone m at update m - 1 (its convention, kept for old recipes): + 1 starts
     # the decay with epoch m's first update, as torch's MultiStepLR does.
     milestones = [m * per_epoch + 1 for m in cfg.decay_milestones]
     decay = cfg.decay_epochs
     if not (cfg.name in ("wsd", "rsqrt") and 0 < decay < 1):  # wsd/rsqrt: a decay below 1 is a fraction
         decay = decay * per_epoch or None  # None: timm's default (wsd/rsqrt only: step needs decay_epochs)
+    warmup = cfg.warmup_steps or cfg.warmup_epochs * per_epoch
+    length = (epochs - cfg.cooldown_epochs) * per_epoch - (warmup if cfg.warmup_prefix else 0)
     try:
-        scheduler, _ = create_scheduler_v2(optimizer, sched=cfg.name,
-                                           num_epochs=(epochs - cfg.cooldown_epochs) * per_epoch,
-                                           warmup_epochs=cfg.warmup_steps or cfg.warmup_epochs * per_epoch,
-                                           warmup_lr=cfg.warmup_lr, min_lr=cfg.min_lr, decay_epochs=decay,
-                                           decay_milestones=milestones,
+        scheduler, _ = create_scheduler_v2(optimizer, sched=cfg.name, num_epochs=length, warmup_epochs=warmup,
+                                           warmup_lr=cfg.warmup_lr, warmup_prefix=cfg.warmup_prefix,
+                                           min_lr=cfg.min_lr, decay_epochs=decay, decay_milestones=milestones,
                                            decay_rate=cfg.decay_rate, step_on_epochs=False, updates_per_epoch=1)
     except (AssertionError, ValueError) as err:
         raise UserError(f"sched.name {cfg.name!r} is not usable ({err})") from None
     if scheduler is None:
         raise UserError(f"sched.name {cfg.name!r} is not a timm scheduler; try cosine, step or multistep")
+    if cfg.step_on_epochs:
+        nvidia_warmup = cfg.warmup_epochs if cfg.warmup_shape == "nvidia" else 0
+        return EpochSteps(scheduler, updates_per_epoch, nvidia_warmup)
     return scheduler
 
 
-def check_scheduler(cfg: SchedConfig, epochs: int, updates_per_epoch: int) -> None:
-    """Build the schedule once over a stand-in parameter, so start-up (and --dry-run) meets any error timm raises."""
+class EpochSteps:
+    """A timm schedule counted in epochs, driven by the optimizer step count as the trainer drives every
+    schedule (`step_update(global_step)`, also on resume): epoch e trains at the schedule's value for e.
+
+    `nvidia_warmup` W > 0: epoch e < W trains at lr x (e+1) / W instead of timm's warmup (NVIDIA
+    DeepLearningExamples' lr policies), through timm's update_groups (so layer-decay scales still apply).
+    """
+
+    def __init__(self, scheduler: Scheduler, updates_per_epoch: int, nvidia_warmup: int = 0) -> None:
+        self.scheduler, self.updates_per_epoch, self.nvidia_warmup = scheduler, updates_per_epoch, nvidia_warmup
+        self.step_update(0)
+
+    def step_update(self, num_updates: int) -> None:
+        epoch = num_updates // self.updates_per_epoch
+        self.scheduler.step_update(num_updates=epoch)
+        if epoch < self.nvidia_warmup:
+            self.scheduler.update_groups([base * (epoch + 1) / self.nvidia_warmup
+                                          for base in self.scheduler.base_values])
+
+    def state_dict(self) -> dict:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+
+def check_scheduler(cfg: SchedConfig, epochs: int, updates_per_epoch: int) -> list[str]:
+    """Build the schedule once over a stand-in parameter, so start-up (and --dry-run) meets any error timm
+    raises; returns warnings for a schedule longer than the run (the caller's main rank logs them)."""
     build_scheduler(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0), cfg, epochs, updates_per_epoch)
+    return schedule_warnings(cfg, epochs, updates_per_epoch)
+
+
+def schedule_warnings(cfg: SchedConfig, epochs: int, updates_per_epoch: int) -> list[str]:
+    """Parts of the schedule that the run ends before: accepted (a run may be extended on resume), said once."""
+    warnings = []
+    if cfg.warmup_epochs >= epochs:
+        warnings.append(f"sched.warmup_epochs {cfg.warmup_epochs} is not below train.epochs {epochs}: the lr rises "
+                        "for the whole run and never reaches optim.lr")
+    if cfg.warmup_steps >= epochs * updates_per_epoch:
+        warnings.append(f"sched.warmup_steps {cfg.warmup_steps} is more than the run's {epochs * updates_per_epoch} "
+                        "optimizer steps: the lr rises for the whole run and never reaches optim.lr")
+    late = [str(m) for m in cfg.decay_milestones if m >= epochs]
+    if cfg.name == "multistep" and late:
+        warnings.append(f"sched.decay_milestones {', '.join(late)} are beyond the last epoch (train.epochs {epochs}): "
+                        "those decays never happen")
+    if cfg.name == "step" and cfg.decay_epochs >= epochs:
+        warnings.append(f"sched.decay_epochs {cfg.decay_epochs:g} is not below train.epochs {epochs}: the lr never "
+                        "decays")
+    return warnings

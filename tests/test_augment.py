@@ -7,14 +7,16 @@ workers, and the global batches the samplers hand out for 1 and 2 ranks.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import timm.data.mixup as timm_mixup
 import torch
 from torchvision.transforms import v2
 
 import train
 from data.datasets import DummyDataset
 from data.loader import EpochSampler, build_train_loader
-from data.mixing import BatchMix, MixCollate
+from data.mixing import CUTMIX, MIXUP, BatchMix, MixCollate, cutmix_box
 from data.transforms import TimmRandAugment, tensor_augment, train_transform
 from engine.checkpoint import load_checkpoint
 from engine.cli import report_errors
@@ -67,6 +69,22 @@ def test_mixing_needs_an_even_batch():
     with pytest.raises(UserError, match="'train.batch_size' must be even with mixup or cutmix on .* got 7"):
         load_config(None, ["data.mixup_alpha=0.2", "train.batch_size=7"])
     load_config(None, ["data.mixup_alpha=0.2", "train.batch_size=8"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.aug_repeats=1000"], "data.aug_repeats 1000 is more than the 32 training images"),
+    (["data.aug_repeats=20"], "data.aug_repeats 20 is more than the global batch of 8 images"),
+    (["data.aug_repeats=32", "data.mixup_alpha=0.2", "train.batch_size=32"],
+     "data.aug_repeats 32 with mixup or cutmix needs at least 34 training images (a different partner for "
+     "each copy); there are 32"),
+])
+def test_aug_repeats_beyond_the_data_or_the_batch_is_refused(overrides, message, capsys):
+    """issue 23 item 12: 1000 repeats of 32 images made every epoch one image, silently."""
+    argv = ["--dry-run", *TINY, *overrides, "output_dir=/nonexistent/x"]
+    assert report_errors(train.main, argv) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in err and len(errors) == 1 and message in errors[0], err
 
 
 @pytest.mark.parametrize("policy", ["rand-m9-mstd0.5", "trivialaugment", "augmix", "autoaugment", ""])
@@ -234,6 +252,68 @@ def test_a_pair_draws_the_same_mix_in_any_batch_and_a_lone_sample_is_unmixed():
     assert torch.equal(lone[3:, 1:], whole[4:, 1:])
 
 
+def test_the_cutmix_box_is_timms_for_the_same_centre():
+    """draw_mix's box from (lambda, centre) is timm's rand_bbox for the centre numpy draws (odd sizes: the
+    half-sizes round)."""
+    for seed, (height, width), lam in [(0, (12, 10), 0.3), (1, (7, 9), 0.55), (2, (224, 224), 0.81),
+                                        (3, (31, 17), 0.02), (4, (5, 5), 0.97)]:
+        np.random.seed(seed)
+        expected = timm_mixup.rand_bbox((3, height, width), lam)
+        np.random.seed(seed)
+        centre = int(np.random.randint(0, height)), int(np.random.randint(0, width))
+        assert cutmix_box(lam, *centre, height, width) == tuple(int(v) for v in expected), (seed, lam)
+
+
+class FixedDrawMixup(timm_mixup.Mixup):
+    """timm's Mixup with its per-batch random draw replaced by a given one (the mixing itself is timm's)."""
+
+    def __init__(self, lam: float, use_cutmix: bool, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.fixed = lam, use_cutmix
+
+    def _params_per_batch(self) -> tuple[float, bool]:
+        return self.fixed
+
+
+def test_batch_mode_mixes_a_group_as_timms_batch_mode(monkeypatch):
+    """data.mix_mode=batch: every row of a group shares one draw, and BatchMix gives timm's Mixup(mode='batch')
+    images and targets for it, with the group laid out as timm pairs rows (i with B-1-i)."""
+    cfg = DataConfig(mixup_alpha=0.8, cutmix_alpha=1.0, mixup_prob=1.0, mixup_switch_prob=0.5, mix_mode="batch")
+    group, classes, smoothing = 8, 5, 0.1
+    collate = MixCollate(cfg, seed=1, group=group)
+    generator = torch.Generator().manual_seed(0)
+    kinds = set()
+    for g in range(12):
+        samples = [(torch.randint(0, 256, (3, 11, 9), dtype=torch.uint8, generator=generator), j % classes,
+                    (0, g * group // 2 + j // 2)) for j in range(group)]
+        images, labels, mix = collate(samples)
+        assert (mix[:, 1:] == mix[0, 1:]).all(), mix  # one draw for the group
+        mixed, targets = BatchMix(classes, smoothing)(images.float(), labels, mix)
+        timm_order = [*range(0, group, 2), *range(group - 1, 0, -2)]  # pair k at rows k and B-1-k
+        kind, lam, y0, y1, x0, x1 = mix[0, 1:].tolist()
+        box = tuple(int(v) for v in (y0, y1, x0, x1))
+        monkeypatch.setattr(timm_mixup, "rand_bbox", lambda *args, **kwargs: box)
+        reference = FixedDrawMixup(lam if kind != CUTMIX else 0.5, kind == CUTMIX, mixup_alpha=0.8, cutmix_alpha=1.0,
+                                   mode="batch", label_smoothing=smoothing, num_classes=classes)
+        timm_images, timm_targets = reference(images.float()[timm_order], labels[timm_order])
+        torch.testing.assert_close(mixed[timm_order], timm_images)
+        torch.testing.assert_close(targets[timm_order], timm_targets)
+        kinds.add(int(kind))
+    assert kinds == {MIXUP, CUTMIX}
+
+
+def test_batch_mode_draws_per_group_of_the_global_order():
+    """Pairs of one group (positions [g G, (g+1) G)) share a draw, the next group draws anew; pair mode draws
+    per pair."""
+    batch = MixCollate(DataConfig(**MIX, mix_mode="batch"), seed=1, group=4)
+    _, _, mix = batch(constant_samples(6))  # pairs 0-5: groups of 2 pairs
+    draws = [tuple(row) for row in mix[:, 1:].tolist()]
+    assert len(set(draws[0:4])) == len(set(draws[4:8])) == len(set(draws[8:12])) == 1
+    assert len(set(draws[::4])) == 3
+    _, _, pairs = MixCollate(DataConfig(**MIX), seed=1)(constant_samples(6))
+    assert len({tuple(row) for row in pairs[::2, 1:].tolist()}) == 6
+
+
 @pytest.mark.parametrize("loss", ["ce", "bce"])
 def test_losses_take_hard_labels_and_soft_targets(loss):
     logits, labels = torch.randn(6, 5), torch.tensor([0, 1, 2, 3, 4, 0])
@@ -277,22 +357,46 @@ def test_the_global_batches_are_the_same_for_one_and_two_ranks(unit, repeats):
             assert counts.max() == repeats  # an index k times, the epoch as long as the dataset
 
 
-def test_pairs_stay_on_one_rank_and_repeats_go_to_different_ranks():
+def ranks_of_keys(unit: int, repeats: int, world: int = 3) -> dict[tuple, int]:
     ranks = {}
-    for rank in range(3):
-        sampler = EpochSampler(range(60), num_replicas=3, rank=rank, shuffle=True, seed=7, drop_last=True,
-                               unit=2, repeats=3)
+    for rank in range(world):
+        sampler = EpochSampler(range(60), num_replicas=world, rank=rank, shuffle=True, seed=7, drop_last=True,
+                               unit=unit, repeats=repeats)
         keys = list(sampler)
-        assert [k[3] for k in keys[::2]] == [k[3] for k in keys[1::2]]  # consecutive samples form a pair
+        if unit == 2:
+            assert [k[3] for k in keys[::2]] == [k[3] for k in keys[1::2]]  # consecutive samples form a pair
         ranks.update({k: rank for k in keys})
+    return ranks
+
+
+def test_pairs_stay_on_one_rank_and_unmixed_repeats_go_to_different_ranks():
     pairs = {}
-    for (_, index, repeat, pair), rank in ranks.items():
+    for (_, index, repeat, pair), rank in ranks_of_keys(unit=2, repeats=3).items():
         pairs.setdefault(pair, set()).add(rank)
     assert all(len(r) == 1 for r in pairs.values())
     by_index = {}
-    for (_, index, repeat, _), rank in ranks.items():
+    for (_, index, repeat, _), rank in ranks_of_keys(unit=1, repeats=3).items():
         by_index.setdefault(index, []).append(rank)
     assert all(len(set(r)) == len(r) for r in by_index.values())  # world size 3 >= 3 repeats
+
+
+def test_mixed_repeats_have_distinct_partners_and_the_same_order_on_1_2_3_ranks():
+    """aug_repeats=3 with mixing: each image's 3 copies in an epoch are mixed with 3 different images (a
+    partner is the other member of the key's pair); the global batches are the same for 1, 2 and 3 ranks."""
+    for n in (60, 61, 97):
+        one = global_batches(n, 1, 12, unit=2, repeats=3)
+        assert one == global_batches(n, 2, 6, unit=2, repeats=3) == global_batches(n, 3, 4, unit=2, repeats=3)
+        members = {}
+        for _, index, repeat, pair in (key for batch in one for key in batch):
+            members.setdefault(pair, []).append(index)
+        partners = {}
+        for a, b in members.values():
+            partners.setdefault(a, []).append(b)
+            partners.setdefault(b, []).append(a)
+        full = [p for p in partners.values() if len(p) == 3]
+        assert len(full) >= len(partners) - 6, (n, partners)  # all but the last copies cut by the epoch's end
+        assert all(len(set(p)) == len(p) for p in partners.values()), partners
+        assert all(index not in p for index, p in partners.items())
 
 
 def test_the_start_skip_resumes_pairs_and_repeats_exactly():
@@ -314,9 +418,10 @@ def test_repeats_get_different_augmentations_and_repeat_zero_is_unchanged():
     assert torch.equal(image, repeats[1]) and key == (2, 9)
 
 
-def test_mixed_batches_are_the_same_for_any_ranks_and_workers():
+@pytest.mark.parametrize("mode", ["pair", "batch"])
+def test_mixed_batches_are_the_same_for_any_ranks_and_workers(mode):
     """Through real loaders: each key's image, mix draw and partner key are independent of ranks and workers."""
-    cfg = dict(**RECIPE, **MIX, aug_repeats=2)
+    cfg = dict(**RECIPE, **MIX, aug_repeats=2, mix_mode=mode, mix_group=8)
     reference = per_sample_images(DataConfig(**cfg), world=1, workers=0)
     assert len(reference) >= 16 and all(len(key) == 4 for key in reference)
     for world, workers in ((2, 0), (2, 2)):

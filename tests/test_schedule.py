@@ -6,6 +6,8 @@ The schedules are driven as train.py drives them: built by engine.optim.build_sc
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -211,3 +213,109 @@ def test_a_schedule_timm_refuses_is_found_by_dry_run(tmp_path, capsys):
     assert report_errors(train.main, argv) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "sched.name 'wsd' is not usable" in err.strip().splitlines()[-1], err
+
+
+# ---- schedule shape and stepping as the recipes' sources run them (issue 31) ------------------------------
+
+
+def timm_step_lrs(epochs: int, updates_per_epoch: int, step_on_epochs: bool, **kwargs) -> list[list[float]]:
+    """The lr of every optimizer step from timm's own create_scheduler_v2, driven as timm's train.py drives it:
+    per epoch, `step(epoch)` before the epoch's steps; per update, `step_update(num_updates)` after each."""
+    from timm.scheduler import create_scheduler_v2
+
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    scheduler, _ = create_scheduler_v2(optimizer, step_on_epochs=step_on_epochs, updates_per_epoch=updates_per_epoch,
+                                       **kwargs)
+    lrs, step = [], 0
+    for epoch in range(epochs):
+        if step_on_epochs:
+            scheduler.step(epoch)
+        lrs.append([])
+        for _ in range(updates_per_epoch):
+            lrs[-1].append(optimizer.param_groups[0]["lr"])
+            step += 1
+            if not step_on_epochs:
+                scheduler.step_update(num_updates=step)
+    return lrs
+
+
+@pytest.mark.parametrize("step_on_epochs", [False, True])
+@pytest.mark.parametrize("prefix", [False, True])
+def test_cosine_with_warmup_prefix_and_epoch_stepping_is_timms(prefix, step_on_epochs):
+    """sched.warmup_prefix (cosine over the epochs after warmup: ConvNeXt, torchvision, NVIDIA) and
+    sched.step_on_epochs (DeiT, RSB, torchvision, NVIDIA) give timm's schedule for the same settings."""
+    epochs, per_epoch, warmup = 10, 4, 3
+    got = step_lrs(["sched.name=cosine", f"sched.warmup_epochs={warmup}", "sched.warmup_lr=0.01", "sched.min_lr=0.001",
+                    f"sched.warmup_prefix={str(prefix).lower()}", f"sched.step_on_epochs={str(step_on_epochs).lower()}"],
+                   epochs, per_epoch)
+    expected = timm_step_lrs(epochs, per_epoch, step_on_epochs, sched="cosine", warmup_epochs=warmup, warmup_lr=0.01,
+                             min_lr=0.001, warmup_prefix=prefix, num_epochs=epochs - warmup if prefix else epochs)
+    assert sum(got, []) == pytest.approx(sum(expected, []), rel=1e-12, abs=0)
+    assert all(len(set(epoch)) == 1 for epoch in got) == step_on_epochs
+    assert (got[warmup][0] == pytest.approx(0.1)) == prefix  # with the prefix the cosine starts at the peak
+
+
+def test_step_schedule_stepped_per_epoch_is_timms():
+    got = step_lrs(["sched.name=step", "sched.decay_epochs=2", "sched.decay_rate=0.5", "sched.warmup_epochs=1",
+                    "sched.step_on_epochs=true"], epochs=6, updates_per_epoch=3)
+    expected = timm_step_lrs(6, 3, True, sched="step", decay_epochs=2, decay_rate=0.5, warmup_epochs=1,
+                             warmup_lr=1e-5, num_epochs=6)
+    assert sum(got, []) == pytest.approx(sum(expected, []), rel=1e-12, abs=0)
+
+
+def nvidia_cosine_lr(base_lr: float, warmup: int, epochs: int, epoch: int, end_lr: float = 0.0) -> float:
+    """NVIDIA DeepLearningExamples, PyTorch/Classification/ConvNets/image_classification/training.py,
+    lr_cosine_policy's _lr_fn (not installable: the formula, as the source writes it)."""
+    if epoch < warmup:
+        return base_lr * (epoch + 1) / warmup
+    e, es = epoch - warmup, epochs - warmup
+    return end_lr + (0.5 * (1 + math.cos(math.pi * e / es)) * (base_lr - end_lr))
+
+
+def test_nvidia_warmup_and_cosine_are_deeplearningexamples_policy():
+    """configs/resnet50.yaml's schedule: lr/8 in epoch 0 up to lr in epoch 7, then cosine over the other 82."""
+    got = epoch_lrs(["sched.name=cosine", "sched.warmup_epochs=8", "sched.warmup_prefix=true",
+                     "sched.step_on_epochs=true", "sched.warmup_shape=nvidia", "sched.min_lr=0"], epochs=90,
+                    updates_per_epoch=2)
+    assert got == pytest.approx([nvidia_cosine_lr(0.1, 8, 90, e) for e in range(90)], rel=1e-12, abs=1e-18)
+
+
+def test_epoch_stepped_schedule_resumes_mid_epoch():
+    """A resumed run rebuilds the schedule and calls step_update(global_step): the lr is the uninterrupted one."""
+    overrides = ["sched.warmup_epochs=2", "sched.warmup_prefix=true", "sched.step_on_epochs=true",
+                 "sched.warmup_shape=nvidia"]
+    lrs = [lr for epoch in step_lrs(overrides, epochs=6, updates_per_epoch=5) for lr in epoch]
+    cfg = load_config(None, ["optim.lr=0.1", "train.epochs=6", *overrides])
+    for global_step in (7, 12, 23):
+        optimizer = build_optimizer(nn.Linear(2, 2), cfg.optim)
+        build_scheduler(optimizer, cfg.sched, 6, 5).step_update(num_updates=global_step)
+        assert optimizer.param_groups[0]["lr"] == lrs[global_step]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["sched.warmup_shape=nvidia", "sched.warmup_epochs=2"], "sched.warmup_shape=nvidia is NVIDIA's per-epoch "
+                                                             "warmup; set sched.step_on_epochs=true"),
+    (["sched.step_on_epochs=true", "sched.warmup_steps=10"], "with sched.step_on_epochs=true give sched.warmup_epochs"),
+    (["sched.warmup_prefix=true", "sched.warmup_epochs=10"], "sched.warmup_prefix=true: sched.warmup_epochs 10 "
+                                                             "leaves no epoch of train.epochs 10"),
+])
+def test_schedule_option_mistakes_are_config_errors(overrides, message):
+    with pytest.raises(UserError) as err:
+        load_config(None, ["train.epochs=10", *overrides])
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("overrides, warning", [
+    (["sched.warmup_epochs=5"], "sched.warmup_epochs 5 is not below train.epochs 2: the lr rises for the whole run "
+                                "and never reaches optim.lr"),
+    (["sched.warmup_steps=100"], "sched.warmup_steps 100 is more than the run's 8 optimizer steps"),
+    (["sched.name=multistep", "sched.decay_milestones=[1, 3, 4]"],
+     "sched.decay_milestones 3, 4 are beyond the last epoch (train.epochs 2): those decays never happen"),
+    (["sched.name=step", "sched.decay_epochs=2"], "sched.decay_epochs 2 is not below train.epochs 2"),
+])
+def test_a_schedule_longer_than_the_run_is_warned_at_start(overrides, warning, capsys):
+    """issue 23 item 24: accepted, with one warning line giving the numbers (also under --dry-run)."""
+    assert report_errors(train.main, ["--dry-run", *TINY, "train.epochs=2", *overrides, "output_dir=/nonexistent/x"]) == 0
+    err = capsys.readouterr().err
+    assert warning in err, err
+    assert "Traceback" not in err

@@ -1,0 +1,135 @@
+"""The recipe fidelity table: per recipe config, per item, the source's value, the app's, and the test that proves
+them equal. docs/correctness.md holds `fidelity_markdown()` (tests/test_recipes.py keeps the two in step);
+regenerate it with `python -m tests.fidelity`.
+
+The app's column is read from the config files themselves, so the table cannot drift from them. A row without a
+test is a known difference, cited in that config's header ("Not expressible here").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import yaml
+
+from engine.config import load_config, to_dict
+
+
+@dataclass(frozen=True)
+class Row:
+    config: str  # file in configs/
+    item: str
+    source: str  # the source's value, and where the source sets it
+    keys: tuple[str, ...]  # config keys that carry the app's value
+    test: str = ""  # tests/<file>.py::<test> proving app == source; "" = a known difference
+    note: str = ""  # the app's side, where the keys alone do not say it
+
+
+SCHEDULE_TEST = "tests/test_recipes.py::test_recipe_schedule_is_its_sources"
+BATCH_MIX_TEST = "tests/test_augment.py::test_batch_mode_mixes_a_group_as_timms_batch_mode"
+PARTNERS_TEST = "tests/test_augment.py::test_mixed_repeats_have_distinct_partners_and_the_same_order_on_1_2_3_ranks"
+LAST_BN_TEST = "tests/test_recipes.py::test_last_bn_init_is_the_sources"
+LR_BASE_TEST = "tests/test_schedule.py::test_lr_base_scales_with_the_global_batch"
+LR_KEYS = ("optim.lr_base", "optim.lr_base_size", "optim.lr_base_scale")
+
+# Schedules, stepping, mixing, repeated augmentation, init (issue 31 items 2, 3, 5).
+SCHEDULE_ROWS = [
+    Row("resnet50.yaml", "lr schedule", "lr x (e+1)/8 in warmup epoch e, then cosine to 0 over the other 82 epochs "
+        "(image_classification/training.py, lr_cosine_policy)",
+        ("sched.name", "sched.warmup_epochs", "sched.warmup_shape", "sched.warmup_prefix", "sched.min_lr"),
+        SCHEDULE_TEST),
+    Row("resnet50.yaml", "lr stepping", "once per epoch (lr_fn(iteration, epoch) reads the epoch only)",
+        ("sched.step_on_epochs",), SCHEDULE_TEST),
+    Row("resnet50.yaml", "last BN of each block", "starts at 1 (image_classification/models/resnet.py: "
+        "last_bn_0_init False)", ("model.kwargs",), LAST_BN_TEST),
+    Row("resnet50.yaml", "lr for the global batch", "0.256 per 256 images, linear (README: --lr 2.048 at 2048)",
+        LR_KEYS, LR_BASE_TEST),
+    Row("resnet50.yaml", "decoding", "DALI on the GPU (--data-backend dali-gpu)", (), "",
+        "not expressible: decoded on the CPU workers"),
+    Row("convnext_tiny.yaml", "lr schedule", "cosine to 1e-6 over the 280 epochs after 20 warmup epochs from 0 "
+        "(utils.py cosine_scheduler)",
+        ("sched.name", "sched.warmup_epochs", "sched.warmup_lr", "sched.warmup_prefix", "sched.min_lr"),
+        SCHEDULE_TEST),
+    Row("convnext_tiny.yaml", "lr stepping", "every optimizer update (engine.py: lr_schedule_values[it])",
+        ("sched.step_on_epochs",), SCHEDULE_TEST),
+    Row("convnext_tiny.yaml", "warmup ramp", "np.linspace(0, lr, warmup_iters): lr on the last warmup step", (),
+        SCHEDULE_TEST, "timm's ramp lr x t / warmup_iters, relatively 1/warmup_iters lower (bounded in the test)"),
+    Row("convnext_tiny.yaml", "mixup/cutmix draw", "timm Mixup, --mixup_mode batch: one draw per GPU batch of 128",
+        ("data.mix_mode", "data.mix_group"), BATCH_MIX_TEST),
+    Row("convnext_tiny.yaml", "lr for the global batch", "4e-3 at 4096 (TRAINING.md)", LR_KEYS, LR_BASE_TEST),
+    Row("deit_small.yaml", "lr schedule", "timm cosine, 5 warmup epochs from 1e-6, to 1e-5 over all 300 epochs "
+        "(main.py: timm create_scheduler, no warmup prefix)",
+        ("sched.name", "sched.warmup_epochs", "sched.warmup_lr", "sched.warmup_prefix", "sched.min_lr"),
+        SCHEDULE_TEST),
+    Row("deit_small.yaml", "lr stepping", "once per epoch (main.py: lr_scheduler.step(epoch))",
+        ("sched.step_on_epochs",), SCHEDULE_TEST),
+    Row("deit_small.yaml", "epoch the lr is for", "step(epoch) after epoch `epoch`: epoch e >= 1 trains at the "
+        "value for e - 1", (), "", "not expressible: epoch e trains at e's value, as timm's train.py"),
+    Row("deit_small.yaml", "mixup/cutmix draw", "timm Mixup, --mixup-mode batch: one draw per GPU batch of 256",
+        ("data.mix_mode", "data.mix_group"), BATCH_MIX_TEST),
+    Row("deit_small.yaml", "repeated copies with mixing", "RASampler, 3 copies, each in another batch with another "
+        "partner", ("data.aug_repeats",), PARTNERS_TEST),
+    Row("deit_small.yaml", "lr for the global batch", "5e-4 x batch / 512 (main.py: linear_scaled_lr)", LR_KEYS,
+        LR_BASE_TEST),
+    Row("resnet50_rsb_a3.yaml", "lr schedule", "timm cosine, 5 warmup epochs from 1e-4, to 1e-6 over all 100 "
+        "epochs (no warmup prefix)",
+        ("sched.name", "sched.warmup_epochs", "sched.warmup_lr", "sched.warmup_prefix", "sched.min_lr"),
+        SCHEDULE_TEST),
+    Row("resnet50_rsb_a3.yaml", "lr stepping", "once per epoch (timm train.py: lr_scheduler.step(epoch + 1), no "
+        "--sched-on-updates)", ("sched.step_on_epochs",), SCHEDULE_TEST),
+    Row("resnet50_rsb_a3.yaml", "mixup/cutmix draw", "timm Mixup, --mixup-mode batch: one draw per GPU batch of 256",
+        ("data.mix_mode", "data.mix_group"), BATCH_MIX_TEST),
+    Row("resnet50_rsb_a3.yaml", "lr for the global batch", "8e-3 at 2048, square-root rule for LAMB (timm "
+        "train.py)", LR_KEYS, LR_BASE_TEST),
+    Row("resnet50_rsb_a3.yaml", "BCE targets", "bce_target_thresh 0.2 binarizes the mixed targets", ("train.loss",),
+        "", "not expressible: trains on the soft targets"),
+    Row("resnet50_torchvision.yaml", "lr schedule", "LinearLR from 0.01 x lr over 5 epochs, then "
+        "CosineAnnealingLR(T_max=epochs - 5) to 0 (references/classification/train.py)",
+        ("sched.name", "sched.warmup_epochs", "sched.warmup_lr", "sched.warmup_prefix", "sched.min_lr"),
+        SCHEDULE_TEST),
+    Row("resnet50_torchvision.yaml", "lr stepping", "once per epoch (train.py: lr_scheduler.step() after each "
+        "epoch)", ("sched.step_on_epochs",), SCHEDULE_TEST),
+    Row("resnet50_torchvision.yaml", "last BN of each block", "starts at 1 (zero_init_residual False)",
+        ("model.kwargs",), LAST_BN_TEST),
+    Row("resnet50_torchvision.yaml", "mixup/cutmix draw", "RandomChoice([MixUp, CutMix]) over each batch of 128 in "
+        "the collate", ("data.mix_mode", "data.mix_group"), BATCH_MIX_TEST),
+    Row("resnet50_torchvision.yaml", "mixing partners", "image i with image i-1 of the batch (batch.roll(1, 0))", (),
+        "", "not expressible: symmetric pairs (timm's flip)"),
+    Row("resnet50_torchvision.yaml", "repeated copies with mixing", "RASampler, 4 copies, each in another batch "
+        "with other partners", ("data.aug_repeats",), PARTNERS_TEST),
+    Row("resnet50_torchvision.yaml", "lr for the global batch", "0.5 at 1024 (--lr 0.5, 8 x 128)", LR_KEYS,
+        LR_BASE_TEST),
+]
+
+# Preprocessing, RandAugment ops and random erasing (issue 31 items 1 and 4): rows from that work go here.
+PREPROCESSING_ROWS: list[Row] = []
+
+ROWS = SCHEDULE_ROWS + PREPROCESSING_ROWS
+
+
+def app_value(config: dict, key: str) -> str:
+    """`key: value` as the config file would write it."""
+    node = config
+    for part in key.split("."):
+        node = node[part]
+    shown = yaml.safe_dump(node, default_flow_style=True).strip().removesuffix("...").strip()
+    return f"`{key}: {shown}`"
+
+
+def fidelity_markdown() -> str:
+    """One table per recipe config, in file order; the app's values read from the configs."""
+    sections = []
+    for name in dict.fromkeys(row.config for row in ROWS):
+        config = to_dict(load_config(name))
+        lines = [f"#### configs/{name}", "", "| item | source | app | proved by |", "| --- | --- | --- | --- |"]
+        for row in (row for row in ROWS if row.config == name):
+            app = ", ".join([app_value(config, key) for key in row.keys] + [row.note] * bool(row.note))
+            test = f"`{row.test}`" if row.test else "known difference (config header)"
+            cells = [row.item, row.source, app, test]
+            lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+        sections.append("\n".join(lines))
+    return "\n\n".join(sections)
+
+
+if __name__ == "__main__":
+    print(fidelity_markdown())
