@@ -201,7 +201,7 @@ def plot_confusion(confusion: np.ndarray, class_names: list[str], path: Path, ti
     fig.tight_layout()
     with temp_beside(path) as tmp:
         fig.savefig(tmp, format="png")
-        replace_with(tmp, path, OUTPUTS[path.name], f"a {path.name} this tool wrote", "--output-dir")
+        replace_with(tmp, path, OUTPUTS[path.name], f"an earlier {path.name} of evaluate.py", "--output-dir")
     plt.close(fig)
 
 
@@ -229,7 +229,7 @@ def run(cfg: Config, ckpt: dict[str, Any], args: argparse.Namespace, info: DistI
     write_csv(rows, out / "predictions.csv", COLUMNS)
     result, confusion = summarize(rows, metrics, class_names, str(args.checkpoint), args.ema)
     write_output(out / "eval.json", (json.dumps(result, indent=2) + "\n").encode(), OUTPUTS["eval.json"],
-                 "an eval.json this tool wrote", "--output-dir")
+                 "an earlier eval.json of evaluate.py", "--output-dir")
     title = f"{cfg.model.name} on {len(rows)} images: top-1 {result['top1']:.2f}%"
     plot_confusion(confusion, class_names, out / "confusion_matrix.png", title)
     log_to_wandb(cfg, args, result, out, rows, ckpt.get("wandb_id"))

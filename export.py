@@ -20,6 +20,7 @@ model.init_from; its weights are checked to load back into timm bitwise.
 from __future__ import annotations
 
 import argparse
+import errno
 import io
 import json
 import logging
@@ -282,8 +283,9 @@ def main(argv: list[str]) -> int:
                                 f"(--atol {args.atol}); {out} was not written")
             replace_with(tmp, out, RECOGNISE[args.format], EXPECTED[args.format], "--output")
     except OSError as err:
-        raise UserError(f"cannot write {out} ({err.strerror}); free disk space (or raise the quota or file-size "
-                        "limit), or choose another --output") from None
+        full = err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+        way_out = "free disk space (or raise the quota or file-size limit), or" if full else "make it writable, or"
+        raise UserError(f"cannot write {out} ({err.strerror}); {way_out} choose another --output") from None
     print(f"wrote {out} ({cfg.model.name}, {len(trained.class_names)} classes, {trained.source})")
     return 0
 

@@ -146,7 +146,7 @@ def run(trained: Trained, cfg: Config, args: argparse.Namespace, info: DistInfo)
                                        for i in range(1, k + 1)]} for row in good]}
     text = json.dumps(result, indent=1, ensure_ascii=False) + "\n"
     write_output(out / "predictions.json", text.encode("utf-8", "surrogateescape"), JSON_OUTPUT,
-                 "a predictions.json this tool wrote", "--output-dir")
+                 "an earlier predictions.json of predict.py", "--output-dir")
     return {**result, "output_dir": str(out)}
 
 

@@ -146,7 +146,7 @@ def make_output_dir(out: Path, outputs: dict[str, Recognise]) -> None:
     if not os.access(out, os.W_OK | os.X_OK):
         raise UserError(f"--output-dir {out} is not writable (permission denied); choose another one")
     for name, ours in outputs.items():
-        check_replaceable(out / name, ours, f"a {name} this tool wrote", "--output-dir")
+        check_replaceable(out / name, ours, f"an earlier {name} of evaluate.py or predict.py", "--output-dir")
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path, columns: Sequence[str]) -> None:
@@ -156,7 +156,7 @@ def write_csv(rows: list[dict[str, Any]], path: Path, columns: Sequence[str]) ->
             writer = csv.DictWriter(f, fieldnames=list(columns))
             writer.writeheader()
             writer.writerows(rows)
-        replace_with(tmp, path, CSV_OUTPUT, f"a {path.name} this tool wrote", "--output-dir")
+        replace_with(tmp, path, CSV_OUTPUT, f"an earlier {path.name} of evaluate.py or predict.py", "--output-dir")
 
 
 def part_file(out: Path, stem: str, rank: int) -> Path:

@@ -43,6 +43,9 @@ def check_folder(path: Path, option: str) -> None:
     """The folder `path` goes into exists and is a folder (nothing is created for an output file)."""
     parent = path.parent
     if parent.is_dir():
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise UserError(f"{option} {path}: the folder {parent} is not writable (permission denied); "
+                            f"choose another {option}")
         return
     if parent.exists():
         raise UserError(f"{option} {path}: {parent} is a file, not a folder; choose another {option}")

@@ -193,3 +193,53 @@ def test_outputs_get_the_mode_of_other_run_files(run_copy, tmp_path, capsys):
     assert set(modes.values()) == {"0o664"}, modes
     for folder in ("hf", "pred", "eval", "shards"):
         assert stat.S_IMODE((tmp_path / folder).stat().st_mode) == 0o775, folder
+
+
+SWAPPER = """
+import json, sys
+from pathlib import Path
+from engine.outputs import replace_with, temp_beside, write_new
+
+out, tag = Path(sys.argv[1]), sys.argv[2]
+def ours(path):
+    return path.is_dir() and sorted(p.name for p in path.iterdir()) == ["config.json", "model.safetensors"]
+for i in range(150):
+    with temp_beside(out) as tmp:
+        tmp.mkdir()
+        write_new(tmp / "config.json", json.dumps({"by": tag}).encode())
+        write_new(tmp / "model.safetensors", tag.encode() * 1000)
+        replace_with(tmp, out, ours, "a model folder", "--output")
+"""
+
+
+def test_two_processes_replacing_one_model_folder_leave_one_whole_folder(tmp_path):
+    """Issue 23.4 at the mechanism: each swap is old aside, new in, old removed, one process at a time."""
+    out = tmp_path / "model-hf"
+    procs = [subprocess.Popen([sys.executable, "-c", SWAPPER, str(out), tag], cwd=REPO, env=script_env(),
+                              stderr=subprocess.PIPE, text=True) for tag in ("a", "b")]
+    for proc in procs:
+        assert proc.wait(timeout=300) == 0, proc.stderr.read()
+    tag = json.loads((out / "config.json").read_text())["by"]
+    assert (out / "model.safetensors").read_bytes() == tag.encode() * 1000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model-hf"]
+
+
+def test_a_failed_folder_swap_puts_the_earlier_export_back(tmp_path):
+    """The new folder cannot be renamed in (here: it lies on another filesystem): the old one is put back."""
+    from engine.outputs import replace_with
+
+    other = Path("/dev/shm")
+    if not other.is_dir() or other.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("needs /dev/shm on another filesystem than the test's folder")
+    out = tmp_path / "model-hf"
+    out.mkdir()
+    (out / "config.json").write_text('{"architecture": "test_resnet"}')
+    (out / "model.safetensors").write_bytes(b"old weights")
+    before = snapshot(out)
+    new = Path(shutil.copytree(out, other / f"new-{os.getpid()}"))
+    try:
+        with pytest.raises(OSError):
+            replace_with(new, out, export.is_model_folder_export, "a model folder", "--output")
+    finally:
+        shutil.rmtree(new)
+    assert snapshot(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["model-hf"]
