@@ -243,3 +243,19 @@ def test_a_failed_folder_swap_puts_the_earlier_export_back(tmp_path):
     finally:
         shutil.rmtree(new)
     assert snapshot(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["model-hf"]
+
+
+@pytest.mark.parametrize("name", ["train.json", "train-000000.tar", "val-000001.tar"])
+def test_make_shards_refuses_an_output_file_it_did_not_write(tmp_path, capsys, name):
+    """The same rule for make_shards: a file of the user's where a shard or an index would go is refused, kept."""
+    images = make_image_folder(tmp_path / "images", {"train": {"a": 2}, "val": {"a": 2}})
+    out = tmp_path / "shards"
+    out.mkdir()
+    (out / name).write_text("my own file\n")
+    assert make_shards.run([str(images), str(out), "--shard-size", "1"]) == 2
+    error = one_line(capsys)
+    assert f"{out / name} is a file" in error and "choose another output folder" in error, error
+    assert sorted(p.name for p in out.iterdir()) == [name] and (out / name).read_text() == "my own file\n"
+    (out / name).unlink()
+    assert make_shards.run([str(images), str(out), "--shard-size", "1"]) == 0  # its own outputs are replaced
+    assert make_shards.run([str(images), str(out), "--shard-size", "1"]) == 0
