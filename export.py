@@ -242,6 +242,21 @@ def check_output(out: Path, checkpoint: Path, fmt: str) -> None:
     check_replaceable(out, RECOGNISE[fmt], EXPECTED[fmt], "--output")
 
 
+def write_export(args: argparse.Namespace, model: nn.Module, cfg: Config, trained: Trained, example: torch.Tensor,
+                 meta: dict[str, Any], out: Path) -> Callable[[torch.Tensor], np.ndarray]:
+    """The --format export written to `out` (a new path); the exporter's own failures become one line."""
+    try:
+        if args.format == "onnx":
+            return export_onnx(model, example, out, meta, args.opset)
+        if args.format == "torchscript":
+            return export_torchscript(model, example, out, meta)
+        return export_model_folder(model, cfg, trained, out)
+    except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:  # the exporter's, not a bug here
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+        raise UserError(f"{args.format} export of {cfg.model.name} failed ({type(err).__name__}: {first}); "
+                        "another --format may work for this architecture") from None
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     setup_logging(0, "INFO")
@@ -264,17 +279,7 @@ def main(argv: list[str]) -> int:
     meta = metadata(cfg, trained)
     try:
         with temp_beside(out) as tmp:
-            try:
-                if args.format == "onnx":
-                    runner = export_onnx(model, example, tmp, meta, args.opset)
-                elif args.format == "torchscript":
-                    runner = export_torchscript(model, example, tmp, meta)
-                else:
-                    runner = export_model_folder(model, cfg, trained, tmp)
-            except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:  # the exporter's, not ours
-                first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
-                raise UserError(f"{args.format} export of {cfg.model.name} failed ({type(err).__name__}: {first}); "
-                                "another --format may work for this architecture") from None
+            runner = write_export(args, model, cfg, trained, example, meta, tmp)
             difference = max_difference(runner, model, batch, (1, args.check_batch))
             print(f"max abs difference of the logits, {args.format} vs PyTorch, batches of 1 and "
                   f"{args.check_batch} ({where}): {difference:.3g}")
