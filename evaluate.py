@@ -38,8 +38,9 @@ from engine.cli import run_main
 from engine.config import Config, config_from_dict, parse_override, set_dotted, to_dict
 from engine.dist import DistInfo, barrier, init_distributed, rank0_decides, read_launch_env
 from engine.errors import UserError
-from engine.inference import ema_hint, merge_parts, part_file, write_csv
+from engine.inference import CSV_OUTPUT, ema_hint, make_output_dir, merge_parts, part_file, write_csv
 from engine.logs import setup_logging
+from engine.outputs import replace_with, starts_with, temp_beside, write_output
 from engine.precision import resolve_precision
 from engine.tracking import WandbTracker
 from engine.trainer import evaluate
@@ -48,6 +49,8 @@ from engine.weights import load_weights
 
 log = logging.getLogger("evaluate")
 COLUMNS = ("index", "path", "label", "pred", "confidence", "top5", "label_name", "pred_name", "loss")
+OUTPUTS = {"eval.json": starts_with(b'{\n  "checkpoint": '), "predictions.csv": CSV_OUTPUT,  # as written here
+           "confusion_matrix.png": starts_with(b"\x89PNG\r\n\x1a\n")}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -196,22 +199,17 @@ def plot_confusion(confusion: np.ndarray, class_names: list[str], path: Path, ti
     ax.set_ylabel("true class")
     ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(path)
+    with temp_beside(path) as tmp:
+        fig.savefig(tmp, format="png")
+        replace_with(tmp, path, OUTPUTS[path.name], f"an earlier {path.name} of evaluate.py", "--output-dir")
     plt.close(fig)
-
-
-def make_output_dir(out: Path) -> None:
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UserError(f"--output-dir {out} is not writable ({err.strerror}); choose another one") from None
 
 
 def run(cfg: Config, ckpt: dict[str, Any], args: argparse.Namespace, info: DistInfo) -> dict[str, Any] | None:
     """Evaluate on every rank; rank 0 returns the eval.json contents."""
     class_names = list(ckpt["class_names"])
     out = Path(args.output_dir or Path(args.checkpoint).parent / f"eval-{Path(args.checkpoint).stem}")
-    rank0_decides(lambda: make_output_dir(out))
+    rank0_decides(lambda: make_output_dir(out, OUTPUTS))
     # Labelled with the checkpoint's class map: classes the data lacks are fine, unknown ones are refused.
     dataset = build_val_dataset(cfg.data, cfg.seed, info.local_rank, class_names)
     loader = build_eval_loader(dataset, cfg.data, cfg.train.batch_size, info)
@@ -230,7 +228,8 @@ def run(cfg: Config, ckpt: dict[str, Any], args: argparse.Namespace, info: DistI
     rows = merge_parts(out, "predictions", info.world_size, len(dataset))
     write_csv(rows, out / "predictions.csv", COLUMNS)
     result, confusion = summarize(rows, metrics, class_names, str(args.checkpoint), args.ema)
-    (out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_output(out / "eval.json", (json.dumps(result, indent=2) + "\n").encode(), OUTPUTS["eval.json"],
+                 "an earlier eval.json of evaluate.py", "--output-dir")
     title = f"{cfg.model.name} on {len(rows)} images: top-1 {result['top1']:.2f}%"
     plot_confusion(confusion, class_names, out / "confusion_matrix.png", title)
     log_to_wandb(cfg, args, result, out, rows, ckpt.get("wandb_id"))

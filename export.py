@@ -20,10 +20,12 @@ model.init_from; its weights are checked to load back into timm bitwise.
 from __future__ import annotations
 
 import argparse
+import errno
+import io
 import json
 import logging
 import os
-import shutil
+import zipfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -43,12 +45,15 @@ from engine.config import Config
 from engine.errors import UserError
 from engine.inference import MODEL_CONFIG, MODEL_WEIGHTS, Trained, ema_hint, inference_config, load_trained
 from engine.logs import setup_logging
+from engine.outputs import check_folder, check_replaceable, replace_with, temp_beside, write_new
 from engine.weights import load_weights
 from models.factory import create_model
 
 log = logging.getLogger("export")
 NOT_OURS = ("tag", "license", "hf_hub_id", "url", "origin_url", "paper_ids", "paper_name", "notes", "source", "file")
 SUFFIXES = {"onnx": ".onnx", "torchscript": ".torchscript.pt", "safetensors": "-hf"}
+EXPECTED = {"onnx": "an ONNX file export.py wrote", "torchscript": "a TorchScript file export.py wrote",
+            "safetensors": f"a model folder export.py wrote (only {MODEL_CONFIG} and {MODEL_WEIGHTS})"}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -131,7 +136,7 @@ def export_onnx(model: nn.Module, example: torch.Tensor, out: Path, meta: dict[s
     proto = program.model_proto
     for key, value in meta.items():
         proto.metadata_props.add(key=key, value=json.dumps(value))
-    onnx.save(proto, str(out))
+    write_new(out, proto.SerializeToString())  # a Python file: a failed write is an OSError naming its cause
     session = onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     return lambda x: session.run(None, {"input": x.numpy()})[0]
 
@@ -144,7 +149,9 @@ def export_torchscript(model: nn.Module, example: torch.Tensor, out: Path, meta:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch.jit is deprecated, still what C++/mobile users load
         traced = torch.jit.trace(model, example)
-        torch.jit.save(traced, str(out), _extra_files={"config.json": json.dumps(meta)})
+        buffer = io.BytesIO()  # saved to a path, a failed write (disk full, file-size limit) aborts in C++
+        torch.jit.save(traced, buffer, _extra_files={"config.json": json.dumps(meta)})
+        write_new(out, buffer.getvalue())
         loaded = torch.jit.load(str(out), map_location="cpu")
 
     def run(x: torch.Tensor) -> np.ndarray:
@@ -158,10 +165,10 @@ def export_model_folder(model: nn.Module, cfg: Config, trained: Trained, folder:
     """config.json (timm's own writer, save_config_for_hf) + model.safetensors; returns a runner of the model
     timm builds back from the folder (local-dir:, never the hub)."""
     import timm
-    from safetensors.torch import save_file
+    from safetensors.torch import save
     from timm.models._hub import save_config_for_hf
 
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir()
     data_config = {"input_size": (3, cfg.data.img_size, cfg.data.img_size), "crop_pct": cfg.data.crop_pct,
                    "crop_mode": "center", "mean": tuple(cfg.data.mean), "std": tuple(cfg.data.std),
                    "interpolation": cfg.data.interpolation}
@@ -172,7 +179,8 @@ def export_model_folder(model: nn.Module, cfg: Config, trained: Trained, folder:
     for key in NOT_OURS:  # timm's default weights' provenance, which these weights do not have
         written["pretrained_cfg"].pop(key, None)
     config_file.write_text(json.dumps(written, indent=2) + "\n")
-    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(folder / MODEL_WEIGHTS))
+    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    write_new(folder / MODEL_WEIGHTS, save(tensors))  # save_file: mode 0600 and a SafetensorError on EFBIG
     loaded = timm.create_model(f"local-dir:{folder.resolve()}", pretrained=True).eval()
 
     def run(x: torch.Tensor) -> np.ndarray:
@@ -181,12 +189,72 @@ def export_model_folder(model: nn.Module, cfg: Config, trained: Trained, folder:
     return run
 
 
-def remove(path: Path) -> None:
-    """Delete a file or a folder (an earlier export, or a temp one) if it is there."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
+def is_onnx_export(path: Path) -> bool:
+    """An ONNX file this tool wrote: a ModelProto (its first field, ir_version, is tag 0x08) with our metadata."""
+    import onnx
+    from google.protobuf.message import DecodeError
+
+    if not path.is_file():
+        return False
+    with path.open("rb") as f:
+        if f.read(1) != b"\x08":
+            return False
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except (DecodeError, OSError, ValueError):
+        return False
+    return {"architecture", "label_names"} <= {prop.key for prop in proto.metadata_props}
+
+
+def is_torchscript_export(path: Path) -> bool:
+    """A TorchScript archive this tool wrote: code/ and an extra config.json naming the architecture."""
+    if not path.is_file() or not zipfile.is_zipfile(path):
+        return False
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+            config = [name for name in names if name.endswith("/extra/config.json")]
+            return bool(config) and any("/code/" in name for name in names) \
+                and "architecture" in json.loads(archive.read(config[0]))
+    except (zipfile.BadZipFile, OSError, ValueError, TypeError):
+        return False
+
+
+def is_model_folder_export(path: Path) -> bool:
+    """A model folder this tool wrote: exactly config.json (naming the architecture) and model.safetensors."""
+    if not path.is_dir() or path.is_symlink() or sorted(p.name for p in path.iterdir()) != [MODEL_CONFIG,
+                                                                                             MODEL_WEIGHTS]:
+        return False
+    try:
+        return "architecture" in json.loads((path / MODEL_CONFIG).read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+RECOGNISE = {"onnx": is_onnx_export, "torchscript": is_torchscript_export, "safetensors": is_model_folder_export}
+
+
+def check_output(out: Path, checkpoint: Path, fmt: str) -> None:
+    """Before any work: --output is in an existing folder and holds nothing but an earlier export of `fmt`."""
+    if out.exists() and checkpoint.exists() and os.path.samefile(out, checkpoint):
+        raise UserError(f"--output {out} is the model being exported; choose another --output")
+    check_folder(out, "--output")
+    check_replaceable(out, RECOGNISE[fmt], EXPECTED[fmt], "--output")
+
+
+def write_export(args: argparse.Namespace, model: nn.Module, cfg: Config, trained: Trained, example: torch.Tensor,
+                 meta: dict[str, Any], out: Path) -> Callable[[torch.Tensor], np.ndarray]:
+    """The --format export written to `out` (a new path); the exporter's own failures become one line."""
+    try:
+        if args.format == "onnx":
+            return export_onnx(model, example, out, meta, args.opset)
+        if args.format == "torchscript":
+            return export_torchscript(model, example, out, meta)
+        return export_model_folder(model, cfg, trained, out)
+    except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:  # the exporter's, not a bug here
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+        raise UserError(f"{args.format} export of {cfg.model.name} failed ({type(err).__name__}: {first}); "
+                        "another --format may work for this architecture") from None
 
 
 def main(argv: list[str]) -> int:
@@ -196,6 +264,9 @@ def main(argv: list[str]) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if args.check_batch < 1:
         raise UserError(f"--check-batch must be >= 1, got {args.check_batch}")
+    checkpoint = Path(args.checkpoint)
+    out = Path(args.output) if args.output else checkpoint.parent / f"{checkpoint.stem}{SUFFIXES[args.format]}"
+    check_output(out, checkpoint, args.format)  # before any work: nothing at --output is lost
     trained = load_trained(args.checkpoint, args.ema)
     if hint := ema_hint(trained.source, trained.best_metric, args.ema):
         log.warning(hint)
@@ -203,37 +274,23 @@ def main(argv: list[str]) -> int:
     model = create_model(cfg.model, len(trained.class_names))
     load_weights(model, trained.weights, trained.source)
     model = model.eval().float()
-    checkpoint = Path(args.checkpoint)
-    out = Path(args.output) if args.output else checkpoint.parent / f"{checkpoint.stem}{SUFFIXES[args.format]}"
     batch, where = check_images(cfg, args.images, args.check_batch)
     example = batch[:2] if len(batch) > 1 else batch.repeat(2, 1, 1, 1)  # export with 2: batch 1 is checked too
     meta = metadata(cfg, trained)
-    tmp = out.with_name(f".{out.name}.tmp")  # checked before it replaces anything at `out`
-    remove(tmp)
     try:
-        try:
-            if args.format == "onnx":
-                runner = export_onnx(model, example, tmp, meta, args.opset)
-            elif args.format == "torchscript":
-                runner = export_torchscript(model, example, tmp, meta)
-            else:
-                runner = export_model_folder(model, cfg, trained, tmp)
-        except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:  # the exporter's, not a bug here
-            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
-            raise UserError(f"{args.format} export of {cfg.model.name} failed ({type(err).__name__}: {first}); "
-                            "another --format may work for this architecture") from None
-        difference = max_difference(runner, model, batch, (1, args.check_batch))
-        print(f"max abs difference of the logits, {args.format} vs PyTorch, batches of 1 and {args.check_batch} "
-              f"({where}): {difference:.3g}")
-        if not difference <= args.atol:
-            raise UserError(f"the {args.format} export gives logits up to {difference:.3g} away from PyTorch's "
-                            f"(--atol {args.atol}); {out} was not written")
-        remove(out)
-        os.replace(tmp, out)
+        with temp_beside(out) as tmp:
+            runner = write_export(args, model, cfg, trained, example, meta, tmp)
+            difference = max_difference(runner, model, batch, (1, args.check_batch))
+            print(f"max abs difference of the logits, {args.format} vs PyTorch, batches of 1 and "
+                  f"{args.check_batch} ({where}): {difference:.3g}")
+            if not difference <= args.atol:
+                raise UserError(f"the {args.format} export gives logits up to {difference:.3g} away from PyTorch's "
+                                f"(--atol {args.atol}); {out} was not written")
+            replace_with(tmp, out, RECOGNISE[args.format], EXPECTED[args.format], "--output")
     except OSError as err:
-        raise UserError(f"cannot write {out} ({err.strerror}); choose another --output") from None
-    finally:
-        remove(tmp)
+        full = err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+        way_out = "free disk space (or raise the quota or file-size limit), or" if full else "make it writable, or"
+        raise UserError(f"cannot write {out} ({err.strerror}); {way_out} choose another --output") from None
     print(f"wrote {out} ({cfg.model.name}, {len(trained.class_names)} classes, {trained.source})")
     return 0
 

@@ -34,14 +34,17 @@ from engine.cli import run_main
 from engine.config import Config, parse_override
 from engine.dist import DistInfo, barrier, init_distributed, rank0_decides, read_launch_env
 from engine.errors import UserError
-from engine.inference import (Trained, check_same_architecture, ema_hint, inference_config, load_trained,
-                              merge_parts, part_file, write_csv)
+from engine.inference import (CSV_OUTPUT, Trained, check_same_architecture, ema_hint, inference_config,
+                              load_trained, make_output_dir, merge_parts, part_file, write_csv)
 from engine.logs import setup_logging
+from engine.outputs import starts_with, write_output
 from engine.precision import resolve_precision
 from engine.weights import load_weights
 from models.factory import create_model, prepare_model
 
 log = logging.getLogger("predict")
+JSON_OUTPUT = starts_with(b'{\n "checkpoint": ')  # predictions.json as written below (indent=1)
+OUTPUTS = {"predictions.csv": CSV_OUTPUT, "predictions.json": JSON_OUTPUT}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -96,13 +99,6 @@ def predict(model: torch.nn.Module, loader, dataset: ImageListDataset, class_nam
     return sorted(rows, key=lambda row: row["index"])
 
 
-def make_output_dir(out: Path) -> None:
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UserError(f"--output-dir {out} is not writable ({err.strerror}); choose another one") from None
-
-
 def settings(args: argparse.Namespace) -> list[tuple[str, Any]]:
     """--batch-size and the dotted overrides, as (key, value) pairs for the stored config."""
     pairs = []
@@ -122,7 +118,7 @@ def run(trained: Trained, cfg: Config, args: argparse.Namespace, info: DistInfo)
     paths = rank0_decides(lambda: find_images(args.inputs))
     if len(paths) < info.world_size:
         raise UserError(f"{len(paths)} image(s) for {info.world_size} processes; use fewer processes")
-    rank0_decides(lambda: make_output_dir(out))
+    rank0_decides(lambda: make_output_dir(out, OUTPUTS))
     dataset = ImageListDataset(paths, eval_transform(cfg.data), cfg.data.max_image_pixels)
     loader = build_eval_loader(dataset, cfg.data, cfg.train.batch_size, info, collate_fn=collate_predictions)
     model = create_model(cfg.model, len(trained.class_names))
@@ -148,10 +144,9 @@ def run(trained: Trained, cfg: Config, args: argparse.Namespace, info: DistInfo)
               "predictions": [{"index": int(row["index"]), "path": row["path"],
                                "top": [{"class": row[f"class_{i}"], "prob": float(row[f"prob_{i}"])}
                                        for i in range(1, k + 1)]} for row in good]}
-    json_file = out / "predictions.json"
-    tmp = json_file.with_name(f".{json_file.name}.tmp")
-    tmp.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", errors="surrogateescape")
-    tmp.replace(json_file)
+    text = json.dumps(result, indent=1, ensure_ascii=False) + "\n"
+    write_output(out / "predictions.json", text.encode("utf-8", "surrogateescape"), JSON_OUTPUT,
+                 "an earlier predictions.json of predict.py", "--output-dir")
     return {**result, "output_dir": str(out)}
 
 

@@ -23,8 +23,15 @@ from pathlib import Path
 from data.datasets import ImageFolderDataset, find_classes
 from engine.errors import UserError
 from engine.logs import setup_logging
+from engine.outputs import check_replaceable, starts_with
 
 log = logging.getLogger("make_shards")
+INDEX = starts_with(b'{"wids_version": ')  # an index as write_split writes it
+
+
+def is_tar(path: Path) -> bool:
+    """A file make_shards may replace where a shard goes: a tar file (an earlier shard), nothing else."""
+    return path.is_file() and tarfile.is_tarfile(path)
 
 
 def add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -81,6 +88,10 @@ def main(argv: list[str]) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UserError(f"cannot create {out} ({err.strerror}); choose another output folder") from None
+    for split in args.splits:  # only earlier shards and indexes are replaced, nothing else of the user's
+        check_replaceable(out / f"{split}.json", INDEX, "an earlier shard index of make_shards", "output folder")
+        for shard in sorted(out.glob(f"{split}-[0-9][0-9][0-9][0-9][0-9][0-9].tar")):
+            check_replaceable(shard, is_tar, "an earlier shard of make_shards (a tar file)", "output folder")
     for split in args.splits:
         write_split(root / split, out, split, classes, args.shard_size)
     return 0

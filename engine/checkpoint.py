@@ -108,9 +108,11 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if path.is_dir():
         inside = sorted(p.name for p in path.glob("*.pth"))
-        hint = f" (it holds {', '.join(inside[:5])})" if inside else ""
-        raise UserError(f"checkpoint {path} is a folder, not a file{hint}; give the .pth file itself, e.g. "
-                        f"{path / (inside[0] if inside else 'best.pth')}")
+        if not inside:
+            raise UserError(f"checkpoint {path} is a folder that holds no checkpoint (.pth); give the path of a "
+                            ".pth file train.py wrote")
+        raise UserError(f"checkpoint {path} is a folder, not a file (it holds {', '.join(inside[:5])}); give the "
+                        f".pth file itself, e.g. {path / ('best.pth' if 'best.pth' in inside else inside[0])}")
     if not path.is_file():
         raise UserError(f"checkpoint {path} does not exist; check the path")
     with path.open("rb") as f:

@@ -20,9 +20,11 @@ import torch
 from engine.checkpoint import load_checkpoint
 from engine.config import Config, config_from_dict, set_dotted
 from engine.errors import UserError
+from engine.outputs import Recognise, check_replaceable, replace_with, starts_with, temp_beside
 
 MODEL_CONFIG = "config.json"  # a model folder's description (timm / Hugging Face layout)
 MODEL_WEIGHTS = "model.safetensors"
+CSV_OUTPUT = starts_with(b"index,path,")  # the header of every CSV file evaluate.py and predict.py write
 
 
 @dataclass
@@ -46,6 +48,11 @@ def ema_hint(source: str, best_metric: str | None, using_ema: bool) -> str | Non
 def load_trained(path: str | os.PathLike, ema: bool = False) -> Trained:
     """A train.py checkpoint or an exported model folder (config.json + model.safetensors)."""
     path = Path(path)
+    if path.is_dir() and not (path / MODEL_CONFIG).is_file() and not any(path.glob("*.pth")):
+        weights = " beside model.safetensors" if (path / MODEL_WEIGHTS).is_file() else " and model.safetensors"
+        raise UserError(f"{path} is a folder that holds no checkpoint (.pth) and no {MODEL_CONFIG}; a model folder "
+                        f"needs {MODEL_CONFIG}{weights} (export.py --format safetensors writes both), or give the "
+                        ".pth file train.py wrote")
     if path.is_dir() and (path / MODEL_CONFIG).is_file():
         if ema:
             raise UserError(f"model folder {path} holds one set of weights; use it without --ema")
@@ -130,14 +137,26 @@ def check_same_architecture(cfg: Config, trained: Trained) -> None:
                         "(drop that override)")
 
 
+def make_output_dir(out: Path, outputs: dict[str, Recognise]) -> None:
+    """--output-dir, created if need be; each of `outputs` in it is absent or an earlier output of the tool."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"--output-dir {out} is not writable ({err.strerror}); choose another one") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UserError(f"--output-dir {out} is not writable (permission denied); choose another one")
+    for name, ours in outputs.items():
+        check_replaceable(out / name, ours, f"an earlier {name} of evaluate.py or predict.py", "--output-dir")
+
+
 def write_csv(rows: list[dict[str, Any]], path: Path, columns: Sequence[str]) -> None:
-    """CSV with `columns`, written to a temp file and moved into place."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", newline="", errors="surrogateescape") as f:  # file names that are not UTF-8, byte for byte
-        writer = csv.DictWriter(f, fieldnames=list(columns))
-        writer.writeheader()
-        writer.writerows(rows)
-    os.replace(tmp, path)
+    """CSV with `columns`, written to a temp file and moved into place (over an earlier one of ours only)."""
+    with temp_beside(path) as tmp:
+        with tmp.open("x", newline="", errors="surrogateescape") as f:  # names that are not UTF-8, byte for byte
+            writer = csv.DictWriter(f, fieldnames=list(columns))
+            writer.writeheader()
+            writer.writerows(rows)
+        replace_with(tmp, path, CSV_OUTPUT, f"an earlier {path.name} of evaluate.py or predict.py", "--output-dir")
 
 
 def part_file(out: Path, stem: str, rank: int) -> Path:

@@ -8,7 +8,8 @@ from pathlib import Path
 from tests.helpers import REPO
 
 BOTTOM = {"engine.errors", "engine.config", "engine.dist", "engine.logs", "engine.metrics", "engine.precision",
-          "engine.startup", "engine.host_memory", "engine.prefetch", "engine.signals"}
+          "engine.startup", "engine.host_memory", "engine.prefetch", "engine.signals",
+          "engine.outputs"}
 APP_PACKAGES = ("engine", "data", "models")
 
 
