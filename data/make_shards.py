@@ -11,7 +11,7 @@ A re-run never changes the set an index names: it writes generation G = the inde
 names, reads each shard back (its .cls members must be the index's labels), replaces the index in one rename
 and only then removes the old generation. A run killed at any point leaves the old index with all of its
 shards (and unnamed files of the new generation, removed by the next run). The output folder is locked while
-a run writes it, and an output inside the input, or a <split>.json that is not a shard index, is refused
+a run writes it, and an output inside a split folder it reads, or a <split>.json that is not a shard index, is refused
 before anything is created.
 """
 
@@ -137,11 +137,14 @@ def locked(out: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def check_outside(root: Path, out: Path) -> None:
-    """An output inside the input would add files (a class folder) to the images being converted."""
-    inside, outside = out.resolve(), root.resolve()
-    if inside == outside or outside in inside.parents:
-        raise UserError(f"output folder {out} is inside the input folder {root}; choose a folder outside it")
+def check_outside(root: Path, splits: list[str], out: Path) -> None:
+    """An output inside a split folder would add files (a class folder) to the images being converted."""
+    inside = out.resolve()
+    for split in splits:
+        folder = (root / split).resolve()
+        if inside == folder or folder in inside.parents:
+            raise UserError(f"output folder {out} is inside {root / split}, which make_shards reads; choose a folder "
+                            f"outside it (e.g. {root}/shards)")
 
 
 def main(argv: list[str]) -> int:
@@ -156,7 +159,7 @@ def main(argv: list[str]) -> int:
     if args.shard_size <= 0:
         raise UserError(f"--shard-size must be > 0, got {args.shard_size}")
     root, out = Path(args.root), Path(args.out)
-    check_outside(root, out)
+    check_outside(root, args.splits, out)
     classes = find_classes(root / args.splits[0])
     for split in args.splits:  # before creating anything; read again under the lock
         previous_index(out, split)

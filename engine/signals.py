@@ -78,6 +78,7 @@ def handle_early() -> None:
 
 
 def record_early(signum: int, frame) -> None:
+    """The handler from handle_early() on: nothing is running yet that a stop could cut."""
     global _early
     _early = max(_early, signum)
 

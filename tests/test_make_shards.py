@@ -1,6 +1,6 @@
 """make_shards over an existing output: a re-run killed between two shards leaves the old set whole and read with
 its own labels, the labels of an index are checked against the tars' .cls members, and an output that is not
-ours (inside the input, a file in the index's place) is refused before anything is made."""
+ours (inside a split folder it reads, a file in the index's place) is refused before anything is made."""
 
 from __future__ import annotations
 
@@ -98,8 +98,9 @@ def test_an_output_that_is_not_ours_is_refused_before_anything_is_made(two_folde
     # a train.json of the user's was overwritten.
     old, _ = two_folders
     assert make_shards.run([str(old), str(old / "train" / "newclass")]) == 2
-    assert capsys.readouterr().err.splitlines() == [f"error: output folder {old}/train/newclass is inside the input "
-                                                    f"folder {old}; choose a folder outside it"]
+    assert capsys.readouterr().err.splitlines() == [f"error: output folder {old}/train/newclass is inside "
+                                                    f"{old}/train, which make_shards reads; choose a folder outside "
+                                                    f"it (e.g. {old}/shards)"]
     assert sorted(p.name for p in (old / "train").iterdir()) == ["a", "b"]
     out = tmp_path / "shards"
     out.mkdir()
