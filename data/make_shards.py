@@ -54,6 +54,11 @@ def generation_names(split: str) -> re.Pattern:
     return re.compile(rf"\.?{re.escape(split)}-g\d+-\d{{6}}\.tar(\.tmp)?")
 
 
+def first_names(split: str) -> re.Pattern:
+    """Shard names before generations (<split>-NNNNNN.tar): ours only where our index names them."""
+    return re.compile(rf"{re.escape(split)}-\d{{6}}\.tar")
+
+
 def previous_index(out: Path, split: str) -> tuple[int, set[str]]:
     """The generation and shard names of the index a run replaces ((0, {}) for none); refuses a file that is not
     a shard index, which is not ours to replace."""
@@ -62,8 +67,8 @@ def previous_index(out: Path, split: str) -> tuple[int, set[str]]:
         return 0, set()
     try:
         index = json.loads(path.read_text())
-        names, _ = {shard["url"] for shard in index["shardlist"]}, index["classes"]
-        return int(index.get("generation", 0)), {name for name in names if "/" not in name}
+        index["classes"]  # (a shard index of this tool)
+        return int(index.get("generation", 0)), {shard["url"] for shard in index["shardlist"]}
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise UserError(f"{path} exists and is not a shard index ({type(err).__name__}: {err}); move it away or "
                         "choose another output folder") from None
@@ -116,10 +121,13 @@ def write_split(split_dir: Path, out: Path, split: str, classes: list[str], shar
 
 
 def remove_unused(out: Path, split: str, old: set[str], kept: set[str]) -> None:
-    """Remove the shards the previous index named and files of our naming no index names (an interrupted run's)."""
-    ours = generation_names(split)
+    """Remove the shards of earlier generations: those the previous index named and those no index names (an
+    interrupted run's). Files of other names are left alone, even where an index names them."""
+    ours, first = generation_names(split), first_names(split)
     for entry in os.scandir(out):
-        if entry.name not in kept and (entry.name in old or ours.fullmatch(entry.name)) and entry.is_file():
+        if entry.name in kept or not entry.is_file():
+            continue
+        if ours.fullmatch(entry.name) or (entry.name in old and first.fullmatch(entry.name)):
             os.unlink(entry.path)
 
 
