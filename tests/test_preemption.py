@@ -266,19 +266,27 @@ def in_imports(pid: int) -> bool:
     return bool(caught >> (signal.SIGTERM - 1) & 1) or "libtorch" in Path(f"/proc/{pid}/maps").read_text()
 
 
-def signal_during_imports(script: str, args: list[str], signum: int, log: Path) -> int:
-    """Run `python script args`, send `signum` while its imports run (seconds of them); its exit code."""
-    with log.open("w") as f:
-        proc = subprocess.Popen([sys.executable, script, *args], cwd=REPO, env=script_env(), stdout=f,
-                                stderr=subprocess.STDOUT)
+def signal_during_imports(runs: list[tuple[str, list[str]]], signum: int, logs: list[Path]) -> list[int]:
+    """Run `python script args` for each run at once, send each `signum` while its imports run (seconds of them);
+    their exit codes."""
+    procs = []
     try:
-        while not in_imports(proc.pid):
-            assert proc.poll() is None, log.read_text()
+        for (script, args), log in zip(runs, logs):
+            with log.open("w") as f:
+                procs.append(subprocess.Popen([sys.executable, script, *args], cwd=REPO, env=script_env(), stdout=f,
+                                              stderr=subprocess.STDOUT))
+        waiting = list(zip(procs, logs))
+        while waiting:
+            for proc, log in list(waiting):
+                assert proc.poll() is None, log.read_text()
+                if in_imports(proc.pid):
+                    proc.send_signal(signum)
+                    waiting.remove((proc, log))
             time.sleep(0.002)
-        proc.send_signal(signum)
-        return proc.wait(timeout=300)
+        return [proc.wait(timeout=300) for proc in procs]
     finally:
-        proc.kill()
+        for proc in procs:
+            proc.kill()
 
 
 @pytest.mark.slow
@@ -290,9 +298,9 @@ def test_sigterm_during_the_imports_is_one_line_worded_for_each_tool(tmp_path):
              "export.py": "run the same command again to export"}
     args = {"evaluate.py": [str(tmp_path / "a.pth")], "predict.py": [str(tmp_path / "a.pth"), str(tmp_path)],
             "export.py": [str(tmp_path / "a.pth"), "--format", "onnx"]}
-    for script, after in words.items():
-        log = tmp_path / f"{script}.log"
-        code = signal_during_imports(script, args[script], signal.SIGTERM, log)
+    logs = [tmp_path / f"{script}.log" for script in words]
+    codes = signal_during_imports([(script, args[script]) for script in words], signal.SIGTERM, logs)
+    for (script, after), code, log in zip(words.items(), codes, logs):
         text = log.read_text()
         assert code == 143 and text.strip().splitlines() == [
             f"stopped by SIGTERM (a scheduler or torchrun ended the job); {after}"], (script, code, text[-3000:])
@@ -301,15 +309,16 @@ def test_sigterm_during_the_imports_is_one_line_worded_for_each_tool(tmp_path):
 @pytest.mark.slow
 def test_sigusr1_during_the_imports_is_acted_on_at_the_first_step(tmp_path):
     # Was: killed with exit 138 and no line. train.py stops after its first step; export.py has no steps: it goes on.
-    out, log = tmp_path / "run", tmp_path / "train.log"
-    code = signal_during_imports("train.py", [*TINY, "data.dummy_train_size=64", "data.num_workers=0",
-                                              f"output_dir={out}"], signal.SIGUSR1, log)
-    text = log.read_text()
-    assert code == PREEMPTED, text[-3000:]
+    out, logs = tmp_path / "run", [tmp_path / "train.log", tmp_path / "export.log"]
+    codes = signal_during_imports([("train.py", [*TINY, "data.dummy_train_size=64", "data.num_workers=0",
+                                                 f"output_dir={out}"]),
+                                   ("export.py", [str(tmp_path / "a.pth"), "--format", "onnx"])], signal.SIGUSR1, logs)
+    text = logs[0].read_text()
+    assert codes[0] == PREEMPTED, text[-3000:]
     assert STOP_LINE.findall(text) == [("SIGUSR1", "1", str(out / "last.pth"))], text[-3000:]
     assert load_checkpoint(out / "last.pth")["global_step"] == 1
-    code = signal_during_imports("export.py", [str(tmp_path / "a.pth"), "--format", "onnx"], signal.SIGUSR1, log)
-    assert (code, log.read_text()) == (2, f"error: checkpoint {tmp_path / 'a.pth'} does not exist; check the path\n")
+    assert (codes[1], logs[1].read_text()) == (2, f"error: checkpoint {tmp_path / 'a.pth'} does not exist; check "
+                                                  "the path\n")
 
 
 def alive(pid: int) -> bool:
