@@ -14,6 +14,11 @@ number of processes (on CPU each process uses one thread: launch one per core fo
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: a SIGTERM or SIGUSR1 during the imports below (seconds) gets handled
+    from engine.signals import handle_early
+
+    handle_early()
+
 import argparse
 import dataclasses
 import json
@@ -269,4 +274,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(main, after_sigterm="run the same command again to evaluate from the start")

@@ -19,6 +19,11 @@ model.init_from; its weights are checked to load back into timm bitwise.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: a SIGTERM or SIGUSR1 during the imports below (seconds) gets handled
+    from engine.signals import handle_early
+
+    handle_early()
+
 import argparse
 import errno
 import io
@@ -296,4 +301,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(main, after_sigterm="run the same command again to export")

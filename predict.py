@@ -15,6 +15,11 @@ block of whole batches (as evaluate.py) and rank 0 merges the rows in input orde
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: a SIGTERM or SIGUSR1 during the imports below (seconds) gets handled
+    from engine.signals import handle_early
+
+    handle_early()
+
 import argparse
 import json
 import logging
@@ -170,4 +175,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(main, after_sigterm="run the same command again to predict from the start")

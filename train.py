@@ -11,6 +11,11 @@ nothing in output_dir changes before the run's first write (engine/run_dir.py).
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: a SIGTERM or SIGUSR1 during the imports below (seconds) gets handled
+    from engine.signals import handle_early
+
+    handle_early()
+
 import argparse
 import logging
 import random
@@ -236,4 +241,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(main, after_sigterm="with resume=auto the same command continues from the last checkpoint in "
+                               "output_dir")

@@ -4,7 +4,8 @@ The index is wids' JSON shard list (`{"wids_version": 1, "shardlist": [{"url", "
 URLs relative to the index) plus what training needs before opening any shard: "classes" (names in label
 order) and each shard's "labels". A sample is three tar members (written by `python -m data.make_shards`):
 `<key>.<jpg|png|...>` (the image, still encoded; decode_image decodes it in the DataLoader workers),
-`<key>.cls` (its label) and `<key>.path` (the path it was converted from: predictions.csv's path column).
+`<key>.cls` (its label; a process that opens a shard checks them all against the index) and `<key>.path`
+(the path it was converted from: predictions.csv's path column).
 
 Why not wids.ShardListDataset itself: it copies every local shard into /tmp/_wids_cache before reading it
 and prints to stderr whenever it is built. wids' parts are used instead: the index format and its URL
@@ -93,6 +94,46 @@ def fetch(url: str, local: str) -> str:
         return local
 
 
+def scan_tar(path: str, url: str, filesize: int | None) -> tuple[np.ndarray, list[str], list[bytes | None]]:
+    """Where each sample's image and path members lie in the shard (wids' memory-mapped tar index: four int64
+    numbers per sample), with the samples' keys and the contents of their .cls members (None: no such member)."""
+    from wids.wids import group_by_key, splitname
+    from wids.wids_mmtar import MMIndexedTar
+
+    try:
+        tar = MMIndexedTar(path)
+    except (OSError, ValueError, struct.error, UnicodeDecodeError) as err:
+        raise UserError(f"shard {url} is not a readable tar file ({err}); {REWRITE}") from None
+    try:
+        entries, data = tar.by_index, tar.mmapped_file
+        end = max((offset + 512 + length for _, offset, length in entries), default=0)
+        if end > len(data) or filesize not in (None, len(data)):
+            need = max(end, filesize or 0)
+            raise UserError(f"shard {url} is cut short or replaced ({len(data)} bytes, {need} expected); {REWRITE}")
+        rows, keys, cls = [], [], []
+        for group in group_by_key([name for name, _, _ in entries]):
+            found = {splitname(entries[i][0])[1]: entries[i] for i in group}
+            key = splitname(entries[group[0]][0])[0]
+            image = next((v for k, v in found.items() if k.lower() in IMAGE_EXTENSIONS), None)
+            if image is None or ".path" not in found:
+                raise UserError(f"sample {key} in shard {url} has no image or no .path member; {REWRITE}")
+            rows.append((image[1] + 512, image[2], found[".path"][1] + 512, found[".path"][2]))
+            label = found.get(".cls")
+            keys.append(key)
+            cls.append(None if label is None else bytes(data[label[1] + 512:label[1] + 512 + label[2]]))
+    finally:
+        tar.close()
+    return np.asarray(rows, dtype=np.int64).reshape(-1, 4), keys, cls
+
+
+def label_mismatch(keys: list[str], cls: list[bytes | None], labels: list[int]) -> str:
+    """The first sample whose .cls member (where it has one) is not its label in `labels`, in words ("": none)."""
+    for key, member, label in zip(keys, cls, labels):
+        if member is not None and not (member.strip().isdigit() and int(member) == label):
+            return f"sample {key} has {member.strip().decode(errors='replace')!r} in its .cls member, the index {label}"
+    return ""
+
+
 class ShardDataset(AugmentedDataset):
     """The samples of one split's shards, in index order (the converter keeps ImageFolder's order)."""
 
@@ -111,6 +152,7 @@ class ShardDataset(AugmentedDataset):
         self.classes = classes if classes is not None else spec["classes"]
         self.labels = shared_labels(labels, spec["classes"], self.classes, index)
         self.starts = np.concatenate([[0], np.cumsum([len(lab) for lab in spec["labels"]])])
+        self.shard_labels: list[np.ndarray] = spec["labels"]  # as the index says, for the shards' .cls members
         missing = [url for url in self.urls if not is_url(url) and not os.path.isfile(url)]
         if missing:
             more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
@@ -157,36 +199,16 @@ class ShardDataset(AugmentedDataset):
         return fd
 
     def scan(self, shard: int, path: str) -> np.ndarray:
-        """Where each sample's image and path members lie in the shard (wids' memory-mapped tar index)."""
-        from wids.wids import group_by_key, splitname
-        from wids.wids_mmtar import MMIndexedTar
-
+        """Where each sample's image and path members lie in the shard; its .cls members must be the index's
+        labels (a shard of another run, or an edited index, would otherwise train on wrong labels)."""
         url, expected = self.urls[shard], int(self.starts[shard + 1] - self.starts[shard])
-        try:
-            tar = MMIndexedTar(path)
-        except (OSError, ValueError, struct.error, UnicodeDecodeError) as err:
-            raise UserError(f"shard {url} is not a readable tar file ({err}); {REWRITE}") from None
-        try:
-            entries, size = tar.by_index, len(tar.mmapped_file)
-            end = max((offset + 512 + length for _, offset, length in entries), default=0)
-            if end > size or self.sizes[shard] not in (None, size):
-                need = max(end, self.sizes[shard] or 0)
-                raise UserError(f"shard {url} is cut short or replaced ({size} bytes, {need} expected); "
-                                f"{REWRITE}")
-            rows = []
-            for group in group_by_key([name for name, _, _ in entries]):
-                found = {splitname(entries[i][0])[1]: entries[i] for i in group}
-                image = next((v for k, v in found.items() if k.lower() in IMAGE_EXTENSIONS), None)
-                if image is None or ".path" not in found:
-                    raise UserError(f"sample {splitname(entries[group[0]][0])[0]} in shard {url} has no image or no "
-                                    f".path member; {REWRITE}")
-                rows.append((image[1] + 512, image[2], found[".path"][1] + 512, found[".path"][2]))
-        finally:
-            tar.close()
+        rows, keys, cls = scan_tar(path, url, self.sizes[shard])
         if len(rows) != expected:
             raise UserError(f"shard {url} holds {len(rows)} samples but index {self.index} says {expected} "
                             f"(a cut-short or replaced shard); {REWRITE}")
-        return np.asarray(rows, dtype=np.int64).reshape(-1, 4)
+        if wrong := label_mismatch(keys, cls, self.shard_labels[shard].tolist()):
+            raise UserError(f"shard {url} disagrees with its index {self.index} ({wrong}); {REWRITE}")
+        return rows
 
     def member(self, index: int, which: int) -> bytes:
         shard, inner = self.locate(index)

@@ -28,15 +28,18 @@ from engine.signals import PREEMPTED, Preempted, Terminated, stop_on_sigterm
 PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Timed out", "timed out")
 
 
-def run_main(main: Callable[[list[str]], int | None]) -> NoReturn:
+def run_main(main: Callable[[list[str]], int | None], after_sigterm: str) -> NoReturn:
     """`python train.py ...`: main(sys.argv[1:]) through report_errors, and torch's `record` for torchrun."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    sys.exit(record(report_errors)(main))
+    sys.exit(record(report_errors)(main, after_sigterm=after_sigterm))
 
 
-def report_errors(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> int:
-    """Run main(argv); turn a UserError into a one-line message (rank 0, or the rank that failed)."""
+def report_errors(main: Callable[[list[str]], int | None], argv: list[str] | None = None, *,
+                  after_sigterm: str = "run the same command again") -> int:
+    """Run main(argv); turn a UserError into a one-line message (rank 0, or the rank that failed).
+
+    `after_sigterm` ends the line of a run stopped by SIGTERM: what the tool's user can do next."""
     argv = sys.argv[1:] if argv is None else argv
     import torch.distributed as dist
 
@@ -73,9 +76,8 @@ def report_errors(main: Callable[[list[str]], int | None], argv: list[str] | Non
         print("interrupted", file=sys.stderr)
         tell_torchrun("interrupted", caused_here=False)
         return 130
-    except Terminated:
-        line = (f"{prefix()}stopped by SIGTERM (a scheduler or torchrun ended the job); with resume=auto the same "
-                "command continues from the last checkpoint in output_dir")
+    except Terminated as err:
+        line = f"{prefix()}stopped by SIGTERM ({err}); {after_sigterm}"
         print(line, file=sys.stderr, flush=True)
         tell_torchrun(line, caused_here=False)
         return 128 + signal.SIGTERM

@@ -10,6 +10,14 @@ Outside training (start-up, evaluation) SIGTERM raises `Terminated` at once, so 
 and exits 143; inside `sigterm_deferred()` (a torch.save, whose C++ writer aborts the process if a Python
 exception cuts it) the signal is held until the block ends. SIGUSR1 is only ever recorded.
 
+Before that, from the first lines of a script (`handle_early()`, called before its imports, which take seconds),
+both are recorded: a SIGUSR1 is then acted on at the first training step, a SIGTERM as soon as the entry point
+runs (one line, exit 143); the default action would kill the process with no line. Under torchrun the same call
+asks Linux to send this process SIGTERM when torchrun dies (prctl PR_SET_PDEATHSIG): torchrun ends at once on a
+signal it does not handle (SIGUSR1: exit 138), and its workers, re-parented to PID 1, would train on alone and
+keep output_dir locked. The kernel does it for nothing, at any moment (start-up, evaluation, training), so no
+step pays for a check; a torchrun that dies during the worker's first milliseconds, before the call, is missed.
+
 DataLoader workers must not die of these signals (the parent would fail on their exit before it reaches a step
 boundary): they are forked inside `workers_shielded()`, which blocks both, then `worker_signals()` moves each
 to a process group of its own (torchrun's and srun's group signals miss it), ignores SIGUSR1 and takes SIGTERM
@@ -21,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -30,6 +39,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 class Terminated(BaseException):
     """SIGTERM arrived outside training; a BaseException so that no `except Exception` on the way swallows it."""
+
+    def __init__(self) -> None:
+        super().__init__(launcher_gone() or "a scheduler or torchrun ended the job")
 
 
 class Preempted(BaseException):
@@ -46,14 +58,47 @@ _pending = False  # a SIGTERM arrived inside one
 _in_steps = 0  # depth of training_steps blocks
 _requested = 0  # the stop signal received (SIGTERM wins over SIGUSR1 in the message), 0: none
 _stopping = False  # every rank agreed to stop: signals are recorded, never raised, until the process exits
+_early = 0  # the stop signal received between handle_early() and stop_on_sigterm() (0: none)
+_launcher = 0  # pid of the torchrun that started this process (0: not under torchrun)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def handle_early() -> None:
+    """First thing in a script, before its imports: record SIGTERM and SIGUSR1 until stop_on_sigterm() takes them
+    over, and under torchrun get SIGTERM when torchrun dies (see the module docstring)."""
+    global _launcher
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, record_early)
+    if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform == "linux":
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) == 0:
+            _launcher = os.getppid()
+
+
+def record_early(signum: int, frame) -> None:
+    """The handler from handle_early() on: nothing is running yet that a stop could cut."""
+    global _early
+    _early = max(_early, signum)
+
+
+def launcher_gone() -> str:
+    """Why a SIGTERM came, when it came because torchrun died ("" otherwise)."""
+    if _launcher and os.getppid() != _launcher:
+        return f"its launcher, torchrun (pid {_launcher}), exited"
+    return ""
 
 
 @contextlib.contextmanager
 def stop_on_sigterm() -> Iterator[None]:
     """Handle SIGTERM and SIGUSR1 in this process for the duration of the block (see the module docstring)."""
-    global _requested, _stopping
+    global _requested, _stopping, _early
     main_pid = os.getpid()
-    _requested, _stopping = 0, False  # a new run (in-process callers such as tests run several)
+    # A new run (in-process callers such as tests run several), with what arrived since handle_early().
+    _requested, _stopping, early, _early = _early, False, _early, 0
+    if early == signal.SIGTERM:
+        raise Terminated()
 
     def handler(signum: int, frame) -> None:
         global _pending, _requested

@@ -107,8 +107,8 @@ def assert_same_samples(reference: DataConfig, other: DataConfig) -> None:
 
 def test_shards_hold_the_folder_in_its_order(folder, shards):
     assert sorted(p.name for p in shards.iterdir()) == [
-        "train-000000.tar", "train-000001.tar", "train-000002.tar", "train-000003.tar", "train-000004.tar",
-        "train.json", "val-000000.tar", "val-000001.tar", "val-000002.tar", "val.json"]
+        "train-g1-000000.tar", "train-g1-000001.tar", "train-g1-000002.tar", "train-g1-000003.tar",
+        "train-g1-000004.tar", "train.json", "val-g1-000000.tar", "val-g1-000001.tar", "val-g1-000002.tar", "val.json"]
     index = json.loads((shards / "val.json").read_text())
     assert index["classes"] == ["a", "b", "c"] and [s["nsamples"] for s in index["shardlist"]] == [4, 4, 3]
     assert_same_samples(data_config("imagefolder", folder), data_config("wds", shards))
@@ -254,15 +254,15 @@ def test_mid_epoch_resume_from_shards_is_bitwise_identical(shards, tmp_path):
 
 def broken_copies(shards: Path, root: Path) -> None:
     """Copies of the shards with one fault each."""
-    for name in ("corrupt", "missing", "cut", "badjson", "noclasses", "noindex"):
+    for name in ("corrupt", "missing", "cut", "badjson", "noclasses", "noindex", "relabelled"):
         shutil.copytree(shards, root / name)
-    tar = root / "corrupt/train-000000.tar"
+    tar = root / "corrupt/train-g1-000000.tar"
     data = bytearray(tar.read_bytes())
     start = data.index(b"00000003.png") + 512  # the member's data follows its 512-byte header
     data[start:start + 64] = bytes(64)  # the PNG signature and header gone
     tar.write_bytes(bytes(data))
-    (root / "missing/train-000002.tar").unlink()
-    cut = root / "cut/train-000001.tar"
+    (root / "missing/train-g1-000002.tar").unlink()
+    cut = root / "cut/train-g1-000001.tar"
     cut.write_bytes(cut.read_bytes()[:3000])
     text = (root / "badjson/val.json").read_text()
     (root / "badjson/val.json").write_text(text[:len(text) // 2])
@@ -270,17 +270,23 @@ def broken_copies(shards: Path, root: Path) -> None:
     del index["classes"]
     (root / "noclasses/train.json").write_text(json.dumps(index))
     (root / "noindex/train.json").unlink()
+    index = json.loads((root / "relabelled/train.json").read_text())
+    index["shardlist"][1]["labels"][2] = 2  # sample 6 is of class a (0): the .cls member says so
+    (root / "relabelled/train.json").write_text(json.dumps(index))
 
 
 SHARD_CASES = {  # name: (data.root under the broken copies, text the last line must contain)
-    "corrupt sample": ("corrupt", "cannot read image 00000003.png in shard {root}/corrupt/train-000000.tar (corrupt, "
-                       "truncated or not an image)"),
-    "missing shard": ("missing", "shard {root}/missing/train-000002.tar of index {root}/missing/train.json does "
+    "corrupt sample": ("corrupt", "cannot read image 00000003.png in shard {root}/corrupt/train-g1-000000.tar "
+                       "(corrupt, truncated or not an image)"),
+    "missing shard": ("missing", "shard {root}/missing/train-g1-000002.tar of index {root}/missing/train.json does "
                       "not exist"),
-    "shard cut short": ("cut", "shard {root}/cut/train-000001.tar is cut short or replaced (3000 bytes, "),
+    "shard cut short": ("cut", "shard {root}/cut/train-g1-000001.tar is cut short or replaced (3000 bytes, "),
     "index not JSON": ("badjson", "shard index {root}/badjson/val.json is not valid JSON (line 1"),
     "index without classes": ("noclasses", "shard index {root}/noclasses/train.json is broken (no 'classes')"),
     "no index": ("noindex", "cannot read shard index {root}/noindex/train.json (No such file or directory)"),
+    "index labels not the shard's": ("relabelled", "shard {root}/relabelled/train-g1-000001.tar disagrees with its "
+                                     "index {root}/relabelled/train.json (sample 00000006 has '0' in its .cls member, "
+                                     "the index 2)"),
 }
 
 
@@ -299,7 +305,8 @@ def test_corrupt_sample_in_a_shard_is_skipped_and_counted(broken, tmp_path, caps
     assert "00000003.png in shard" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name, workers", [(name, 0) for name in SHARD_CASES] + [("corrupt sample", 2)])
+@pytest.mark.parametrize("name, workers", [(name, 0) for name in SHARD_CASES] + [
+    ("corrupt sample", 2), ("index labels not the shard's", 2)])
 def test_shard_faults_are_one_line(name, workers, broken, tmp_path, capsys, monkeypatch):
     """Found at start-up, or while reading (then also in a DataLoader worker)."""
     folder, expected = SHARD_CASES[name]

@@ -245,17 +245,20 @@ def test_a_failed_folder_swap_puts_the_earlier_export_back(tmp_path):
     assert snapshot(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["model-hf"]
 
 
-@pytest.mark.parametrize("name", ["train.json", "train-000000.tar", "val-000001.tar"])
-def test_make_shards_refuses_an_output_file_it_did_not_write(tmp_path, capsys, name):
-    """The same rule for make_shards: a file of the user's where a shard or an index would go is refused, kept."""
+def test_make_shards_refuses_an_index_it_did_not_write_and_leaves_other_files_alone(tmp_path, capsys):
+    """The same rule for make_shards: a file of the user's where an index would go is refused and kept; a user's
+    tar named like an old-style shard is neither listed, replaced nor removed (shards get generation names)."""
     images = make_image_folder(tmp_path / "images", {"train": {"a": 2}, "val": {"a": 2}})
     out = tmp_path / "shards"
     out.mkdir()
-    (out / name).write_text("my own file\n")
+    (out / "train.json").write_text("my own file\n")
     assert make_shards.run([str(images), str(out), "--shard-size", "1"]) == 2
     error = one_line(capsys)
-    assert f"{out / name} is a file" in error and "choose another output folder" in error, error
-    assert sorted(p.name for p in out.iterdir()) == [name] and (out / name).read_text() == "my own file\n"
-    (out / name).unlink()
-    assert make_shards.run([str(images), str(out), "--shard-size", "1"]) == 0  # its own outputs are replaced
+    assert f"{out / 'train.json'} exists and is not a shard index" in error, error
+    assert sorted(p.name for p in out.iterdir()) == ["train.json"] and (out / "train.json").read_text() == "my own file\n"
+    (out / "train.json").unlink()
+    for name in ("train-000000.tar", "val-000001.tar"):
+        (out / name).write_text("my own file\n")
     assert make_shards.run([str(images), str(out), "--shard-size", "1"]) == 0
+    assert make_shards.run([str(images), str(out), "--shard-size", "1"]) == 0  # its own outputs are replaced
+    assert all((out / name).read_text() == "my own file\n" for name in ("train-000000.tar", "val-000001.tar"))

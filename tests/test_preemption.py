@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from engine.checkpoint import load_checkpoint
-from tests.helpers import REPO, free_port, make_image_folder, read_jsonl, run_script, script_env
+from tests.helpers import HANG, REPO, free_port, make_image_folder, read_jsonl, run_script, script_env
 from tests.test_faults import children, corrupt_in_batch
 from tests.test_resume import assert_same
 
@@ -258,3 +258,100 @@ def test_sbatch_script_requeues_only_a_preempted_run(tmp_path, code, requeued):
         "scontrol show hostnames node-[a-b]",
         "srun --kill-on-bad-exit=1 python train.py resume=auto --config resnet50 output_dir=/shared/r50 @ node-a:24242",
         *(["scontrol requeue 4242"] if requeued else [])]
+
+
+def in_imports(pid: int) -> bool:
+    """The script is importing: it handles SIGTERM (handle_early ran) or has begun loading libtorch."""
+    caught = int(re.search(r"^SigCgt:\s*([0-9a-f]+)$", Path(f"/proc/{pid}/status").read_text(), re.M)[1], 16)
+    return bool(caught >> (signal.SIGTERM - 1) & 1) or "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def signal_during_imports(runs: list[tuple[str, list[str]]], signum: int, logs: list[Path]) -> list[int]:
+    """Run `python script args` for each run at once, send each `signum` while its imports run (seconds of them);
+    their exit codes."""
+    procs = []
+    try:
+        for (script, args), log in zip(runs, logs):
+            with log.open("w") as f:
+                procs.append(subprocess.Popen([sys.executable, script, *args], cwd=REPO, env=script_env(), stdout=f,
+                                              stderr=subprocess.STDOUT))
+        waiting = list(zip(procs, logs))
+        while waiting:
+            for proc, log in list(waiting):
+                assert proc.poll() is None, log.read_text()
+                if in_imports(proc.pid):
+                    proc.send_signal(signum)
+                    waiting.remove((proc, log))
+            time.sleep(0.002)
+        return [proc.wait(timeout=300) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_imports_is_one_line_worded_for_each_tool(tmp_path):
+    # Was: killed with exit 143 and no line; and the line (after the imports) spoke of resume=auto everywhere.
+    # (train.py's line, "with resume=auto the same command continues ...", comes the same way.)
+    words = {"evaluate.py": "run the same command again to evaluate from the start",
+             "predict.py": "run the same command again to predict from the start",
+             "export.py": "run the same command again to export"}
+    args = {"evaluate.py": [str(tmp_path / "a.pth")], "predict.py": [str(tmp_path / "a.pth"), str(tmp_path)],
+            "export.py": [str(tmp_path / "a.pth"), "--format", "onnx"]}
+    logs = [tmp_path / f"{script}.log" for script in words]
+    codes = signal_during_imports([(script, args[script]) for script in words], signal.SIGTERM, logs)
+    for (script, after), code, log in zip(words.items(), codes, logs):
+        text = log.read_text()
+        assert code == 143 and text.strip().splitlines() == [
+            f"stopped by SIGTERM (a scheduler or torchrun ended the job); {after}"], (script, code, text[-3000:])
+
+
+@pytest.mark.slow
+def test_sigusr1_during_the_imports_is_acted_on_at_the_first_step(tmp_path):
+    # Was: killed with exit 138 and no line. train.py stops after its first step; export.py has no steps: it goes on.
+    out, logs = tmp_path / "run", [tmp_path / "train.log", tmp_path / "export.log"]
+    codes = signal_during_imports([("train.py", [*TINY, "data.dummy_train_size=64", "data.num_workers=0",
+                                                 f"output_dir={out}"]),
+                                   ("export.py", [str(tmp_path / "a.pth"), "--format", "onnx"])], signal.SIGUSR1, logs)
+    text = logs[0].read_text()
+    assert codes[0] == PREEMPTED, text[-3000:]
+    assert STOP_LINE.findall(text) == [("SIGUSR1", "1", str(out / "last.pth"))], text[-3000:]
+    assert load_checkpoint(out / "last.pth")["global_step"] == 1
+    assert (codes[1], logs[1].read_text()) == (2, f"error: checkpoint {tmp_path / 'a.pth'} does not exist; check "
+                                                  "the path\n")
+
+
+def alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting for its new parent to reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+def test_workers_stop_with_a_checkpoint_when_torchrun_dies(tmp_path):
+    # SIGUSR1 to torchrun kills torchrun alone (it does not handle it): exit 138. Its workers used to train on,
+    # re-parented to PID 1, holding output_dir's lock; now each gets SIGTERM from the kernel (PR_SET_PDEATHSIG).
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen(torchrun(*PREEMPTIBLE, f"output_dir={out}"), cwd=REPO, env=script_env(),
+                                stdout=f, stderr=subprocess.STDOUT)
+    workers: list[int] = []
+    try:
+        wait_for(log, r"epoch 0 step 2/128", [proc])
+        workers = children(proc.pid)
+        assert len(workers) == 2
+        proc.send_signal(signal.SIGUSR1)
+        assert proc.wait(timeout=60) == -signal.SIGUSR1
+        deadline = time.monotonic() + HANG
+        while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        for pid in workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    text = log.read_text()
+    assert_stopped_mid_epoch(out, text, "SIGTERM")
+    assert "Traceback" not in text, text[-3000:]
