@@ -77,16 +77,25 @@ class ResizeCentreCrop(A.ImageOnlyTransform):
 
 
 class RandomResizedCrop(A.RandomResizedCrop):
-    """albumentations' box draw (torchvision's algorithm, from the per-sample seeded RNG), resized by `resize`."""
+    """albumentations' box draw (torchvision's algorithm, from the per-sample seeded RNG), resized by `resize`;
+    interpolation "random" picks bilinear or bicubic per image, as timm's RandomResizedCropAndInterpolation."""
 
     def __init__(self, size: int, scale: Sequence[float], ratio: Sequence[float], interpolation: str) -> None:
-        super().__init__(size=(size, size), scale=tuple(scale), ratio=tuple(ratio),
-                         interpolation=INTERPOLATION[interpolation])
+        super().__init__(size=(size, size), scale=tuple(scale), ratio=tuple(ratio))
         self.resample = interpolation
 
-    def apply(self, img: np.ndarray, crop_coords: tuple[int, int, int, int], **params) -> np.ndarray:
+    def get_params_dependent_on_data(self, params: dict, data: dict) -> dict:
+        chosen = self.py_random.choice(list(ANTIALIASED)) if self.resample == "random" else self.resample
+        return {**super().get_params_dependent_on_data(params, data), "resample": chosen}
+
+    def apply(self, img: np.ndarray, crop_coords: tuple[int, int, int, int], resample: str, **params) -> np.ndarray:
         x1, y1, x2, y2 = crop_coords
-        return resize(img[y1:y2, x1:x2], *self.size, self.resample)
+        return resize(img[y1:y2, x1:x2], *self.size, resample)
+
+
+def train_interpolation(cfg: DataConfig) -> str:
+    """data.train_interpolation, or data.interpolation when it is unset."""
+    return cfg.train_interpolation or cfg.interpolation
 
 
 def train_transform(cfg: DataConfig) -> A.Compose:
@@ -94,7 +103,7 @@ def train_transform(cfg: DataConfig) -> A.Compose:
     if not cfg.augment:
         return eval_transform(cfg)
     steps: list[A.BasicTransform] = [
-        RandomResizedCrop(cfg.img_size, cfg.scale, cfg.ratio, cfg.interpolation),
+        RandomResizedCrop(cfg.img_size, cfg.scale, cfg.ratio, train_interpolation(cfg)),
         A.HorizontalFlip(p=cfg.hflip),
     ]
     if cfg.color_jitter > 0:
@@ -114,7 +123,8 @@ def tensor_augment(cfg: DataConfig) -> TensorTransform | None:
     elif policy == "rand":
         steps.append(TimmRandAugment(int(options["n"]), options["m"], options["mstd"], options["p"]))
     elif policy == "trivialaugment":  # torchvision's preset passes its --interpolation (bilinear) to the policy
-        steps.append(TrivialAugmentWide(interpolation=ANTIALIASED.get(cfg.interpolation, v2.InterpolationMode.NEAREST)))
+        mode = ANTIALIASED.get(train_interpolation(cfg), v2.InterpolationMode.NEAREST)
+        steps.append(TrivialAugmentWide(interpolation=mode))
     elif policy == "augmix":
         steps.append(v2.AugMix(severity=int(options["m"]), mixture_width=int(options["w"]),
                                chain_depth=int(options["d"])))
@@ -134,14 +144,14 @@ def mean_colour(mean: Sequence[float]) -> list[int]:
 
 def timm_rand_augment(cfg: DataConfig) -> Callable:
     """timm's own RandAugment for data.auto_augment, with the hparams timm's create_transform gives it: the
-    mean colour as fill, translate 0.45 of the crop, data.interpolation (bilinear or bicubic; else timm's
-    random choice of the two)."""
+    mean colour as fill, translate 0.45 of the crop, the training interpolation (bilinear or bicubic; else
+    timm's random choice of the two per op)."""
     from timm.data import auto_augment
     from timm.data.transforms import str_to_pil_interp
 
     hparams = {"translate_const": int(cfg.img_size * 0.45), "img_mean": tuple(mean_colour(cfg.mean))}
-    if cfg.interpolation in ("bilinear", "bicubic"):
-        hparams["interpolation"] = str_to_pil_interp(cfg.interpolation)
+    if train_interpolation(cfg) in ANTIALIASED:
+        hparams["interpolation"] = str_to_pil_interp(train_interpolation(cfg))
     policy = auto_augment.rand_augment_transform(cfg.auto_augment, hparams)
     for op in policy.ops:
         if op.aug_fn is auto_augment.posterize:

@@ -83,6 +83,7 @@ class DataConfig:
     img_size: int = 32  # train crop size (pixels)
     crop_pct: float = 0.875  # eval: resize to img_size / crop_pct, centre crop; unset: model.init_from weights'
     interpolation: str = "bilinear"  # bilinear | bicubic | nearest | area | lanczos; unset: model.init_from weights'
+    train_interpolation: str = ""  # train crop, policies: "" = data.interpolation | random (bilinear/bicubic)
     augment: bool = True  # false: the train pipeline is the (deterministic) eval pipeline
     scale: list[float] = field(default_factory=lambda: [0.08, 1.0])  # RandomResizedCrop area
     ratio: list[float] = field(default_factory=lambda: [0.75, 1.3333])  # RandomResizedCrop aspect
@@ -99,7 +100,7 @@ class DataConfig:
     dummy_val_size: int = 250  # dummy: validation images
     dummy_num_classes: int = 10  # dummy: classes
     dummy_image_size: int = 64  # dummy: side of the generated images (pixels)
-    auto_augment: str = ""  # "" | rand-m9-mstd0.5 (-n2, -p0.5, -inc1 timm's ops) | trivialaugment | augmix | autoaugment
+    auto_augment: str = ""  # "" | rand-m9-mstd0.5 (-n2, -p0.5, -inc1: timm's) | trivialaugment | augmix | autoaugment
     random_erase: float = 0.0  # probability of erasing a random box (timm's RandomErasing, as data.random_erase_mode)
     random_erase_mode: str = "pixel"  # pixel: random normal pixels (timm); const: 0 after normalization (torchvision)
     mixup_alpha: float = 0.0  # mixup Beta(alpha, alpha) between pairs of images; 0 = off
@@ -199,6 +200,7 @@ CHOICES = {
     "model.freeze": ("none", "backbone"),
     "data.interpolation": ("bilinear", "bicubic", "nearest", "area", "lanczos"),
     "data.random_erase_mode": ("pixel", "const"),
+    "data.train_interpolation": ("", "random", "bilinear", "bicubic", "nearest", "area", "lanczos"),
     "dist.backend": ("auto", "nccl", "gloo"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
     "train.loss": ("ce", "bce"),

@@ -11,6 +11,7 @@ import copy
 import math
 import random
 
+import albumentations as A
 import numpy as np
 import pytest
 import timm.data
@@ -79,13 +80,34 @@ def test_training_crop_equals_torchvisions_and_timms_for_a_given_box(interpolati
     mode = InterpolationMode(interpolation)
     for photo in PHOTOS:
         for top, left, height, width in BOXES:
-            ours = crop.apply(photo, crop_coords=(left, top, left + width, top + height))
+            ours = crop.apply(photo, crop_coords=(left, top, left + width, top + height), resample=interpolation)
             ours = torch.from_numpy(np.ascontiguousarray(ours)).permute(2, 0, 1)
             theirs = F.resized_crop(Image.fromarray(photo), top, left, height, width, [160, 160], mode)
             assert_close_photo(ours, F.pil_to_tensor(theirs), (top, left, height, width))
             monkeypatch.setattr(timm_crop, "get_params", lambda *args: (top, left, height, width))
             flipped = F.pil_to_tensor(F.hflip(timm_crop(Image.fromarray(photo))))
             assert_close_photo(ours.flip(-1), flipped, (top, left, height, width, "flip"))
+
+
+def test_random_training_interpolation_picks_bilinear_or_bicubic_per_image():
+    """data.train_interpolation=random (configs/resnet50_rsb_a3.yaml, timm's train.py default): each crop is
+    torchvision's resized_crop with one of the two, both occur, and the eval preset keeps data.interpolation."""
+    cfg = load_config("resnet50_rsb_a3").data
+    assert cfg.train_interpolation == "random" and cfg.interpolation == "bicubic"
+    cfg.img_size, cfg.hflip = 96, 0.0
+    pipeline = A.Compose(train_transform(cfg).transforms, save_applied_params=True)  # the app's steps
+    photo = PHOTOS[0]
+    chosen = set()
+    for seed in range(16):
+        pipeline.set_random_state(np.random.default_rng(seed), random.Random(seed))
+        out = pipeline(image=photo)
+        ours, (name, data) = out["image"], out["applied_transforms"][0]
+        left, top, right, bottom = data["crop_coords"]
+        theirs = F.resized_crop(Image.fromarray(photo), top, left, bottom - top, right - left, [96, 96],
+                                InterpolationMode(data["resample"]))
+        assert_close_photo(ours, F.pil_to_tensor(theirs), (seed, data))
+        chosen.add(data["resample"])
+    assert chosen == {"bilinear", "bicubic"}
 
 
 # ---- RandAugment inc1: timm's own ops --------------------------------------------------------------------
