@@ -126,7 +126,8 @@ def metadata(cfg: Config, trained: Trained) -> dict[str, Any]:
             "label_names": trained.class_names, "input_size": [3, cfg.data.img_size, cfg.data.img_size],
             "crop_pct": cfg.data.crop_pct, "mean": cfg.data.mean, "std": cfg.data.std,
             "interpolation": cfg.data.interpolation,
-            "input": "float32 NCHW, resized to input_size / crop_pct, centre-cropped, (x / 255 - mean) / std"}
+            "input": "float32 NCHW: short side resized to floor(input_size / crop_pct) (antialiased, as timm's "
+                     "eval transform), centre-cropped, (x / 255 - mean) / std"}
 
 
 def export_onnx(model: nn.Module, example: torch.Tensor, out: Path, meta: dict[str, Any], opset: int

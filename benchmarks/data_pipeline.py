@@ -4,8 +4,9 @@ The benchmark writes a few hundred ImageNet-sized JPEGs (500x375, 375x500 and 50
 about 100 KB each, textured so they compress like photos) into a temp folder, then measures images/s of
 one DataLoader worker's work (one thread for torch and OpenCV, samples fetched and collated in batches
 of 32), alternating:
-- ours: data.datasets.ImageFolderDataset + data.transforms.train_transform (cv2.imread, albumentations
-  RandomResizedCrop 224 + flip + ToTensorV2, per-sample seeded RNG; uint8), collated by
+- ours: data.datasets.ImageFolderDataset + data.transforms.train_transform (cv2.imread, albumentations'
+  RandomResizedCrop box resized by torchvision's antialiased uint8 kernel (issue 31; OpenCV before), flip,
+  ToTensorV2, per-sample seeded RNG; uint8), collated by
   data.loader.collate_channels_last as the app's loaders do. The app normalizes on the training device
   (data.transforms.DeviceNormalize); the side "ours + normalize in this process" adds that pass here, which
   is what it costs when the device is this CPU;
@@ -16,7 +17,9 @@ RandAugment (issue 14): the same sides with RandAugment, 2 ops at magnitude 9 of
 applied, after the crop and flip: ours with data.auto_augment=rand-m9-n2-p1 (torchvision.transforms.v2's
 policy on the uint8 tensor with data.transforms.FastKernels, seeded per sample inside torch.random.fork_rng),
 torchvision with transforms.RandAugment(num_ops=2, magnitude=27) on the PIL image (27 of its 31 bins is the
-same 0.9 of each op's range; the 14 ops are the same).
+same 0.9 of each op's range; the 14 ops are the same). And RandAugment inc1 (issue 31): ours with
+data.auto_augment=rand-m9-n2-p1-inc1 (timm's own PIL ops on the crop, through PIL and back) against timm's
+create_transform(224, is_training=True, auto_augment="rand-m9-n2-p1-inc1") on the PIL image.
 
 Reduced-size decoding: libjpeg can decode at 1/2, 1/4, 1/8 scale (cv2.IMREAD_REDUCED_COLOR_*, PIL draft).
 It keeps the result correct only when the crop, after reduction, is still at least the output size;
@@ -136,8 +139,10 @@ def reduced_decode_pipeline(paths: list[str], out_size: int, allow_reduce: bool)
 
 def main() -> None:
     args = parse_args()
+    import albumentations as A
     import cv2
     import torch
+    from albumentations.pytorch import ToTensorV2
     from torchvision import datasets
     from torchvision.datasets.folder import default_loader
     from torchvision import transforms as T
@@ -165,10 +170,14 @@ def main() -> None:
         modern = datasets.ImageFolder(str(root / "train"), transform=v2.Compose([
             v2.RandomResizedCrop(224), v2.RandomHorizontalFlip(), v2.PILToTensor(),
             v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)]))
+        unaliased = ImageFolderDataset(root / "train", A.Compose([  # the crop before issue 31: OpenCV's resize
+            A.RandomResizedCrop(size=(224, 224), interpolation=cv2.INTER_LINEAR), A.HorizontalFlip(), ToTensorV2()]),
+            seed=0)
         n, bs = len(ours), args.batch_size
         paths = [ours.path(i) for i in range(n)]
         normalize = DeviceNormalize(MEAN, STD, torch.device("cpu"), channels_last=True)
         getters = {"ours (cv2 + albumentations)": lambda i: ours[(0, i)],
+                   "ours, OpenCV resize (not antialiased)": lambda i: unaliased[(0, i)],
                    "ours + normalize in this process": lambda i: ours[(0, i)],
                    "torchvision (PIL, transforms)": classic.__getitem__,
                    "torchvision (PIL, transforms.v2)": modern.__getitem__,
@@ -176,6 +185,7 @@ def main() -> None:
                    "decode only: PIL open + convert": lambda i: (default_loader(paths[i]), 0)}
         wall: dict[str, list[float]] = {name: [] for name in getters}
         collates = {"ours (cv2 + albumentations)": collate_channels_last,  # the app's loaders use it
+                    "ours, OpenCV resize (not antialiased)": collate_channels_last,
                     "ours + normalize in this process": lambda batch: normalize(collate_channels_last(batch)[0]),
                     "decode only: cv2.imread": list, "decode only: PIL open + convert": list}
         results = alternate({name: epoch_img_per_s(get, n, bs, wall[name], collates.get(name))
@@ -186,6 +196,7 @@ def main() -> None:
         ratio_line(results, "ours (cv2 + albumentations)", "torchvision (PIL, transforms)", target=1.5)
         ratio_line(results, "ours (cv2 + albumentations)", "torchvision (PIL, transforms.v2)", target=1.5)
         ratio_line(results, "ours + normalize in this process", "torchvision (PIL, transforms)")
+        ratio_line(results, "ours (cv2 + albumentations)", "ours, OpenCV resize (not antialiased)")
         med = {name: statistics.median(values) for name, values in results.items()}
         after_ours = 1e3 / med["ours (cv2 + albumentations)"] - 1e3 / med["decode only: cv2.imread"]
         after_tv = 1e3 / med["torchvision (PIL, transforms)"] - 1e3 / med["decode only: PIL open + convert"]
@@ -218,6 +229,7 @@ def main() -> None:
 
 def randaugment_tables(root: Path, kb: float, args: argparse.Namespace) -> None:
     """Ours vs torchvision's PIL pipelines, both with RandAugment 2 ops at 0.9 of each op's range."""
+    import timm.data
     import torch
     from torchvision import datasets
     from torchvision import transforms as T
@@ -236,13 +248,20 @@ def randaugment_tables(root: Path, kb: float, args: argparse.Namespace) -> None:
     modern = datasets.ImageFolder(str(root / "train"), transform=v2.Compose([
         v2.RandomResizedCrop(224), v2.RandomHorizontalFlip(), v2.RandAugment(num_ops=2, magnitude=27),
         v2.PILToTensor(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)]))
+    inc1 = DataConfig(img_size=224, mean=list(MEAN), std=list(STD), auto_augment="rand-m9-n2-p1-inc1")
+    ours_inc1 = ImageFolderDataset(root / "train", train_transform(inc1), seed=0, tensor_transform=tensor_augment(inc1))
+    timm_inc1 = datasets.ImageFolder(str(root / "train"), transform=timm.data.create_transform(
+        224, is_training=True, auto_augment="rand-m9-n2-p1-inc1", interpolation="bilinear", mean=MEAN, std=STD))
     normalize = DeviceNormalize(MEAN, STD, torch.device("cpu"), channels_last=True)
     n, bs = len(ours), args.batch_size
     getters = {"ours + RandAugment (v2 on uint8)": lambda i: ours[(0, i)],
                "ours + RandAugment + normalize here": lambda i: ours[(0, i)],
                "torchvision + RandAugment (PIL, transforms)": classic.__getitem__,
-               "torchvision + RandAugment (PIL, transforms.v2)": modern.__getitem__}
+               "torchvision + RandAugment (PIL, transforms.v2)": modern.__getitem__,
+               "ours + RandAugment inc1 (timm's PIL ops)": lambda i: ours_inc1[(0, i)],
+               "timm + RandAugment inc1 (PIL)": timm_inc1.__getitem__}
     collates = {"ours + RandAugment (v2 on uint8)": collate_channels_last,
+                "ours + RandAugment inc1 (timm's PIL ops)": collate_channels_last,
                 "ours + RandAugment + normalize here": lambda batch: normalize(collate_channels_last(batch)[0])}
     wall: dict[str, list[float]] = {name: [] for name in getters}
     results = alternate({name: epoch_img_per_s(get, n, bs, wall[name], collates.get(name))
@@ -253,6 +272,7 @@ def randaugment_tables(root: Path, kb: float, args: argparse.Namespace) -> None:
     ratio_line(results, "ours + RandAugment (v2 on uint8)", "torchvision + RandAugment (PIL, transforms)")
     ratio_line(results, "ours + RandAugment (v2 on uint8)", "torchvision + RandAugment (PIL, transforms.v2)")
     ratio_line(results, "ours + RandAugment + normalize here", "torchvision + RandAugment (PIL, transforms)")
+    ratio_line(results, "ours + RandAugment inc1 (timm's PIL ops)", "timm + RandAugment inc1 (PIL)")
 
 
 if __name__ == "__main__":

@@ -1,20 +1,29 @@
-"""The two albumentations presets (training, evaluation), the torchvision policies after them, and the
-normalization that follows them on the device.
+"""The two albumentations presets (training, evaluation), the policies after them, and the normalization
+that follows them on the device.
+
+Which library does which step (the pixels equal timm's and torchvision's, tests/test_pixels.py):
+- decoding: OpenCV (data.datasets); the RandomResizedCrop box, flip and colour jitter: albumentations, from
+  the per-sample seeded RNG;
+- every bilinear or bicubic resize (the training crop, the eval preset's short side, hence evaluate, predict
+  and export's checks): torchvision's antialiased uint8 kernel, as PIL resizes in timm's and torchvision's
+  pipelines, with their sizes (timm's floor(img_size / crop_pct), the long side truncated, torchvision's
+  centre-crop offsets); nearest, area and lanczos stay OpenCV's;
+- rand-...-inc1: timm's own RandAugment ops on a PIL view; the other policies and erasing: torchvision.v2 on
+  the uint8 CHW tensor (albumentations 2.0.8, its last MIT release, has no RandAugment), its nearest
+  geometric ops through OpenCV (FastKernels).
 
 The presets end in uint8 tensors; `DeviceNormalize` turns a batch into normalized float32 where the model
 runs. Workers then ship uint8 (a quarter of float32's bytes, through shared memory and, on a GPU, host to
 device) and skip the float conversion; the normalization is one elementwise pass on the device, as in
-timm's prefetcher (docs/benchmarks.md measures the difference). Nothing else touches transforms.
-
-RandAugment, TrivialAugmentWide, AugMix, AutoAugment and random erasing (`tensor_augment`) come from
-torchvision.transforms.v2 and run on the uint8 CHW tensor after the albumentations crop and flip
-(albumentations 2.0.8, its last MIT release, has no RandAugment). They draw from torch's global RNG, which
-data.datasets seeds per sample.
+timm's prefetcher (docs/benchmarks.md measures the difference). Nothing else touches transforms. The
+policies draw from torch's global RNG, which data.datasets seeds per sample (timm's from Python's and
+NumPy's, seeded from it in TimmPolicy).
 """
 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable, Sequence
 
 import albumentations as A
@@ -22,6 +31,7 @@ import cv2
 import numpy as np
 import torch
 from albumentations.pytorch import ToTensorV2
+from PIL import Image
 from torchvision.transforms import v2
 
 from engine.config import DataConfig, parse_auto_augment
@@ -30,16 +40,70 @@ TensorTransform = Callable[[torch.Tensor], torch.Tensor]  # uint8 CHW -> uint8 C
 
 INTERPOLATION = {"bilinear": cv2.INTER_LINEAR, "bicubic": cv2.INTER_CUBIC, "nearest": cv2.INTER_NEAREST,
                  "area": cv2.INTER_AREA, "lanczos": cv2.INTER_LANCZOS4}  # data.interpolation -> OpenCV flag
+ANTIALIASED = {"bilinear": v2.InterpolationMode.BILINEAR, "bicubic": v2.InterpolationMode.BICUBIC}  # torch's modes
+
+
+def resize(image: np.ndarray, height: int, width: int, interpolation: str) -> np.ndarray:
+    """HWC uint8 resized as PIL does (antialiased when it shrinks): torchvision's uint8 kernel for bilinear and
+    bicubic (within 0.01/255 of PIL, tests/test_pixels.py); OpenCV for nearest, area and lanczos."""
+    if interpolation not in ANTIALIASED:
+        return cv2.resize(image, (width, height), interpolation=INTERPOLATION[interpolation])
+    chw = torch.from_numpy(np.require(image, requirements="CW")).permute(2, 0, 1)  # channels-last memory: fast
+    out = v2.functional.resize_image(chw, [height, width], ANTIALIASED[interpolation], antialias=True)
+    return out.permute(1, 2, 0).numpy()
+
+
+def short_side_size(height: int, width: int, short: int) -> tuple[int, int]:
+    """torchvision's Resize(int) output size: the short side `short`, the long side truncated, not rounded."""
+    if height <= width:
+        return short, int(short * width / height)
+    return int(short * height / width), short
+
+
+class ResizeCentreCrop(A.ImageOnlyTransform):
+    """timm's and torchvision's eval preset: the short side to floor(size / crop_pct), then the centre
+    size x size crop with their rounding of the offsets."""
+
+    def __init__(self, size: int, crop_pct: float, interpolation: str) -> None:
+        super().__init__(p=1.0)
+        self.size, self.interpolation = size, interpolation
+        self.resize_to = math.floor(size / crop_pct)
+
+    def apply(self, img: np.ndarray, **params) -> np.ndarray:
+        height, width = short_side_size(*img.shape[:2], self.resize_to)
+        resized = resize(img, height, width, self.interpolation)
+        top, left = int(round((height - self.size) / 2.0)), int(round((width - self.size) / 2.0))
+        return resized[top:top + self.size, left:left + self.size]
+
+
+class RandomResizedCrop(A.RandomResizedCrop):
+    """albumentations' box draw (torchvision's algorithm, from the per-sample seeded RNG), resized by `resize`;
+    interpolation "random" picks bilinear or bicubic per image, as timm's RandomResizedCropAndInterpolation."""
+
+    def __init__(self, size: int, scale: Sequence[float], ratio: Sequence[float], interpolation: str) -> None:
+        super().__init__(size=(size, size), scale=tuple(scale), ratio=tuple(ratio))
+        self.resample = interpolation
+
+    def get_params_dependent_on_data(self, params: dict, data: dict) -> dict:
+        chosen = self.py_random.choice(list(ANTIALIASED)) if self.resample == "random" else self.resample
+        return {**super().get_params_dependent_on_data(params, data), "resample": chosen}
+
+    def apply(self, img: np.ndarray, crop_coords: tuple[int, int, int, int], resample: str, **params) -> np.ndarray:
+        x1, y1, x2, y2 = crop_coords
+        return resize(img[y1:y2, x1:x2], *self.size, resample)
+
+
+def train_interpolation(cfg: DataConfig) -> str:
+    """data.train_interpolation, or data.interpolation when it is unset."""
+    return cfg.train_interpolation or cfg.interpolation
 
 
 def train_transform(cfg: DataConfig) -> A.Compose:
     """RandomResizedCrop + flip (+ colour jitter), as uint8; the eval preset when augment is off."""
     if not cfg.augment:
         return eval_transform(cfg)
-    size = (cfg.img_size, cfg.img_size)
     steps: list[A.BasicTransform] = [
-        A.RandomResizedCrop(size=size, scale=tuple(cfg.scale), ratio=tuple(cfg.ratio),
-                            interpolation=INTERPOLATION[cfg.interpolation]),
+        RandomResizedCrop(cfg.img_size, cfg.scale, cfg.ratio, train_interpolation(cfg)),
         A.HorizontalFlip(p=cfg.hflip),
     ]
     if cfg.color_jitter > 0:
@@ -54,18 +118,75 @@ def tensor_augment(cfg: DataConfig) -> TensorTransform | None:
         return None
     steps: list[TensorTransform] = []
     policy, options = parse_auto_augment(cfg.auto_augment)
-    if policy == "rand":
+    if policy == "rand" and options["inc"]:
+        steps.append(TimmPolicy(timm_rand_augment(cfg)))
+    elif policy == "rand":
         steps.append(TimmRandAugment(int(options["n"]), options["m"], options["mstd"], options["p"]))
-    elif policy == "trivialaugment":
-        steps.append(TrivialAugmentWide())
+    elif policy == "trivialaugment":  # torchvision's preset passes its --interpolation (bilinear) to the policy
+        mode = ANTIALIASED.get(train_interpolation(cfg), v2.InterpolationMode.NEAREST)
+        steps.append(TrivialAugmentWide(interpolation=mode))
     elif policy == "augmix":
         steps.append(v2.AugMix(severity=int(options["m"]), mixture_width=int(options["w"]),
                                chain_depth=int(options["d"])))
     elif policy == "autoaugment":
         steps.append(AutoAugment(v2.AutoAugmentPolicy.IMAGENET))
-    if cfg.random_erase > 0:
+    if cfg.random_erase > 0 and cfg.random_erase_mode == "const":  # 0 after normalization: the mean colour
+        steps.append(v2.RandomErasing(cfg.random_erase, value=mean_colour(cfg.mean)))
+    elif cfg.random_erase > 0:
         steps.append(PixelErasing(cfg.random_erase, cfg.mean, cfg.std))
     return v2.Compose(steps) if steps else None
+
+
+def mean_colour(mean: Sequence[float]) -> list[int]:
+    """data.mean as uint8 pixels, rounded as timm's img_mean (the fill of its geometric ops)."""
+    return [min(255, round(255 * m)) for m in mean]
+
+
+def timm_rand_augment(cfg: DataConfig) -> Callable:
+    """timm's own RandAugment for data.auto_augment, with the hparams timm's create_transform gives it: the
+    mean colour as fill, translate 0.45 of the crop, the training interpolation (bilinear or bicubic; else
+    timm's random choice of the two per op)."""
+    from timm.data import auto_augment
+    from timm.data.transforms import str_to_pil_interp
+
+    hparams = {"translate_const": int(cfg.img_size * 0.45), "img_mean": tuple(mean_colour(cfg.mean))}
+    if train_interpolation(cfg) in ANTIALIASED:
+        hparams["interpolation"] = str_to_pil_interp(train_interpolation(cfg))
+    policy = auto_augment.rand_augment_transform(cfg.auto_augment, hparams)
+    for op in policy.ops:
+        if op.aug_fn is auto_augment.posterize:
+            op.aug_fn = posterize
+    return policy
+
+
+def posterize(image: Image.Image, bits_to_keep: int, **kwargs) -> Image.Image:
+    """timm's posterize, where 0 bits (magnitude 10 of PosterizeIncreasing) gives the black image older Pillow
+    gave; Pillow 13 raises instead."""
+    from timm.data import auto_augment
+
+    if bits_to_keep <= 0:
+        return Image.new(image.mode, image.size)
+    return auto_augment.posterize(image, bits_to_keep, **kwargs)
+
+
+class TimmPolicy:
+    """A timm PIL policy on a uint8 CHW tensor. timm draws from Python's and NumPy's global RNGs: both are
+    seeded from torch's (which data.datasets seeds per sample) and put back afterwards."""
+
+    def __init__(self, policy: Callable) -> None:
+        self.policy = policy
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        seed = int(torch.randint(2**62, ()))
+        python_state, numpy_state = random.getstate(), np.random.get_state()
+        try:
+            random.seed(seed)
+            np.random.seed(seed % 2**32)
+            out = self.policy(Image.fromarray(np.ascontiguousarray(image.permute(1, 2, 0).numpy())))
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
+        return torch.from_numpy(np.array(out)).permute(2, 0, 1)
 
 
 class FastKernels:
@@ -212,13 +333,8 @@ class PixelErasing(v2.RandomErasing):
 
 
 def eval_transform(cfg: DataConfig) -> A.Compose:
-    """Resize the short side to img_size / crop_pct, centre crop img_size, as uint8."""
-    resize_to = int(round(cfg.img_size / cfg.crop_pct))
-    return A.Compose([
-        A.SmallestMaxSize(max_size=resize_to, interpolation=INTERPOLATION[cfg.interpolation]),
-        A.CenterCrop(height=cfg.img_size, width=cfg.img_size),
-        ToTensorV2(),
-    ])
+    """Resize the short side to floor(img_size / crop_pct), centre crop img_size, as uint8 (timm's eval preset)."""
+    return A.Compose([ResizeCentreCrop(cfg.img_size, cfg.crop_pct, cfg.interpolation), ToTensorV2()])
 
 
 class DeviceNormalize:

@@ -83,6 +83,7 @@ class DataConfig:
     img_size: int = 32  # train crop size (pixels)
     crop_pct: float = 0.875  # eval: resize to img_size / crop_pct, centre crop; unset: model.init_from weights'
     interpolation: str = "bilinear"  # bilinear | bicubic | nearest | area | lanczos; unset: model.init_from weights'
+    train_interpolation: str = ""  # train crop, policies: "" = data.interpolation | random (bilinear/bicubic)
     augment: bool = True  # false: the train pipeline is the (deterministic) eval pipeline
     scale: list[float] = field(default_factory=lambda: [0.08, 1.0])  # RandomResizedCrop area
     ratio: list[float] = field(default_factory=lambda: [0.75, 1.3333])  # RandomResizedCrop aspect
@@ -99,8 +100,9 @@ class DataConfig:
     dummy_val_size: int = 250  # dummy: validation images
     dummy_num_classes: int = 10  # dummy: classes
     dummy_image_size: int = 64  # dummy: side of the generated images (pixels)
-    auto_augment: str = ""  # "" | rand-m9-mstd0.5 (-n2: ops, -p0.5: per op) | trivialaugment | augmix | autoaugment
-    random_erase: float = 0.0  # probability of erasing a random box with random pixels (timm mode='pixel')
+    auto_augment: str = ""  # "" | rand-m9-mstd0.5 (-n2, -p0.5, -inc1: timm's) | trivialaugment | augmix | autoaugment
+    random_erase: float = 0.0  # probability of erasing a random box (timm's RandomErasing, as data.random_erase_mode)
+    random_erase_mode: str = "pixel"  # pixel: random normal pixels (timm); const: 0 after normalization (torchvision)
     mixup_alpha: float = 0.0  # mixup Beta(alpha, alpha) between pairs of images; 0 = off
     cutmix_alpha: float = 0.0  # cutmix Beta(alpha, alpha) box between pairs of images; 0 = off
     mixup_prob: float = 1.0  # probability that a pair is mixed (when mixup or cutmix is on)
@@ -202,6 +204,8 @@ CHOICES = {
     "data.name": ("imagefolder", "dummy", "digits", "wds", "listfile", "hf"),
     "model.freeze": ("none", "backbone"),
     "data.interpolation": ("bilinear", "bicubic", "nearest", "area", "lanczos"),
+    "data.random_erase_mode": ("pixel", "const"),
+    "data.train_interpolation": ("", "random", "bilinear", "bicubic", "nearest", "area", "lanczos"),
     "dist.backend": ("auto", "nccl", "gloo"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
     "train.loss": ("ce", "bce"),
@@ -450,10 +454,12 @@ def validate(cfg: Config) -> None:
         raise UserError("config keys 'data.mean' and 'data.std' need 3 values each (RGB), std > 0")
 
 
-AUTO_AUGMENT_FORMS = ("rand-m<magnitude 0-10>[-n<ops>][-mstd<std>][-p<op probability>] (e.g. rand-m9-mstd0.5), "
+AUTO_AUGMENT_FORMS = ("rand-m<magnitude 0-10>[-n<ops>][-mstd<std>][-p<op probability>][-inc1] (e.g. "
+                      "rand-m9-mstd0.5-inc1), "
                       "trivialaugment, "
                       "augmix[-m<severity 1-10>][-w<width>][-d<depth>], autoaugment, or \"\" for none")
-AUTO_AUGMENT_OPTIONS = {"rand": {"m": 9.0, "n": 2.0, "mstd": 0.0, "p": 0.5}, "augmix": {"m": 3.0, "w": 3.0, "d": -1.0},
+AUTO_AUGMENT_OPTIONS = {"rand": {"m": 9.0, "n": 2.0, "mstd": 0.0, "p": 0.5, "inc": 0.0},
+                        "augmix": {"m": 3.0, "w": 3.0, "d": -1.0},
                         "trivialaugment": {}, "autoaugment": {}}
 
 
@@ -472,8 +478,10 @@ def parse_auto_augment(text: str) -> tuple[str, dict[str, float]]:
             raise UserError(f"config key 'data.auto_augment' is {text!r}: cannot read {part!r}; use "
                             f"{AUTO_AUGMENT_FORMS}")
         options[match.group(1)] = float(match.group(2))
-    if name == "rand" and not (options["m"] <= 10 and options["n"] >= 1 and options["p"] <= 1):
-        raise UserError(f"config key 'data.auto_augment' is {text!r}: rand needs m in 0-10, n >= 1 and p in [0, 1]")
+    if name == "rand" and not (options["m"] <= 10 and options["n"] >= 1 and options["p"] <= 1
+                               and options["inc"] in (0, 1)):
+        raise UserError(f"config key 'data.auto_augment' is {text!r}: rand needs m in 0-10, n >= 1, p in [0, 1] "
+                        f"and inc 0 or 1")
     if name == "augmix" and not (1 <= options["m"] <= 10 and options["w"] >= 1):
         raise UserError(f"config key 'data.auto_augment' is {text!r}: augmix needs m in 1-10 and w >= 1")
     return name, options

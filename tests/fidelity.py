@@ -102,7 +102,35 @@ SCHEDULE_ROWS = [
 ]
 
 # Preprocessing, RandAugment ops and random erasing (issue 31 items 1 and 4): rows from that work go here.
-PREPROCESSING_ROWS: list[Row] = []
+PIXELS = "tests/test_pixels.py::"
+EVAL_TIMM = PIXELS + "test_eval_preset_equals_timms"
+CROP_TEST = PIXELS + "test_training_crop_equals_torchvisions_and_timms_for_a_given_box"
+INC1_TEST = PIXELS + "test_rand_augment_inc1_ops_equal_timms"
+PREPROCESSING_ROWS: list[Row] = [
+    *(Row(name, "eval resize", "timm: PIL, short side floor(img_size / crop_pct), bicubic, centre crop",
+          ("data.img_size", "data.crop_pct", "data.interpolation"), EVAL_TIMM, "torch's antialiased resize")
+      for name in ("deit_small.yaml", "convnext_tiny.yaml", "resnet50_rsb_a3.yaml")),
+    *(Row(name, "RandAugment", f"timm {policy} (posterize to 1 bit at m9, mean-colour fill, bicubic)",
+          ("data.auto_augment",), INC1_TEST, "timm's own ops, seeded per sample")
+      for name, policy in (("deit_small.yaml", "rand-m9-mstd0.5-inc1"), ("convnext_tiny.yaml", "rand-m9-mstd0.5-inc1"),
+                           ("resnet50_rsb_a3.yaml", "rand-m6-mstd0.5-inc1"))),
+    *(Row(name, "training crop resize", "PIL antialiased resized_crop (timm RandomResizedCropAndInterpolation)",
+          ("data.scale", "data.ratio"), CROP_TEST, "torch's antialiased resize of the same box")
+      for name in ("deit_small.yaml", "convnext_tiny.yaml", "resnet50_rsb_a3.yaml", "resnet50_torchvision.yaml",
+                   "resnet50.yaml")),
+    Row("resnet50_rsb_a3.yaml", "train interpolation", "--train-interpolation random (timm train.py)",
+        ("data.train_interpolation",), PIXELS + "test_random_training_interpolation_picks_bilinear_or_bicubic_per_image"),
+    Row("deit_small.yaml", "random erasing mode", "--remode pixel", ("data.random_erase", "data.random_erase_mode"),
+        "tests/test_augment.py::test_erasing_fills_a_box_with_varied_pixels"),
+    Row("resnet50_torchvision.yaml", "eval preset", "resize 232, centre crop 224, bilinear antialiased "
+        "(ImageClassification)", ("data.crop_pct", "data.interpolation"),
+        PIXELS + "test_eval_preset_equals_torchvisions_for_its_recipe"),
+    Row("resnet50_torchvision.yaml", "TrivialAugment interpolation", "bilinear (--interpolation)",
+        ("data.auto_augment", "data.interpolation"), PIXELS + "test_trivial_augment_samples_as_torchvisions_preset"),
+    Row("resnet50_torchvision.yaml", "random erasing value", "0 after Normalize (RandomErasing, value 0)",
+        ("data.random_erase", "data.random_erase_mode"),
+        PIXELS + "test_const_erasing_is_zero_after_normalize_as_torchvisions"),
+]
 
 ROWS = SCHEDULE_ROWS + PREPROCESSING_ROWS
 

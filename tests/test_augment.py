@@ -36,6 +36,7 @@ def dataset(cfg: DataConfig, size: int = 24) -> DummyDataset:
 
 @pytest.mark.parametrize("value, message", [
     ("rand", None), ("rand-m9-mstd0.5", None), ("rand-m7-n3-p1", None), ("rand-m9-mstd101-p0.25", None),
+    ("rand-m9-mstd0.5-inc1", None), ("rand-m9-inc2", "p in [0, 1] and inc 0 or 1"),
     ("trivialaugment", None), ("augmix", None),
     ("augmix-m3-w3", None), ("autoaugment", None),
     ("randaugment", "config key 'data.auto_augment' is 'randaugment'; use rand-m<magnitude"),
@@ -58,6 +59,7 @@ def test_auto_augment_strings(value, message, capsys):
     ("data.cutmix_alpha=-1", "config key 'data.cutmix_alpha' must be >= 0, got -1.0"),
     ("data.aug_repeats=-2", "config key 'data.aug_repeats' must be >= 0, got -2"),
     ("train.loss=focal", "config key 'train.loss' is 'focal'; choose one of ce, bce"),
+    ("data.random_erase_mode=rand", "config key 'data.random_erase_mode' is 'rand'; choose one of pixel, const"),
 ])
 def test_recipe_keys_out_of_range(override, message):
     with pytest.raises(UserError) as err:
@@ -126,8 +128,9 @@ def test_opencv_kernels_match_torchvision(op, magnitudes):
 
 @pytest.mark.parametrize("policy", ["rand-m9-n3-p1", "trivialaugment", "autoaugment"])
 def test_policies_take_the_opencv_kernels(policy, monkeypatch):
-    """The policies call the ops as torchvision does (interpolation as the string "nearest"); a spy on
-    torchvision's own kernels (which still run when called) shows FastKernels answered every such op."""
+    """The policies call the ops as torchvision does (interpolation as the string "nearest"; TrivialAugment
+    takes data.interpolation, as torchvision's preset); a spy on torchvision's own kernels (which still run
+    when called) shows FastKernels answered every such op."""
     from torchvision.transforms.v2 import _auto_augment
 
     called = []
@@ -138,7 +141,7 @@ def test_policies_take_the_opencv_kernels(policy, monkeypatch):
 
     for name in ("affine", "rotate", "adjust_sharpness", "solarize", "autocontrast"):
         monkeypatch.setattr(_auto_augment.F, name, spy(name))
-    transform = tensor_augment(DataConfig(img_size=32, auto_augment=policy))
+    transform = tensor_augment(DataConfig(img_size=32, auto_augment=policy, interpolation="nearest"))
     generator = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     for _ in range(60):
@@ -188,11 +191,12 @@ def equal(a: tuple, b: tuple) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
 
 
-def test_sample_augmentation_is_the_same_for_any_ranks_and_workers():
-    cfg = DataConfig(**RECIPE)
-    reference = per_sample_images(cfg, world=1, workers=0)
+@pytest.mark.parametrize("policy", ["rand-m9-mstd0.5", "rand-m9-mstd0.5-inc1"])  # torchvision's ops, timm's
+def test_sample_augmentation_is_the_same_for_any_ranks_and_workers(policy):
+    recipe = {**RECIPE, "auto_augment": policy}
+    reference = per_sample_images(DataConfig(**recipe), world=1, workers=0)
     for world, workers in ((2, 0), (1, 2), (2, 2)):
-        images = per_sample_images(DataConfig(**RECIPE), world, workers)
+        images = per_sample_images(DataConfig(**recipe), world, workers)
         assert images.keys() <= reference.keys() and len(images) >= 16
         assert all(equal(images[key], reference[key]) for key in images), (world, workers)
 

@@ -210,12 +210,13 @@ def test_interpolation_reaches_both_pipelines():
     from engine.config import DataConfig
 
     image = np.random.default_rng(0).integers(0, 256, (20, 20, 3), dtype=np.uint8)
-    for name, flag in (("nearest", cv2.INTER_NEAREST), ("bicubic", cv2.INTER_CUBIC), ("area", cv2.INTER_AREA)):
+    for name, flag in (("nearest", cv2.INTER_NEAREST), ("area", cv2.INTER_AREA)):  # bilinear, bicubic: test_pixels
         cfg = DataConfig(img_size=8, crop_pct=0.5, interpolation=name)
         out = eval_transform(cfg)(image=image)["image"].permute(1, 2, 0).numpy()
         expected = cv2.resize(image, (16, 16), interpolation=flag)[4:12, 4:12]
         assert np.array_equal(out, expected), name
-        assert train_transform(cfg).transforms[0].interpolation == flag
+    for name in ("nearest", "bicubic", "area"):
+        assert train_transform(DataConfig(interpolation=name)).transforms[0].resample == name
 
 
 def test_finetune_digits_config_leaves_the_preprocessing_to_the_weights():
