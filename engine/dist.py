@@ -11,6 +11,8 @@ import contextlib
 import datetime
 import logging
 import os
+import shutil
+import subprocess
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
@@ -77,6 +79,55 @@ def gpu_supported(capability: tuple[int, int], arch_list: list[str]) -> bool:
     return False
 
 
+# CUDA major version of the torch wheel -> oldest driver branch that runs it (NVIDIA's CUDA compatibility table,
+# with minor-version compatibility).
+OLDEST_DRIVER = {"11": 450, "12": 525, "13": 580}
+
+
+def nvidia_driver_version() -> str | None:
+    """The driver version of the first GPU `nvidia-smi` on PATH lists; None where it lists none or is absent."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    versions = out.stdout.split()
+    return versions[0] if out.returncode == 0 and versions else None
+
+
+def unusable_gpu(driver: str | None, wheel_cuda: str | None, cuda_available: bool, visible: str | None) -> str | None:
+    """Why a GPU that nvidia-smi lists cannot be used by this torch, or None (usable, none listed, CPU asked for).
+
+    Without this check torch warns and the run trains on the CPU for days. `CUDA_VISIBLE_DEVICES=` asks for the CPU.
+    """
+    if cuda_available or driver is None or (visible is not None and visible.strip() in ("", "-1")):
+        return None
+    if wheel_cuda is None:
+        cause, fix = "this torch build is CPU-only", "install torch's CUDA build"
+    else:
+        oldest = OLDEST_DRIVER.get(wheel_cuda.split(".")[0])
+        major = driver.split(".")[0]
+        if oldest is not None and major.isdigit() and int(major) < oldest:
+            cause = f"this torch build is for CUDA {wheel_cuda}, which needs driver {oldest} or newer"
+            fix = f"update the NVIDIA driver to {oldest}+ or install a torch build for an older CUDA"
+        else:
+            cause = f"this torch build is for CUDA {wheel_cuda}; torch's warning above says why"
+            fix = "check that the GPU is free and CUDA_VISIBLE_DEVICES names it"
+    return (f"nvidia-smi lists a GPU (driver {driver}) but torch cannot use it ({cause}): {fix} (docs/gpu.md, "
+            "'A GPU torch cannot use'), or set CUDA_VISIBLE_DEVICES= to train on the CPU")
+
+
+def check_gpu_usable() -> None:
+    """Stop before anything is written when a GPU is present but torch would silently train on the CPU."""
+    problem = unusable_gpu(nvidia_driver_version(), torch.version.cuda, torch.cuda.is_available(),
+                           os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if problem is not None:
+        raise UserError(problem)
+
+
 def collective_timeout(timeout_s: int, env: dict[str, str] | None = None) -> int:
     """dist.timeout_s, where 0 means: 1800 s under torchrun, 600 s under a launcher without an elastic agent.
 
@@ -92,6 +143,8 @@ def collective_timeout(timeout_s: int, env: dict[str, str] | None = None) -> int
 def init_distributed(backend: str = "auto", timeout_s: int = 0, rendezvous_timeout_s: int = 300) -> DistInfo:
     """Join the process group (if launched with several processes) and pick this rank's device."""
     rank, world, local_rank, local_world = read_launch_env()
+    if not torch.cuda.is_available():
+        check_gpu_usable()
     if backend == "nccl" and not torch.cuda.is_available():
         raise UserError("dist.backend=nccl needs CUDA GPUs and this process sees none; use dist.backend=auto "
                         "(gloo on CPU)")

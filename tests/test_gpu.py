@@ -1,6 +1,7 @@
 """The GPU tier: what only a CUDA machine can show. Run it there with `python -m pytest -m gpu -s -q`.
 
-Skipped (with the reason) where CUDA is absent; the two-process tests also need two GPUs. The runs are real
+Skipped (with the reason) where no GPU exists, failed with one line where nvidia-smi lists a GPU torch cannot use
+(tests/conftest.py); the two-process tests also need two GPUs. The runs are real
 `train.py` / `evaluate.py` processes (torchrun with NCCL for two), as on the CPU tier, on synthetic data.
 tests/test_gpu_path.py proves on the CPU what can be reproduced there.
 """
@@ -22,8 +23,7 @@ from tests.helpers import read_jsonl, run_script, script_env
 
 CUDA = torch.cuda.is_available()
 GPUS = torch.cuda.device_count() if CUDA else 0
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: run `python -m pytest -m gpu -s` on one")]
+pytestmark = pytest.mark.gpu  # tests/conftest.py skips it without a GPU and fails it where the GPU is unusable
 two_gpus = pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs, this machine has {GPUS}")
 
 TINY = ["--config", "configs/dummy.yaml", "model.name=resnet10t", "data.img_size=32", "data.dummy_image_size=40",

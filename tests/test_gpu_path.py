@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import collections
 import copy
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import timm
@@ -24,7 +28,7 @@ from data.mixing import BatchMix, MixCollate
 from data.transforms import DeviceNormalize, eval_transform
 from engine.checkpoint import Checkpointer
 from engine.config import DataConfig, OptimConfig, SchedConfig, TrainConfig
-from engine.dist import DistInfo, cuda_device_index
+from engine.dist import DistInfo, cuda_device_index, unusable_gpu
 from engine.errors import UserError
 from engine.losses import build_loss
 from engine.optim import build_optimizer, build_scheduler
@@ -32,6 +36,7 @@ from engine.precision import Precision, gpu_auto_mode
 from engine.prefetch import device_batches
 from engine.state import TrainState
 from engine.trainer import LoopConfig, TrainParts, evaluate as run_evaluation, train_one_epoch
+from tests.helpers import HANG, REPO, TINY, run_script, script_env
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 
@@ -252,3 +257,47 @@ def test_gpu_generations_the_pinned_wheel_runs_on(capability, supported):
 
 def test_the_installed_wheel_is_the_one_docs_gpu_md_describes():
     assert torch.version.cuda == "13.0" and torch.cuda.get_arch_list() == CU130_ARCHS
+
+
+# 7. a GPU torch cannot use stops the run -------------------------------------------------------------------
+
+@pytest.mark.parametrize("driver, wheel, available, visible, expected", [
+    (None, "13.0", False, None, None),  # no GPU listed: the CPU is the only choice
+    ("580.65.06", "13.0", True, None, None),  # usable
+    ("535.104.05", "13.0", False, "", None),  # CUDA_VISIBLE_DEVICES= asks for the CPU
+    ("535.104.05", "13.0", False, "-1", None),
+    ("535.104.05", "13.0", False, None, r"driver 535\.104\.05.*CUDA 13\.0, which needs driver 580.*update"),
+    ("535.104.05", "13.0", False, "0", r"driver 535\.104\.05.*CUDA 13\.0, which needs driver 580"),
+    ("580.65.06", "13.0", False, None, r"driver 580\.65\.06.*CUDA 13\.0; torch's warning above"),
+    ("550.54.15", None, False, None, r"driver 550\.54\.15.*CPU-only.*CUDA build"),
+])
+def test_a_gpu_torch_cannot_use_is_named_with_driver_wheel_and_fix(driver, wheel, available, visible, expected):
+    problem = unusable_gpu(driver, wheel, available, visible)
+    if expected is None:
+        assert problem is None
+    else:
+        assert re.search(expected, problem) and "docs/gpu.md" in problem and "CUDA_VISIBLE_DEVICES=" in problem
+        assert "\n" not in problem
+
+
+@pytest.mark.slow
+def test_train_and_the_gpu_tier_stop_when_nvidia_smi_lists_a_gpu_torch_cannot_use(tmp_path):
+    """A fake nvidia-smi (driver 535) on PATH: train.py stops before writing, the GPU tier fails, not skips."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 535.104.05\n")
+    fake.chmod(0o755)
+    env = script_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    out = tmp_path / "run"
+    proc = run_script("train.py", *TINY, f"output_dir={out}", env=env, check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and re.search(r"^error: nvidia-smi lists a GPU \(driver 535\.104\.05\).*CUDA "
+                                              + re.escape(str(torch.version.cuda)), lines[-1]), proc.stderr
+    assert not out.exists()
+    cpu = run_script("train.py", *TINY, f"output_dir={out}", "--dry-run", env={**env, "CUDA_VISIBLE_DEVICES": ""})
+    assert not out.exists() and cpu.returncode == 0
+    tier = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+                           "tests/test_gpu.py", "-k", "resume_continues"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=HANG)
+    assert tier.returncode == 1 and "1 error" in tier.stdout and "driver 535.104.05" in tier.stdout, tier.stdout
