@@ -52,10 +52,20 @@ def read_launch_env(env: dict[str, str] | None = None) -> tuple[int, int, int, i
     return 0, 1, 0, 1
 
 
-def cuda_device_index(local_rank: int, device_count: int) -> int:
-    """This rank's GPU: the only visible one (Slurm binds one GPU per task), else the one at its local rank."""
-    if device_count == 1:
+def cuda_device_index(env: dict[str, str], device_count: int) -> int:
+    """This rank's GPU from the launch env: the one at its local rank, or the only visible one if the launcher bound it.
+
+    One visible GPU is this rank's own only under srun (per-task binding) or with one process per node; under
+    torchrun with several processes per node it would be shared, which NCCL rejects or runs slowly.
+    """
+    _, _, local_rank, local_world = read_launch_env(env)
+    srun = "RANK" not in env and "SLURM_PROCID" in env
+    if device_count == 1 and (srun or local_world == 1):
         return 0
+    if device_count == 1:
+        raise UserError(f"{local_world} processes on this node see one GPU and would share it; start one process "
+                        "per GPU (torchrun --nproc_per_node=1) or let Slurm bind one GPU per task (srun "
+                        "--gpus-per-task=1), or check CUDA_VISIBLE_DEVICES")
     if local_rank < device_count:
         return local_rank
     raise UserError(f"this process is local rank {local_rank} but sees {device_count} visible GPU(s); start at most "
@@ -149,7 +159,7 @@ def init_distributed(backend: str = "auto", timeout_s: int = 0, rendezvous_timeo
         raise UserError("dist.backend=nccl needs CUDA GPUs and this process sees none; use dist.backend=auto "
                         "(gloo on CPU)")
     if torch.cuda.is_available():
-        device = torch.device("cuda", cuda_device_index(local_rank, torch.cuda.device_count()))
+        device = torch.device("cuda", cuda_device_index(dict(os.environ), torch.cuda.device_count()))
         capability, built = torch.cuda.get_device_capability(device), torch.cuda.get_arch_list()
         if not gpu_supported(capability, built):
             raise UserError(f"{torch.cuda.get_device_name(device)} (sm_{capability[0]}{capability[1]}) is not supported by "

@@ -121,11 +121,32 @@ def test_tied_logits_give_one_prediction_for_the_metrics_and_the_csv(tmp_path):
 
 # 4. the CUDA device of a rank --------------------------------------------------------------------------------
 
-def test_cuda_device_is_the_local_rank_or_the_only_visible_gpu():
-    assert [cuda_device_index(local_rank, 8) for local_rank in range(8)] == list(range(8))
-    assert [cuda_device_index(local_rank, 1) for local_rank in range(4)] == [0, 0, 0, 0]  # Slurm GPU binding
-    with pytest.raises(UserError, match=r"local rank 2 .* 2 visible GPU"):
-        cuda_device_index(2, 2)
+TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"}
+SRUN = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "2"}
+
+
+@pytest.mark.parametrize("env, gpus, expected", [
+    ({}, 1, 0),  # one process
+    ({}, 4, 0),
+    (TORCHRUN, 8, 1),  # torchrun, one GPU per local rank
+    (SRUN, 8, 1),  # srun without GPU binding: SLURM_LOCALID
+    (SRUN, 1, 0),  # srun --gpus-per-task=1: Slurm bound this task's GPU
+    ({**TORCHRUN, "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}, 1, 0),  # 1 per node
+    ({**SRUN, "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2(x2)", "SLURM_LOCALID": "0"}, 1, 0),
+])
+def test_cuda_device_is_the_local_rank_or_the_gpu_the_launcher_bound(env, gpus, expected):
+    assert cuda_device_index(env, gpus) == expected
+
+
+@pytest.mark.parametrize("env, gpus, message", [
+    (TORCHRUN, 1, r"2 processes on this node see one GPU.*share it.*--nproc_per_node=1.*--gpus-per-task=1"),
+    ({**TORCHRUN, "LOCAL_RANK": "0"}, 1, r"2 processes on this node see one GPU"),  # rank 0 stops too
+    ({**SRUN, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, 1, r"see one GPU"),  # torchrun under srun
+    ({**TORCHRUN, "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3"}, 2, r"local rank 2 .* 2 visible GPU"),
+])
+def test_ranks_that_would_share_or_lack_a_gpu_stop_with_one_line(env, gpus, message):
+    with pytest.raises(UserError, match=message):
+        cuda_device_index(env, gpus)
 
 
 # 5. host<->device syncs in the hot loop ----------------------------------------------------------------------
