@@ -150,6 +150,17 @@ def collective_timeout(timeout_s: int, env: dict[str, str] | None = None) -> int
     return 1800 if "TORCHELASTIC_RUN_ID" in env else 600
 
 
+def nccl_watchdog_env(env: dict[str, str]) -> dict[str, str]:
+    """The NCCL watchdog settings the app runs with (the user's own values stand).
+
+    Under NCCL a rank whose peer died waits inside a CUDA kernel, not in Python: only the watchdog ends it.
+    ASYNC_ERROR_HANDLING=3 makes the watchdog end the process once a collective exceeds dist.timeout_s;
+    monitoring ends it too if the watchdog itself hangs (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC, 480 s).
+    """
+    defaults = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_ENABLE_MONITORING": "1"}
+    return {name: env.get(name, value) for name, value in defaults.items()}
+
+
 def init_distributed(backend: str = "auto", timeout_s: int = 0, rendezvous_timeout_s: int = 300) -> DistInfo:
     """Join the process group (if launched with several processes) and pick this rank's device."""
     rank, world, local_rank, local_world = read_launch_env()
@@ -173,10 +184,13 @@ def init_distributed(backend: str = "auto", timeout_s: int = 0, rendezvous_timeo
             backend = "nccl" if device.type == "cuda" else "gloo"
         if "MASTER_ADDR" not in os.environ:
             raise UserError("MASTER_ADDR/MASTER_PORT are not set: launch with torchrun, or export them for srun")
-        if backend == "nccl":  # a timed-out or failed collective aborts the process instead of hanging it
-            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-        store = join(rank, world, rendezvous_timeout_s)
         timeout = datetime.timedelta(seconds=collective_timeout(timeout_s))
+        if backend == "nccl":  # a timed-out or failed collective ends the process instead of hanging it
+            os.environ.update(nccl_watchdog_env(dict(os.environ)))
+            log.info("NCCL watchdog: a collective waiting over %d s (dist.timeout_s) ends this process "
+                     "(TORCH_NCCL_ASYNC_ERROR_HANDLING=%s)", timeout.total_seconds(),
+                     os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"])
+        store = join(rank, world, rendezvous_timeout_s)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
     return DistInfo(rank, world, local_rank, local_world, device)

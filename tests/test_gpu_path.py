@@ -17,6 +17,7 @@ import sys
 import pytest
 import timm
 import torch
+import torch.distributed as dist
 from timm.optim import create_optimizer_v2
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -28,7 +29,8 @@ from data.mixing import BatchMix, MixCollate
 from data.transforms import DeviceNormalize, eval_transform
 from engine.checkpoint import Checkpointer
 from engine.config import DataConfig, OptimConfig, SchedConfig, TrainConfig
-from engine.dist import DistInfo, cuda_device_index, unusable_gpu
+from engine.cli import collective_failure_line, peer_lost_error
+from engine.dist import DistInfo, cuda_device_index, nccl_watchdog_env, unusable_gpu
 from engine.errors import UserError
 from engine.losses import build_loss
 from engine.optim import build_optimizer, build_scheduler
@@ -322,3 +324,45 @@ def test_train_and_the_gpu_tier_stop_when_nvidia_smi_lists_a_gpu_torch_cannot_us
                            "tests/test_gpu.py", "-k", "resume_continues"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=HANG)
     assert tier.returncode == 1 and "1 error" in tier.stdout and "driver 535.104.05" in tier.stdout, tier.stdout
+
+
+# 8. a failed collective names the rank at fault --------------------------------------------------------------
+
+REMOTE = "ncclRemoteError: A call failed possibly due to a network error or a remote process exiting prematurely."
+CUDA_OOM = ("NCCL error in: ProcessGroupNCCL.cpp:3356, unhandled cuda error (run with NCCL_DEBUG=INFO for details)\n"
+            "ncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\nCuda failure 'out of memory'")
+
+
+@pytest.mark.parametrize("err, lost", [
+    (dist.DistBackendError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:40213"), True),
+    (dist.DistBackendError("[gloo/transport/tcp/pair.cc:598] Read error: Connection reset by peer"), True),
+    (dist.DistBackendError("[unbound_buffer.cc:81] Timed out waiting 600000ms for recv operation to complete"), True),
+    (dist.DistBackendError("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE, "
+                           "Timeout(ms)=600000) ran for 600012 milliseconds before timing out."), True),
+    (dist.DistBackendError(f"NCCL error in: ProcessGroupNCCL.cpp:3356, remote process exited\n{REMOTE}"), True),
+    (dist.DistNetworkError("failed to recv, got 0 bytes"), True),  # the store's host is gone
+    (dist.DistStoreError("Socket Timeout"), True),
+    (RuntimeError("[pair.cc:534] Connection closed by peer [127.0.0.1]:40213"), True),
+    (dist.DistBackendError("CUDA error: an illegal memory access was encountered"), False),
+    (dist.DistBackendError(CUDA_OOM), False),
+    (dist.DistBackendError("ncclInvalidUsage: This usually reflects invalid usage of NCCL library."), False),
+    (RuntimeError("Expected all tensors to be on the same device, but found cuda:0 and cpu"), False),
+], ids=lambda value: type(value).__name__ if isinstance(value, Exception) else str(value))
+def test_only_lost_connections_and_timeouts_blame_another_rank(err, lost):
+    assert peer_lost_error(err) is lost
+    line = collective_failure_line(err, rank=3)
+    assert line is not None if isinstance(err, dist.DistError) or lost else line is None
+    if lost:
+        assert line.startswith("[rank 3] stopped: a collective failed because another process failed")
+    elif line is not None:
+        assert line.startswith("[rank 3] error: a collective failed in this process") and "another" not in line
+    assert line is None or "\n" not in line
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, "3"),
+    ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, "1"),  # the user's choice stands
+])
+def test_nccl_watchdog_settings_are_explicit(env, expected):
+    settings = nccl_watchdog_env(env)
+    assert settings["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == expected and settings["TORCH_NCCL_ENABLE_MONITORING"] == "1"
