@@ -263,6 +263,20 @@ def max_over_ranks(value: int, device: torch.device) -> int:
     return int(tensor.item())
 
 
+def step_flags_over_ranks(nonfinite: torch.Tensor, stop_signal: int) -> tuple[bool, int]:
+    """Any rank's inf/NaN flag and largest stop signal: one all-reduce (MAX) of one tensor, one read on the host.
+
+    The signal is made on the device by a fill (not copied from the host); both values come back packed in one
+    number, so a step waits for the device once.
+    """
+    signal = torch.full((), stop_signal, dtype=torch.int32, device=nonfinite.device)
+    flags = torch.stack([nonfinite.to(torch.int32), signal])
+    if dist.is_initialized():
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    packed = int((flags[0] * 256 + flags[1]).item())  # signal numbers are below 256
+    return packed >= 256, packed % 256
+
+
 def broadcast_tensors(tensors: Iterable[torch.Tensor], src: int = 0) -> None:
     """Overwrite every rank's tensors with rank `src`'s, in place."""
     if dist.is_initialized():

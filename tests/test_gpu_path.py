@@ -28,17 +28,21 @@ from data.loader import build_eval_loader
 from data.mixing import BatchMix, MixCollate
 from data.transforms import DeviceNormalize, eval_transform
 from engine.checkpoint import Checkpointer
-from engine.config import DataConfig, OptimConfig, SchedConfig, TrainConfig
+from engine.config import DataConfig, ModelConfig, OptimConfig, SchedConfig, TrainConfig
 from engine.cli import collective_failure_line, peer_lost_error
 from engine.dist import DistInfo, cuda_device_index, nccl_watchdog_env, unusable_gpu
 from engine.errors import UserError
+from engine.hooks import EmaUpdate
 from engine.losses import build_loss
 from engine.optim import build_optimizer, build_scheduler
 from engine.precision import Precision, gpu_auto_mode
 from engine.prefetch import device_batches
 from engine.state import TrainState
 from engine.trainer import LoopConfig, TrainParts, evaluate as run_evaluation, train_one_epoch
-from tests.helpers import HANG, REPO, TINY, run_script, script_env
+from models.ema import create_ema
+from models.factory import prepare_model
+from tests.helpers import HANG, REPO, TINY, run_ranks, run_script, script_env
+from train import wrap_for_training
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 
@@ -166,29 +170,64 @@ class HostTraffic(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+COLLECTIVES = ("allreduce_", "broadcast_", "allgather_", "reduce_scatter_", "_allgather_base_", "alltoall_")
+
+
 def _batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(0)
     return [(torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8, generator=generator),
              torch.randint(0, 4, (4,), generator=generator)) for _ in range(count)]
 
 
-def test_training_and_evaluation_steps_make_no_hidden_host_device_traffic():
+STEPS = 6
+
+
+def _step_traffic(rank: int, world: int, sync_bn: bool) -> dict[str, int]:
+    """Host<->device traffic and collectives of STEPS training steps on this rank, EMA on, as train.py builds it."""
     torch.manual_seed(0)
-    model = timm.create_model("test_resnet", num_classes=4)
+    info = DistInfo(rank, world, rank, world, torch.device("cpu"))
+    model_cfg = ModelConfig(name="test_resnet", sync_bn=sync_bn, channels_last=False)
+    model = prepare_model(timm.create_model("test_resnet", num_classes=4), model_cfg, info.device, world)
+    trained = wrap_for_training(model, model_cfg, info)  # DDP when world > 1 (its start-up broadcasts not counted)
     optimizer = build_optimizer(model, OptimConfig())
-    scheduler = build_scheduler(optimizer, SchedConfig(), 1, 6)
+    parts = TrainParts(trained, optimizer, build_scheduler(optimizer, SchedConfig(), 1, STEPS),
+                       torch.nn.CrossEntropyLoss(), Precision("cpu", None))
+    loop = LoopConfig(1, 0.0, 0, 1000, DeviceNormalize([0.5] * 3, [0.5] * 3, info.device, False), False)
+    hooks = [EmaUpdate(create_ema(model, 0.99, warmup=True), model)]
+    batches = _batches(STEPS)  # made before recording: in a real run they come from the DataLoader's workers
+    with HostTraffic() as traffic:
+        train_one_epoch(parts, batches, TrainState(), loop, info, hooks)
+    counts = {name: traffic.ops[name] for name in ("lift_fresh", "_local_scalar_dense")}
+    counts["collectives"] = sum(n for name, n in traffic.ops.items() if name in COLLECTIVES)
+    counts["bn_layers"] = sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    return counts
+
+
+def _traffic_on_two_ranks(rank: int, world: int) -> dict[str, dict[str, int]]:
+    return {"plain": _step_traffic(rank, world, False), "sync_bn": _step_traffic(rank, world, True)}
+
+
+def test_training_and_evaluation_steps_make_no_hidden_host_device_traffic():
+    train_traffic = _step_traffic(0, 1, sync_bn=False)
     normalize = DeviceNormalize([0.5] * 3, [0.5] * 3, CPU.device, channels_last=False)
-    loop = LoopConfig(1, 0.0, 0, 1000, normalize, False)
-    batches = _batches(6)  # made before recording: in a real run they come from the DataLoader's workers
-    with HostTraffic() as train_traffic:
-        parts = TrainParts(model, optimizer, scheduler, torch.nn.CrossEntropyLoss(), Precision("cpu", None))
-        train_one_epoch(parts, batches, TrainState(), loop, CPU)
+    model, batches = timm.create_model("test_resnet", num_classes=4), _batches(STEPS)
     with HostTraffic() as eval_traffic:
         run_evaluation(model, batches, Precision("cpu", None), CPU, normalize)
-    assert train_traffic.ops["lift_fresh"] == 0 and eval_traffic.ops["lift_fresh"] == 0
-    # The one documented per-step sync: the inf/NaN gradient check (README, Performance). None in evaluation.
-    assert train_traffic.ops["_local_scalar_dense"] == 6
+    assert train_traffic["lift_fresh"] == 0 and eval_traffic.ops["lift_fresh"] == 0
+    # The one documented per-step read: the inf/NaN gradient check fused with the stop flag. None in evaluation.
+    assert train_traffic["_local_scalar_dense"] == STEPS
     assert eval_traffic.ops["_local_scalar_dense"] == 0
+
+
+@pytest.mark.slow
+def test_two_ranks_read_the_device_once_per_step_and_sync_bn_adds_two_collectives_per_layer(tmp_path):
+    """With DDP, EMA on: one host read per step (inf/NaN check and stop flag in one all-reduce); SyncBN adds
+    exactly one all-reduce per BatchNorm layer forward and one backward, nothing else (no per-layer host read)."""
+    for ranks in run_ranks(_traffic_on_two_ranks, 2, tmp_path):
+        plain, synced = ranks["plain"], ranks["sync_bn"]
+        for counts in (plain, synced):
+            assert counts["lift_fresh"] == 0 and counts["_local_scalar_dense"] == STEPS, counts
+        assert synced["collectives"] - plain["collectives"] == 2 * synced["bn_layers"] * STEPS, (plain, synced)
 
 
 @pytest.mark.parametrize("loss", ["ce", "bce"])
