@@ -3,8 +3,8 @@
 A UserError becomes one line on stderr and exit code 2; `--debug` shows the traceback instead.
 A rank whose peer died (its collective fails with a lost connection or a timeout) says so in one line
 and exits 1: the peer's own error is the one that explains the failure. Any other collective error (CUDA,
-out of memory inside NCCL) is this rank's own: one line saying so, then its traceback. A run stopped by SIGTERM or SIGUSR1
-during training exits 124 once last.pth holds the step every rank stopped at (engine/signals.py);
+out of memory inside NCCL) is this rank's own: one line saying so, then its traceback. A run stopped by
+SIGTERM or SIGUSR1 during training exits 124 once last.pth holds the step every rank stopped at (engine/signals.py);
 SIGTERM outside training ends the run with one line and exit code 143. DataLoader workers stay quiet.
 
 Under torchrun each of these lines also goes to the rank's error file (TORCHELASTIC_ERROR_FILE), so that

@@ -405,3 +405,29 @@ def test_only_lost_connections_and_timeouts_blame_another_rank(err, lost):
 def test_nccl_watchdog_settings_are_explicit(env, expected):
     settings = nccl_watchdog_env(env)
     assert settings["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == expected and settings["TORCH_NCCL_ENABLE_MONITORING"] == "1"
+
+
+# 9. evaluation repeats exactly on GPUs -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("device, deterministic", [("cuda", True), ("cpu", False)])
+def test_evaluate_asks_cudnn_for_deterministic_algorithms_on_cuda(device, deterministic):
+    """evaluate.py on a GPU: no algorithm picked by timing (cudnn.benchmark), only deterministic ones."""
+    saved = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = False, True
+    try:
+        evaluate.exact_kernels(torch.device(device))
+        assert torch.backends.cudnn.deterministic is deterministic
+        assert torch.backends.cudnn.benchmark is not deterministic
+    finally:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved
+
+
+def test_the_documented_gpu_figures_are_read_by_the_smoke_test():
+    """The GPU tier's resnet50 smoke test reads docs/gpu.md's table: a measured row gives numbers, 'to measure' none."""
+    from tests.test_gpu import documented_figures
+
+    assert documented_figures("NVIDIA H100 80GB HBM3") is None  # "to measure" until a GPU run fills it in
+    assert documented_figures("no such GPU") is None
+    table = "| GPU | img/s | GiB |\n| NVIDIA X | 2,512.5 | 21.25 |\n| NVIDIA Y | to measure | to measure |"
+    assert documented_figures("NVIDIA X", table) == {"img_per_s": 2512.5, "peak_memory_gib": 21.25}
+    assert documented_figures("NVIDIA Y", table) is None
