@@ -254,6 +254,13 @@ def log_to_wandb(cfg: Config, args: argparse.Namespace, result: dict[str, Any], 
     tracker.finish()
 
 
+def exact_kernels(device: torch.device) -> None:
+    """On CUDA: deterministic cuDNN algorithms, none picked by timing, so a batch's outputs repeat exactly."""
+    if device.type == "cuda":
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     ckpt = load_checkpoint(args.checkpoint)
@@ -264,6 +271,7 @@ def main(argv: list[str]) -> int:
         # CPU convolutions round differently with different thread counts; one thread in every
         # process makes the outputs independent of the number of processes (torchrun for speed).
         tune_cpu_process(threads=1)
+    exact_kernels(info.device)
     result = run(cfg, ckpt, args, info)  # report_errors leaves the process group, after reporting any error
     if result is not None:
         worst = sorted((c for c in result["per_class"] if c["top1"] is not None), key=lambda c: c["top1"])[:3]

@@ -1,9 +1,10 @@
 """Entry-point plumbing: error reporting and exit codes shared by train.py and evaluate.py.
 
 A UserError becomes one line on stderr and exit code 2; `--debug` shows the traceback instead.
-A rank whose peer died (its collective fails with a connection error) says so in one line and
-exits 1: the peer's own error is the one that explains the failure. A run stopped by SIGTERM or SIGUSR1
-during training exits 124 once last.pth holds the step every rank stopped at (engine/signals.py);
+A rank whose peer died (its collective fails with a lost connection or a timeout) says so in one line
+and exits 1: the peer's own error is the one that explains the failure. Any other collective error (CUDA,
+out of memory inside NCCL) is this rank's own: one line saying so, then its traceback. A run stopped by
+SIGTERM or SIGUSR1 during training exits 124 once last.pth holds the step every rank stopped at (engine/signals.py);
 SIGTERM outside training ends the run with one line and exit code 143. DataLoader workers stay quiet.
 
 Under torchrun each of these lines also goes to the rank's error file (TORCHELASTIC_ERROR_FILE), so that
@@ -25,7 +26,12 @@ from typing import Callable, NoReturn
 from engine.errors import UserError
 from engine.signals import PREEMPTED, Preempted, Terminated, stop_on_sigterm
 
-PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Timed out", "timed out")
+# What a collective says when another rank is gone or stuck: gloo's TCP errors and timeouts, NCCL's watchdog
+# timeout and remote error. Any other collective error (a CUDA error, an out-of-memory inside NCCL, invalid
+# usage) is this rank's own.
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Connection refused", "Broken pipe",
+             "Timed out", "timed out", "Socket Timeout", "Watchdog caught collective operation timeout",
+             "ncclRemoteError", "remote process exit")
 
 
 def run_main(main: Callable[[list[str]], int | None], after_sigterm: str) -> NoReturn:
@@ -64,12 +70,13 @@ def report_errors(main: Callable[[list[str]], int | None], argv: list[str] | Non
         tell_torchrun(line, caused_here=True)
         return 2
     except RuntimeError as err:
-        if "--debug" in argv or not lost_peer(err):
+        grouped = dist.is_initialized() and dist.get_world_size() > 1
+        line = collective_failure_line(err, dist.get_rank()) if grouped and "--debug" not in argv else None
+        if line is None:
             raise
-        first = str(err).strip().splitlines()[0]
-        line = (f"[rank {dist.get_rank()}] stopped: a collective failed because another process failed, was killed "
-                f"or hung ({first}); that process's own error says why")
         print(line, file=sys.stderr, flush=True)
+        if not peer_lost_error(err):
+            raise  # this rank's own failure: its traceback follows the line (and goes to torchrun's summary)
         tell_torchrun(line, caused_here=False)
         return 1
     except KeyboardInterrupt:
@@ -109,10 +116,21 @@ def tell_torchrun(line: str, caused_here: bool) -> None:
         pass  # the summary then says <N/A>; stderr has the line anyway
 
 
-def lost_peer(err: RuntimeError) -> bool:
-    """A collective that failed because another rank is gone or stuck (gloo/NCCL errors, timeouts)."""
+def peer_lost_error(err: RuntimeError) -> bool:
+    """Only a lost connection or a timeout means another rank failed, was killed or hung."""
     import torch.distributed as dist
 
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return False
-    return isinstance(err, dist.DistError) or any(text in str(err) for text in PEER_LOST)
+    return isinstance(err, (dist.DistNetworkError, dist.DistStoreError)) or any(t in str(err) for t in PEER_LOST)
+
+
+def collective_failure_line(err: RuntimeError, rank: int) -> str | None:
+    """The one line that names who failed: another rank (a lost peer) or this one (any other collective error)."""
+    import torch.distributed as dist
+
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if peer_lost_error(err):
+        return (f"[rank {rank}] stopped: a collective failed because another process failed, was killed or hung "
+                f"({first}); that process's own error says why")
+    if isinstance(err, dist.DistError):
+        return f"[rank {rank}] error: a collective failed in this process itself ({first}); traceback follows"
+    return None

@@ -11,6 +11,8 @@ import contextlib
 import datetime
 import logging
 import os
+import shutil
+import subprocess
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
@@ -50,10 +52,20 @@ def read_launch_env(env: dict[str, str] | None = None) -> tuple[int, int, int, i
     return 0, 1, 0, 1
 
 
-def cuda_device_index(local_rank: int, device_count: int) -> int:
-    """This rank's GPU: the only visible one (Slurm binds one GPU per task), else the one at its local rank."""
-    if device_count == 1:
+def cuda_device_index(env: dict[str, str], device_count: int) -> int:
+    """This rank's GPU from the launch env: the one at its local rank, or the only visible one if the launcher bound it.
+
+    One visible GPU is this rank's own only under srun (per-task binding) or with one process per node; under
+    torchrun with several processes per node it would be shared, which NCCL rejects or runs slowly.
+    """
+    _, _, local_rank, local_world = read_launch_env(env)
+    srun = "RANK" not in env and "SLURM_PROCID" in env
+    if device_count == 1 and (srun or local_world == 1):
         return 0
+    if device_count == 1:
+        raise UserError(f"{local_world} processes on this node see one GPU and would share it; start one process "
+                        "per GPU (torchrun --nproc_per_node=1) or let Slurm bind one GPU per task (srun "
+                        "--gpus-per-task=1), or check CUDA_VISIBLE_DEVICES")
     if local_rank < device_count:
         return local_rank
     raise UserError(f"this process is local rank {local_rank} but sees {device_count} visible GPU(s); start at most "
@@ -77,6 +89,55 @@ def gpu_supported(capability: tuple[int, int], arch_list: list[str]) -> bool:
     return False
 
 
+# CUDA major version of the torch wheel -> oldest driver branch that runs it (NVIDIA's CUDA compatibility table,
+# with minor-version compatibility).
+OLDEST_DRIVER = {"11": 450, "12": 525, "13": 580}
+
+
+def nvidia_driver_version() -> str | None:
+    """The driver version of the first GPU `nvidia-smi` on PATH lists; None where it lists none or is absent."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    versions = out.stdout.split()
+    return versions[0] if out.returncode == 0 and versions else None
+
+
+def unusable_gpu(driver: str | None, wheel_cuda: str | None, cuda_available: bool, visible: str | None) -> str | None:
+    """Why a GPU that nvidia-smi lists cannot be used by this torch, or None (usable, none listed, CPU asked for).
+
+    Without this check torch warns and the run trains on the CPU for days. `CUDA_VISIBLE_DEVICES=` asks for the CPU.
+    """
+    if cuda_available or driver is None or (visible is not None and visible.strip() in ("", "-1")):
+        return None
+    if wheel_cuda is None:
+        cause, fix = "this torch build is CPU-only", "install torch's CUDA build"
+    else:
+        oldest = OLDEST_DRIVER.get(wheel_cuda.split(".")[0])
+        major = driver.split(".")[0]
+        if oldest is not None and major.isdigit() and int(major) < oldest:
+            cause = f"this torch build is for CUDA {wheel_cuda}, which needs driver {oldest} or newer"
+            fix = f"update the NVIDIA driver to {oldest}+ or install a torch build for an older CUDA"
+        else:
+            cause = f"this torch build is for CUDA {wheel_cuda}; torch's warning above says why"
+            fix = "check that the GPU is free and CUDA_VISIBLE_DEVICES names it"
+    return (f"nvidia-smi lists a GPU (driver {driver}) but torch cannot use it ({cause}): {fix} (docs/gpu.md, "
+            "'A GPU torch cannot use'), or set CUDA_VISIBLE_DEVICES= to train on the CPU")
+
+
+def check_gpu_usable() -> None:
+    """Stop before anything is written when a GPU is present but torch would silently train on the CPU."""
+    problem = unusable_gpu(nvidia_driver_version(), torch.version.cuda, torch.cuda.is_available(),
+                           os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if problem is not None:
+        raise UserError(problem)
+
+
 def collective_timeout(timeout_s: int, env: dict[str, str] | None = None) -> int:
     """dist.timeout_s, where 0 means: 1800 s under torchrun, 600 s under a launcher without an elastic agent.
 
@@ -89,14 +150,27 @@ def collective_timeout(timeout_s: int, env: dict[str, str] | None = None) -> int
     return 1800 if "TORCHELASTIC_RUN_ID" in env else 600
 
 
+def nccl_watchdog_env(env: dict[str, str]) -> dict[str, str]:
+    """The NCCL watchdog settings the app runs with (the user's own values stand).
+
+    Under NCCL a rank whose peer died waits inside a CUDA kernel, not in Python: only the watchdog ends it.
+    ASYNC_ERROR_HANDLING=3 makes the watchdog end the process once a collective exceeds dist.timeout_s;
+    monitoring ends it too if the watchdog itself hangs (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC, 480 s).
+    """
+    defaults = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_ENABLE_MONITORING": "1"}
+    return {name: env.get(name, value) for name, value in defaults.items()}
+
+
 def init_distributed(backend: str = "auto", timeout_s: int = 0, rendezvous_timeout_s: int = 300) -> DistInfo:
     """Join the process group (if launched with several processes) and pick this rank's device."""
     rank, world, local_rank, local_world = read_launch_env()
+    if not torch.cuda.is_available():
+        check_gpu_usable()
     if backend == "nccl" and not torch.cuda.is_available():
         raise UserError("dist.backend=nccl needs CUDA GPUs and this process sees none; use dist.backend=auto "
                         "(gloo on CPU)")
     if torch.cuda.is_available():
-        device = torch.device("cuda", cuda_device_index(local_rank, torch.cuda.device_count()))
+        device = torch.device("cuda", cuda_device_index(dict(os.environ), torch.cuda.device_count()))
         capability, built = torch.cuda.get_device_capability(device), torch.cuda.get_arch_list()
         if not gpu_supported(capability, built):
             raise UserError(f"{torch.cuda.get_device_name(device)} (sm_{capability[0]}{capability[1]}) is not supported by "
@@ -110,10 +184,13 @@ def init_distributed(backend: str = "auto", timeout_s: int = 0, rendezvous_timeo
             backend = "nccl" if device.type == "cuda" else "gloo"
         if "MASTER_ADDR" not in os.environ:
             raise UserError("MASTER_ADDR/MASTER_PORT are not set: launch with torchrun, or export them for srun")
-        if backend == "nccl":  # a timed-out or failed collective aborts the process instead of hanging it
-            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-        store = join(rank, world, rendezvous_timeout_s)
         timeout = datetime.timedelta(seconds=collective_timeout(timeout_s))
+        if backend == "nccl":  # a timed-out or failed collective ends the process instead of hanging it
+            os.environ.update(nccl_watchdog_env(dict(os.environ)))
+            log.info("NCCL watchdog: a collective waiting over %d s (dist.timeout_s) ends this process "
+                     "(TORCH_NCCL_ASYNC_ERROR_HANDLING=%s)", timeout.total_seconds(),
+                     os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"])
+        store = join(rank, world, rendezvous_timeout_s)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
     return DistInfo(rank, world, local_rank, local_world, device)
@@ -184,6 +261,20 @@ def max_over_ranks(value: int, device: torch.device) -> int:
     tensor = torch.full((1,), value, dtype=torch.int32, device=device)  # a fill, not a host-to-device copy
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return int(tensor.item())
+
+
+def step_flags_over_ranks(nonfinite: torch.Tensor, stop_signal: int) -> tuple[bool, int]:
+    """Any rank's inf/NaN flag and largest stop signal: one all-reduce (MAX) of one tensor, one read on the host.
+
+    The signal is made on the device by a fill (not copied from the host); both values come back packed in one
+    number, so a step waits for the device once.
+    """
+    signal = torch.full((), stop_signal, dtype=torch.int32, device=nonfinite.device)
+    flags = torch.stack([nonfinite.to(torch.int32), signal])
+    if dist.is_initialized():
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    packed = int((flags[0] * 256 + flags[1]).item())  # signal numbers are below 256
+    return packed >= 256, packed % 256
 
 
 def broadcast_tensors(tensors: Iterable[torch.Tensor], src: int = 0) -> None:

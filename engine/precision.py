@@ -16,6 +16,7 @@ from typing import ContextManager
 import torch
 from torch import nn
 
+from engine.dist import max_over_ranks, step_flags_over_ranks
 from engine.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -39,12 +40,15 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def step(self, optimizer: torch.optim.Optimizer, model: nn.Module, clip_grad: float) -> bool:
-        """Clip and step; return False for a step skipped because a gradient was inf or NaN.
+    def step(self, optimizer: torch.optim.Optimizer, model: nn.Module, clip_grad: float,
+             stop_signal: int = 0) -> tuple[bool, int]:
+        """Clip and step; return (False for a step skipped because a gradient was inf or NaN, the stop signal).
 
-        DDP has already summed the gradients over ranks, so a NaN on any rank is a NaN on every rank
-        and all ranks skip the same step without a collective of their own. Skipping needs the answer
-        on the host (one sync per step; GradScaler syncs the same way for fp16).
+        `stop_signal` is this rank's pending SIGTERM/SIGUSR1 (0: none); the largest over ranks comes back, so
+        that every rank stops after the same step. DDP has already summed the gradients over ranks, so a NaN
+        on any rank is a NaN on every rank and all ranks skip the same step. Both answers travel in one tensor,
+        one all-reduce and one read on the host per step; fp16's GradScaler reads its inf flag itself, so fp16
+        reads twice.
         """
         if self.scaler:  # fp16: the scaler skips non-finite steps and lowers the scale
             self.scaler.unscale_(optimizer)
@@ -52,15 +56,17 @@ class Precision:
                 nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
             self.scaler.step(optimizer)
             self.scaler.update()
-            return True
+            device = next(model.parameters()).device
+            return True, max_over_ranks(stop_signal, device)
         params = [p for p in model.parameters() if p.grad is not None]
         norm = nn.utils.get_total_norm([p.grad for p in params])
-        if not torch.isfinite(norm):
-            return False
+        nonfinite, signum = step_flags_over_ranks(torch.isfinite(norm).logical_not(), stop_signal)
+        if nonfinite:
+            return False, signum
         if clip_grad > 0:  # what clip_grad_norm_ does, reusing the norm
             nn.utils.clip_grads_with_norm_(params, clip_grad, norm)
         optimizer.step()
-        return True
+        return True, signum
 
 
 def cpu_has_native_bf16() -> bool:

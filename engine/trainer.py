@@ -1,9 +1,9 @@
 """The training loop: one epoch of optimizer steps, with accumulation, AMP and exact metrics.
 
-`train_one_epoch` is the whole loop. It reads two values on the host per optimizer step: the inf/NaN
-gradient check, which decides whether to step, and the stop flag (one all-reduce of one number: did any rank
-get SIGTERM or SIGUSR1?), which makes every rank stop after the same step. The metrics are read only every
-`log_interval` steps (one all-reduce of a few sums); nothing else in the hot path waits for the device.
+`train_one_epoch` is the whole loop. It reads one value on the host per optimizer step (`Precision.step`):
+the inf/NaN gradient check, which decides whether to step, fused with the stop flag (did any rank get SIGTERM
+or SIGUSR1?), which makes every rank stop after the same step: one tensor, one all-reduce, one read. The
+metrics are read only every `log_interval` steps (one all-reduce of a few sums); nothing else in the hot path waits for the device.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from timm.scheduler.scheduler import Scheduler
 from torch import nn
 from torch.utils.data import DataLoader
 
-from engine.dist import DistInfo, max_over_ranks
+from engine.dist import DistInfo
 from engine.errors import UserError
 from engine.hooks import Hook
 from engine.logs import Progress
@@ -63,7 +63,7 @@ def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cf
 
     A resumed epoch starts from `state`'s synced sums (the loader then yields only the remaining batches).
     After every optimizer step each hook's after_step runs; every `log_interval` steps, after_interval
-    gets the all-reduced train_loss, lr and global img/s since the previous interval. After every step the
+    gets the all-reduced train_loss, lr and global img/s since the previous interval. At every step the
     ranks ask each other whether one got SIGTERM or SIGUSR1, and all raise Preempted after that same step.
     """
     model, optimizer = parts.model, parts.optimizer
@@ -95,7 +95,8 @@ def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cf
             meter.add(loss.detach() * len(labels), hits(ranked_classes(logits.detach(), 1), labels, 1), len(labels))
             if not last_micro_step:
                 continue
-            skipped = 0 if parts.precision.step(optimizer, model, cfg.clip_grad) else skipped + 1
+            stepped, signum = parts.precision.step(optimizer, model, cfg.clip_grad, requested())
+            skipped = 0 if stepped else skipped + 1
             optimizer.zero_grad(set_to_none=True)
             state.step_done(time.perf_counter() - start)
             if skipped:
@@ -114,7 +115,9 @@ def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cf
                 for hook in hooks:
                     hook.after_interval(state, stats)
                 last_sums, last_time = sums, now
-            stop_if_requested(state, info)
+            if signum:  # every rank got the same answer: all stop after this step
+                stop(signum)
+                raise Preempted(signum, state.global_step)
             if cfg.max_steps and state.global_step >= cfg.max_steps:
                 break
     sums = state.sync_sums()
@@ -122,14 +125,6 @@ def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cf
     count = max(sums["count"], 1.0)
     return {"train_loss": sums["loss_sum"] / count, "train_top1": 100.0 * sums["correct"] / count,
             "train_img_per_s": sums["count"] / seconds, "epoch_time_s": seconds, "train_images": int(sums["count"])}
-
-
-def stop_if_requested(state: TrainState, info: DistInfo) -> None:
-    """Raise Preempted on every rank, after this same step, if any rank got SIGTERM or SIGUSR1 (one all-reduce)."""
-    signum = max_over_ranks(requested(), info.device)
-    if signum:
-        stop(signum)
-        raise Preempted(signum, state.global_step)
 
 
 def check_nonfinite(skipped: int, limit: int, step: int, info: DistInfo) -> None:

@@ -3,9 +3,10 @@
 Why this exists: ``torch.nn.SyncBatchNorm`` cannot train on CPU. Its training forward raises
 "SyncBatchNorm expected input tensor to be on GPU", DistributedDataParallel rejects SyncBatchNorm
 in CPU modules, and ``aten::batch_norm_stats`` has no CPU kernel. ``AllReduceBatchNorm`` instead
-all-reduces per-channel float32 sums with a plain ``dist.all_reduce``, so forward and backward are
-numerically equal to BatchNorm over the concatenated global batch (up to float reduction order),
-once DDP has averaged the parameter gradients across ranks.
+shares each rank's count, mean and sum of squared deviations (M2) with one plain ``dist.all_reduce``
+and combines them as torch's SyncBatchNorm does (Chan et al.'s parallel variance), so forward and
+backward equal BatchNorm over the concatenated global batch to float32 rounding even for channels
+whose mean is thousands of times their std, once DDP has averaged the parameter gradients.
 """
 
 from __future__ import annotations
@@ -22,6 +23,27 @@ from torch.nn.modules.batchnorm import _BatchNorm
 def _reduce_dims(x: Tensor) -> list[int]:
     """Every dim except the channel dim 1, so 1d/2d/3d and channels_last inputs all work."""
     return [0, *range(2, x.dim())]
+
+
+def _local_moments(xf: Tensor, dims: list[int], channels: int) -> Tensor:
+    """This rank's (mean, M2, count) per channel as one (2C + 1,) row; zeros for an empty batch."""
+    count = xf.numel() // channels
+    if count == 0:
+        return xf.new_zeros(2 * channels + 1)
+    var, mean = torch.var_mean(xf, dims, correction=0)  # Welford: stable for any mean/std
+    return torch.cat([mean, var * count, xf.new_full((1,), count)])
+
+
+def _global_moments(local: Tensor, channels: int, process_group: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """Global mean, biased variance and count from every rank's row, in one all_reduce (no all_gather on gloo)."""
+    rows = local.new_zeros(dist.get_world_size(process_group), local.numel())
+    rows[dist.get_rank(process_group)] = local
+    dist.all_reduce(rows, group=process_group)
+    means, m2s, counts = rows.split([channels, channels, 1], dim=1)
+    count = counts.sum(0)
+    mean = (means * counts).sum(0) / count
+    m2 = m2s.sum(0) + ((means - mean) ** 2 * counts).sum(0)  # empty ranks have count 0 and add nothing
+    return mean, m2 / count, count
 
 
 def _per_channel(t: Tensor, x: Tensor) -> Tensor:
@@ -46,14 +68,9 @@ class _AllReduceBatchNormFunction(torch.autograd.Function):
     ) -> Tensor:
         """Normalize with global batch stats (one all_reduce) and update the running stats."""
         channels = x.shape[1]
-        dims = _reduce_dims(x)
         xf = x.float()
-        local_count = xf.new_full((1,), x.numel() // channels)
-        stats = torch.cat([xf.sum(dims), (xf * xf).sum(dims), local_count])
-        dist.all_reduce(stats, group=process_group)
-        total_sum, total_sq, count = stats.split([channels, channels, 1])
-        mean = total_sum / count
-        var = (total_sq / count - mean * mean).clamp_min(0.0)
+        local = _local_moments(xf, _reduce_dims(x), channels)
+        mean, var, count = _global_moments(local, channels, process_group)
         invstd = torch.rsqrt(var + eps)
         if running_mean is not None and running_var is not None:
             unbiased_var = var * (count / (count - 1))

@@ -8,12 +8,40 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import functools
+import os
+
 import pytest
 
 from engine.startup import import_timm_without_wandb
 from tests.helpers import TINY, run_script
 
 import_timm_without_wandb()
+
+
+@functools.cache
+def gpu_problem() -> str | None:
+    """Why this machine's GPU cannot run the GPU tier, or None (engine.dist.unusable_gpu; asked once)."""
+    import torch
+
+    from engine.dist import nvidia_driver_version, unusable_gpu
+
+    return unusable_gpu(nvidia_driver_version(), torch.version.cuda, torch.cuda.is_available(),
+                        os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A `gpu` test fails where a GPU is present but unusable (a too-old driver), and skips only where none is."""
+    if item.get_closest_marker("gpu") is None:
+        return
+    import torch
+
+    problem = gpu_problem()
+    if problem is not None:
+        pytest.fail(problem, pytrace=False)
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: run `python -m pytest -m gpu -s` on one")
 
 
 @pytest.fixture(scope="session")

@@ -84,12 +84,14 @@ def make_image_folder(root: Path, counts: dict[str, dict[str, int]], size: int =
     return root
 
 
-def _rank_entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> None:
+def _rank_entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str, backend: str) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if backend == "nccl":  # the GPU tier: one GPU per rank
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         result = fn(rank, world, *args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
@@ -100,8 +102,8 @@ def _rank_entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str)
         dist.destroy_process_group()
 
 
-def run_ranks(fn, world: int, tmp_path: Path, *args) -> list:
-    """Run fn(rank, world, *args) in `world` real processes joined by a gloo group; return their results.
+def run_ranks(fn, world: int, tmp_path: Path, *args, backend: str = "gloo") -> list:
+    """Run fn(rank, world, *args) in `world` real processes joined by a gloo (or NCCL) group; return their results.
 
     fn must be importable (module level); results travel through torch.save files in tmp_path.
     """
@@ -110,7 +112,7 @@ def run_ranks(fn, world: int, tmp_path: Path, *args) -> list:
 
     out_dir = Path(tmp_path) / f"ranks-{fn.__name__}-{world}"
     out_dir.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_rank_entry, args=(world, free_port(), fn, args, str(out_dir)), nprocs=world,
+    mp.start_processes(_rank_entry, args=(world, free_port(), fn, args, str(out_dir), backend), nprocs=world,
                        start_method="spawn", join=True)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(world)]
 

@@ -53,8 +53,8 @@ RUNS = {
 }
 
 # Runs that must agree differ only in float32 summation order: per-rank partial sums all-reduced by gloo,
-# BatchNorm statistics as all-reduced sum / sum of squares, kernels run with 2 threads in one process and
-# 1 per rank. Measured here as ||a - b|| / ||a|| per group (13 seeds x 2 ranks, 10 seeds x 3 ranks):
+# BatchNorm statistics as per-rank moments combined after one all_reduce, kernels run with 2 threads in one
+# process and 1 per rank. Measured here as ||a - b|| / ||a|| per group (13 seeds x 2 ranks, 10 seeds x 3 ranks):
 # 2e-8 for the parameters, 2e-7 for the running statistics; when rounding flips a discrete decision (a
 # ReLU sign, a max-pool choice: 3 comparisons of 23, seed 0 among them) up to 8.8e-6 and 2.4e-5.
 # TOL is 4x that; dropping SyncBN moves the same groups by 9e-3 and 5e-2 (guarantee 2), 90x TOL or more.

@@ -76,3 +76,63 @@ def test_a_resume_that_changes_the_best_metric_restarts_the_best(tmp_path, capsy
     row = read_jsonl(out / "metrics.jsonl")[-1]
     assert (best["epoch"], best["best_metric"], best["val_top1"]) == (2, "ema_val_top1", row["ema_val_top1"])
     assert "best.pth is now chosen on ema_val_top1" in capsys.readouterr().err
+
+
+def _bn_stack(blocks: int) -> torch.nn.Module:
+    torch.manual_seed(blocks)
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Conv2d(3, 3, 3, padding=1), torch.nn.BatchNorm2d(3))
+                                 for _ in range(blocks)])
+
+
+def _train_a_little(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    model(torch.randn(4, 3, 8, 8))  # running stats and num_batches_tracked move, in place
+
+
+@pytest.mark.parametrize("warmup", [False, True])
+def test_cached_ema_equals_timm_model_ema_v3(warmup):
+    from timm.utils import ModelEmaV3
+
+    from models.ema import create_ema
+
+    model = _bn_stack(3).train()
+    ours, timms = create_ema(model, 0.9, warmup), ModelEmaV3(model, decay=0.9, use_warmup=warmup)
+    for step in range(1, 5):
+        _train_a_little(model)
+        ours.update(model, step=step)
+        timms.update(model, step=step)
+    expected = timms.module.state_dict()
+    for name, value in ours.module.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+
+
+def test_ema_update_costs_the_same_for_any_number_of_layers():
+    """A fixed number of ops per update (two foreach calls), where timm's ModelEmaV3 walks two state_dicts."""
+    from timm.utils import ModelEmaV3
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from models.ema import create_ema
+
+    class OpCount(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    def ops_per_update(make_ema, blocks: int) -> int:
+        model = _bn_stack(blocks)
+        ema = make_ema(model)
+        ema.update(model, step=1)  # the first update may build what later ones reuse
+        with OpCount() as count:
+            ema.update(model, step=2)
+        return count.ops
+
+    ours = [ops_per_update(lambda m: create_ema(m, 0.9), blocks) for blocks in (2, 8)]
+    theirs = [ops_per_update(lambda m: ModelEmaV3(m, decay=0.9), blocks) for blocks in (2, 8)]
+    assert ours[0] == ours[1] <= 2, ours
+    assert theirs[1] > theirs[0], theirs  # the count does see a per-layer cost

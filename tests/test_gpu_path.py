@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import collections
 import copy
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import timm
 import torch
+import torch.distributed as dist
 from timm.optim import create_optimizer_v2
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -23,15 +28,21 @@ from data.loader import build_eval_loader
 from data.mixing import BatchMix, MixCollate
 from data.transforms import DeviceNormalize, eval_transform
 from engine.checkpoint import Checkpointer
-from engine.config import DataConfig, OptimConfig, SchedConfig, TrainConfig
-from engine.dist import DistInfo, cuda_device_index
+from engine.config import DataConfig, ModelConfig, OptimConfig, SchedConfig, TrainConfig
+from engine.cli import collective_failure_line, peer_lost_error
+from engine.dist import DistInfo, cuda_device_index, nccl_watchdog_env, unusable_gpu
 from engine.errors import UserError
+from engine.hooks import EmaUpdate
 from engine.losses import build_loss
 from engine.optim import build_optimizer, build_scheduler
 from engine.precision import Precision, gpu_auto_mode
 from engine.prefetch import device_batches
 from engine.state import TrainState
 from engine.trainer import LoopConfig, TrainParts, evaluate as run_evaluation, train_one_epoch
+from models.ema import create_ema
+from models.factory import prepare_model
+from tests.helpers import HANG, REPO, TINY, run_ranks, run_script, script_env
+from train import wrap_for_training
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 
@@ -116,11 +127,32 @@ def test_tied_logits_give_one_prediction_for_the_metrics_and_the_csv(tmp_path):
 
 # 4. the CUDA device of a rank --------------------------------------------------------------------------------
 
-def test_cuda_device_is_the_local_rank_or_the_only_visible_gpu():
-    assert [cuda_device_index(local_rank, 8) for local_rank in range(8)] == list(range(8))
-    assert [cuda_device_index(local_rank, 1) for local_rank in range(4)] == [0, 0, 0, 0]  # Slurm GPU binding
-    with pytest.raises(UserError, match=r"local rank 2 .* 2 visible GPU"):
-        cuda_device_index(2, 2)
+TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"}
+SRUN = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "2"}
+
+
+@pytest.mark.parametrize("env, gpus, expected", [
+    ({}, 1, 0),  # one process
+    ({}, 4, 0),
+    (TORCHRUN, 8, 1),  # torchrun, one GPU per local rank
+    (SRUN, 8, 1),  # srun without GPU binding: SLURM_LOCALID
+    (SRUN, 1, 0),  # srun --gpus-per-task=1: Slurm bound this task's GPU
+    ({**TORCHRUN, "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}, 1, 0),  # 1 per node
+    ({**SRUN, "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2(x2)", "SLURM_LOCALID": "0"}, 1, 0),
+])
+def test_cuda_device_is_the_local_rank_or_the_gpu_the_launcher_bound(env, gpus, expected):
+    assert cuda_device_index(env, gpus) == expected
+
+
+@pytest.mark.parametrize("env, gpus, message", [
+    (TORCHRUN, 1, r"2 processes on this node see one GPU.*share it.*--nproc_per_node=1.*--gpus-per-task=1"),
+    ({**TORCHRUN, "LOCAL_RANK": "0"}, 1, r"2 processes on this node see one GPU"),  # rank 0 stops too
+    ({**SRUN, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, 1, r"see one GPU"),  # torchrun under srun
+    ({**TORCHRUN, "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3"}, 2, r"local rank 2 .* 2 visible GPU"),
+])
+def test_ranks_that_would_share_or_lack_a_gpu_stop_with_one_line(env, gpus, message):
+    with pytest.raises(UserError, match=message):
+        cuda_device_index(env, gpus)
 
 
 # 5. host<->device syncs in the hot loop ----------------------------------------------------------------------
@@ -138,29 +170,64 @@ class HostTraffic(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+COLLECTIVES = ("allreduce_", "broadcast_", "allgather_", "reduce_scatter_", "_allgather_base_", "alltoall_")
+
+
 def _batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(0)
     return [(torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8, generator=generator),
              torch.randint(0, 4, (4,), generator=generator)) for _ in range(count)]
 
 
-def test_training_and_evaluation_steps_make_no_hidden_host_device_traffic():
+STEPS = 6
+
+
+def _step_traffic(rank: int, world: int, sync_bn: bool) -> dict[str, int]:
+    """Host<->device traffic and collectives of STEPS training steps on this rank, EMA on, as train.py builds it."""
     torch.manual_seed(0)
-    model = timm.create_model("test_resnet", num_classes=4)
+    info = DistInfo(rank, world, rank, world, torch.device("cpu"))
+    model_cfg = ModelConfig(name="test_resnet", sync_bn=sync_bn, channels_last=False)
+    model = prepare_model(timm.create_model("test_resnet", num_classes=4), model_cfg, info.device, world)
+    trained = wrap_for_training(model, model_cfg, info)  # DDP when world > 1 (its start-up broadcasts not counted)
     optimizer = build_optimizer(model, OptimConfig())
-    scheduler = build_scheduler(optimizer, SchedConfig(), 1, 6)
+    parts = TrainParts(trained, optimizer, build_scheduler(optimizer, SchedConfig(), 1, STEPS),
+                       torch.nn.CrossEntropyLoss(), Precision("cpu", None))
+    loop = LoopConfig(1, 0.0, 0, 1000, DeviceNormalize([0.5] * 3, [0.5] * 3, info.device, False), False)
+    hooks = [EmaUpdate(create_ema(model, 0.99, warmup=True), model)]
+    batches = _batches(STEPS)  # made before recording: in a real run they come from the DataLoader's workers
+    with HostTraffic() as traffic:
+        train_one_epoch(parts, batches, TrainState(), loop, info, hooks)
+    counts = {name: traffic.ops[name] for name in ("lift_fresh", "_local_scalar_dense")}
+    counts["collectives"] = sum(n for name, n in traffic.ops.items() if name in COLLECTIVES)
+    counts["bn_layers"] = sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    return counts
+
+
+def _traffic_on_two_ranks(rank: int, world: int) -> dict[str, dict[str, int]]:
+    return {"plain": _step_traffic(rank, world, False), "sync_bn": _step_traffic(rank, world, True)}
+
+
+def test_training_and_evaluation_steps_make_no_hidden_host_device_traffic():
+    train_traffic = _step_traffic(0, 1, sync_bn=False)
     normalize = DeviceNormalize([0.5] * 3, [0.5] * 3, CPU.device, channels_last=False)
-    loop = LoopConfig(1, 0.0, 0, 1000, normalize, False)
-    batches = _batches(6)  # made before recording: in a real run they come from the DataLoader's workers
-    with HostTraffic() as train_traffic:
-        parts = TrainParts(model, optimizer, scheduler, torch.nn.CrossEntropyLoss(), Precision("cpu", None))
-        train_one_epoch(parts, batches, TrainState(), loop, CPU)
+    model, batches = timm.create_model("test_resnet", num_classes=4), _batches(STEPS)
     with HostTraffic() as eval_traffic:
         run_evaluation(model, batches, Precision("cpu", None), CPU, normalize)
-    assert train_traffic.ops["lift_fresh"] == 0 and eval_traffic.ops["lift_fresh"] == 0
-    # The one documented per-step sync: the inf/NaN gradient check (README, Performance). None in evaluation.
-    assert train_traffic.ops["_local_scalar_dense"] == 6
+    assert train_traffic["lift_fresh"] == 0 and eval_traffic.ops["lift_fresh"] == 0
+    # The one documented per-step read: the inf/NaN gradient check fused with the stop flag. None in evaluation.
+    assert train_traffic["_local_scalar_dense"] == STEPS
     assert eval_traffic.ops["_local_scalar_dense"] == 0
+
+
+@pytest.mark.slow
+def test_two_ranks_read_the_device_once_per_step_and_sync_bn_adds_two_collectives_per_layer(tmp_path):
+    """With DDP, EMA on: one host read per step (inf/NaN check and stop flag in one all-reduce); SyncBN adds
+    exactly one all-reduce per BatchNorm layer forward and one backward, nothing else (no per-layer host read)."""
+    for ranks in run_ranks(_traffic_on_two_ranks, 2, tmp_path):
+        plain, synced = ranks["plain"], ranks["sync_bn"]
+        for counts in (plain, synced):
+            assert counts["lift_fresh"] == 0 and counts["_local_scalar_dense"] == STEPS, counts
+        assert synced["collectives"] - plain["collectives"] == 2 * synced["bn_layers"] * STEPS, (plain, synced)
 
 
 @pytest.mark.parametrize("loss", ["ce", "bce"])
@@ -252,3 +319,115 @@ def test_gpu_generations_the_pinned_wheel_runs_on(capability, supported):
 
 def test_the_installed_wheel_is_the_one_docs_gpu_md_describes():
     assert torch.version.cuda == "13.0" and torch.cuda.get_arch_list() == CU130_ARCHS
+
+
+# 7. a GPU torch cannot use stops the run -------------------------------------------------------------------
+
+@pytest.mark.parametrize("driver, wheel, available, visible, expected", [
+    (None, "13.0", False, None, None),  # no GPU listed: the CPU is the only choice
+    ("580.65.06", "13.0", True, None, None),  # usable
+    ("535.104.05", "13.0", False, "", None),  # CUDA_VISIBLE_DEVICES= asks for the CPU
+    ("535.104.05", "13.0", False, "-1", None),
+    ("535.104.05", "13.0", False, None, r"driver 535\.104\.05.*CUDA 13\.0, which needs driver 580.*update"),
+    ("535.104.05", "13.0", False, "0", r"driver 535\.104\.05.*CUDA 13\.0, which needs driver 580"),
+    ("580.65.06", "13.0", False, None, r"driver 580\.65\.06.*CUDA 13\.0; torch's warning above"),
+    ("550.54.15", None, False, None, r"driver 550\.54\.15.*CPU-only.*CUDA build"),
+])
+def test_a_gpu_torch_cannot_use_is_named_with_driver_wheel_and_fix(driver, wheel, available, visible, expected):
+    problem = unusable_gpu(driver, wheel, available, visible)
+    if expected is None:
+        assert problem is None
+    else:
+        assert re.search(expected, problem) and "docs/gpu.md" in problem and "CUDA_VISIBLE_DEVICES=" in problem
+        assert "\n" not in problem
+
+
+@pytest.mark.slow
+def test_train_and_the_gpu_tier_stop_when_nvidia_smi_lists_a_gpu_torch_cannot_use(tmp_path):
+    """A fake nvidia-smi (driver 535) on PATH: train.py stops before writing, the GPU tier fails, not skips."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 535.104.05\n")
+    fake.chmod(0o755)
+    env = script_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    out = tmp_path / "run"
+    proc = run_script("train.py", *TINY, f"output_dir={out}", env=env, check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and re.search(r"^error: nvidia-smi lists a GPU \(driver 535\.104\.05\).*CUDA "
+                                              + re.escape(str(torch.version.cuda)), lines[-1]), proc.stderr
+    assert not out.exists()
+    cpu = run_script("train.py", *TINY, f"output_dir={out}", "--dry-run", env={**env, "CUDA_VISIBLE_DEVICES": ""})
+    assert not out.exists() and cpu.returncode == 0
+    tier = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+                           "tests/test_gpu.py", "-k", "predict_and_onnx"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=HANG)
+    assert tier.returncode == 1 and "1 error" in tier.stdout and "driver 535.104.05" in tier.stdout, tier.stdout
+
+
+# 8. a failed collective names the rank at fault --------------------------------------------------------------
+
+REMOTE = "ncclRemoteError: A call failed possibly due to a network error or a remote process exiting prematurely."
+CUDA_OOM = ("NCCL error in: ProcessGroupNCCL.cpp:3356, unhandled cuda error (run with NCCL_DEBUG=INFO for details)\n"
+            "ncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\nCuda failure 'out of memory'")
+
+
+@pytest.mark.parametrize("err, lost", [
+    (dist.DistBackendError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:40213"), True),
+    (dist.DistBackendError("[gloo/transport/tcp/pair.cc:598] Read error: Connection reset by peer"), True),
+    (dist.DistBackendError("[unbound_buffer.cc:81] Timed out waiting 600000ms for recv operation to complete"), True),
+    (dist.DistBackendError("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE, "
+                           "Timeout(ms)=600000) ran for 600012 milliseconds before timing out."), True),
+    (dist.DistBackendError(f"NCCL error in: ProcessGroupNCCL.cpp:3356, remote process exited\n{REMOTE}"), True),
+    (dist.DistNetworkError("failed to recv, got 0 bytes"), True),  # the store's host is gone
+    (dist.DistStoreError("Socket Timeout"), True),
+    (RuntimeError("[pair.cc:534] Connection closed by peer [127.0.0.1]:40213"), True),
+    (dist.DistBackendError("CUDA error: an illegal memory access was encountered"), False),
+    (dist.DistBackendError(CUDA_OOM), False),
+    (dist.DistBackendError("ncclInvalidUsage: This usually reflects invalid usage of NCCL library."), False),
+    (RuntimeError("Expected all tensors to be on the same device, but found cuda:0 and cpu"), False),
+], ids=lambda value: type(value).__name__ if isinstance(value, Exception) else str(value))
+def test_only_lost_connections_and_timeouts_blame_another_rank(err, lost):
+    assert peer_lost_error(err) is lost
+    line = collective_failure_line(err, rank=3)
+    assert line is not None if isinstance(err, dist.DistError) or lost else line is None
+    if lost:
+        assert line.startswith("[rank 3] stopped: a collective failed because another process failed")
+    elif line is not None:
+        assert line.startswith("[rank 3] error: a collective failed in this process") and "another" not in line
+    assert line is None or "\n" not in line
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, "3"),
+    ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, "1"),  # the user's choice stands
+])
+def test_nccl_watchdog_settings_are_explicit(env, expected):
+    settings = nccl_watchdog_env(env)
+    assert settings["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == expected and settings["TORCH_NCCL_ENABLE_MONITORING"] == "1"
+
+
+# 9. evaluation repeats exactly on GPUs -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("device, deterministic", [("cuda", True), ("cpu", False)])
+def test_evaluate_asks_cudnn_for_deterministic_algorithms_on_cuda(device, deterministic):
+    """evaluate.py on a GPU: no algorithm picked by timing (cudnn.benchmark), only deterministic ones."""
+    saved = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = False, True
+    try:
+        evaluate.exact_kernels(torch.device(device))
+        assert torch.backends.cudnn.deterministic is deterministic
+        assert torch.backends.cudnn.benchmark is not deterministic
+    finally:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved
+
+
+def test_the_documented_gpu_figures_are_read_by_the_smoke_test():
+    """The GPU tier's resnet50 smoke test reads docs/gpu.md's table: a measured row gives numbers, 'to measure' none."""
+    from tests.test_gpu import documented_figures
+
+    assert documented_figures("NVIDIA H100 80GB HBM3") is None  # "to measure" until a GPU run fills it in
+    assert documented_figures("no such GPU") is None
+    table = "| GPU | img/s | GiB |\n| NVIDIA X | 2,512.5 | 21.25 |\n| NVIDIA Y | to measure | to measure |"
+    assert documented_figures("NVIDIA X", table) == {"img_per_s": 2512.5, "peak_memory_gib": 21.25}
+    assert documented_figures("NVIDIA Y", table) is None

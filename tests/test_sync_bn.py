@@ -20,9 +20,9 @@ from models.sync_bn import (
     convert_to_allreduce_bn,
 )
 
-# Differences against the reference come only from float32 reduction order (per-rank partial
-# sums, sum/sum-of-squares instead of two-pass stats), so 1e-5 is tight enough to catch any
-# wrong formula. bf16 inputs are compared against the float32 reference with bf16 resolution.
+# Differences against the reference come only from float32 reduction order (per-rank moments
+# combined across ranks), so 1e-5 is tight enough to catch any wrong formula. bf16 inputs are
+# compared against the float32 reference with bf16 resolution.
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 STEPS = 2  # two steps, so running stats (and momentum=None averaging) are checked past the first
 
@@ -110,8 +110,48 @@ def _rank_result(sc: Scenario, rank: int) -> dict[str, Tensor]:
 
 
 def _all_scenarios(rank: int, world: int) -> dict[str, dict[str, Tensor]]:
-    """This rank's results for every scenario of this world size (one spawn per world size)."""
-    return {sc.name: _rank_result(sc, rank) for sc in SCENARIOS if sc.world == world}
+    """This rank's results for every scenario and stability case of this world size (one spawn per world size)."""
+    results = {sc.name: _rank_result(sc, rank) for sc in SCENARIOS if sc.world == world}
+    for name, (y, grad_x) in _stable_cases(rank, world).items():
+        results[f"stable-{world}-{name}"] = {"y": y, "grad_x": grad_x}
+    return results
+
+
+# Stability: a channel whose mean is large next to its std (mean/std 14 occurs in a trained ResNet-18) must come
+# out as accurate as fp32 nn.BatchNorm on the same data; E[x^2]-E[x]^2 in float32 loses it from mean/std ~30.
+RATIOS = (0.0, 30.0, 300.0, 1000.0, 3000.0)
+STABLE_SPLITS = {2: (3, 7), 3: (5, 1, 4)}  # uneven per-rank batches; the global batch is 10
+STABLE_SHAPES = {"2d": (4, 5, 5), "3d": (3, 3, 4, 2)}  # per-sample (C, *spatial) for BatchNorm2d / BatchNorm3d
+
+
+def _stable_inputs(ratio: float, shape: str) -> tuple[Tensor, Tensor]:
+    """A global fp32 batch with per-channel mean = ratio x std, and loss weights, identical in every process."""
+    gen = torch.Generator().manual_seed(int(ratio) + len(shape))
+    dims = STABLE_SHAPES[shape]
+    std = torch.rand(dims[0], generator=gen) + 0.5
+    channel = (1, -1, *[1] * (len(dims) - 1))
+    x = torch.randn((10, *dims), generator=gen) * std.view(channel) + (ratio * std).view(channel)
+    return x, torch.randn((10, *dims), generator=gen)
+
+
+def _bn_output_and_grad(bn: nn.Module, x: Tensor, loss_w: Tensor) -> tuple[Tensor, Tensor]:
+    x = x.clone().requires_grad_()
+    y = bn(x)
+    (y * loss_w).sum().backward()
+    return y.detach(), x.grad
+
+
+def _stable_cases(rank: int, world: int) -> dict[str, tuple[Tensor, Tensor]]:
+    """This rank's output and input grad for its uneven slice of every (ratio, shape) case."""
+    splits = STABLE_SPLITS[world]
+    rows = slice(sum(splits[:rank]), sum(splits[: rank + 1]))
+    out = {}
+    for shape in STABLE_SHAPES:
+        for ratio in RATIOS:
+            x, loss_w = _stable_inputs(ratio, shape)
+            bn = AllReduceBatchNorm(x.shape[1])
+            out[f"{shape}-{ratio:g}"] = _bn_output_and_grad(bn, x[rows], loss_w[rows])
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +159,7 @@ def rank_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dic
     """Run every scenario once per world size in real gloo process groups; collect each rank's results."""
     out_dir = tmp_path_factory.mktemp("sync_bn")
     results: dict[str, list[dict[str, Tensor]]] = {}
-    for world in sorted({sc.world for sc in SCENARIOS}):
+    for world in sorted({sc.world for sc in SCENARIOS} | set(STABLE_SPLITS)):
         for per_rank in run_ranks(_all_scenarios, world, out_dir):
             for name, result in per_rank.items():
                 results.setdefault(name, []).append(result)
@@ -154,6 +194,28 @@ def test_matches_global_batchnorm(sc: Scenario, rank_results: dict[str, list[dic
                     torch.testing.assert_close(r[key] * sc.world, ref[key], **tol)
             else:  # the loss is a sum over ranks, so the global grad is the sum of local grads
                 torch.testing.assert_close(sum(r[key] for r in ranks), ref[key], **tol)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", sorted(STABLE_SPLITS))
+def test_large_mean_channels_as_accurate_as_fp32_batchnorm(
+    world: int, rank_results: dict[str, list[dict[str, Tensor]]]
+) -> None:
+    """Against float64 BatchNorm over the concatenated batch, within 10x of fp32 nn.BatchNorm's own error."""
+    worse = []
+    for shape in STABLE_SHAPES:
+        bn_cls = nn.BatchNorm2d if shape == "2d" else nn.BatchNorm3d
+        for ratio in RATIOS:
+            x, loss_w = _stable_inputs(ratio, shape)
+            exact = _bn_output_and_grad(bn_cls(x.shape[1]).double(), x.double(), loss_w.double())
+            fp32 = _bn_output_and_grad(bn_cls(x.shape[1]), x, loss_w)
+            ranks = rank_results[f"stable-{world}-{shape}-{ratio:g}"]
+            for i, key in enumerate(("y", "grad_x")):
+                ours = torch.cat([r[key] for r in ranks]).double()
+                err, fp32_err = (ours - exact[i]).abs().max().item(), (fp32[i].double() - exact[i]).abs().max().item()
+                if err > 10 * fp32_err:
+                    worse.append(f"{shape} mean/std {ratio:g} {key}: {err:.2g} vs fp32 BatchNorm {fp32_err:.2g}")
+    assert not worse, "; ".join(worse)
 
 
 @pytest.mark.parametrize("momentum", [0.1, None])
