@@ -267,6 +267,8 @@ def test_resnet50_recipe_smoke_run_meets_the_documented_figures(tmp_path, capsys
     if documented is None:  # not measured on this GPU yet: the line above is the figure to write there
         assert measured["img_per_s"] > 0 and measured["peak_memory_gib"] > 0
         return
-    # Generous bounds: they catch a fallback to fp32 or the CPU, or a memory regression, not noise.
-    assert measured["img_per_s"] >= 0.5 * documented["img_per_s"], (measured, documented)
+    # img/s is printed beside the documented figure, not asserted (no timed asserts: speed is the benchmarks'
+    # job); peak memory is a property of the recipe, and 1.2x catches a regression such as an fp32 fallback.
+    with capsys.disabled():
+        print(f"documented for this GPU: {json.dumps(documented)}")
     assert measured["peak_memory_gib"] <= 1.2 * documented["peak_memory_gib"], (measured, documented)
