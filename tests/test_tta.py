@@ -159,6 +159,17 @@ def test_a_checkpoint_without_the_keys_evaluates_at_its_training_size(tiny_run):
     assert eval_size(cfg) == (stored["data"]["img_size"], stored["data"]["crop_pct"]) == (16, 1.0)
 
 
+def test_export_metadata_gives_the_test_resolution(tiny_run):
+    from export import metadata
+    from engine.inference import inference_config, load_trained
+
+    trained = load_trained(tiny_run / "best.pth")
+    cfg = inference_config(trained, [("data.val_img_size", 24), ("data.val_crop_pct", 0.8)])
+    meta = metadata(cfg, trained)
+    assert (meta["input_size"], meta["crop_pct"]) == ([3, 24, 24], 0.8)
+    assert metadata(inference_config(trained), trained)["input_size"] == [3, 16, 16]  # unset: the training size
+
+
 @pytest.mark.parametrize("key, value, message", [
     ("data.val_img_size", -1, "config key 'data.val_img_size' must be >= 0, got -1"),
     ("data.val_crop_pct", 1.5, "config key 'data.val_crop_pct' must be in (0, 1] (0 = data.crop_pct), got 1.5"),
