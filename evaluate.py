@@ -2,7 +2,8 @@
 
     python evaluate.py runs/digits/best.pth                            # one process
     torchrun --nproc_per_node=N evaluate.py runs/digits/best.pth       # N processes, same results
-    python evaluate.py ckpt.pth --data-dir /data/other --batch-size 256 data.crop_pct=1.0
+    python evaluate.py ckpt.pth --data-dir /data/other --batch-size 256 data.val_crop_pct=1.0
+    python evaluate.py ckpt.pth --tta-flip --tta-crops 5    # test-time augmentation: 10 views per image
 
 The model and the eval pipeline are rebuilt from the config stored in the checkpoint; options
 and dotted overrides change it. Every rank evaluates its block of whole batches and writes its
@@ -36,7 +37,7 @@ from engine.startup import import_timm_without_wandb, tune_cpu_process
 import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (engine/startup.py)
 
 from data.loader import build_eval_loader, build_val_dataset
-from data.transforms import DeviceNormalize
+from data.transforms import DeviceNormalize, eval_size
 from data.datasets import AugmentedDataset
 from engine.checkpoint import load_checkpoint
 from engine.cli import run_main
@@ -50,6 +51,7 @@ from engine.precision import resolve_precision
 from engine.tracking import WandbTracker
 from engine.trainer import evaluate
 from models.factory import create_model, prepare_model
+from models.tta import CROPS, TTAModel, describe
 from engine.weights import load_weights
 
 log = logging.getLogger("evaluate")
@@ -66,8 +68,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, help="per process (default: the checkpoint's train.batch_size)")
     parser.add_argument("--output-dir", help="where results go (default: <checkpoint folder>/eval-<checkpoint name>)")
     parser.add_argument("--ema", action="store_true", help="evaluate the checkpoint's EMA weights")
+    parser.add_argument("--tta-flip", action="store_true", help="test-time augmentation: average the softmax "
+                        "probabilities of each image and its horizontal mirror")
+    parser.add_argument("--tta-crops", type=int, default=1, help="1: the centre crop (default); 5: average the "
+                        "softmax probabilities of the centre and four corner crops of the resized image")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks for user errors")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data.crop_pct=1.0 amp=bf16")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data.val_img_size=224 amp=bf16")
     return parser.parse_intermixed_args(argv)  # overrides may follow the options
 
 
@@ -85,6 +91,7 @@ def checkpoint_config(ckpt: dict[str, Any], args: argparse.Namespace) -> Config:
         if args.batch_size <= 0:
             raise UserError(f"--batch-size must be > 0, got {args.batch_size}")
         set_dotted(raw, "train.batch_size", args.batch_size)
+    check_tta(args)
     for item in args.overrides:
         set_dotted(raw, *parse_override(item))
     try:
@@ -210,19 +217,32 @@ def plot_confusion(confusion: np.ndarray, class_names: list[str], path: Path, ti
     plt.close(fig)
 
 
+def check_tta(args: argparse.Namespace) -> None:
+    """--tta-crops is 1 or 5."""
+    if args.tta_crops not in CROPS:
+        raise UserError(f"--tta-crops must be 1 (centre crop) or 5 (centre and four corners), got {args.tta_crops}")
+
+
+def tta_views(args: argparse.Namespace) -> int:
+    return describe(args.tta_flip, args.tta_crops)["views"]
+
+
 def run(cfg: Config, ckpt: dict[str, Any], args: argparse.Namespace, info: DistInfo) -> dict[str, Any] | None:
     """Evaluate on every rank; rank 0 returns the eval.json contents."""
     class_names = list(ckpt["class_names"])
     out = Path(args.output_dir or Path(args.checkpoint).parent / f"eval-{Path(args.checkpoint).stem}")
     rank0_decides(lambda: make_output_dir(out, OUTPUTS))
     # Labelled with the checkpoint's class map: classes the data lacks are fine, unknown ones are refused.
-    dataset = build_val_dataset(cfg.data, cfg.seed, info.local_rank, class_names)
+    dataset = build_val_dataset(cfg.data, cfg.seed, info.local_rank, class_names, args.tta_crops)
     loader = build_eval_loader(dataset, cfg.data, cfg.train.batch_size, info)
     model = build_model(cfg, ckpt, args, info)
+    if args.tta_flip or args.tta_crops > 1:
+        model = TTAModel(model, args.tta_flip, args.tta_crops)
     precision = resolve_precision(cfg.amp, info.device)
-    log.info("evaluating %s (%s, %s) on %d images, %d process(es), batch %d per process", args.checkpoint,
-             cfg.model.name, "EMA weights" if args.ema else "weights", len(dataset), info.world_size,
-             cfg.train.batch_size)
+    size, crop_pct = eval_size(cfg.data)
+    log.info("evaluating %s (%s, %s) on %d images at %d px (crop_pct %s), %d view(s) each, %d process(es), batch %d "
+             "per process", args.checkpoint, cfg.model.name, "EMA weights" if args.ema else "weights", len(dataset),
+             size, crop_pct, tta_views(args), info.world_size, cfg.train.batch_size)
     writer = PredictionWriter(dataset, loader.sampler.start, class_names)
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
     metrics = evaluate(model, loader, precision, info, normalize, on_batch=writer)
@@ -233,6 +253,7 @@ def run(cfg: Config, ckpt: dict[str, Any], args: argparse.Namespace, info: DistI
     rows = merge_parts(out, "predictions", info.world_size, len(dataset))
     write_csv(rows, out / "predictions.csv", COLUMNS)
     result, confusion = summarize(rows, metrics, class_names, str(args.checkpoint), args.ema)
+    result.update(img_size=size, crop_pct=crop_pct, tta=describe(args.tta_flip, args.tta_crops))
     write_output(out / "eval.json", (json.dumps(result, indent=2) + "\n").encode(), OUTPUTS["eval.json"],
                  "an earlier eval.json of evaluate.py", "--output-dir")
     title = f"{cfg.model.name} on {len(rows)} images: top-1 {result['top1']:.2f}%"

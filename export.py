@@ -44,7 +44,7 @@ import_timm_without_wandb()  # first: the imports below reach timm, which would 
 
 from data.datasets import ImageListDataset, find_images
 from data.loader import build_val_dataset
-from data.transforms import DeviceNormalize, eval_transform
+from data.transforms import DeviceNormalize, eval_size, eval_transform
 from engine.cli import run_main
 from engine.config import Config
 from engine.errors import UserError
@@ -97,7 +97,7 @@ def check_images(cfg: Config, images: str | None, count: int) -> tuple[torch.Ten
             log.warning("checking on random pixels: the stored validation data cannot be read (%s); "
                         "pass --images to check on real images", err)
             generator = torch.Generator().manual_seed(0)
-            size = cfg.data.img_size
+            size = eval_size(cfg.data)[0]
             batch = list(torch.randint(0, 256, (count, 3, size, size), dtype=torch.uint8, generator=generator))
             where = "random pixels"
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, torch.device("cpu"), channels_last=False)
@@ -122,9 +122,10 @@ def max_difference(run: Callable[[torch.Tensor], np.ndarray], model: nn.Module, 
 
 def metadata(cfg: Config, trained: Trained) -> dict[str, Any]:
     """What a user of an exported file needs to feed it: architecture, classes, preprocessing."""
+    size, crop_pct = eval_size(cfg.data)
     return {"architecture": cfg.model.name, "num_classes": len(trained.class_names),
-            "label_names": trained.class_names, "input_size": [3, cfg.data.img_size, cfg.data.img_size],
-            "crop_pct": cfg.data.crop_pct, "mean": cfg.data.mean, "std": cfg.data.std,
+            "label_names": trained.class_names, "input_size": [3, size, size],
+            "crop_pct": crop_pct, "mean": cfg.data.mean, "std": cfg.data.std,
             "interpolation": cfg.data.interpolation,
             "input": "float32 NCHW: short side resized to floor(input_size / crop_pct) (antialiased, as timm's "
                      "eval transform), centre-cropped, (x / 255 - mean) / std"}
@@ -175,7 +176,8 @@ def export_model_folder(model: nn.Module, cfg: Config, trained: Trained, folder:
     from timm.models._hub import save_config_for_hf
 
     folder.mkdir()
-    data_config = {"input_size": (3, cfg.data.img_size, cfg.data.img_size), "crop_pct": cfg.data.crop_pct,
+    size, crop_pct = eval_size(cfg.data)  # the evaluation's (data.val_img_size/val_crop_pct when set)
+    data_config = {"input_size": (3, size, size), "crop_pct": crop_pct,
                    "crop_mode": "center", "mean": tuple(cfg.data.mean), "std": tuple(cfg.data.std),
                    "interpolation": cfg.data.interpolation}
     config_file = folder / MODEL_CONFIG

@@ -3,10 +3,12 @@
     python predict.py runs/digits/best.pth photo.png                   # one image
     python predict.py runs/digits/best.pth images/                     # every image under a folder, at any depth
     python predict.py runs/digits/best.pth list.txt --topk 3           # a text file of paths, one per line
+    python predict.py runs/digits/best.pth images/ --tta-flip          # test-time augmentation (also --tta-crops 5)
     torchrun --nproc_per_node=N predict.py runs/digits/best.pth images/    # N processes, same output
 
 The model is a checkpoint written by train.py or a model folder written by `export.py --format safetensors`;
-the images go through the eval pipeline stored with it (resize, centre crop, mean/std, interpolation).
+the images go through the eval pipeline stored with it (resize, centre crop, mean/std, interpolation); with
+--tta-flip / --tta-crops 5 the probabilities are the mean softmax probabilities over the views (models/tta.py).
 Writes predictions.csv (index, path, class_1, prob_1, ..., class_k, prob_k) and predictions.json (the same,
 plus the unreadable files) to --output-dir. An unreadable file is reported and skipped; the others are predicted.
 Relative paths in a list file are relative to the list file's folder. Under torchrun each rank predicts a
@@ -34,7 +36,7 @@ import_timm_without_wandb()  # first: the imports below reach timm, which would 
 
 from data.datasets import ImageListDataset, find_images
 from data.loader import build_eval_loader, collate_channels_last
-from data.transforms import DeviceNormalize, eval_transform
+from data.transforms import DeviceNormalize, eval_size, eval_transform
 from engine.cli import run_main
 from engine.config import Config, parse_override
 from engine.dist import DistInfo, barrier, init_distributed, rank0_decides, read_launch_env
@@ -46,6 +48,7 @@ from engine.outputs import starts_with, write_output
 from engine.precision import resolve_precision
 from engine.weights import load_weights
 from models.factory import create_model, prepare_model
+from models.tta import CROPS, TTAModel, describe
 
 log = logging.getLogger("predict")
 JSON_OUTPUT = starts_with(b'{\n "checkpoint": ')  # predictions.json as written below (indent=1)
@@ -61,6 +64,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--topk", type=int, default=5, help="classes per image (default 5, at most the class count)")
     parser.add_argument("--batch-size", type=int, help="per process (default: the checkpoint's train.batch_size)")
     parser.add_argument("--ema", action="store_true", help="use the checkpoint's EMA weights")
+    parser.add_argument("--tta-flip", action="store_true", help="test-time augmentation: average the softmax "
+                        "probabilities of each image and its horizontal mirror")
+    parser.add_argument("--tta-crops", type=int, default=1, help="1: the centre crop (default); 5: average the "
+                        "softmax probabilities of the centre and four corner crops of the resized image")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks for user errors")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data.num_workers=0 amp=off")
     return parser.parse_intermixed_args(argv)
@@ -113,6 +120,8 @@ def settings(args: argparse.Namespace) -> list[tuple[str, Any]]:
         pairs.append(("train.batch_size", args.batch_size))
     if args.topk <= 0:
         raise UserError(f"--topk must be > 0, got {args.topk}")
+    if args.tta_crops not in CROPS:
+        raise UserError(f"--tta-crops must be 1 (centre crop) or 5 (centre and four corners), got {args.tta_crops}")
     pairs.append(("model.grad_checkpointing", False))  # a training option: plain forward passes here
     return pairs + [parse_override(item) for item in args.overrides]
 
@@ -124,11 +133,13 @@ def run(trained: Trained, cfg: Config, args: argparse.Namespace, info: DistInfo)
     if len(paths) < info.world_size:
         raise UserError(f"{len(paths)} image(s) for {info.world_size} processes; use fewer processes")
     rank0_decides(lambda: make_output_dir(out, OUTPUTS))
-    dataset = ImageListDataset(paths, eval_transform(cfg.data), cfg.data.max_image_pixels)
+    dataset = ImageListDataset(paths, eval_transform(cfg.data, args.tta_crops), cfg.data.max_image_pixels)
     loader = build_eval_loader(dataset, cfg.data, cfg.train.batch_size, info, collate_fn=collate_predictions)
     model = create_model(cfg.model, len(trained.class_names))
     load_weights(model, trained.weights, trained.source)
     model = prepare_model(model, cfg.model, info.device, 1).eval()  # sync_bn needs several processes: off
+    if args.tta_flip or args.tta_crops > 1:
+        model = TTAModel(model, args.tta_flip, args.tta_crops)
     k = min(args.topk, len(trained.class_names))
     if info.is_main:
         log.info("predicting %d images with %s (%s, %d classes), %d process(es), batch %d per process",
@@ -145,7 +156,9 @@ def run(trained: Trained, cfg: Config, args: argparse.Namespace, info: DistInfo)
     for row in unreadable:
         log.warning("skipped: %s", row["error"])
     write_csv(good, out / "predictions.csv", columns(k))
-    result = {"checkpoint": str(args.checkpoint), "ema": args.ema, "n": len(good), "unreadable": unreadable,
+    size, crop_pct = eval_size(cfg.data)
+    result = {"checkpoint": str(args.checkpoint), "ema": args.ema, "img_size": size, "crop_pct": crop_pct,
+              "tta": describe(args.tta_flip, args.tta_crops), "n": len(good), "unreadable": unreadable,
               "predictions": [{"index": int(row["index"]), "path": row["path"],
                                "top": [{"class": row[f"class_{i}"], "prob": float(row[f"prob_{i}"])}
                                        for i in range(1, k + 1)]} for row in good]}

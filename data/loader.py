@@ -151,14 +151,15 @@ def build_datasets(cfg: DataConfig, seed: int, local_rank: int = 0) -> tuple[Aug
 
 
 def build_val_dataset(cfg: DataConfig, seed: int, local_rank: int = 0,
-                      classes: list[str] | None = None) -> AugmentedDataset:
-    """The validation set alone (evaluate.py needs no training split); `classes`: the training class map."""
+                      classes: list[str] | None = None, crops: int = 1) -> AugmentedDataset:
+    """The validation set alone (evaluate.py needs no training split); `classes`: the training class map;
+    `crops`: 5 for the stacked five crops of test-time augmentation."""
     if cfg.name == "dummy":
         return DummyDataset(cfg.dummy_val_size, num_classes=cfg.dummy_num_classes, image_size=cfg.dummy_image_size,
-                            transform=eval_transform(cfg), seed=seed, offset=cfg.dummy_train_size)
+                            transform=eval_transform(cfg, crops), seed=seed, offset=cfg.dummy_train_size)
     prepare_digits(cfg, local_rank)
     # skip_corrupt never for val: an evaluation counts every image
-    return build_split(cfg, cfg.val_split, eval_transform(cfg), seed, classes)
+    return build_split(cfg, cfg.val_split, eval_transform(cfg, crops), seed, classes)
 
 
 def prepare_digits(cfg: DataConfig, local_rank: int) -> None:

@@ -100,8 +100,8 @@ def train_interpolation(cfg: DataConfig) -> str:
 
 def train_transform(cfg: DataConfig) -> A.Compose:
     """RandomResizedCrop + flip (+ colour jitter), as uint8; the eval preset when augment is off."""
-    if not cfg.augment:
-        return eval_transform(cfg)
+    if not cfg.augment:  # at the training size, whatever data.val_img_size says
+        return A.Compose([ResizeCentreCrop(cfg.img_size, cfg.crop_pct, cfg.interpolation), ToTensorV2()])
     steps: list[A.BasicTransform] = [
         RandomResizedCrop(cfg.img_size, cfg.scale, cfg.ratio, train_interpolation(cfg)),
         A.HorizontalFlip(p=cfg.hflip),
@@ -332,9 +332,29 @@ class PixelErasing(v2.RandomErasing):
         return params
 
 
-def eval_transform(cfg: DataConfig) -> A.Compose:
-    """Resize the short side to floor(img_size / crop_pct), centre crop img_size, as uint8 (timm's eval preset)."""
-    return A.Compose([ResizeCentreCrop(cfg.img_size, cfg.crop_pct, cfg.interpolation), ToTensorV2()])
+class ResizeFiveCrop(ResizeCentreCrop):
+    """The eval preset's resize, then torchvision's five_crop (centre + four corners) of the resized image,
+    stacked top to bottom as one (5 x size) x size image, so batches collate and normalize as any other."""
+
+    def apply(self, img: np.ndarray, **params) -> np.ndarray:
+        height, width = short_side_size(*img.shape[:2], self.resize_to)
+        resized = resize(img, height, width, self.interpolation)
+        chw = torch.from_numpy(np.ascontiguousarray(resized)).permute(2, 0, 1)
+        top_left, top_right, bottom_left, bottom_right, centre = v2.functional.five_crop(chw, [self.size] * 2)
+        return torch.cat([centre, top_left, top_right, bottom_left, bottom_right], dim=1).permute(1, 2, 0).numpy()
+
+
+def eval_size(cfg: DataConfig) -> tuple[int, float]:
+    """(crop size, crop_pct) of evaluation: data.val_img_size / val_crop_pct, else the training ones."""
+    return cfg.val_img_size or cfg.img_size, cfg.val_crop_pct or cfg.crop_pct
+
+
+def eval_transform(cfg: DataConfig, crops: int = 1) -> A.Compose:
+    """Resize the short side to floor(size / crop_pct), centre crop size x size, as uint8 (timm's eval preset) at
+    eval_size; crops=5: the centre and four corner crops of that resize, stacked (ResizeFiveCrop)."""
+    size, crop_pct = eval_size(cfg)
+    crop = ResizeFiveCrop if crops == 5 else ResizeCentreCrop
+    return A.Compose([crop(size, crop_pct, cfg.interpolation), ToTensorV2()])
 
 
 class DeviceNormalize:

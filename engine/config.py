@@ -82,6 +82,8 @@ class DataConfig:
     shard_cache: str = ""  # wds: folder for shards read from URLs; "" = $WIDS_CACHE or /tmp/_wids_cache
     img_size: int = 32  # train crop size (pixels)
     crop_pct: float = 0.875  # eval: resize to img_size / crop_pct, centre crop; unset: model.init_from weights'
+    val_img_size: int = 0  # eval (each epoch, best.pth, evaluate/predict/export) crop size; 0 = data.img_size
+    val_crop_pct: float = 0.0  # eval: resize to val_img_size / val_crop_pct; 0 = data.crop_pct
     interpolation: str = "bilinear"  # bilinear | bicubic | nearest | area | lanczos; unset: model.init_from weights'
     train_interpolation: str = ""  # train crop, policies: "" = data.interpolation | random (bilinear/bicubic)
     augment: bool = True  # false: the train pipeline is the (deterministic) eval pipeline
@@ -221,7 +223,7 @@ POSITIVE = ("train.epochs", "train.batch_size", "train.accum_steps", "data.img_s
             "data.max_image_pixels", "sched.decay_rate", "optim.lr_base_size")
 NON_NEGATIVE = ("dist.timeout_s", "logging.wandb_samples", "optim.lr", "optim.weight_decay", "optim.clip_grad",
                 "train.max_steps", "data.num_workers", "train.ckpt_every_steps", "train.keep_last_k",
-                "data.color_jitter", "sched.warmup_epochs", "sched.warmup_lr", "sched.min_lr",
+                "data.color_jitter", "data.val_img_size", "sched.warmup_epochs", "sched.warmup_lr", "sched.min_lr",
                 "data.mixup_alpha", "data.cutmix_alpha", "data.aug_repeats", "data.mix_group",
                 "sched.warmup_steps", "sched.decay_epochs", "sched.cooldown_epochs", "optim.lr_base")
 FRACTIONS = ("model.drop_rate", "model.drop_path_rate", "train.label_smoothing", "model.ema_decay")  # in [0, 1)
@@ -440,6 +442,9 @@ def validate(cfg: Config) -> None:
                         f"limit), got {cfg.data.max_image_pixels}")
     if not 0 < cfg.data.crop_pct <= 1:
         raise UserError(f"config key 'data.crop_pct' must be in (0, 1], got {cfg.data.crop_pct}")
+    if not 0 <= cfg.data.val_crop_pct <= 1:
+        raise UserError(f"config key 'data.val_crop_pct' must be in (0, 1] (0 = data.crop_pct), got "
+                        f"{cfg.data.val_crop_pct}")
     for key in ("data.scale", "data.ratio"):
         low_high = _get(cfg, key)
         if len(low_high) != 2 or not 0 < low_high[0] <= low_high[1]:

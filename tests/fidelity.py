@@ -109,7 +109,9 @@ INC1_TEST = PIXELS + "test_rand_augment_inc1_ops_equal_timms"
 PREPROCESSING_ROWS: list[Row] = [
     *(Row(name, "eval resize", "timm: PIL, short side floor(img_size / crop_pct), bicubic, centre crop",
           ("data.img_size", "data.crop_pct", "data.interpolation"), EVAL_TIMM, "torch's antialiased resize")
-      for name in ("deit_small.yaml", "convnext_tiny.yaml", "resnet50_rsb_a3.yaml")),
+      for name in ("deit_small.yaml", "convnext_tiny.yaml")),
+    Row("resnet50_rsb_a3.yaml", "eval resize", "timm: PIL, short side floor(224 / 0.95), bicubic, centre crop 224",
+        ("data.val_img_size", "data.val_crop_pct", "data.interpolation"), EVAL_TIMM, "torch's antialiased resize"),
     *(Row(name, "RandAugment", f"timm {policy} (posterize to 1 bit at m9, mean-colour fill, bicubic)",
           ("data.auto_augment",), INC1_TEST, "timm's own ops, seeded per sample")
       for name, policy in (("deit_small.yaml", "rand-m9-mstd0.5-inc1"), ("convnext_tiny.yaml", "rand-m9-mstd0.5-inc1"),
@@ -123,7 +125,7 @@ PREPROCESSING_ROWS: list[Row] = [
     Row("deit_small.yaml", "random erasing mode", "--remode pixel", ("data.random_erase", "data.random_erase_mode"),
         "tests/test_augment.py::test_erasing_fills_a_box_with_varied_pixels"),
     Row("resnet50_torchvision.yaml", "eval preset", "resize 232, centre crop 224, bilinear antialiased "
-        "(ImageClassification)", ("data.crop_pct", "data.interpolation"),
+        "(ImageClassification)", ("data.val_img_size", "data.val_crop_pct", "data.interpolation"),
         PIXELS + "test_eval_preset_equals_torchvisions_for_its_recipe"),
     Row("resnet50_torchvision.yaml", "TrivialAugment interpolation", "bilinear (--interpolation)",
         ("data.auto_augment", "data.interpolation"), PIXELS + "test_trivial_augment_samples_as_torchvisions_preset"),

@@ -55,10 +55,10 @@ def test_eval_preset_equals_timms(size, interpolation):
 @pytest.mark.parametrize("size", [32, 160, 176, 224, 288])
 def test_eval_preset_equals_torchvisions_for_its_recipe(size):
     """torchvision's eval preset (its weights' transforms: resize the short side, centre crop, on PIL) with the
-    resize size the recipe's crop_pct gives: 232 for a 224 crop, as --val-resize-size 232."""
+    resize size the recipe's val_crop_pct gives: 232 for a 224 crop, as --val-resize-size 232."""
     cfg = load_config("resnet50_torchvision").data
-    cfg.img_size = size
-    resize_size = math.floor(size / cfg.crop_pct)
+    cfg.val_img_size = size
+    resize_size = math.floor(size / cfg.val_crop_pct)
     assert size != 224 or resize_size == 232
     theirs = ImageClassification(crop_size=size, resize_size=resize_size, mean=(0, 0, 0), std=(1, 1, 1),
                                  interpolation=InterpolationMode(cfg.interpolation))
