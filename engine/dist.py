@@ -238,6 +238,10 @@ def get_rank() -> int:
 
 
 
+def get_world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def is_main() -> bool:
     return get_rank() == 0
 
