@@ -18,8 +18,9 @@ import torch
 import train
 from data.datasets import DummyDataset
 from engine.cli import report_errors
+from engine.metrics import SumMeter
 from engine.speed import INPUT_BOUND
-from tests.helpers import REPO, TINY, read_jsonl
+from tests.helpers import REPO, TINY, read_jsonl, run_ranks
 
 SLOW_IMAGE_S = 0.1  # per image: 0.2 s per batch of 2, many times a tiny step
 
@@ -89,3 +90,17 @@ def test_no_module_imports_the_profiler_at_import_time():
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(name.startswith("torch.profiler") for name in names), path
+
+
+def _sums_and_max(rank: int, world: int) -> tuple[dict[str, float], list[float]]:
+    meter = SumMeter(("loss_sum", "count"), torch.device("cpu"))
+    meter.add(torch.tensor(1.5 * (rank + 1)), 4)
+    return meter.global_sums_and_max((0.1 * (rank + 1), 0.3 - 0.1 * rank))
+
+
+@pytest.mark.slow
+def test_per_rank_values_come_back_as_their_max_in_the_sums_all_reduce(tmp_path):
+    """Two real gloo ranks: the sums are sums, each host value is the largest any rank gave."""
+    for sums, largest in run_ranks(_sums_and_max, 2, tmp_path):
+        assert sums == {"loss_sum": 4.5, "count": 8.0}
+        assert largest == pytest.approx([0.2, 0.3])
