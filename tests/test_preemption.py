@@ -208,7 +208,7 @@ def test_terminal_keeps_the_bar_with_the_run_eta(tmp_path):
     os.close(leader)
     assert proc.wait(timeout=120) == 0
     screen = b"".join(chunks).decode(errors="replace")
-    assert re.search(r"epoch 0: .*step=\d+ms, wait=\d+%, run_eta=\d+:\d\d:\d\d", screen), screen[-3000:]
+    assert re.search(r"epoch 0: .*run_eta=\d+:\d\d:\d\d, step=\d+ms, wait=\d+%", screen), screen[-3000:]
     assert not STEP_LINE.search(screen)
 
 
