@@ -28,8 +28,8 @@ from engine.logs import Progress
 from engine.metrics import SumMeter, hits, ranked_classes
 from engine.precision import Precision
 from engine.prefetch import Normalize, device_batches
-from engine.speed import LoaderWait
 from engine.signals import Preempted, requested, stop, training_steps, workers_shielded
+from engine.speed import LoaderWait
 from engine.state import TrainState
 
 log = logging.getLogger(__name__)
