@@ -15,6 +15,11 @@ and torch itself, and is the maximum since the process started).
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: a SIGTERM or SIGUSR1 during the imports below (seconds) gets handled
+    from engine.signals import handle_early
+
+    handle_early()
+
 import argparse
 import json
 import resource
