@@ -220,7 +220,7 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
             tracker.log_checkpoint(out / "best.pth", {"epoch": row["epoch"], "global_step": state.global_step,
                                                       "val_top1": state.best_top1, "model": cfg.model.name})
     if profile is not None:  # the run ended inside the profiled steps: write what it recorded
-        profile.finish()
+        profile.finish(state.global_step)
     for sink in sinks:
         sink.finish()
     log.info("done: best %s %.2f, outputs in %s", chosen_on, state.best_top1, out)

@@ -1,7 +1,8 @@
 """logging.profile_steps=[start, end]: a torch.profiler trace of those optimizer steps, from rank 0.
 
 The trace (CPU and, on a GPU, CUDA activities; tensor shapes; memory) is written to
-<output_dir>/profile/rank0.steps<start>-<end>.pt.trace.json, a Chrome trace that Perfetto (ui.perfetto.dev),
+<output_dir>/profile/rank0.steps<start>-<end>.pt.trace.json (<end>: the run's last step, when it ended first),
+a Chrome trace that Perfetto (ui.perfetto.dev),
 chrome://tracing and TensorBoard's profiler plugin (`tensorboard --logdir <output_dir>/profile`) open.
 Off (the default) train.py adds no hook and torch.profiler is never started. Steps count as global_step
 does: step 1 is the run's first optimizer step; the trace covers from the end of step start-1 to the end of
@@ -49,25 +50,26 @@ class ProfileSteps(Hook):
         if state.global_step == self.start - 1:
             self.begin()
         elif state.global_step == self.end:
-            self.finish()
+            self.finish(state.global_step)
 
-    def finish(self) -> None:
-        """Stop and write the trace (a collective: every rank calls it); a no-op once done or never started."""
+    def finish(self, step: int) -> None:
+        """Stop after optimizer step `step` (`end`, or the run's last when it ended first: then the trace also holds
+        its evaluation) and write the trace (a collective: every rank calls it); a no-op once done."""
         if self.done:
             return
         self.done = True
         self.record.start()
-        self.record.write(self.save)
+        self.record.write(lambda: self.save(step))
 
-    def save(self) -> None:
+    def save(self, step: int) -> None:
         if self.profiler is None:
             return
         self.profiler.stop()
         self.folder.mkdir(exist_ok=True)
-        path = self.folder / f"rank0.steps{self.start}-{self.end}.pt.trace.json"
+        path = self.folder / f"rank0.steps{self.start}-{step}.pt.trace.json"
         tmp = path.with_name(f".{path.name}.tmp")
         self.profiler.export_chrome_trace(str(tmp))
         os.replace(tmp, path)
         self.profiler = None
         log.info("profile of steps %d-%d written to %s (open it in ui.perfetto.dev or TensorBoard)", self.start,
-                 self.end, path)
+                 step, path)

@@ -81,6 +81,9 @@ def test_profile_steps_write_a_chrome_trace_with_shapes(one_thread, tmp_path):
     assert convs and all("Input Dims" in e["args"] for e in convs)  # record_shapes
     assert any(e.get("name") == "[memory]" for e in events)  # profile_memory
     assert not list((out / "profile").glob(".*"))  # no temp file left
+    # A range past the run's end: the trace holds the steps that ran, and its name says which.
+    assert report_errors(train.main, [*TINY, "logging.profile_steps=[3, 100]", f"output_dir={tmp_path / 'end'}"]) == 0
+    assert [p.name for p in (tmp_path / "end" / "profile").iterdir()] == ["rank0.steps3-4.pt.trace.json"]
 
 
 def test_no_module_imports_the_profiler_at_import_time():
