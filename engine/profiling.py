@@ -2,8 +2,8 @@
 
 The trace (CPU and, on a GPU, CUDA activities; tensor shapes; memory) is written to
 <output_dir>/profile/rank0.steps<start>-<end>.pt.trace.json (<end>: the run's last step, when it ended first),
-a Chrome trace that Perfetto (ui.perfetto.dev),
-chrome://tracing and TensorBoard's profiler plugin (`tensorboard --logdir <output_dir>/profile`) open.
+a Chrome trace that Perfetto (ui.perfetto.dev), chrome://tracing and TensorBoard's profiler plugin
+(`tensorboard --logdir <output_dir>/profile`) open.
 Off (the default) train.py adds no hook and torch.profiler is never started. Steps count as global_step
 does: step 1 is the run's first optimizer step; the trace covers from the end of step start-1 to the end of
 step `end` (its data loading, forward, backward, optimizer step and the hooks before this one).
