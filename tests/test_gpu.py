@@ -289,7 +289,7 @@ def test_benchmark_py_resnet50_training_prints_its_table(batch_size, tmp_path, c
             "--channels-last", "true", "--mode", "train", "--warmup", "10", "--steps", "50", "--json", str(out)]
     torch.cuda.reset_peak_memory_stats()
     assert report_errors(benchmark.main, argv) == 0
-    result = json.loads(out.read_text())
+    result, table = json.loads(out.read_text()), capsys.readouterr().out
     with capsys.disabled():
-        print("\n" + capsys.readouterr().out)
+        print("\n" + table)
     assert result["train"]["img_per_s"] > 0 and result["peak_memory_mib"] > 0
