@@ -43,9 +43,11 @@ from engine.losses import build_loss
 from engine.optim import (build_optimizer, build_scheduler, check_optimizer, check_scheduler, scaled_lr_note,
                           with_scaled_lr)
 from engine.precision import Precision, resolve_precision
+from engine.profiling import ProfileSteps
 from engine.resume import Resume
 from engine.run_dir import RunRecord, check_writable, locked
 from engine.signals import Preempted
+from engine.speed import InputAdvice
 from engine.state import TrainState
 from engine.tracking import TensorBoardWriter, WandbTracker
 from engine.weights import check_pretrained, resolve_preprocessing
@@ -170,8 +172,11 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
     if state.global_step == 0:
         tracker.log_samples(data.train.dataset, cfg.logging.wandb_samples)
     step_checkpoint = StepCheckpoint(record, checkpointer, cfg.train.ckpt_every_steps)
+    profile = (ProfileSteps(cfg.logging.profile_steps, out / "profile", info.device, record, info.is_main, state)
+               if cfg.logging.profile_steps else None)  # off: no hook, torch.profiler never starts
     hooks = [*([EmaUpdate(ema, model)] if ema is not None else []),  # before the checkpoint that saves it
-             step_checkpoint, IntervalTracking(sinks)]
+             step_checkpoint, IntervalTracking(sinks), *([profile] if profile else [])]
+    input_advice = InputAdvice(cfg.data, cpu_share(info.local_world_size), info.is_main)
 
     while state.epoch < cfg.train.epochs:
         if cfg.train.max_steps and state.global_step >= cfg.train.max_steps:
@@ -185,6 +190,7 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
             step_checkpoint.save(state)  # mid-epoch: resume=auto continues the epoch where it stopped
             stopped.checkpoint = out / "last.pth"
             raise
+        input_advice.after_epoch(state.epoch, train_stats)
         val_stats = evaluate(parts.model, data.val, precision, info, normalize)
         row = {"epoch": state.epoch, **train_stats, **val_stats, "lr": optimizer.param_groups[0]["lr"]}
         if ema is not None:
@@ -213,6 +219,8 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
         if is_best:  # a model version per best.pth, so a preempted run keeps its best model in W&B
             tracker.log_checkpoint(out / "best.pth", {"epoch": row["epoch"], "global_step": state.global_step,
                                                       "val_top1": state.best_top1, "model": cfg.model.name})
+    if profile is not None:  # the run ended inside the profiled steps: write what it recorded
+        profile.finish(state.global_step)
     for sink in sinks:
         sink.finish()
     log.info("done: best %s %.2f, outputs in %s", chosen_on, state.best_top1, out)

@@ -177,6 +177,7 @@ class LoggingConfig:
     wandb_log_checkpoints: bool = False  # upload each best.pth as a model artifact version when it is written
     wandb_samples: int = 0  # W&B table of this many augmented training images when a training starts; 0 = none
     tensorboard: bool = False  # also write TensorBoard event files to <output_dir>/tensorboard (rank 0)
+    profile_steps: list[int] = field(default_factory=list)  # [start, end]: torch.profiler trace of those steps (rank 0)
 
 
 @dataclass
@@ -421,6 +422,10 @@ def validate(cfg: Config) -> None:
         if not 0 <= _get(cfg, key) <= 1:
             raise UserError(f"config key {key!r} must be in [0, 1], got {_get(cfg, key)!r}")
     parse_auto_augment(cfg.data.auto_augment)
+    steps = cfg.logging.profile_steps
+    if steps and not (len(steps) == 2 and 1 <= steps[0] <= steps[1]):
+        raise UserError(f"config key 'logging.profile_steps' must be [start, end] with 1 <= start <= end (optimizer "
+                        f"steps, the first is 1), or [] for no profile; got {steps}")
     if mixing(cfg.data) and cfg.train.batch_size % 2:
         raise UserError(f"config key 'train.batch_size' must be even with mixup or cutmix on (images are mixed in "
                         f"pairs within a process's batch), got {cfg.train.batch_size}")

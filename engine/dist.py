@@ -237,6 +237,9 @@ def get_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def get_world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
 
 def is_main() -> bool:
     return get_rank() == 0

@@ -48,15 +48,18 @@ class Progress:
         return iter(self.bar)
 
     def show(self, step: int, stats: dict[str, float], epoch_eta_s: float, run_eta_s: float) -> None:
-        """`step` of the epoch's `steps` is done; stats: the interval's train_loss, lr and img_per_s."""
+        """`step` of the epoch's `steps` is done; stats: the interval's train_loss, lr, img_per_s, step_s (seconds per
+        optimizer step) and input_wait (the share of the time spent waiting for batches: engine/speed.py)."""
         if not self.enabled:
             return
         if self.terminal:  # the bar shows the epoch's own ETA
             self.bar.set_postfix(loss=f"{stats['train_loss']:.4f}", lr=f"{stats['lr']:.3g}",
-                                 img_s=f"{stats['img_per_s']:.0f}", run_eta=duration(run_eta_s))
+                                 img_s=f"{stats['img_per_s']:.0f}", step=f"{stats['step_s'] * 1000:.0f}ms",
+                                 wait=f"{stats['input_wait']:.0%}", run_eta=duration(run_eta_s))
             return
-        log.info("epoch %d step %d/%d | loss %.4f | lr %.4g | %.0f img/s | ETA epoch %s, run %s", self.epoch, step,
-                 self.steps, stats["train_loss"], stats["lr"], stats["img_per_s"], duration(epoch_eta_s),
+        log.info("epoch %d step %d/%d | loss %.4f | lr %.4g | %.0f img/s | step %.1f ms, input wait %.0f%% | "
+                 "ETA epoch %s, run %s", self.epoch, step, self.steps, stats["train_loss"], stats["lr"],
+                 stats["img_per_s"], stats["step_s"] * 1000, stats["input_wait"] * 100, duration(epoch_eta_s),
                  duration(run_eta_s))
 
 

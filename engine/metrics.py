@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.dist import all_reduce_sum
+from engine.dist import all_reduce_sum, get_rank, get_world_size
 
 
 def ranked_classes(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -36,5 +36,18 @@ class SumMeter:
 
     def global_sums(self) -> dict[str, float]:
         """Sums over all ranks (a collective: every rank must call it)."""
-        total = all_reduce_sum(self.sums.clone()).tolist()
-        return dict(zip(self.names, total))
+        return self.global_sums_and_max(())[0]
+
+    def global_sums_and_max(self, per_rank: tuple[float, ...]) -> tuple[dict[str, float], list[float]]:
+        """Sums over all ranks, and the largest over ranks of each host value in `per_rank`, in one all-reduce.
+
+        Each rank writes its values into its own slots of a zero tensor (device fills, not host copies); the
+        sum then holds every rank's values, exactly, and the host takes their max: no second collective.
+        """
+        rank, world, count = get_rank(), get_world_size(), len(per_rank)
+        slots = torch.zeros(world * count, dtype=torch.float64, device=self.sums.device)
+        for i, value in enumerate(per_rank):
+            slots[rank * count + i].fill_(value)
+        total = all_reduce_sum(torch.cat([self.sums, slots])).tolist()
+        ranks = [total[len(self.names) + r * count:len(self.names) + (r + 1) * count] for r in range(world)]
+        return dict(zip(self.names, total)), [max(values) for values in zip(*ranks)]

@@ -49,6 +49,13 @@ class TrainState:
             self.epoch_sums = self.meter.global_sums()
         return self.epoch_sums
 
+    def sync_sums_and_max(self, per_rank: tuple[float, ...]) -> tuple[dict[str, float], list[float]]:
+        """sync_sums(), with the largest over ranks of each of this rank's `per_rank` host values (same all-reduce)."""
+        if self.meter is None:
+            return self.epoch_sums, list(per_rank)
+        self.epoch_sums, largest = self.meter.global_sums_and_max(per_rank)
+        return self.epoch_sums, largest
+
     def epoch_finished(self, steps_per_epoch: int) -> bool:
         """Whether every step of `epoch` ran (train.max_steps can stop a run mid-epoch)."""
         return self.epoch_step >= steps_per_epoch

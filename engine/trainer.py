@@ -3,7 +3,8 @@
 `train_one_epoch` is the whole loop. It reads one value on the host per optimizer step (`Precision.step`):
 the inf/NaN gradient check, which decides whether to step, fused with the stop flag (did any rank get SIGTERM
 or SIGUSR1?), which makes every rank stop after the same step: one tensor, one all-reduce, one read. The
-metrics are read only every `log_interval` steps (one all-reduce of a few sums); nothing else in the hot path waits for the device.
+metrics are read only every `log_interval` steps (one all-reduce of a few sums, which also carries each rank's
+input wait share and step time: engine/speed.py); nothing else in the hot path waits for the device.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from engine.metrics import SumMeter, hits, ranked_classes
 from engine.precision import Precision
 from engine.prefetch import Normalize, device_batches
 from engine.signals import Preempted, requested, stop, training_steps, workers_shielded
+from engine.speed import LoaderWait
 from engine.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -72,10 +74,12 @@ def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cf
     num_batches = len(loader)
     steps = state.epoch_step + math.ceil(num_batches / cfg.accum_steps)  # the whole epoch's, also when resumed
     with workers_shielded():  # DataLoader workers start here; a SIGTERM to the process group must not kill them
-        batches = device_batches(iter(loader), info.device, cfg.normalize)
+        waits = LoaderWait(iter(loader))  # host time blocked in the loader's next(): is the run input-bound?
+        batches = device_batches(waits, info.device, cfg.normalize)
     shown = Progress(batches, num_batches, state.epoch, steps, cfg.show_progress and info.is_main)
     start = time.perf_counter() - state.epoch_seconds
     last_sums, last_time = dict(state.epoch_sums) or dict.fromkeys(meter.names, 0.0), time.perf_counter()
+    last_step, first_step, began = state.epoch_step, state.epoch_step, time.perf_counter()  # this process's part
     optimizer.zero_grad(set_to_none=True)
     skipped = 0  # optimizer steps in a row skipped for inf/NaN gradients
     with training_steps():  # from here SIGTERM, like SIGUSR1, only asks for a stop at the next step boundary
@@ -105,26 +109,32 @@ def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cf
             for hook in hooks:
                 hook.after_step(state)
             if state.global_step % cfg.log_interval == 0:
-                sums, now = state.sync_sums(), time.perf_counter()
+                now = time.perf_counter()
+                # The input wait share and step time of this rank, the largest over ranks in the sums' all-reduce.
+                local = (waits.interval(), (now - last_time) / (state.epoch_step - last_step))
+                sums, (wait, step_s) = state.sync_sums_and_max(local)
                 count = sums["count"] - last_sums["count"]
                 stats = {"train_loss": (sums["loss_sum"] - last_sums["loss_sum"]) / count,
-                         "lr": optimizer.param_groups[0]["lr"], "img_per_s": count / (now - last_time)}
+                         "lr": optimizer.param_groups[0]["lr"], "img_per_s": count / (now - last_time),
+                         "input_wait": wait, "step_s": step_s}
                 pace = (now - start) / state.epoch_step  # seconds per optimizer step over the epoch
                 run_left = max(cfg.total_steps - state.global_step, steps - state.epoch_step)
                 shown.show(state.epoch_step, stats, pace * (steps - state.epoch_step), pace * run_left)
                 for hook in hooks:
                     hook.after_interval(state, stats)
-                last_sums, last_time = sums, now
+                last_sums, last_time, last_step = sums, now, state.epoch_step
             if signum:  # every rank got the same answer: all stop after this step
                 stop(signum)
                 raise Preempted(signum, state.global_step)
             if cfg.max_steps and state.global_step >= cfg.max_steps:
                 break
-    sums = state.sync_sums()
+    step_s = (time.perf_counter() - began) / max(state.epoch_step - first_step, 1)
+    sums, (wait, step_s) = state.sync_sums_and_max((waits.epoch(), step_s))
     seconds = state.epoch_seconds = time.perf_counter() - start
     count = max(sums["count"], 1.0)
     return {"train_loss": sums["loss_sum"] / count, "train_top1": 100.0 * sums["correct"] / count,
-            "train_img_per_s": sums["count"] / seconds, "epoch_time_s": seconds, "train_images": int(sums["count"])}
+            "train_img_per_s": sums["count"] / seconds, "epoch_time_s": seconds, "train_images": int(sums["count"]),
+            "train_input_wait": wait, "train_step_s": step_s}
 
 
 def check_nonfinite(skipped: int, limit: int, step: int, info: DistInfo) -> None:

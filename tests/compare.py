@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 # Keys of a metrics.jsonl row that measure the machine, not the model.
-TIMING_KEYS = ("epoch_time_s", "train_img_per_s")
+TIMING_KEYS = ("epoch_time_s", "train_img_per_s", "train_input_wait", "train_step_s")
 # A state dict's floating-point tensors in three groups of like scale: BatchNorm's running means and
 # running variances, and everything else (the parameters).
 GROUPS = ("parameters", "running_mean", "running_var")

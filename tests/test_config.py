@@ -63,6 +63,9 @@ def test_bare_name_is_looked_up_in_configs():
     ("output_dir=  ", "config key 'output_dir' is empty"),
     ("data.max_image_pixels=0", "config key 'data.max_image_pixels' must be > 0, got 0"),
     ("data.max_image_pixels=2000000000", "config key 'data.max_image_pixels' must be at most 1073741824"),
+    ("logging.profile_steps=[3, 2]", "config key 'logging.profile_steps' must be [start, end] with 1 <= start"),
+    ("logging.profile_steps=[0, 2]", "config key 'logging.profile_steps' must be [start, end] with 1 <= start"),
+    ("logging.profile_steps=[5]", "config key 'logging.profile_steps' must be [start, end] with 1 <= start"),
 ])
 def test_errors_name_the_key(override, message):
     with pytest.raises(UserError) as err:

@@ -56,6 +56,7 @@ def test_torchrun_two_ranks_trains_and_writes_outputs(tmp_path):
                 "train_img_per_s"}
     assert expected <= set(row)
     assert row["val_count"] == 101 and math.isfinite(row["train_loss"])
+    assert 0 <= row["train_input_wait"] <= 1 and row["train_step_s"] > 0  # the largest over both ranks
     for name in ("last.pth", "best.pth", "config.yaml"):
         assert (out / name).is_file()
     ckpt = torch.load(out / "last.pth", weights_only=True, map_location="cpu")

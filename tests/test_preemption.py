@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from engine.checkpoint import load_checkpoint
+from tests.compare import TIMING_KEYS
 from tests.helpers import HANG, REPO, free_port, make_image_folder, read_jsonl, run_script, script_env
 from tests.test_faults import children, corrupt_in_batch
 from tests.test_resume import assert_same
@@ -34,7 +35,7 @@ TINY = ["--config", "configs/dummy.yaml", "model.name=test_resnet", "model.chann
 # 2 ranks x batch 8 over 2048 images: 128 optimizer steps per epoch (a few seconds); a log line after every step.
 PREEMPTIBLE = [*TINY, "data.dummy_train_size=2048", "data.num_workers=2", "train.epochs=2", "logging.interval=1"]
 STEP_LINE = re.compile(r"epoch (\d+) step (\d+)/(\d+) \| loss (\d+\.\d+) \| lr (\S+) \| (\d+) img/s \| "
-                       r"ETA epoch (\d+:\d\d:\d\d), run (\d+:\d\d:\d\d)$", re.M)
+                       r"step (\d+\.\d) ms, input wait (\d+)% \| ETA epoch (\d+:\d\d:\d\d), run (\d+:\d\d:\d\d)$", re.M)
 STOP_LINE = re.compile(r"^preempted by (SIGTERM|SIGUSR1) at global step (\d+): (\S+) written; resume=auto continues$",
                        re.M)
 
@@ -87,7 +88,7 @@ def test_sigterm_to_torchrun_stops_both_ranks_at_one_step_and_resume_equals_an_u
 
     run_script("train.py", *PREEMPTIBLE, f"output_dir={stopped}", "resume=auto", nproc=2)
     assert_same(load_checkpoint(whole / "last.pth"), load_checkpoint(stopped / "last.pth"))
-    rows = [{k: v for k, v in row.items() if k not in ("epoch_time_s", "train_img_per_s")}
+    rows = [{k: v for k, v in row.items() if k not in TIMING_KEYS}
             for run in (whole, stopped) for row in read_jsonl(run / "metrics.jsonl")]
     assert rows[:2] == rows[2:] and [row["epoch"] for row in rows[:2]] == [0, 1]
 
@@ -182,7 +183,8 @@ def test_log_file_gets_one_plain_line_every_interval(tmp_path):
     # 8 steps per epoch; a line at global steps 3, 6, 9, 12, 15
     assert [(int(e), int(s), int(n)) for e, s, n, *_ in lines] == [(0, 3, 8), (0, 6, 8), (1, 1, 8), (1, 4, 8),
                                                                    (1, 7, 8)], proc.stderr[-3000:]
-    assert all(float(loss) > 0 and int(speed) > 0 for _, _, _, loss, _, speed, _, _ in lines)
+    assert all(float(loss) > 0 and int(speed) > 0 and float(step_ms) > 0 and 0 <= int(wait) <= 100
+               for _, _, _, loss, _, speed, step_ms, wait, _, _ in lines)
     assert "it/s]" not in proc.stderr and "\r" not in proc.stderr  # no tqdm bar in a file
 
 
@@ -206,7 +208,7 @@ def test_terminal_keeps_the_bar_with_the_run_eta(tmp_path):
     os.close(leader)
     assert proc.wait(timeout=120) == 0
     screen = b"".join(chunks).decode(errors="replace")
-    assert re.search(r"epoch 0: .*run_eta=\d+:\d\d:\d\d", screen), screen[-3000:]
+    assert re.search(r"epoch 0: .*run_eta=\d+:\d\d:\d\d, step=\d+ms, wait=\d+%", screen), screen[-3000:]
     assert not STEP_LINE.search(screen)
 
 

@@ -128,6 +128,8 @@ def test_two_rank_job_makes_one_run_whose_values_equal_metrics_jsonl(tmp_path):
         assert window_mean == pytest.approx(row["train_loss"], rel=1e-12)
     assert [v for s, v in run.values("interval/lr") if s in (4, 8)] == [r["lr"] for r in rows]
     assert all(v > 0 for _, v in run.values("interval/img_per_s"))
+    steps, waits = run.values("interval/step_s"), run.values("interval/input_wait")  # engine/speed.py
+    assert len(steps) == len(waits) == 4 and all(v > 0 for _, v in steps) and all(0 <= v <= 1 for _, v in waits)
 
     resolved = yaml.safe_load((out / "config.yaml").read_text())
     assert {k: v for k, v in run.config.items() if k != "_wandb"} == {**resolved, "world_size": 2}
@@ -356,7 +358,7 @@ def test_tensorboard_holds_the_same_scalars_as_wandb_and_metrics_jsonl(tracked):
     rows = read_jsonl(out / "metrics.jsonl")
     for key in rows[0]:
         assert scalars[key] == [(8 * (r["epoch"] + 1), r[key]) for r in rows], key  # exact: stored as doubles
-    for key in ("interval/train_loss", "interval/lr", "interval/img_per_s"):
+    for key in ("interval/train_loss", "interval/lr", "interval/img_per_s", "interval/input_wait", "interval/step_s"):
         assert scalars[key] == run.values(key), key
     assert [s for s, _ in scalars["interval/train_loss"]] == list(range(2, 25, 2))
     wandb_keys = {k for row in run.history for k in row if not k.startswith("_") and k != "train_samples"}

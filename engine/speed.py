@@ -1,0 +1,99 @@
+"""Is the run input-bound? The host time the training process spends blocked waiting for its next batch.
+
+`LoaderWait` wraps the loader's iterator and times each `next` with the host clock: no device sync, nothing
+added to a step but two clock reads. The epoch's first step (workers starting up, warm-up, compilation) is
+left out of both the wait and the wall time it is a share of. The loop reads the share every `logging.interval` steps and at
+the epoch's end, reduced to the largest over ranks in the all-reduce it already makes there (SumMeter).
+Above INPUT_BOUND over an epoch, `InputAdvice` says once, on rank 0, what to change.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Iterator, TypeVar
+
+from engine.config import DataConfig
+
+log = logging.getLogger(__name__)
+
+INPUT_BOUND = 0.10  # an epoch whose input wait is above this share of its time gets the advice
+T = TypeVar("T")
+
+
+class LoaderWait:
+    """An iterator over `batches` that adds up the host seconds each `next` blocked, from the second batch on.
+
+    The epoch's first step is start-up (workers starting, the first step's warm-up or compilation) and is left
+    out of both the wait and the time it is a share of: the clock starts when the second batch is asked for.
+    """
+
+    def __init__(self, batches: Iterator[T]) -> None:
+        self.batches = batches
+        self.asked = 0  # next() calls so far
+        self.waited = 0.0  # seconds blocked in next(), from the second batch on
+        self.since: float | None = None  # host clock when the second batch was asked for
+        self.mark = (0.0, 0.0)  # (waited, clock) at the previous interval() call
+
+    def __iter__(self) -> LoaderWait:
+        return self
+
+    def __next__(self) -> T:
+        asked = time.perf_counter()
+        self.asked += 1
+        if self.asked == 2:
+            self.since, self.mark = asked, (0.0, asked)
+        batch = next(self.batches)
+        if self.asked >= 2:
+            self.waited += time.perf_counter() - asked
+        return batch
+
+    def interval(self) -> float:
+        """The share of the time since the previous call (or the clock's start) spent waiting; starts a new one."""
+        if self.since is None:
+            return 0.0
+        now = time.perf_counter()
+        waited, since = self.mark
+        self.mark = (self.waited, now)
+        return share(self.waited - waited, now - since)
+
+    def epoch(self) -> float:
+        """The share of the time since the clock's start spent waiting."""
+        return share(self.waited, time.perf_counter() - self.since) if self.since is not None else 0.0
+
+
+def share(waited: float, wall: float) -> float:
+    return min(waited / wall, 1.0) if wall > 0 else 0.0
+
+
+class InputAdvice:
+    """Rank 0 says once per run what to change when an epoch waited for its input more than INPUT_BOUND."""
+
+    def __init__(self, cfg: DataConfig, cores: int, is_main: bool) -> None:
+        self.cfg, self.cores, self.is_main = cfg, cores, is_main
+        self.given = False
+
+    def after_epoch(self, epoch: int, stats: dict[str, float]) -> None:
+        wait = stats["train_input_wait"]
+        if self.given or not self.is_main or wait <= INPUT_BOUND:
+            return
+        self.given = True
+        log.warning(advice(self.cfg, self.cores, epoch, wait, stats["train_step_s"]))
+
+
+def advice(cfg: DataConfig, cores: int, epoch: int, wait: float, step_s: float) -> str:
+    """What to change, with the figures: workers and cores, read-ahead, the images' size on disk."""
+    if cfg.num_workers == 0:
+        workers = (f"data.num_workers=0 decodes and augments in the training process itself: set it to up to "
+                   f"{max(cores - 1, 1)} (this process has {cores} CPU core(s))")
+    elif cfg.num_workers < cores - 1:
+        workers = (f"raise data.num_workers (now {cfg.num_workers}) toward {cores - 1}: this process has {cores} "
+                   "CPU core(s)")
+    else:
+        workers = (f"data.num_workers={cfg.num_workers} already uses this process's {cores} CPU core(s): more "
+                   "cores per process (fewer processes per node, or a larger CPU allocation) would help")
+    return (f"input-bound: epoch {epoch} waited for its next batch {wait:.0%} of its time (above "
+            f"{INPUT_BOUND:.0%}; {step_s * 1000:.1f} ms per optimizer step, largest over ranks). {workers}; raise "
+            f"data.prefetch_factor (now {cfg.prefetch_factor}) if the wait comes in bursts; store images near "
+            f"data.img_size={cfg.img_size} px on disk (large files cost decoding time) or as shards "
+            "(python -m data.make_shards, data.name=wds) when reading many small files is slow")
