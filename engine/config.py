@@ -121,7 +121,8 @@ class OptimConfig:
     momentum: float = 0.9  # SGD momentum (timm passes it where the optimizer takes one)
     weight_decay: float = 1e-4  # L2 penalty / decoupled decay (adamw)
     no_decay_norm_bias: bool = True  # no weight decay on norm layers and biases
-    clip_grad: float = 0.0  # max gradient norm; 0 disables clipping
+    clip_grad: float = 0.0  # max gradient norm (value: max |element|; agc: the clip factor, e.g. 0.01); 0 = off
+    clip_mode: str = "norm"  # norm (total norm) | value (each element) | agc (adaptive, per unit): timm's clip modes
     betas: list[float] = field(default_factory=list)  # Adam-family [beta1, beta2]; [] = the optimizer's default
     eps: float | None = None  # the optimizer's epsilon; null = its default
     nesterov: bool | None = None  # SGD-family Nesterov momentum; null = optimizer default (timm: sgd yes, momentum no)
@@ -155,6 +156,8 @@ class TrainConfig:
     accum_steps: int = 1  # micro-batches per optimizer step
     label_smoothing: float = 0.0  # cross-entropy label smoothing, in [0, 1)
     loss: str = "ce"  # ce (soft-target cross-entropy when mixing) | bce (binary cross-entropy, the RSB recipes)
+    bce_target_threshold: float | None = None  # bce: targets above it become 1, others 0 (RSB: 0.2); null = off
+    bce_pos_weight: float | None = None  # bce: weight of the positive term of every class; null = 1
     max_steps: int = 0  # stop after this many optimizer steps (smoke runs); 0 = no limit
     ckpt_every_steps: int = 0  # also write last.pth every this many optimizer steps; 0 = only after each epoch
     keep_last_k: int = 0  # keep the newest k epoch_NNNN.pth files; 0 = none
@@ -211,6 +214,7 @@ CHOICES = {
     "dist.backend": ("auto", "nccl", "gloo"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
     "train.loss": ("ce", "bce"),
+    "optim.clip_mode": ("norm", "value", "agc"),
     "data.mix_mode": ("pair", "batch"),
     "sched.warmup_shape": ("timm", "nvidia"),
     "optim.lr_base_scale": ("linear", "sqrt"),
@@ -451,6 +455,7 @@ def validate(cfg: Config) -> None:
             raise UserError(f"config key {key!r} must be [low, high] with 0 < low <= high, got {low_high}")
     validate_sched(cfg.sched, cfg.train.epochs)
     validate_optim(cfg.optim)
+    validate_bce(cfg.train)
     if cfg.logging.wandb:
         validate_wandb(cfg.logging)
     if not cfg.resume:
@@ -535,6 +540,19 @@ def validate_optim(cfg: OptimConfig) -> None:
         raise UserError(f"config key 'optim.eps' must be > 0 (or null: the optimizer's default), got {cfg.eps}")
     if not 0 <= cfg.layer_decay <= 1:
         raise UserError(f"config key 'optim.layer_decay' must be in [0, 1] (0: off), got {cfg.layer_decay}")
+
+
+def validate_bce(cfg: TrainConfig) -> None:
+    """BCE's options only mean something with train.loss=bce; out of range they would train on nonsense targets."""
+    for key in ("bce_target_threshold", "bce_pos_weight"):
+        if getattr(cfg, key) is not None and cfg.loss != "bce":
+            raise UserError(f"config key 'train.{key}' applies to train.loss=bce only (train.loss is {cfg.loss!r}); "
+                            f"set train.loss=bce or remove it")
+    if cfg.bce_target_threshold is not None and not 0 <= cfg.bce_target_threshold < 1:
+        raise UserError(f"config key 'train.bce_target_threshold' must be in [0, 1) (or null: off), got "
+                        f"{cfg.bce_target_threshold}")
+    if cfg.bce_pos_weight is not None and cfg.bce_pos_weight <= 0:
+        raise UserError(f"config key 'train.bce_pos_weight' must be > 0 (or null: 1), got {cfg.bce_pos_weight}")
 
 
 def validate_wandb(cfg: LoggingConfig) -> None:
