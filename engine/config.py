@@ -104,7 +104,8 @@ class DataConfig:
     dummy_image_size: int = 64  # dummy: side of the generated images (pixels)
     auto_augment: str = ""  # "" | rand-m9-mstd0.5 (-n2, -p0.5, -inc1: timm's) | trivialaugment | augmix | autoaugment
     random_erase: float = 0.0  # probability of erasing a random box (timm's RandomErasing, as data.random_erase_mode)
-    random_erase_mode: str = "pixel"  # pixel: random normal pixels (timm); const: 0 after normalization (torchvision)
+    random_erase_mode: str = "pixel"  # pixel: noise per pixel | rand: noise colour per box | const: 0 normalized
+    random_erase_count: int = 1  # erase 1 to this many boxes, each 1/count of the area (timm's --recount)
     mixup_alpha: float = 0.0  # mixup Beta(alpha, alpha) between pairs of images; 0 = off
     cutmix_alpha: float = 0.0  # cutmix Beta(alpha, alpha) box between pairs of images; 0 = off
     mixup_prob: float = 1.0  # probability that a pair is mixed (when mixup or cutmix is on)
@@ -209,7 +210,7 @@ CHOICES = {
     "data.name": ("imagefolder", "dummy", "digits", "wds", "listfile", "hf"),
     "model.freeze": ("none", "backbone"),
     "data.interpolation": ("bilinear", "bicubic", "nearest", "area", "lanczos"),
-    "data.random_erase_mode": ("pixel", "const"),
+    "data.random_erase_mode": ("pixel", "rand", "const"),
     "data.train_interpolation": ("", "random", "bilinear", "bicubic", "nearest", "area", "lanczos"),
     "dist.backend": ("auto", "nccl", "gloo"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
@@ -224,7 +225,7 @@ ENDLESS_SCHEDULES = ("step", "multistep", "constant")  # no end to cool down aft
 POSITIVE = ("train.epochs", "train.batch_size", "train.accum_steps", "data.img_size",
             "logging.interval", "dist.rendezvous_timeout_s", "train.max_nonfinite", "data.prefetch_factor",
             "data.dummy_train_size", "data.dummy_val_size", "data.dummy_num_classes", "data.dummy_image_size",
-            "data.max_image_pixels", "sched.decay_rate", "optim.lr_base_size")
+            "data.max_image_pixels", "sched.decay_rate", "optim.lr_base_size", "data.random_erase_count")
 NON_NEGATIVE = ("dist.timeout_s", "logging.wandb_samples", "optim.lr", "optim.weight_decay", "optim.clip_grad",
                 "train.max_steps", "data.num_workers", "train.ckpt_every_steps", "train.keep_last_k",
                 "data.color_jitter", "data.val_img_size", "sched.warmup_epochs", "sched.warmup_lr", "sched.min_lr",
