@@ -541,6 +541,10 @@ def validate_optim(cfg: OptimConfig) -> None:
         raise UserError(f"config key 'optim.eps' must be > 0 (or null: the optimizer's default), got {cfg.eps}")
     if not 0 <= cfg.layer_decay <= 1:
         raise UserError(f"config key 'optim.layer_decay' must be in [0, 1] (0: off), got {cfg.layer_decay}")
+    if cfg.clip_mode != "norm" and cfg.clip_grad == 0:  # a mode without a value would silently clip nothing
+        what = "the AGC clip factor, e.g. 0.01" if cfg.clip_mode == "agc" else "the largest |gradient element|"
+        raise UserError(f"config key 'optim.clip_mode' is {cfg.clip_mode} but optim.clip_grad is 0 (off); set "
+                        f"optim.clip_grad ({what})")
 
 
 def validate_bce(cfg: TrainConfig) -> None:

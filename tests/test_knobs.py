@@ -110,6 +110,8 @@ def test_bce_under_autocast_uses_float32_targets():
 
 @pytest.mark.parametrize("overrides, message", [
     (["optim.clip_mode=l1"], "config key 'optim.clip_mode' is 'l1'; choose one of norm, value, agc"),
+    (["optim.clip_mode=agc"], "config key 'optim.clip_mode' is agc but optim.clip_grad is 0 (off); set "
+     "optim.clip_grad (the AGC clip factor, e.g. 0.01)"),
     (["train.bce_target_threshold=0.2"], "config key 'train.bce_target_threshold' applies to train.loss=bce only "
      "(train.loss is 'ce'); set train.loss=bce or remove it"),
     (["train.loss=bce", "train.bce_target_threshold=1.5"], "config key 'train.bce_target_threshold' must be in "
