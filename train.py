@@ -150,7 +150,8 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
     loop = LoopConfig(cfg.train.accum_steps, cfg.optim.clip_grad, cfg.train.max_steps, cfg.logging.interval,
                       normalize, cfg.logging.progress, cfg.train.max_nonfinite,
                       min(total_steps, cfg.train.max_steps or total_steps),
-                      BatchMix(data.num_classes, cfg.train.label_smoothing) if mixing(cfg.data) else None)
+                      BatchMix(data.num_classes, cfg.train.label_smoothing) if mixing(cfg.data) else None,
+                      cfg.optim.clip_mode)
     global_batch = cfg.train.batch_size * info.world_size * cfg.train.accum_steps
     log.info("model %s (%.1fM params), %d process(es) on %s, %s, global batch %d, %d steps/epoch",
              cfg.model.name, sum(p.numel() for p in model.parameters()) / 1e6, info.world_size,

@@ -130,10 +130,8 @@ def tensor_augment(cfg: DataConfig) -> TensorTransform | None:
                                chain_depth=int(options["d"])))
     elif policy == "autoaugment":
         steps.append(AutoAugment(v2.AutoAugmentPolicy.IMAGENET))
-    if cfg.random_erase > 0 and cfg.random_erase_mode == "const":  # 0 after normalization: the mean colour
-        steps.append(v2.RandomErasing(cfg.random_erase, value=mean_colour(cfg.mean)))
-    elif cfg.random_erase > 0:
-        steps.append(PixelErasing(cfg.random_erase, cfg.mean, cfg.std))
+    if cfg.random_erase > 0:
+        steps.append(TimmErasing(cfg.random_erase, cfg.mean, cfg.std, cfg.random_erase_mode, cfg.random_erase_count))
     return v2.Compose(steps) if steps else None
 
 
@@ -316,20 +314,39 @@ class TimmRandAugment(FastKernels, v2.RandAugment):
         return self._unflatten_and_insert_image_or_video(flat_inputs_with_spec, image)
 
 
-class PixelErasing(v2.RandomErasing):
-    """Random erasing on uint8 with per-pixel random values: timm's mode='pixel' (normal in the normalized
-    space, i.e. mean + std * N(0, 1) per channel) mapped back to uint8 pixels."""
+class TimmErasing(v2.RandomErasing):
+    """torchvision's RandomErasing on uint8, filled as timm's RandomErasing modes: pixel (mean + std x N(0, 1)
+    per pixel, i.e. normal in the normalized space), rand (one such colour per box), const (the mean colour: 0
+    after normalization, torchvision's value 0); `count` > 1: 1 to count boxes, each of 1/count the area
+    (timm's max_count, train.py --recount). With count 1 the draws are torchvision's own."""
 
-    def __init__(self, p: float, mean: Sequence[float], std: Sequence[float]) -> None:
-        super().__init__(p=p, value="random")
+    def __init__(self, p: float, mean: Sequence[float], std: Sequence[float], mode: str = "pixel",
+                 count: int = 1) -> None:
+        super().__init__(p=p, value=mean_colour(mean) if mode == "const" else "random")
         self.mean = torch.tensor(mean)[:, None, None]
         self.std = torch.tensor(std)[:, None, None]
+        self.per_pixel, self.count = mode == "pixel", count
 
     def make_params(self, flat_inputs):
-        params = super().make_params(flat_inputs)
-        if params["v"] is not None:  # N(0, 1) per pixel, as float
-            params["v"] = (255 * (self.mean + self.std * params["v"])).round().clamp(0, 255).to(torch.uint8)
+        boxes = 1 if self.count == 1 else int(torch.randint(1, self.count + 1, ()).item())
+        scale, self.scale = self.scale, (self.scale[0] / boxes, self.scale[1] / boxes)
+        try:
+            params = [self.fill(super(TimmErasing, self).make_params(flat_inputs)) for _ in range(boxes)]
+        finally:
+            self.scale = scale
+        return {"boxes": params}
+
+    def fill(self, params: dict) -> dict:
+        """A box's N(0, 1) draw (torchvision's value="random") as uint8 pixels of mean + std x N(0, 1)."""
+        if params["v"] is not None and self.value is None:
+            normal = params["v"] if self.per_pixel else params["v"][:, :1, :1]  # rand: one draw per channel
+            params["v"] = (255 * (self.mean + self.std * normal)).round().clamp(0, 255).to(torch.uint8)
         return params
+
+    def transform(self, inpt, params):
+        for box in params["boxes"]:
+            inpt = super().transform(inpt, box)
+        return inpt
 
 
 class ResizeFiveCrop(ResizeCentreCrop):

@@ -104,7 +104,8 @@ class DataConfig:
     dummy_image_size: int = 64  # dummy: side of the generated images (pixels)
     auto_augment: str = ""  # "" | rand-m9-mstd0.5 (-n2, -p0.5, -inc1: timm's) | trivialaugment | augmix | autoaugment
     random_erase: float = 0.0  # probability of erasing a random box (timm's RandomErasing, as data.random_erase_mode)
-    random_erase_mode: str = "pixel"  # pixel: random normal pixels (timm); const: 0 after normalization (torchvision)
+    random_erase_mode: str = "pixel"  # pixel: noise per pixel | rand: noise colour per box | const: 0 normalized
+    random_erase_count: int = 1  # erase 1 to this many boxes, each 1/count of the area (timm's --recount)
     mixup_alpha: float = 0.0  # mixup Beta(alpha, alpha) between pairs of images; 0 = off
     cutmix_alpha: float = 0.0  # cutmix Beta(alpha, alpha) box between pairs of images; 0 = off
     mixup_prob: float = 1.0  # probability that a pair is mixed (when mixup or cutmix is on)
@@ -121,7 +122,8 @@ class OptimConfig:
     momentum: float = 0.9  # SGD momentum (timm passes it where the optimizer takes one)
     weight_decay: float = 1e-4  # L2 penalty / decoupled decay (adamw)
     no_decay_norm_bias: bool = True  # no weight decay on norm layers and biases
-    clip_grad: float = 0.0  # max gradient norm; 0 disables clipping
+    clip_grad: float = 0.0  # max gradient norm (value: max |element|; agc: the clip factor, e.g. 0.01); 0 = off
+    clip_mode: str = "norm"  # norm (total norm) | value (each element) | agc (adaptive, per unit): timm's clip modes
     betas: list[float] = field(default_factory=list)  # Adam-family [beta1, beta2]; [] = the optimizer's default
     eps: float | None = None  # the optimizer's epsilon; null = its default
     nesterov: bool | None = None  # SGD-family Nesterov momentum; null = optimizer default (timm: sgd yes, momentum no)
@@ -155,6 +157,8 @@ class TrainConfig:
     accum_steps: int = 1  # micro-batches per optimizer step
     label_smoothing: float = 0.0  # cross-entropy label smoothing, in [0, 1)
     loss: str = "ce"  # ce (soft-target cross-entropy when mixing) | bce (binary cross-entropy, the RSB recipes)
+    bce_target_threshold: float | None = None  # bce: targets above it become 1, others 0 (RSB: 0.2); null = off
+    bce_pos_weight: float | None = None  # bce: weight of the positive term of every class; null = 1
     max_steps: int = 0  # stop after this many optimizer steps (smoke runs); 0 = no limit
     ckpt_every_steps: int = 0  # also write last.pth every this many optimizer steps; 0 = only after each epoch
     keep_last_k: int = 0  # keep the newest k epoch_NNNN.pth files; 0 = none
@@ -207,11 +211,12 @@ CHOICES = {
     "data.name": ("imagefolder", "dummy", "digits", "wds", "listfile", "hf"),
     "model.freeze": ("none", "backbone"),
     "data.interpolation": ("bilinear", "bicubic", "nearest", "area", "lanczos"),
-    "data.random_erase_mode": ("pixel", "const"),
+    "data.random_erase_mode": ("pixel", "rand", "const"),
     "data.train_interpolation": ("", "random", "bilinear", "bicubic", "nearest", "area", "lanczos"),
     "dist.backend": ("auto", "nccl", "gloo"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
     "train.loss": ("ce", "bce"),
+    "optim.clip_mode": ("norm", "value", "agc"),
     "data.mix_mode": ("pair", "batch"),
     "sched.warmup_shape": ("timm", "nvidia"),
     "optim.lr_base_scale": ("linear", "sqrt"),
@@ -221,7 +226,7 @@ ENDLESS_SCHEDULES = ("step", "multistep", "constant")  # no end to cool down aft
 POSITIVE = ("train.epochs", "train.batch_size", "train.accum_steps", "data.img_size",
             "logging.interval", "dist.rendezvous_timeout_s", "train.max_nonfinite", "data.prefetch_factor",
             "data.dummy_train_size", "data.dummy_val_size", "data.dummy_num_classes", "data.dummy_image_size",
-            "data.max_image_pixels", "sched.decay_rate", "optim.lr_base_size")
+            "data.max_image_pixels", "sched.decay_rate", "optim.lr_base_size", "data.random_erase_count")
 NON_NEGATIVE = ("dist.timeout_s", "logging.wandb_samples", "optim.lr", "optim.weight_decay", "optim.clip_grad",
                 "train.max_steps", "data.num_workers", "train.ckpt_every_steps", "train.keep_last_k",
                 "data.color_jitter", "data.val_img_size", "sched.warmup_epochs", "sched.warmup_lr", "sched.min_lr",
@@ -456,6 +461,7 @@ def validate(cfg: Config) -> None:
             raise UserError(f"config key {key!r} must be [low, high] with 0 < low <= high, got {low_high}")
     validate_sched(cfg.sched, cfg.train.epochs)
     validate_optim(cfg.optim)
+    validate_bce(cfg.train)
     if cfg.logging.wandb:
         validate_wandb(cfg.logging)
     if not cfg.resume:
@@ -540,6 +546,23 @@ def validate_optim(cfg: OptimConfig) -> None:
         raise UserError(f"config key 'optim.eps' must be > 0 (or null: the optimizer's default), got {cfg.eps}")
     if not 0 <= cfg.layer_decay <= 1:
         raise UserError(f"config key 'optim.layer_decay' must be in [0, 1] (0: off), got {cfg.layer_decay}")
+    if cfg.clip_mode != "norm" and cfg.clip_grad == 0:  # a mode without a value would silently clip nothing
+        what = "the AGC clip factor, e.g. 0.01" if cfg.clip_mode == "agc" else "the largest |gradient element|"
+        raise UserError(f"config key 'optim.clip_mode' is {cfg.clip_mode} but optim.clip_grad is 0 (off); set "
+                        f"optim.clip_grad ({what})")
+
+
+def validate_bce(cfg: TrainConfig) -> None:
+    """BCE's options only mean something with train.loss=bce; out of range they would train on nonsense targets."""
+    for key in ("bce_target_threshold", "bce_pos_weight"):
+        if getattr(cfg, key) is not None and cfg.loss != "bce":
+            raise UserError(f"config key 'train.{key}' applies to train.loss=bce only (train.loss is {cfg.loss!r}); "
+                            f"set train.loss=bce or remove it")
+    if cfg.bce_target_threshold is not None and not 0 <= cfg.bce_target_threshold < 1:
+        raise UserError(f"config key 'train.bce_target_threshold' must be in [0, 1) (or null: off), got "
+                        f"{cfg.bce_target_threshold}")
+    if cfg.bce_pos_weight is not None and cfg.bce_pos_weight <= 0:
+        raise UserError(f"config key 'train.bce_pos_weight' must be > 0 (or null: 1), got {cfg.bce_pos_weight}")
 
 
 def validate_wandb(cfg: LoggingConfig) -> None:

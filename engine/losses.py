@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from timm.loss import BinaryCrossEntropy as TimmBinaryCrossEntropy
 from torch import nn
 
 from engine.config import TrainConfig
@@ -20,22 +21,20 @@ def build_loss(cfg: TrainConfig, mixing: bool) -> Loss:
     """train.loss with train.label_smoothing applied once: on hard labels here, or in the mixed targets."""
     smoothing = 0.0 if mixing else cfg.label_smoothing
     if cfg.loss == "bce":
-        return BinaryCrossEntropy(smoothing)
+        return BinaryCrossEntropy(smoothing, cfg.bce_target_threshold, cfg.bce_pos_weight)
     return nn.CrossEntropyLoss(label_smoothing=smoothing)  # class indices, or probabilities (soft targets)
 
 
 class BinaryCrossEntropy(nn.Module):
-    """One sigmoid per class against (smoothed) one-hot or soft targets, mean over all elements (timm's
-    BinaryCrossEntropy, as the "ResNet strikes back" recipes train)."""
+    """timm's BinaryCrossEntropy (one sigmoid per class, as the "ResNet strikes back" recipes train) on float32
+    logits and targets: under autocast timm would build its one-hot targets in bf16/fp16."""
 
-    def __init__(self, smoothing: float) -> None:
+    def __init__(self, smoothing: float, target_threshold: float | None = None,
+                 pos_weight: float | None = None) -> None:
         super().__init__()
-        self.smoothing = smoothing
+        self.bce = TimmBinaryCrossEntropy(smoothing, target_threshold=target_threshold, pos_weight=pos_weight)
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if not targets.is_floating_point():
-            off = self.smoothing / logits.shape[1]
-            targets = torch.full(logits.shape, off, device=logits.device).scatter_(1, targets[:, None],
-                                                                                  1.0 - self.smoothing + off)
-        # float32 targets; under autocast the loss runs in float32 (an autocast fp32 op), never on bf16 targets
-        return nn.functional.binary_cross_entropy_with_logits(logits, targets.float())
+        if self.bce.pos_weight is not None and self.bce.pos_weight.device != logits.device:
+            self.bce.to(logits.device)  # once: the loss is built before the device is known
+        return self.bce(logits.float(), targets.float() if targets.is_floating_point() else targets)

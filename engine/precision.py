@@ -16,6 +16,8 @@ from typing import ContextManager
 import torch
 from torch import nn
 
+from timm.utils import dispatch_clip_grad
+
 from engine.dist import max_over_ranks, step_flags_over_ranks
 from engine.errors import UserError
 
@@ -41,19 +43,18 @@ class Precision:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def step(self, optimizer: torch.optim.Optimizer, model: nn.Module, clip_grad: float,
-             stop_signal: int = 0) -> tuple[bool, int]:
+             stop_signal: int = 0, clip_mode: str = "norm") -> tuple[bool, int]:
         """Clip and step; return (False for a step skipped because a gradient was inf or NaN, the stop signal).
 
         `stop_signal` is this rank's pending SIGTERM/SIGUSR1 (0: none); the largest over ranks comes back, so
         that every rank stops after the same step. DDP has already summed the gradients over ranks, so a NaN
         on any rank is a NaN on every rank and all ranks skip the same step. Both answers travel in one tensor,
         one all-reduce and one read on the host per step; fp16's GradScaler reads its inf flag itself, so fp16
-        reads twice.
+        reads twice. Clipping (optim.clip_mode) sees the unscaled, summed gradients, the same on every rank.
         """
         if self.scaler:  # fp16: the scaler skips non-finite steps and lowers the scale
             self.scaler.unscale_(optimizer)
-            if clip_grad > 0:
-                nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
+            clip_gradients([p for p in model.parameters() if p.grad is not None], clip_grad, clip_mode)
             self.scaler.step(optimizer)
             self.scaler.update()
             device = next(model.parameters()).device
@@ -63,10 +64,19 @@ class Precision:
         nonfinite, signum = step_flags_over_ranks(torch.isfinite(norm).logical_not(), stop_signal)
         if nonfinite:
             return False, signum
-        if clip_grad > 0:  # what clip_grad_norm_ does, reusing the norm
-            nn.utils.clip_grads_with_norm_(params, clip_grad, norm)
+        clip_gradients(params, clip_grad, clip_mode, norm)
         optimizer.step()
         return True, signum
+
+
+def clip_gradients(params: list[nn.Parameter], clip_grad: float, mode: str, norm: torch.Tensor | None = None) -> None:
+    """optim.clip_mode through timm's dispatch_clip_grad; norm mode reuses a total norm already computed."""
+    if clip_grad <= 0:
+        return
+    if mode == "norm" and norm is not None:  # what clip_grad_norm_ does, without computing the norm again
+        nn.utils.clip_grads_with_norm_(params, clip_grad, norm)
+    else:
+        dispatch_clip_grad(params, clip_grad, mode=mode)
 
 
 def cpu_has_native_bf16() -> bool:

@@ -57,6 +57,7 @@ class LoopConfig:
     max_nonfinite: int = 5  # consecutive skipped (inf/NaN) steps before training stops
     total_steps: int = 0  # optimizer steps of the whole run, for its ETA (0: unknown, the epoch's are shown)
     mix: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # (images, labels, mix) -> images, targets
+    clip_mode: str = "norm"  # optim.clip_mode: norm | value | agc
 
 
 def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cfg: LoopConfig, info: DistInfo,
@@ -99,7 +100,7 @@ def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cf
             meter.add(loss.detach() * len(labels), hits(ranked_classes(logits.detach(), 1), labels, 1), len(labels))
             if not last_micro_step:
                 continue
-            stepped, signum = parts.precision.step(optimizer, model, cfg.clip_grad, requested())
+            stepped, signum = parts.precision.step(optimizer, model, cfg.clip_grad, requested(), cfg.clip_mode)
             skipped = 0 if stepped else skipped + 1
             optimizer.zero_grad(set_to_none=True)
             state.step_done(time.perf_counter() - start)

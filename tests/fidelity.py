@@ -30,6 +30,7 @@ BATCH_MIX_TEST = "tests/test_augment.py::test_batch_mode_mixes_a_group_as_timms_
 PARTNERS_TEST = "tests/test_augment.py::test_mixed_repeats_have_distinct_partners_and_the_same_order_on_1_2_3_ranks"
 LAST_BN_TEST = "tests/test_recipes.py::test_last_bn_init_is_the_sources"
 LR_BASE_TEST = "tests/test_schedule.py::test_lr_base_scales_with_the_global_batch"
+BCE_TEST = "tests/test_knobs.py::test_bce_threshold_and_pos_weight_equal_timms"
 LR_KEYS = ("optim.lr_base", "optim.lr_base_size", "optim.lr_base_scale")
 
 # Schedules, stepping, mixing, repeated augmentation, init (issue 31 items 2, 3, 5).
@@ -81,8 +82,8 @@ SCHEDULE_ROWS = [
         ("data.mix_mode", "data.mix_group"), BATCH_MIX_TEST),
     Row("resnet50_rsb_a3.yaml", "lr for the global batch", "8e-3 at 2048, square-root rule for LAMB (timm "
         "train.py)", LR_KEYS, LR_BASE_TEST),
-    Row("resnet50_rsb_a3.yaml", "BCE targets", "bce_target_thresh 0.2 binarizes the mixed targets", ("train.loss",),
-        "", "not expressible: trains on the soft targets"),
+    Row("resnet50_rsb_a3.yaml", "BCE targets", "bce_target_thresh 0.2 binarizes the mixed targets (timm "
+        "BinaryCrossEntropy)", ("train.loss", "train.bce_target_threshold"), BCE_TEST),
     Row("resnet50_torchvision.yaml", "lr schedule", "LinearLR from 0.01 x lr over 5 epochs, then "
         "CosineAnnealingLR(T_max=epochs - 5) to 0 (references/classification/train.py)",
         ("sched.name", "sched.warmup_epochs", "sched.warmup_lr", "sched.warmup_prefix", "sched.min_lr"),

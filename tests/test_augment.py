@@ -59,7 +59,9 @@ def test_auto_augment_strings(value, message, capsys):
     ("data.cutmix_alpha=-1", "config key 'data.cutmix_alpha' must be >= 0, got -1.0"),
     ("data.aug_repeats=-2", "config key 'data.aug_repeats' must be >= 0, got -2"),
     ("train.loss=focal", "config key 'train.loss' is 'focal'; choose one of ce, bce"),
-    ("data.random_erase_mode=rand", "config key 'data.random_erase_mode' is 'rand'; choose one of pixel, const"),
+    ("data.random_erase_mode=zero", "config key 'data.random_erase_mode' is 'zero'; choose one of pixel, rand, "
+     "const"),
+    ("data.random_erase_count=0", "config key 'data.random_erase_count' must be > 0, got 0"),
 ])
 def test_recipe_keys_out_of_range(override, message):
     with pytest.raises(UserError) as err:

@@ -1,0 +1,143 @@
+"""Average the last K epoch checkpoints of a run into one checkpoint that evaluate.py, predict.py and export.py take.
+
+    python train.py --config digits train.keep_last_k=5              # keeps epoch_NNNN.pth of the last 5 epochs
+    python average_checkpoints.py runs/digits                        # all kept epoch files -> runs/digits/averaged.pth
+    python average_checkpoints.py runs/digits --last 3 --output runs/digits/avg3.pth
+    python evaluate.py runs/digits/averaged.pth                      # (--ema: the averaged EMA weights)
+
+As timm's avg_checkpoints.py: every tensor of the model's state dict is summed in float64 and divided by K,
+then stored in its own dtype (float32 weights; integer buffers such as BatchNorm's num_batches_tracked are
+rounded). The EMA weights are averaged the same way when the checkpoints hold them. BatchNorm running means
+and variances are averaged like any other tensor, as timm does, not recomputed on training data: a mean of
+running variances is not exactly the variance of the averaged model's activations, which matters little for
+checkpoints of neighbouring epochs late in a run (a recomputation pass is left to the user). timm picks the
+top K by metric by default; here the K newest epochs, as averaging the end of a schedule does.
+
+The result holds the newest checkpoint's config and class names, no optimizer state (it cannot be resumed;
+use it as model.init_from to train on) and `averaged_from`, the files it came from. --output never replaces
+a file that is not an earlier averaged checkpoint; the write is atomic.
+"""
+
+from __future__ import annotations
+
+if __name__ == "__main__":  # first: a SIGTERM or SIGUSR1 during the imports below (seconds) gets handled
+    from engine.signals import handle_early
+
+    handle_early()
+
+import argparse
+import errno
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.checkpoint import load_checkpoint, save_atomic
+from engine.cli import run_main
+from engine.errors import UserError
+from engine.outputs import check_folder, check_replaceable, replace_with, temp_beside
+
+EPOCH_FILE = re.compile(r"epoch_(\d+)\.pth")
+EXPECTED = "an averaged checkpoint written by average_checkpoints.py"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", help="a run's output_dir holding epoch_NNNN.pth files (train.keep_last_k)")
+    parser.add_argument("--last", type=int, default=0, help="average the newest K epoch files (default: all kept)")
+    parser.add_argument("--output", help="the checkpoint to write (default: <run_dir>/averaged.pth)")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks for user errors")
+    return parser.parse_args(argv)
+
+
+def epoch_files(run_dir: Path, last: int) -> list[Path]:
+    """The newest `last` epoch_NNNN.pth files of a run, oldest first (all of them for last=0)."""
+    if not run_dir.is_dir():
+        raise UserError(f"run folder {run_dir} does not exist or is not a folder; give a run's output_dir")
+    numbered = sorted((int(m.group(1)), p) for p in run_dir.iterdir() if (m := EPOCH_FILE.fullmatch(p.name)))
+    if not numbered:
+        raise UserError(f"{run_dir} holds no epoch_NNNN.pth checkpoints; train with train.keep_last_k=K to keep the "
+                        "last K epochs' checkpoints, then average them")
+    if last > len(numbered):
+        raise UserError(f"--last {last}: {run_dir} holds only {len(numbered)} epoch checkpoint(s); lower --last or "
+                        f"train with train.keep_last_k={last}")
+    return [path for _, path in numbered[-last if last else 0:]]
+
+
+def average_state_dicts(state_dicts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The elementwise mean of each tensor, summed in float64 (timm's avg_checkpoints.py), in its own dtype."""
+    averaged = {}
+    for key, first in state_dicts[0].items():
+        total = sum(sd[key].double() for sd in state_dicts) / len(state_dicts)
+        averaged[key] = total.round().to(first.dtype) if not first.is_floating_point() else total.to(first.dtype)
+    return averaged
+
+
+def check_same_model(ckpts: list[dict[str, Any]], paths: list[Path], key: str) -> None:
+    """All checkpoints hold `key` with the same tensor names and shapes (one model, one run)."""
+    first = {k: v.shape for k, v in ckpts[0][key].items()}
+    for ckpt, path in zip(ckpts, paths):
+        if key not in ckpt:
+            raise UserError(f"checkpoint {path} holds no {key} weights but {paths[0]} does; average checkpoints "
+                            "of one run")
+        if {k: v.shape for k, v in ckpt[key].items()} != first:
+            raise UserError(f"checkpoint {path} holds another model than {paths[0]} (other tensor names or "
+                            "shapes); average checkpoints of one run")
+
+
+def average_checkpoints(paths: list[Path]) -> dict[str, Any]:
+    """The averaged checkpoint: mean model (and EMA) weights, the newest checkpoint's config and class names."""
+    ckpts = []
+    for path in paths:
+        ckpt = load_checkpoint(path)
+        if not all(key in ckpt for key in ("model", "config", "class_names")):
+            raise UserError(f"checkpoint {path} was not written by train.py (no model, config or class names)")
+        ckpts.append(ckpt)
+    newest = ckpts[-1]
+    keys = ["model"] + (["ema"] if "ema" in newest else [])
+    for key in keys:
+        check_same_model(ckpts, paths, key)
+    return {
+        **{key: average_state_dicts([ckpt[key] for ckpt in ckpts]) for key in keys},
+        "averaged_from": [path.name for path in paths],
+        "epoch": newest.get("epoch"),
+        "best_metric": newest.get("best_metric", "val_top1"),
+        "class_names": list(newest["class_names"]),
+        "config": newest["config"],
+    }
+
+
+def is_averaged(path: Path) -> bool:
+    """An earlier output of this tool (a checkpoint with `averaged_from`), which --output may replace."""
+    try:
+        return "averaged_from" in load_checkpoint(path)
+    except UserError:
+        return False
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if args.last < 0:
+        raise UserError(f"--last must be >= 0 (0: every kept epoch file), got {args.last}")
+    run_dir = Path(args.run_dir)
+    out = Path(args.output) if args.output else run_dir / "averaged.pth"
+    paths = epoch_files(run_dir, args.last)
+    check_folder(out, "--output")
+    check_replaceable(out, is_averaged, EXPECTED, "--output")  # before any work: nothing at --output is lost
+    averaged = average_checkpoints(paths)
+    try:
+        with temp_beside(out) as tmp:
+            save_atomic(averaged, tmp)
+            replace_with(tmp, out, is_averaged, EXPECTED, "--output")
+    except OSError as err:
+        full = err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+        way_out = "free disk space (or raise the quota or file-size limit), or" if full else "make it writable, or"
+        raise UserError(f"cannot write {out} ({err.strerror}); {way_out} choose another --output") from None
+    weights = "model and EMA weights" if "ema" in averaged else "model weights"
+    print(f"wrote {out}: {weights} averaged over {', '.join(averaged['averaged_from'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main, after_sigterm="run the same command again to average")
