@@ -322,7 +322,8 @@ def test_sample_table_holds_the_augmented_images_the_model_is_fed(tracked):
     table = json.loads(files["train_samples.table.json"].read_text())
     assert table["columns"] == ["index", "image", "label", "class"]
     assert len(table["data"]) == 5 and len({row[0] for row in table["data"]}) == 5
-    train_set, _ = build_datasets(load_config(str(out / "config.yaml")).data, seed=0)
+    cfg = load_config(str(out / "config.yaml"))
+    train_set, _ = build_datasets(cfg.data, seed=cfg.seed)  # the run's own seed
     for index, image, label, name in table["data"]:
         expected, expected_label = train_set[(0, index)]  # epoch 0's augmentation of sample `index`
         png = cv2.imread(str(files[image["path"]]), cv2.IMREAD_UNCHANGED)
