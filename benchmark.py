@@ -48,8 +48,8 @@ from engine.startup import cpu_share, import_timm_without_wandb, tune_cpu_proces
 
 import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (engine/startup.py)
 
-from engine.cli import run_main
 from data.loader import build_data, build_train_loader
+from engine.cli import run_main
 from engine.config import Config, OptimConfig, load_config
 from engine.dist import DistInfo, init_distributed
 from engine.errors import UserError
@@ -250,7 +250,8 @@ def time_data(cfg: Config, info: DistInfo, workers: list[int], batches: int, tar
     bundle = build_data(cfg.data, cfg.train.batch_size, cfg.seed, info)  # the datasets, built once
     rows = []
     for count in workers:
-        data_cfg = dataclasses.replace(cfg.data, num_workers=count)
+        # one epoch's batches are timed, so persistent workers change nothing but would outlive their row
+        data_cfg = dataclasses.replace(cfg.data, num_workers=count, persistent_workers=False)
         loader = build_train_loader(bundle.train.dataset, data_cfg, cfg.train.batch_size, cfg.seed, info)
         if len(loader) < batches + 1:
             raise UserError(f"--data-batches {batches} needs {batches + 1} batches (one to warm up) but an epoch has "
