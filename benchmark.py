@@ -2,6 +2,8 @@
 
     python benchmark.py --model resnet50 --batch-size 128 --amp bf16          # the device train.py would use
     python benchmark.py --config resnet50 --json runs/bench.json             # model, batch, amp... from a config
+    python benchmark.py --config digits --data --workers 1 2 --target-img-s 2000   # the input pipeline alone
+    python benchmark.py --model resnet50 --amp bf16 --sweep-batch             # the largest batch that fits
 
 The model is timm's (random weights, nothing downloaded), placed and stepped as train.py does it
 (prepare_model, the app's Precision and optimizer; torch.compile with --compile). Inputs are random batches
@@ -11,6 +13,15 @@ ended by a device synchronize; img/s is batch / the median step time, with min a
 fastest step; step-time percentiles interpolate linearly between steps (numpy.percentile).
 Peak memory: CUDA's max_memory_allocated, or on CPU the process's peak RSS (which includes the interpreter
 and torch itself, and is the maximum since the process started).
+
+--data times the input pipeline alone: train.py's own train loader (build_data, build_train_loader) from the
+config and its overrides, once per --workers count: one untimed warm-up batch (workers start), then
+--data-batches timed ones, no model. img/s per worker is img/s / workers (0 workers: the training process
+loads, counted as one), and workers needed = ceil(target / img/s per worker), which assumes loading scales
+linearly with workers; the target is --target-img-s, else the training img/s measured in the same call.
+--sweep-batch runs one training step at batch 2, 4, 8, ... up to --max-batch and reports the largest that ran:
+on CUDA the next one ran out of memory (torch.cuda.OutOfMemoryError); on CPU host RAM is not probed, so the
+sweep stops at --max-batch, which it then requires.
 """
 
 from __future__ import annotations
@@ -21,7 +32,10 @@ if __name__ == "__main__":  # first: a SIGTERM or SIGUSR1 during the imports bel
     handle_early()
 
 import argparse
+import dataclasses
 import json
+import math
+import os
 import resource
 import time
 from pathlib import Path
@@ -34,9 +48,10 @@ from engine.startup import cpu_share, import_timm_without_wandb, tune_cpu_proces
 
 import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (engine/startup.py)
 
+from data.loader import build_data, build_train_loader
 from engine.cli import run_main
 from engine.config import Config, OptimConfig, load_config
-from engine.dist import init_distributed
+from engine.dist import DistInfo, init_distributed
 from engine.errors import UserError
 from engine.optim import build_optimizer
 from engine.outputs import check_replaceable, starts_with, write_output
@@ -44,6 +59,7 @@ from engine.precision import Precision, resolve_precision
 from models.factory import create_model, prepare_model
 
 PERCENTILES = (50, 90, 99)
+CUDA_MAX_BATCH = 4096  # --sweep-batch's default cap on CUDA
 OURS = starts_with(b'{\n  "benchmark": "benchmark.py"')  # --json replaces only an earlier result of ours
 
 
@@ -58,10 +74,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--channels-last", choices=("true", "false"), help="NHWC memory format (default: config's)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--num-classes", type=int, default=1000, help="classifier outputs (default 1000)")
-    parser.add_argument("--mode", choices=("both", "inference", "train"), default="both")
+    parser.add_argument("--mode", choices=("both", "inference", "train"),
+                        help="model steps to time (default both; with --data or --sweep-batch: none unless given)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
+    parser.add_argument("--data", action="store_true", help="time the input pipeline alone (train.py's train "
+                                                             "loader from the config) for each --workers count")
+    parser.add_argument("--workers", type=int, nargs="+", help="data.num_workers values for --data "
+                                                               "(default: 0, then powers of two up to the CPU count)")
+    parser.add_argument("--data-batches", type=int, default=20, help="timed batches per worker count (default 20)")
+    parser.add_argument("--target-img-s", type=float, help="img/s the loader must deliver, for --data's workers "
+                                                           "needed (default: the training img/s measured here)")
+    parser.add_argument("--sweep-batch", action="store_true", help="find the largest power-of-two batch whose "
+                                                                   "training step fits in device memory")
+    parser.add_argument("--max-batch", type=int, help=f"--sweep-batch's cap (default {CUDA_MAX_BATCH} on CUDA; "
+                                                      "required on CPU, where host RAM is not probed)")
     parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as train.py's")
     return parser.parse_args(argv)
 
 
@@ -74,7 +103,30 @@ def settings(args: argparse.Namespace) -> Config:
         overrides.append("model.compile=true")
     if args.steps < 1 or args.warmup < 0:
         raise UserError(f"--steps must be >= 1 and --warmup >= 0, got --steps {args.steps} --warmup {args.warmup}")
-    return load_config(args.config, overrides)
+    check_data_args(args)
+    return load_config(args.config, [*args.overrides, *overrides])
+
+
+def model_mode(args: argparse.Namespace) -> str | None:
+    """Which model steps to time: --mode, else both unless --data or --sweep-batch asked for something else."""
+    if args.mode is not None:
+        return args.mode
+    return None if args.data or args.sweep_batch else "both"
+
+
+def check_data_args(args: argparse.Namespace) -> None:
+    """Refuse --data / --sweep-batch values that cannot work, before anything is timed."""
+    if args.workers is not None and min(args.workers) < 0:
+        raise UserError(f"--workers must be >= 0, got {' '.join(map(str, args.workers))}")
+    if args.data_batches < 1:
+        raise UserError(f"--data-batches must be >= 1, got {args.data_batches}")
+    if args.target_img_s is not None and not 0 < args.target_img_s < math.inf:
+        raise UserError(f"--target-img-s must be a number > 0, got {args.target_img_s}")
+    if args.data and args.target_img_s is None and model_mode(args) not in ("train", "both"):
+        raise UserError("--data needs --target-img-s (the img/s the loader must deliver) or --mode train to "
+                        "measure the model's training img/s in the same call")
+    if args.max_batch is not None and args.max_batch < 2:
+        raise UserError(f"--max-batch must be >= 2 (the sweep starts at batch 2), got {args.max_batch}")
 
 
 def timed_steps(step: Callable[[], None], device: torch.device, warmup: int, steps: int) -> list[float]:
@@ -133,19 +185,98 @@ def benchmark(cfg: Config, device: torch.device, precision: Precision, mode: str
     if mode in ("both", "train"):
         model.train()
         optimizer = build_optimizer(model, OptimConfig(), grad_scaler=precision.scaler is not None)
-        loss_fn = torch.nn.CrossEntropyLoss()
-
-        def train_step() -> None:
-            with precision.autocast():
-                loss = loss_fn(run(images), labels)
-            precision.backward(loss)
-            precision.step(optimizer, model, 0.0)  # as train.py: the inf/NaN check reads one value per step
-            optimizer.zero_grad(set_to_none=True)
-
+        train_step = make_train_step(model, run, optimizer, precision, images, labels)
         result["train"] = summary(timed_steps(train_step, device, warmup, steps), batch)
     result["peak_memory_mib"] = peak_memory_bytes(device) / 2**20
     result["peak_memory_kind"] = "max_memory_allocated" if device.type == "cuda" else "process peak RSS"
     return result
+
+
+def make_train_step(model: torch.nn.Module, run: Callable, optimizer: torch.optim.Optimizer, precision: Precision,
+                    images: torch.Tensor, labels: torch.Tensor) -> Callable[[], None]:
+    """One training step on a fixed batch, as train.py steps: autocast forward, scaled backward, checked step."""
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def train_step() -> None:
+        with precision.autocast():
+            loss = loss_fn(run(images), labels)
+        precision.backward(loss)
+        precision.step(optimizer, model, 0.0)  # as train.py: the inf/NaN check reads one value per step
+        optimizer.zero_grad(set_to_none=True)
+
+    return train_step
+
+
+def sweep_batch(cfg: Config, device: torch.device, precision: Precision, max_batch: int, num_classes: int) -> dict:
+    """The largest power-of-two batch up to max_batch whose training step runs (CUDA: not out of memory)."""
+    model = prepare_model(create_model(cfg.model, num_classes), cfg.model, device, world_size=1).train()
+    run = torch.compile(model) if cfg.model.compile else model
+    optimizer = build_optimizer(model, OptimConfig(), grad_scaler=precision.scaler is not None)
+    fmt = torch.channels_last if cfg.model.channels_last else torch.contiguous_format
+    fitted, stopped, batch = 0, f"--max-batch {max_batch}", 2  # BatchNorm cannot train on one image at 1x1
+    while batch <= max_batch:
+        if not fits(model, run, optimizer, precision, batch, cfg.data.img_size, num_classes, fmt, device):
+            stopped = f"out of memory at batch {batch}"
+            break
+        fitted, batch = batch, batch * 2
+    return {"max_batch": fitted, "cap": max_batch, "stopped_by": stopped}
+
+
+def fits(model: torch.nn.Module, run: Callable, optimizer: torch.optim.Optimizer, precision: Precision, batch: int,
+         img_size: int, num_classes: int, fmt: torch.memory_format, device: torch.device) -> bool:
+    """Whether one training step at `batch` runs; after an out-of-memory error the cache is given back."""
+    try:
+        images = torch.randn(batch, 3, img_size, img_size, device=device).to(memory_format=fmt)
+        labels = torch.randint(0, num_classes, (batch,), device=device)
+        make_train_step(model, run, optimizer, precision, images, labels)()
+        if device.type != "cpu":
+            torch.accelerator.synchronize(device)
+        return True
+    except torch.cuda.OutOfMemoryError:
+        pass
+    optimizer.zero_grad(set_to_none=True)  # outside the except block: its traceback no longer holds the tensors
+    torch.cuda.empty_cache()
+    return False
+
+
+def default_workers() -> list[int]:
+    """0, then powers of two up to this machine's CPU count."""
+    cpus = os.cpu_count() or 1
+    return [0] + [2**i for i in range(cpus.bit_length()) if 2**i <= cpus]
+
+
+def time_data(cfg: Config, info: DistInfo, workers: list[int], batches: int, target: float) -> dict:
+    """img/s of train.py's train loader for each worker count; workers needed for `target` img/s."""
+    bundle = build_data(cfg.data, cfg.train.batch_size, cfg.seed, info)  # the datasets, built once
+    rows = []
+    for count in workers:
+        # one epoch's batches are timed, so persistent workers change nothing but would outlive their row
+        data_cfg = dataclasses.replace(cfg.data, num_workers=count, persistent_workers=False)
+        loader = build_train_loader(bundle.train.dataset, data_cfg, cfg.train.batch_size, cfg.seed, info)
+        if len(loader) < batches + 1:
+            raise UserError(f"--data-batches {batches} needs {batches + 1} batches (one to warm up) but an epoch has "
+                            f"{len(loader)} of train.batch_size {cfg.train.batch_size}; lower --data-batches")
+        rows.append(data_row(loader, count, batches, target))
+    return {"batch_size": cfg.train.batch_size, "dataset": cfg.data.name, "timed_batches": batches,
+            "target_img_per_s": target, "workers": rows}
+
+
+def data_row(loader: torch.utils.data.DataLoader, workers: int, batches: int, target: float) -> dict:
+    """One worker count's figures: the warm-up batch's seconds, then img/s over `batches` timed batches."""
+    start = time.perf_counter()
+    it = iter(loader)
+    next(it)  # untimed: workers start, first batch
+    warmup_s = time.perf_counter() - start
+    images = 0
+    start = time.perf_counter()
+    for _ in range(batches):
+        images += len(next(it)[0])  # data.skip_corrupt may drop images from a batch
+    seconds = time.perf_counter() - start
+    del it  # the workers stop
+    img_per_s = images / seconds
+    per_worker = img_per_s / max(workers, 1)
+    return {"num_workers": workers, "img_per_s": img_per_s, "img_per_s_per_worker": per_worker,
+            "workers_needed": math.ceil(target / per_worker), "warmup_batch_s": warmup_s, "images": images}
 
 
 def device_name(device: torch.device) -> str:
@@ -171,17 +302,47 @@ def table(result: dict) -> str:
     return "\n".join([head, "", *rows])
 
 
+def data_table(data: dict) -> str:
+    """--data's results as a Markdown table, one row per worker count."""
+    head = (f"input pipeline ({data['dataset']}, batch {data['batch_size']}, {data['timed_batches']} timed batches "
+            f"after 1 warm-up): workers needed for {data['target_img_per_s']:.1f} img/s "
+            f"({data['target_source']}), if loading scales linearly with workers")
+    rows = ["| data.num_workers | img/s | img/s per worker | workers needed | warm-up batch s |",
+            "| --- " * 5 + "|"]
+    for r in data["workers"]:
+        rows.append(f"| {r['num_workers']} | {r['img_per_s']:.1f} | {r['img_per_s_per_worker']:.1f} | "
+                    f"{r['workers_needed']} | {r['warmup_batch_s']:.2f} |")
+    return "\n".join([head, "", *rows])
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     cfg = settings(args)
     if args.json:  # before minutes of benchmarking, not after
         check_replaceable(args.json, OURS, "an earlier benchmark.py JSON", "--json")
-    device = init_distributed("auto").device  # the device train.py would pick
+    info = init_distributed("auto")
+    device = info.device  # the device train.py would pick
     if device.type == "cpu":
         tune_cpu_process(cpu_share(1))
     precision = resolve_precision(cfg.amp, device)
-    result = benchmark(cfg, device, precision, args.mode, args.warmup, args.steps, args.num_classes)
-    print(table(result))
+    if args.sweep_batch and args.max_batch is None and device.type == "cpu":
+        raise UserError("--sweep-batch on the CPU needs --max-batch (host RAM is not probed for running out)")
+    result = {"benchmark": "benchmark.py", "device": device_name(device)}
+    if (mode := model_mode(args)) is not None:
+        result = benchmark(cfg, device, precision, mode, args.warmup, args.steps, args.num_classes)
+        print(table(result))
+    if args.sweep_batch:
+        result["sweep_batch"] = sweep_batch(cfg, device, precision, args.max_batch or CUDA_MAX_BATCH,
+                                            args.num_classes)
+        sweep = result["sweep_batch"]
+        print(f"\nlargest batch that fits: {sweep['max_batch']} ({cfg.model.name}, {cfg.data.img_size} px, "
+              f"{precision.name} training step; stopped by {sweep['stopped_by']})")
+    if args.data:
+        measured = args.target_img_s is None
+        target = result["train"]["img_per_s"] if measured else args.target_img_s
+        result["data"] = time_data(cfg, info, args.workers or default_workers(), args.data_batches, target)
+        result["data"]["target_source"] = "training img/s measured above" if measured else "--target-img-s"
+        print("\n" + data_table(result["data"]))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         write_output(args.json, (json.dumps(result, indent=2) + "\n").encode(), OURS, "an earlier benchmark.py JSON",

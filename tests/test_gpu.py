@@ -293,3 +293,22 @@ def test_benchmark_py_resnet50_training_prints_its_table(batch_size, tmp_path, c
     with capsys.disabled():
         print("\n" + table)
     assert result["train"]["img_per_s"] > 0 and result["peak_memory_mib"] > 0
+
+
+def test_benchmark_py_sweep_batch_stops_at_running_out_of_memory(tmp_path, capsys):
+    """--sweep-batch on CUDA doubles the batch until a training step raises torch.cuda.OutOfMemoryError, and
+    reports the batch before it (resnet50 at 224 px runs out long before 65536 on any GPU)."""
+    import benchmark
+    from engine.cli import report_errors
+
+    out = tmp_path / "sweep.json"
+    argv = ["--model", "resnet50", "--img-size", "224", "--amp", "auto", "--channels-last", "true", "--sweep-batch",
+            "--max-batch", "65536", "--json", str(out)]
+    before = torch.cuda.memory_allocated()
+    assert report_errors(benchmark.main, argv) == 0
+    sweep, printed = json.loads(out.read_text())["sweep_batch"], capsys.readouterr().out
+    with capsys.disabled():
+        print("\n" + printed.strip())
+    assert sweep["max_batch"] >= 128, sweep  # the recipe's batch fits on any GPU the tier runs on
+    assert sweep["stopped_by"] == f"out of memory at batch {2 * sweep['max_batch']}", sweep
+    assert torch.cuda.memory_allocated() <= before + 2**28  # the model and the failed step's tensors are freed
