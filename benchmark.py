@@ -163,12 +163,9 @@ def peak_memory_bytes(device: torch.device) -> int:
 def benchmark(cfg: Config, device: torch.device, precision: Precision, mode: str, warmup: int,
               steps: int, num_classes: int) -> dict:
     """Inference and/or training figures for cfg's model at cfg's batch and image size on `device`."""
-    model = prepare_model(create_model(cfg.model, num_classes), cfg.model, device, world_size=1)
-    run = torch.compile(model) if cfg.model.compile else model
+    model, run, fmt = model_on(cfg, device, num_classes)
     batch = cfg.train.batch_size
-    fmt = torch.channels_last if cfg.model.channels_last else torch.contiguous_format
-    images = torch.randn(batch, 3, cfg.data.img_size, cfg.data.img_size, device=device).to(memory_format=fmt)
-    labels = torch.randint(0, num_classes, (batch,), device=device)
+    images, labels = random_batch(batch, cfg.data.img_size, num_classes, fmt, device)
     result = {"benchmark": "benchmark.py", "model": cfg.model.name, "device": device_name(device), "batch_size": batch,
               "img_size": cfg.data.img_size, "amp": precision.name, "channels_last": cfg.model.channels_last,
               "compile": cfg.model.compile, "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
@@ -192,6 +189,21 @@ def benchmark(cfg: Config, device: torch.device, precision: Precision, mode: str
     return result
 
 
+def model_on(cfg: Config, device: torch.device, num_classes: int) -> tuple[torch.nn.Module, Callable,
+                                                                           torch.memory_format]:
+    """cfg's model as train.py prepares it on one device, the callable that runs it (compiled or not), its layout."""
+    model = prepare_model(create_model(cfg.model, num_classes), cfg.model, device, world_size=1)
+    run = torch.compile(model) if cfg.model.compile else model
+    return model, run, torch.channels_last if cfg.model.channels_last else torch.contiguous_format
+
+
+def random_batch(batch: int, img_size: int, num_classes: int, fmt: torch.memory_format,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random images in the model's layout and random labels, made on `device`."""
+    images = torch.randn(batch, 3, img_size, img_size, device=device).to(memory_format=fmt)
+    return images, torch.randint(0, num_classes, (batch,), device=device)
+
+
 def make_train_step(model: torch.nn.Module, run: Callable, optimizer: torch.optim.Optimizer, precision: Precision,
                     images: torch.Tensor, labels: torch.Tensor) -> Callable[[], None]:
     """One training step on a fixed batch, as train.py steps: autocast forward, scaled backward, checked step."""
@@ -209,10 +221,9 @@ def make_train_step(model: torch.nn.Module, run: Callable, optimizer: torch.opti
 
 def sweep_batch(cfg: Config, device: torch.device, precision: Precision, max_batch: int, num_classes: int) -> dict:
     """The largest power-of-two batch up to max_batch whose training step runs (CUDA: not out of memory)."""
-    model = prepare_model(create_model(cfg.model, num_classes), cfg.model, device, world_size=1).train()
-    run = torch.compile(model) if cfg.model.compile else model
+    model, run, fmt = model_on(cfg, device, num_classes)
+    model.train()
     optimizer = build_optimizer(model, OptimConfig(), grad_scaler=precision.scaler is not None)
-    fmt = torch.channels_last if cfg.model.channels_last else torch.contiguous_format
     fitted, stopped, batch = 0, f"--max-batch {max_batch}", 2  # BatchNorm cannot train on one image at 1x1
     while batch <= max_batch:
         if not fits(model, run, optimizer, precision, batch, cfg.data.img_size, num_classes, fmt, device):
@@ -226,8 +237,7 @@ def fits(model: torch.nn.Module, run: Callable, optimizer: torch.optim.Optimizer
          img_size: int, num_classes: int, fmt: torch.memory_format, device: torch.device) -> bool:
     """Whether one training step at `batch` runs; after an out-of-memory error the cache is given back."""
     try:
-        images = torch.randn(batch, 3, img_size, img_size, device=device).to(memory_format=fmt)
-        labels = torch.randint(0, num_classes, (batch,), device=device)
+        images, labels = random_batch(batch, img_size, num_classes, fmt, device)
         make_train_step(model, run, optimizer, precision, images, labels)()
         if device.type != "cpu":
             torch.accelerator.synchronize(device)
