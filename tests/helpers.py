@@ -6,9 +6,11 @@ hangs: they are far above what a run needs on a 2-core machine under 3x load.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -53,17 +55,66 @@ def wait_for_file(path: Path, proc: subprocess.Popen, timeout: float = HANG) -> 
 
 def run_script(script: str, *args: str, nproc: int = 1, timeout: float = HANG, env: dict | None = None,
                check: bool = True) -> subprocess.CompletedProcess:
-    """`python script args` for nproc == 1, else `torchrun --standalone --nproc_per_node=nproc script args`."""
+    """`python script args` for nproc == 1, else `torchrun --standalone --nproc_per_node=nproc script args`.
+
+    A run that has not ended after `timeout` is hung: every process of it (DataLoader workers too) prints its
+    Python stacks (faulthandler, on SIGABRT) into the failure, so that a hang seen once, in CI, says where.
+    """
     if nproc == 1:
         cmd = [sys.executable, str(REPO / script), *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                str(REPO / script), *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=env or script_env(), capture_output=True, text=True, timeout=timeout)
+    env = {**(env or script_env()), "PYTHONFAULTHANDLER": "1"}
+    with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as popen:
+        try:
+            stdout, stderr = popen.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stacks = dump_stacks_and_kill(popen)
+            raise AssertionError(f"{' '.join(cmd)} hung: still running after {timeout:.0f} s. The stacks of its "
+                                 f"processes (faulthandler on SIGABRT):\n{stacks[-30000:]}") from None
+    proc = subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
                              f"stderr:\n{proc.stderr[-5000:]}")
     return proc
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (from /proc), children before their own children."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(0), [])
+        found += children
+        todo += children
+    return found
+
+
+def dump_stacks_and_kill(popen: subprocess.Popen) -> str:
+    """SIGABRT to a hung run and all its descendants (each dumps its stacks), then SIGKILL; their stderr."""
+    pids = [popen.pid, *descendants(popen.pid)]  # DataLoader workers leave the process group: found by parent
+    for pid in reversed(pids):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGABRT)
+    try:
+        _, stderr = popen.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        for pid in [popen.pid, *descendants(popen.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        _, stderr = popen.communicate()
+    for pid in pids:  # anything left (a worker whose parent died first)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return stderr
 
 
 def read_jsonl(path: Path) -> list[dict]:
