@@ -40,9 +40,10 @@ class Trained:
 
 def ema_hint(source: str, best_metric: str | None, using_ema: bool) -> str | None:
     """What to say when the weights in use are not the ones best.pth was chosen on (evaluate, predict, export)."""
-    if using_ema or best_metric != "ema_val_top1":
+    if using_ema or not (best_metric or "").startswith("ema_"):
         return None
-    return f"{source} was chosen on its EMA weights' val_top1 (train.best_on_ema); add --ema to use those weights"
+    return (f"{source} was chosen on its EMA weights' {best_metric.removeprefix('ema_')} (train.best_on_ema); add --ema "
+            "to use those weights")
 
 
 def load_trained(path: str | os.PathLike, ema: bool = False) -> Trained:

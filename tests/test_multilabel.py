@@ -1,0 +1,172 @@
+"""Multi-label data (data.multi_label): list files with `a|b` labels, BCE on multi-hot targets, mixing of
+multi-hot targets, mAP / F1 equal to scikit-learn's, and 1 vs 2 processes of evaluate.py giving the same files."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+from sklearn.metrics import average_precision_score, f1_score
+from timm.data.mixup import one_hot
+from timm.loss import BinaryCrossEntropy
+
+import evaluate
+from data.loader import build_datasets
+from data.mixing import KIND, LAM, MIXUP, PARTNER, BatchMix, smooth_multi_hot
+from engine.cli import report_errors
+from engine.config import DataConfig, TrainConfig
+from engine.losses import build_loss
+from engine.multilabel import best_thresholds, multilabel_metrics
+from tests.helpers import TINY, read_jsonl, run_script
+from tests.test_bad_input import check_one_line, last_error
+
+CLASSES = ("cat", "dog", "owl")
+ML = ["data.name=listfile", "data.multi_label=true", "train.loss=bce", "train.batch_size=4"]
+
+
+def write_list(root: Path, split: str, rows: list[tuple[str, str]], header: str = "path,labels") -> None:
+    """<root>/<split>.csv naming <root>/img/<split>/<i>.png (written: small noisy PNGs) with the given label cells."""
+    (root / "img" / split).mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(len(rows))
+    for name, _ in rows:
+        cv2.imwrite(str(root / name), rng.integers(0, 256, (20, 20, 3), dtype=np.uint8))
+    (root / f"{split}.csv").write_text("\n".join([header, *(f"{name},{cell}" for name, cell in rows)]) + "\n")
+
+
+def label_cells(n: int, seed: int) -> list[str]:
+    """n label cells over CLASSES: every subset, the empty one ("no tags") included."""
+    rng = np.random.default_rng(seed)
+    return ["|".join(c for c in CLASSES if rng.random() < 0.5) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def lists(tmp_path_factory) -> Path:
+    """root/good: a multi-label list-file set (24 train, 11 val images, empty label sets among them); root/unknown:
+    a val row naming a class train lacks; root/malformed: a train row of three fields."""
+    root = tmp_path_factory.mktemp("ml")
+    for name in ("good", "unknown", "malformed"):
+        for split, n in (("train", 24), ("val", 11)):
+            write_list(root / name, split, [(f"img/{split}/{i}.png", cell)
+                                            for i, cell in enumerate(label_cells(n, n))])
+    text = (root / "unknown/val.csv").read_text().splitlines()
+    text[3] = text[3].split(",")[0] + ",cat|emu"
+    (root / "unknown/val.csv").write_text("\n".join(text) + "\n")
+    text = (root / "malformed/train.csv").read_text().splitlines()
+    text[5] = text[5].split(",")[0] + ",cat,dog"
+    (root / "malformed/train.csv").write_text("\n".join(text) + "\n")
+    return root
+
+
+def test_list_file_labels_become_multi_hot_rows_with_empty_sets_allowed(lists):
+    train, val = build_datasets(DataConfig(name="listfile", root=str(lists / "good"), multi_label=True), seed=0)
+    assert train.classes == list(CLASSES) and val.classes == list(CLASSES)
+    cells = label_cells(24, 24)
+    expected = np.array([[c in cell.split("|") for c in CLASSES] for cell in cells], np.float32)
+    assert "" in cells  # an image with no labels is a row of zeros
+    got = torch.stack([train[i][1] for i in range(len(train))])
+    assert got.dtype == torch.float32 and torch.equal(got, torch.from_numpy(expected))
+
+
+def test_metrics_equal_scikit_learn_with_ties_and_a_class_without_positives():
+    rng = np.random.default_rng(0)
+    targets = (rng.random((300, 6)) < 0.3).astype(np.float32)
+    targets[:, 4] = 0  # no positive image: no AP, left out of the macro mean
+    probs = np.round(rng.random((300, 6)), 1).astype(np.float32)  # many tied scores
+    found = multilabel_metrics(targets, probs, 0.5)
+    keep = targets.sum(0) > 0
+    assert found["map"] == pytest.approx(100 * average_precision_score(targets[:, keep], probs[:, keep]), abs=1e-9)
+    assert found["map_micro"] == pytest.approx(100 * average_precision_score(targets, probs, average="micro"),
+                                               abs=1e-9)
+    assert found["per_class_ap"][4] is None
+    assert found["f1"] == pytest.approx(100 * f1_score(targets, probs >= 0.5, average="micro"), abs=1e-9)
+    assert found["f1_macro"] == pytest.approx(100 * f1_score(targets, probs >= 0.5, average="macro",
+                                                             zero_division=0), abs=1e-9)
+    chosen = best_thresholds(targets, probs)
+    for c in np.flatnonzero(keep):  # no threshold among the scores gives a class a higher F1
+        best = max(f1_score(targets[:, c], probs[:, c] >= t) for t in np.unique(probs[:, c]))
+        assert f1_score(targets[:, c], probs[:, c] >= chosen[c]) == pytest.approx(best)
+
+
+def test_multi_hot_smoothing_and_bce_are_timms():
+    """On a one-label row, the multi-hot smoothing gives timm's smoothed one-hot, and the BCE timm's loss."""
+    labels, classes, smoothing = torch.tensor([2, 0, 1]), 4, 0.1
+    hot = torch.nn.functional.one_hot(labels, classes).float()
+    timm_rows = one_hot(labels, classes, on_value=1 - smoothing + smoothing / classes, off_value=smoothing / classes)
+    torch.testing.assert_close(smooth_multi_hot(hot, smoothing, torch.float32), timm_rows, rtol=0, atol=0)
+    logits = torch.randn(3, classes)
+    ours = build_loss(TrainConfig(loss="bce", label_smoothing=smoothing), mixing=False)(logits, hot)
+    torch.testing.assert_close(ours, BinaryCrossEntropy(smoothing)(logits, labels))
+
+
+def test_mixing_mixes_the_multi_hot_rows():
+    labels = torch.tensor([[1, 0, 1], [0, 1, 0], [0, 0, 0], [1, 1, 1]], dtype=torch.float32)
+    mix = torch.zeros(4, 7)
+    mix[:, PARTNER] = torch.tensor([1, 0, 3, 2])
+    mix[:, KIND], mix[:, LAM] = MIXUP, torch.tensor([0.7, 0.7, 0.25, 0.25])
+    _, targets = BatchMix(3, smoothing=0.0)(torch.zeros(4, 3, 2, 2), labels, mix)
+    lam = mix[:, LAM, None]
+    torch.testing.assert_close(targets, lam * labels + (1 - lam) * labels[[1, 0, 3, 2]])
+
+
+@pytest.fixture(scope="module")
+def trained(lists, tmp_path_factory) -> Path:
+    """One tiny multi-label training with mixup and label smoothing (the multi-hot targets mixed in the loop)."""
+    out = tmp_path_factory.mktemp("mlrun") / "run"
+    run_script("train.py", *TINY, *ML, f"data.root={lists / 'good'}", "data.mixup_alpha=0.4",
+               "train.label_smoothing=0.1", f"output_dir={out}")
+    return out
+
+
+@pytest.mark.slow
+def test_training_reports_map_and_evaluate_matches_sklearn_on_1_and_2_processes(trained, tmp_path):
+    row = read_jsonl(trained / "metrics.jsonl")[-1]
+    assert "train_top1" not in row and "val_top1" not in row
+    assert {"val_map", "val_map_micro", "val_f1", "val_loss"} <= set(row) and row["val_count"] == 11
+    files = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"eval{nproc}"
+        run_script("evaluate.py", str(trained / "best.pth"), "--output-dir", str(out), "--batch-size", "4",
+                   "--tune-thresholds", nproc=nproc)
+        files[nproc] = [(out / name).read_text() for name in ("eval.json", "predictions.csv", "per_class.csv")]
+    assert files[1] == files[2]
+    result = json.loads(files[1][0])
+    with (tmp_path / "eval1/predictions.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    targets = np.array([[str(c) in row["labels"].split() for c in range(3)] for row in rows], np.float64)
+    probs = np.array([row["probs"].split() for row in rows], np.float64)
+    keep = targets.sum(0) > 0
+    assert result["map"] == pytest.approx(100 * average_precision_score(targets[:, keep], probs[:, keep]), abs=1e-9)
+    assert result["map_micro"] == pytest.approx(100 * average_precision_score(targets, probs, average="micro"),
+                                                abs=1e-9)
+    # The epoch's val_map (gathered over ranks during training) is evaluate.py's, on the same weights.
+    assert result["map"] == pytest.approx(row["val_map"], abs=1e-9)
+    assert [entry["class"] for entry in result["per_class"]] == list(CLASSES)
+
+
+BAD = {  # name: (arguments after TINY + ML, text the last line must contain)
+    "unknown label in a row": (["data.root={root}/unknown"],
+                               "{root}/unknown/val.csv line 4: label 'emu' is not one of the 3 training classes"),
+    "malformed row": (["data.root={root}/malformed"], "{root}/malformed/train.csv line 6: expected two fields"),
+    "ImageFolder cannot hold label sets": (["data.root={root}/good", "data.name=imagefolder"],
+                                           "data.multi_label=true needs data.name listfile"),
+    "cross-entropy on multi-label data": (["data.root={root}/good", "train.loss=ce"],
+                                          "data.multi_label=true trains one sigmoid per class: set train.loss=bce"),
+}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("name", BAD)
+def test_bad_multi_label_input_is_one_line(name, workers, lists, tmp_path, capsys, monkeypatch):
+    args, expected = BAD[name]
+    check_one_line([*ML, f"data.num_workers={workers}", *args], expected, lists, tmp_path, capsys, monkeypatch)
+    assert not (tmp_path / "run").exists()
+
+
+def test_tta_on_a_multi_label_checkpoint_is_one_line(trained, tmp_path, capsys):
+    code = report_errors(evaluate.main, [str(trained / "best.pth"), "--output-dir", str(tmp_path), "--tta-flip"])
+    assert "is multi-label: --tta-flip and --tta-crops" in last_error(capsys, code)
