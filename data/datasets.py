@@ -145,11 +145,11 @@ def multi_hot(label_sets: list[list[int]], own: list[str], classes: list[str], w
     training class map `classes`; as shared_labels, a class the map lacks is an error, an absent one a warning.
     An empty set ("no tags") is a row of zeros."""
     position = {name: i for i, name in enumerate(classes)}
-    used = sorted({i for labels in label_sets for i in labels})
-    extra = [own[i] for i in used if own[i] not in position]
-    if extra:
-        raise UserError(f"{where} has labels that are not among the {len(classes)} training classes "
-                        f"({', '.join(extra[:10])}); remove them, or train on them too")
+    for row, labels in enumerate(label_sets):
+        extra = [own[i] for i in labels if own[i] not in position]
+        if extra:
+            raise UserError(f"{where} row {row}: label {extra[0]!r} is not one of the {len(classes)} training "
+                            "classes; fix the row, or train on that class too")
     hot = np.zeros((len(label_sets), len(classes)), dtype=np.uint8)
     for row, labels in enumerate(label_sets):
         hot[row, [position[own[i]] for i in labels]] = 1

@@ -19,6 +19,7 @@ import evaluate
 from data.loader import build_datasets
 from data.mixing import KIND, LAM, MIXUP, PARTNER, BatchMix, smooth_multi_hot
 from engine.cli import report_errors
+from engine.errors import UserError
 from engine.config import DataConfig, TrainConfig
 from engine.losses import build_loss
 from engine.multilabel import best_thresholds, multilabel_metrics
@@ -153,7 +154,7 @@ BAD = {  # name: (arguments after TINY + ML, text the last line must contain)
                                "{root}/unknown/val.csv line 4: label 'emu' is not one of the 3 training classes"),
     "malformed row": (["data.root={root}/malformed"], "{root}/malformed/train.csv line 6: expected two fields"),
     "ImageFolder cannot hold label sets": (["data.root={root}/good", "data.name=imagefolder"],
-                                           "data.multi_label=true needs data.name listfile"),
+                                           "data.multi_label=true needs data.name listfile, hf"),
     "cross-entropy on multi-label data": (["data.root={root}/good", "train.loss=ce"],
                                           "data.multi_label=true trains one sigmoid per class: set train.loss=bce"),
 }
@@ -170,3 +171,26 @@ def test_bad_multi_label_input_is_one_line(name, workers, lists, tmp_path, capsy
 def test_tta_on_a_multi_label_checkpoint_is_one_line(trained, tmp_path, capsys):
     code = report_errors(evaluate.main, [str(trained / "best.pth"), "--output-dir", str(tmp_path), "--tta-flip"])
     assert "is multi-label: --tta-flip and --tta-crops" in last_error(capsys, code)
+
+
+def test_hugging_face_label_lists_are_the_list_files_labels(lists, tmp_path):
+    """A Sequence(ClassLabel) column holding the list files' label sets gives the same multi-hot rows."""
+    import datasets
+
+    features = datasets.Features({"path": datasets.Value("string"),
+                                  "labels": datasets.Sequence(datasets.ClassLabel(names=list(CLASSES)))})
+    splits = {}
+    for split, n in (("train", 24), ("val", 11)):
+        sets = [[CLASSES.index(c) for c in cell.split("|") if c] for cell in label_cells(n, n)]
+        paths = [str(lists / "good" / f"img/{split}/{i}.png") for i in range(n)]
+        splits[split] = datasets.Dataset.from_dict({"path": paths, "labels": sets}, features=features)
+    datasets.DatasetDict(splits).save_to_disk(str(tmp_path / "hf"))
+    hf = build_datasets(DataConfig(name="hf", root=str(tmp_path / "hf"), image_column="path", label_column="labels",
+                                   multi_label=True), seed=0)
+    listed = build_datasets(DataConfig(name="listfile", root=str(lists / "good"), multi_label=True), seed=0)
+    for ours, theirs in zip(hf, listed):
+        assert ours.classes == theirs.classes and np.array_equal(ours.labels, theirs.labels)
+        assert torch.equal(ours[3][0], theirs[3][0])
+    with pytest.raises(UserError, match="data.multi_label=false needs one label per row; set data.multi_label=true"):
+        build_datasets(DataConfig(name="hf", root=str(tmp_path / "hf"), image_column="path", label_column="labels"),
+                       seed=0)
