@@ -123,21 +123,35 @@ def trained(lists, tmp_path_factory) -> Path:
     return out
 
 
+def evaluate_run(checkpoint: Path, out: Path, nproc: int) -> list[str]:
+    """evaluate.py with per-class thresholds on nproc processes; the texts of its three files."""
+    run_script("evaluate.py", str(checkpoint), "--output-dir", str(out), "--batch-size", "4", "--tune-thresholds",
+               nproc=nproc)
+    return [(out / name).read_text() for name in ("eval.json", "predictions.csv", "per_class.csv")]
+
+
+@pytest.fixture(scope="module")
+def evaluated(trained, tmp_path_factory) -> Path:
+    """evaluate.py's output folder for the trained run's best.pth (one process)."""
+    out = tmp_path_factory.mktemp("mleval") / "eval"
+    evaluate_run(trained / "best.pth", out, 1)
+    return out
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
 @pytest.mark.slow
-def test_training_reports_map_and_evaluate_matches_sklearn_on_1_and_2_processes(trained, tmp_path):
+def test_training_reports_map_and_evaluate_matches_sklearn_on_1_and_2_processes(trained, evaluated, tmp_path):
     row = read_jsonl(trained / "metrics.jsonl")[-1]
     assert "train_top1" not in row and "val_top1" not in row
     assert {"val_map", "val_map_micro", "val_f1", "val_loss"} <= set(row) and row["val_count"] == 11
-    files = {}
-    for nproc in (1, 2):
-        out = tmp_path / f"eval{nproc}"
-        run_script("evaluate.py", str(trained / "best.pth"), "--output-dir", str(out), "--batch-size", "4",
-                   "--tune-thresholds", nproc=nproc)
-        files[nproc] = [(out / name).read_text() for name in ("eval.json", "predictions.csv", "per_class.csv")]
-    assert files[1] == files[2]
-    result = json.loads(files[1][0])
-    with (tmp_path / "eval1/predictions.csv").open() as f:
-        rows = list(csv.DictReader(f))
+    one = [(evaluated / name).read_text() for name in ("eval.json", "predictions.csv", "per_class.csv")]
+    assert evaluate_run(trained / "best.pth", tmp_path / "eval2", 2) == one
+    result = json.loads(one[0])
+    rows = read_csv(evaluated / "predictions.csv")
     targets = np.array([[str(c) in row["labels"].split() for c in range(3)] for row in rows], np.float64)
     probs = np.array([row["probs"].split() for row in rows], np.float64)
     keep = targets.sum(0) > 0
@@ -194,3 +208,33 @@ def test_hugging_face_label_lists_are_the_list_files_labels(lists, tmp_path):
     with pytest.raises(UserError, match="data.multi_label=false needs one label per row; set data.multi_label=true"):
         build_datasets(DataConfig(name="hf", root=str(tmp_path / "hf"), image_column="path", label_column="labels"),
                        seed=0)
+
+
+@pytest.mark.slow
+def test_predict_and_the_exported_folder_give_the_sigmoid_and_the_labels_above_threshold(trained, evaluated, lists,
+                                                                                        tmp_path):
+    """predict.py's probabilities are evaluate.py's; its labels are the classes at or above the per-class
+    thresholds of eval.json; the exported model folder says multi-label and predicts the same."""
+    reference = {Path(row["path"]).name: np.array(row["probs"].split(), np.float64)
+                 for row in read_csv(evaluated / "predictions.csv")}
+    thresholds = [entry["threshold"] for entry in json.loads((evaluated / "eval.json").read_text())["per_class"]]
+    images = str(lists / "good/img/val")
+    run_script("predict.py", str(trained / "best.pth"), images, "--output-dir", str(tmp_path / "ckpt"),
+               "--thresholds", str(evaluated / "eval.json"))
+    rows = read_csv(tmp_path / "ckpt/predictions.csv")
+    assert len(rows) == 11
+    assert list(json.loads((tmp_path / "ckpt/predictions.json").read_text())["thresholds"].values()) == \
+        pytest.approx(thresholds)
+    for row in rows:
+        probs = np.array(row["probs"].split(), np.float64)
+        np.testing.assert_allclose(probs, reference[Path(row["path"]).name], atol=2e-6)  # printed to 6 decimals
+        labels = row["labels"].split("|") if row["labels"] else []
+        for name, p, t in zip(CLASSES, probs, thresholds):
+            if abs(p - t) > 1e-5:  # a threshold is some image's probability: equal ones are a rounding apart here
+                assert (name in labels) == (p >= t), (row, thresholds)
+    run_script("export.py", str(trained / "best.pth"), "--format", "safetensors", "--output", str(tmp_path / "model"))
+    meta = json.loads((tmp_path / "model/config.json").read_text())
+    assert meta["multi_label"] is True and meta["multi_label_threshold"] == 0.5
+    run_script("predict.py", str(tmp_path / "model"), images, "--output-dir", str(tmp_path / "folder"),
+               "--thresholds", str(evaluated / "eval.json"))
+    assert read_csv(tmp_path / "folder/predictions.csv") == rows
