@@ -182,6 +182,7 @@ def test_bad_multi_label_input_is_one_line(name, workers, lists, tmp_path, capsy
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # (the trained fixture)
 def test_tta_on_a_multi_label_checkpoint_is_one_line(trained, tmp_path, capsys):
     code = report_errors(evaluate.main, [str(trained / "best.pth"), "--output-dir", str(tmp_path), "--tta-flip"])
     assert "is multi-label: --tta-flip and --tta-crops" in last_error(capsys, code)
