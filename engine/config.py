@@ -113,7 +113,7 @@ class DataConfig:
     aug_repeats: int = 0  # repeated augmentation: each image k times per epoch (k >= 2), differently augmented
     mix_mode: str = "pair"  # pair: one mixup/cutmix draw per pair of images | batch: one per data.mix_group images
     mix_group: int = 0  # batch mode: images per draw, of the global order (any world size); 0 = train.batch_size
-    multi_label: bool = False  # each image has a set of labels (listfile: path,labels rows, a|b|c; hf: Sequence)
+    multi_label: bool = False  # images have sets of labels (listfile: a|b|c; hf: Sequence(ClassLabel); wds: --list)
     multi_label_threshold: float = 0.5  # multi-label: a class is predicted when its sigmoid is >= this (val_f1)
 
 
@@ -568,7 +568,7 @@ def validate_bce(cfg: TrainConfig) -> None:
         raise UserError(f"config key 'train.bce_pos_weight' must be > 0 (or null: 1), got {cfg.bce_pos_weight}")
 
 
-MULTI_LABEL_FORMATS = ("listfile", "hf")  # the formats whose samples can carry a set of labels
+MULTI_LABEL_FORMATS = ("listfile", "hf", "wds")  # the formats whose samples can carry a set of labels
 
 
 def validate_multi_label(cfg: Config) -> None:

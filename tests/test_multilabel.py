@@ -168,7 +168,7 @@ BAD = {  # name: (arguments after TINY + ML, text the last line must contain)
                                "{root}/unknown/val.csv line 4: label 'emu' is not one of the 3 training classes"),
     "malformed row": (["data.root={root}/malformed"], "{root}/malformed/train.csv line 6: expected two fields"),
     "ImageFolder cannot hold label sets": (["data.root={root}/good", "data.name=imagefolder"],
-                                           "data.multi_label=true needs data.name listfile, hf"),
+                                           "data.multi_label=true needs data.name listfile, hf, wds"),
     "cross-entropy on multi-label data": (["data.root={root}/good", "train.loss=ce"],
                                           "data.multi_label=true trains one sigmoid per class: set train.loss=bce"),
 }
@@ -239,3 +239,23 @@ def test_predict_and_the_exported_folder_give_the_sigmoid_and_the_labels_above_t
     run_script("predict.py", str(tmp_path / "model"), images, "--output-dir", str(tmp_path / "folder"),
                "--thresholds", str(evaluated / "eval.json"))
     assert read_csv(tmp_path / "folder/predictions.csv") == rows
+
+
+def test_shards_made_from_a_multi_label_list_file_hold_its_labels(lists, tmp_path, capsys):
+    from data.make_shards import run as make_shards
+
+    assert make_shards([str(lists / "good"), str(tmp_path / "shards"), "--list", "--multi-label",
+                        "--shard-size", "10"]) == 0
+    index = json.loads((tmp_path / "shards/val.json").read_text())
+    assert index["multi_label"] is True and index["shardlist"][0]["labels"][0] == \
+        [CLASSES.index(c) for c in label_cells(11, 11)[0].split("|") if c]
+    shards = build_datasets(DataConfig(name="wds", root=str(tmp_path / "shards"), multi_label=True), seed=0)
+    listed = build_datasets(DataConfig(name="listfile", root=str(lists / "good"), multi_label=True), seed=0)
+    for ours, theirs in zip(shards, listed):
+        assert ours.classes == theirs.classes and np.array_equal(ours.labels, theirs.labels)
+        for i in (0, len(ours) - 1):  # reading a sample checks its shard's .cls members against the index
+            assert torch.equal(ours[i][0], theirs[i][0]) and torch.equal(ours[i][1], theirs[i][1])
+    with pytest.raises(UserError, match="was made from a list file with --multi-label; set data.multi_label=true"):
+        build_datasets(DataConfig(name="wds", root=str(tmp_path / "shards")), seed=0)
+    assert make_shards([str(lists / "good"), str(tmp_path / "other"), "--multi-label"]) == 2
+    assert "--multi-label converts list files" in capsys.readouterr().err
