@@ -23,7 +23,7 @@ from engine.errors import UserError
 from engine.config import DataConfig, TrainConfig
 from engine.losses import build_loss
 from engine.multilabel import best_thresholds, multilabel_metrics
-from tests.helpers import TINY, read_jsonl, run_script
+from tests.helpers import TINY, read_jsonl, run_ranks, run_script
 from tests.test_bad_input import check_one_line, last_error
 
 CLASSES = ("cat", "dog", "owl")
@@ -119,8 +119,36 @@ def trained(lists, tmp_path_factory) -> Path:
     """One tiny multi-label training with mixup and label smoothing (the multi-hot targets mixed in the loop)."""
     out = tmp_path_factory.mktemp("mlrun") / "run"
     run_script("train.py", *TINY, *ML, f"data.root={lists / 'good'}", "data.mixup_alpha=0.4",
-               "train.label_smoothing=0.1", f"output_dir={out}")
+               "train.label_smoothing=0.1", "model.ema_decay=0.9", f"output_dir={out}")
     return out
+
+
+def evaluate_on_rank(rank: int, world: int, root: str) -> dict[str, float]:
+    """The per-epoch multi-label evaluation of a seeded tiny model on this rank's block of the val set."""
+    from data.loader import build_eval_loader, build_val_dataset
+    from data.transforms import DeviceNormalize
+    from engine.config import ModelConfig
+    from engine.dist import DistInfo
+    from engine.multilabel import evaluate_multilabel
+    from engine.precision import resolve_precision
+    from models.factory import create_model
+
+    cfg = DataConfig(name="listfile", root=root, multi_label=True, img_size=16, num_workers=0)
+    dataset = build_val_dataset(cfg, seed=0, classes=list(CLASSES))
+    info = DistInfo(rank, world, rank, world, torch.device("cpu"))
+    torch.manual_seed(0)
+    model = create_model(ModelConfig(name="test_resnet"), len(CLASSES))
+    normalize = DeviceNormalize(cfg.mean, cfg.std, info.device, False)
+    return evaluate_multilabel(model, build_eval_loader(dataset, cfg, 4, info), resolve_precision("off", info.device),
+                               info, normalize, 0.5)
+
+
+@pytest.mark.slow
+def test_epoch_evaluation_is_identical_on_1_and_2_ranks(lists, tmp_path):
+    """The val_map/val_f1/val_loss train.py logs: probabilities gathered over a real 2-process gloo group."""
+    one = run_ranks(evaluate_on_rank, 1, tmp_path, str(lists / "good"))
+    two = run_ranks(evaluate_on_rank, 2, tmp_path, str(lists / "good"))
+    assert one[0] == two[0] == two[1] and one[0]["val_count"] == 11 and one[0]["val_map"] > 0
 
 
 def evaluate_run(checkpoint: Path, out: Path, nproc: int) -> list[str]:
@@ -147,7 +175,8 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 def test_training_reports_map_and_evaluate_matches_sklearn_on_1_and_2_processes(trained, evaluated, tmp_path):
     row = read_jsonl(trained / "metrics.jsonl")[-1]
     assert "train_top1" not in row and "val_top1" not in row
-    assert {"val_map", "val_map_micro", "val_f1", "val_loss"} <= set(row) and row["val_count"] == 11
+    assert {"val_map", "val_map_micro", "val_f1", "val_loss", "ema_val_map"} <= set(row) and row["val_count"] == 11
+    assert torch.load(trained / "best.pth", weights_only=True)["best_metric"] == "ema_val_map"
     one = [(evaluated / name).read_text() for name in ("eval.json", "predictions.csv", "per_class.csv")]
     assert evaluate_run(trained / "best.pth", tmp_path / "eval2", 2) == one
     result = json.loads(one[0])
