@@ -330,7 +330,8 @@ def run(cfg: Config, ckpt: dict[str, Any], args: argparse.Namespace, info: DistI
              size, crop_pct, tta_views(args), info.world_size, cfg.train.batch_size)
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
     if cfg.data.multi_label:
-        return run_multilabel(cfg, args, info, out, dataset, loader, model, precision, normalize, class_names)
+        return run_multilabel(cfg, args, info, out, dataset, loader, model, precision, normalize, class_names,
+                              ckpt.get("wandb_id"))
     writer = PredictionWriter(dataset, loader.sampler.start, class_names)
     metrics = evaluate(model, loader, precision, info, normalize, on_batch=writer)
     writer.write(part_file(out, "predictions", info.rank))
@@ -352,7 +353,7 @@ def run(cfg: Config, ckpt: dict[str, Any], args: argparse.Namespace, info: DistI
 
 def run_multilabel(cfg: Config, args: argparse.Namespace, info: DistInfo, out: Path, dataset: AugmentedDataset,
                    loader: torch.utils.data.DataLoader, model: torch.nn.Module, precision, normalize: DeviceNormalize,
-                   class_names: list[str]) -> dict[str, Any] | None:
+                   class_names: list[str], trained_run_id: str | None) -> dict[str, Any] | None:
     """run() for multi-label data: predictions.csv with probabilities, eval.json with mAP/F1, per_class.csv."""
     threshold = cfg.data.multi_label_threshold
     writer = MultiLabelWriter(dataset, loader.sampler.start, class_names, threshold)
@@ -371,18 +372,21 @@ def run_multilabel(cfg: Config, args: argparse.Namespace, info: DistInfo, out: P
                  "an earlier eval.json of evaluate.py", "--output-dir")
     write_output(out / "per_class.csv", per_class_table(result), OUTPUTS["per_class.csv"],
                  "an earlier per_class.csv of evaluate.py", "--output-dir")
+    log_to_wandb(cfg, args, result, out, rows, trained_run_id)
     result["output_dir"] = str(out)
     return result
 
 
 def log_to_wandb(cfg: Config, args: argparse.Namespace, result: dict[str, Any], out: Path,
                  rows: list[dict[str, str]], trained_run_id: str | None) -> None:
-    """With logging.wandb on (stored or overridden), an "eval" W&B run gets the metrics, matrix and predictions;
-    the checkpoint of a tracked training that logged its checkpoints is declared as the run's input."""
+    """With logging.wandb on (stored or overridden), an "eval" W&B run gets the metrics, matrix (single-label) and
+    predictions; the checkpoint of a tracked training that logged its checkpoints is declared as the run's input.
+    Per class: top-1, or (multi-label) AP."""
     tracker = WandbTracker(cfg.logging, is_main=True)  # rank 0 only; never raises
+    multi = bool(result.get("multi_label"))
     tracker.start({**to_dict(cfg), "checkpoint": str(args.checkpoint), "ema": args.ema}, out, job_type="eval")
-    per_class = {c["class"]: c["top1"] for c in result["per_class"]}
-    tracker.log_evaluation({**result, "per_class": per_class}, out / "confusion_matrix.png", rows)
+    per_class = {c["class"]: c["ap"] if multi else c["top1"] for c in result["per_class"]}
+    tracker.log_evaluation({**result, "per_class": per_class}, None if multi else out / "confusion_matrix.png", rows)
     tracker.use_model(args.checkpoint, trained_run_id)
     tracker.finish()
 

@@ -23,7 +23,8 @@ from engine.errors import UserError
 from engine.config import DataConfig, TrainConfig
 from engine.losses import build_loss
 from engine.multilabel import best_thresholds, multilabel_metrics
-from tests.helpers import TINY, read_jsonl, run_ranks, run_script
+from tests.helpers import TINY, read_jsonl, run_ranks, run_script, script_env
+from tests.wandb_reader import find_runs, read_run
 from tests.test_bad_input import check_one_line, last_error
 
 CLASSES = ("cat", "dog", "owl")
@@ -151,10 +152,10 @@ def test_epoch_evaluation_is_identical_on_1_and_2_ranks(lists, tmp_path):
     assert one[0] == two[0] == two[1] and one[0]["val_count"] == 11 and one[0]["val_map"] > 0
 
 
-def evaluate_run(checkpoint: Path, out: Path, nproc: int) -> list[str]:
+def evaluate_run(checkpoint: Path, out: Path, nproc: int, *args: str, env: dict | None = None) -> list[str]:
     """evaluate.py with per-class thresholds on nproc processes; the texts of its three files."""
     run_script("evaluate.py", str(checkpoint), "--output-dir", str(out), "--batch-size", "4", "--tune-thresholds",
-               nproc=nproc)
+               *args, nproc=nproc, env=env)
     return [(out / name).read_text() for name in ("eval.json", "predictions.csv", "per_class.csv")]
 
 
@@ -178,8 +179,15 @@ def test_training_reports_map_and_evaluate_matches_sklearn_on_1_and_2_processes(
     assert {"val_map", "val_map_micro", "val_f1", "val_loss", "ema_val_map"} <= set(row) and row["val_count"] == 11
     assert torch.load(trained / "best.pth", weights_only=True)["best_metric"] == "ema_val_map"
     one = [(evaluated / name).read_text() for name in ("eval.json", "predictions.csv", "per_class.csv")]
-    assert evaluate_run(trained / "best.pth", tmp_path / "eval2", 2) == one
+    wandb_dir = tmp_path / "wandb"
+    wandb_dir.mkdir()  # the 2-process evaluation also goes to W&B (offline)
+    assert evaluate_run(trained / "best.pth", tmp_path / "eval2", 2, "logging.wandb=true",
+                        env=script_env(WANDB_DIR=str(wandb_dir))) == one
     result = json.loads(one[0])
+    [path] = find_runs(wandb_dir)
+    logged = read_run(path)
+    assert logged.summary["eval/map"] == result["map"]
+    assert logged.summary["eval/per_class"] == {c["class"]: c["ap"] for c in result["per_class"]}
     rows = read_csv(evaluated / "predictions.csv")
     targets = np.array([[str(c) in row["labels"].split() for c in range(3)] for row in rows], np.float64)
     probs = np.array([row["probs"].split() for row in rows], np.float64)
