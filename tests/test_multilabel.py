@@ -296,3 +296,11 @@ def test_shards_made_from_a_multi_label_list_file_hold_its_labels(lists, tmp_pat
         build_datasets(DataConfig(name="wds", root=str(tmp_path / "shards")), seed=0)
     assert make_shards([str(lists / "good"), str(tmp_path / "other"), "--multi-label"]) == 2
     assert "--multi-label converts list files" in capsys.readouterr().err
+
+
+def test_single_label_list_with_separators_gets_a_hint(tmp_path, caplog):
+    from data.listfile import ListFileDataset
+
+    (tmp_path / "train.csv").write_text("path,label\na.png,cat|dog\nb.png,owl\n")
+    ListFileDataset(tmp_path, "train", transform=None, seed=0)
+    assert "set data.multi_label=true" in caplog.text
