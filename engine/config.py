@@ -113,6 +113,8 @@ class DataConfig:
     aug_repeats: int = 0  # repeated augmentation: each image k times per epoch (k >= 2), differently augmented
     mix_mode: str = "pair"  # pair: one mixup/cutmix draw per pair of images | batch: one per data.mix_group images
     mix_group: int = 0  # batch mode: images per draw, of the global order (any world size); 0 = train.batch_size
+    multi_label: bool = False  # images have sets of labels (listfile: a|b|c; hf: Sequence(ClassLabel); wds: --list)
+    multi_label_threshold: float = 0.5  # multi-label: a class is predicted when its sigmoid is >= this (val_f1)
 
 
 @dataclass
@@ -462,6 +464,7 @@ def validate(cfg: Config) -> None:
     validate_sched(cfg.sched, cfg.train.epochs)
     validate_optim(cfg.optim)
     validate_bce(cfg.train)
+    validate_multi_label(cfg)
     if cfg.logging.wandb:
         validate_wandb(cfg.logging)
     if not cfg.resume:
@@ -565,6 +568,24 @@ def validate_bce(cfg: TrainConfig) -> None:
         raise UserError(f"config key 'train.bce_pos_weight' must be > 0 (or null: 1), got {cfg.bce_pos_weight}")
 
 
+MULTI_LABEL_FORMATS = ("listfile", "hf", "wds")  # the formats whose samples can carry a set of labels
+
+
+def validate_multi_label(cfg: Config) -> None:
+    """data.multi_label needs a format that can hold a set of labels, and trains with one sigmoid per class."""
+    if not 0 < cfg.data.multi_label_threshold < 1:
+        raise UserError(f"config key 'data.multi_label_threshold' must be in (0, 1), got "
+                        f"{cfg.data.multi_label_threshold}")
+    if not cfg.data.multi_label:
+        return
+    if cfg.data.name not in MULTI_LABEL_FORMATS:
+        raise UserError(f"data.multi_label=true needs data.name {', '.join(MULTI_LABEL_FORMATS)}: data.name="
+                        f"{cfg.data.name} gives each image one class (write a list file: path,labels with a|b)")
+    if cfg.train.loss != "bce":
+        raise UserError(f"data.multi_label=true trains one sigmoid per class: set train.loss=bce (train.loss is "
+                        f"{cfg.train.loss!r})")
+
+
 def validate_wandb(cfg: LoggingConfig) -> None:
     """Names W&B would refuse at init time; caught here so the mistake is a one-line error, not a lost run."""
     if not 0 < len(cfg.wandb_project) <= 128 or any(c in cfg.wandb_project for c in "/\\#?%:"):
@@ -627,8 +648,10 @@ def config_yaml(cfg: Config) -> str:
 
 
 def best_metric(cfg: Config) -> str:
-    """The metrics.jsonl column best.pth is chosen on: the EMA's top-1 with model.ema_decay and train.best_on_ema."""
-    return "ema_val_top1" if cfg.model.ema_decay > 0 and cfg.train.best_on_ema else "val_top1"
+    """The metrics.jsonl column best.pth is chosen on: the EMA's top-1 with model.ema_decay and train.best_on_ema;
+    val_map for multi-label data."""
+    metric = "val_map" if cfg.data.multi_label else "val_top1"
+    return f"ema_{metric}" if cfg.model.ema_decay > 0 and cfg.train.best_on_ema else metric
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
