@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from engine.dist import DistInfo
+from engine.distill import Distillation
 from engine.errors import UserError
 from engine.hooks import Hook
 from engine.logs import Progress
@@ -44,6 +45,7 @@ class TrainParts:
     scheduler: Scheduler
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     precision: Precision
+    distill: Distillation | None = None  # distill.*: a teacher's logits in the loss (engine/distill.py)
 
 
 @dataclass
@@ -95,7 +97,10 @@ def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cf
             with sync:
                 with parts.precision.autocast():
                     logits = model(images)
-                    loss = parts.loss_fn(logits, targets)
+                    if parts.distill is None:
+                        loss = parts.loss_fn(logits, targets)
+                    else:  # the teacher sees these (mixed) images, under the same autocast
+                        logits, loss = parts.distill(logits, targets, images, parts.loss_fn)
                 parts.precision.backward(loss / group_size)
             meter.add(loss.detach() * len(labels), hits(ranked_classes(logits.detach(), 1), labels, 1), len(labels))
             if not last_micro_step:
