@@ -122,11 +122,12 @@ def dry_run(cfg: Config, info: DistInfo) -> str:
     """fit()'s checks up to the first training step, with nothing written to output_dir; returns a summary."""
     out = Path(cfg.output_dir)
     cfg, start, data, _, model = start_up(cfg, info)
-    load_teacher(cfg, start, model, data.num_classes)
+    cfg, teacher = load_teacher(cfg, start, model, data.num_classes)
     rank0_decides(lambda: check_writable(out))
     resumed = f"resumes {start.path}" if start.path else "starts fresh"
-    return (f"dry run passed: {cfg.model.name} on {len(data.train.dataset)} train / {len(data.val.dataset)} val "
-            f"images, {data.num_classes} classes; the run {resumed}; {out} is writable; nothing was written")
+    taught = f", distilled from {teacher[2]} ({cfg.distill.type})" if teacher else ""
+    return (f"dry run passed: {cfg.model.name}{taught} on {len(data.train.dataset)} train / {len(data.val.dataset)} "
+            f"val images, {data.num_classes} classes; the run {resumed}; {out} is writable; nothing was written")
 
 
 def seed_everything(seed: int) -> None:

@@ -56,6 +56,7 @@ class Distillation:
     token: bool  # the student has a distillation token: (class, distillation) logits while training
     student_mean: torch.Tensor  # data.mean and data.std, (1, 3, 1, 1): what the images are normalized with
     student_std: torch.Tensor
+    renormalize: bool  # the teacher was trained with another mean/std (decided once: no host read per step)
 
     def __call__(self, outputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor,
                  images: torch.Tensor, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -64,7 +65,7 @@ class Distillation:
         logits, distilled = outputs if self.token else (outputs, outputs)
         task_loss = loss_fn(logits, targets)
         with torch.no_grad():
-            teacher_logits = self.teacher(self.teacher.normalize_input(images, self.student_mean, self.student_std))
+            teacher_logits = self.teacher(self.teacher_input(images))
         if self.kind == "soft":
             student_log_p = F.log_softmax(distilled.float() / self.tau, dim=-1)
             teacher_log_p = F.log_softmax(teacher_logits.float() / self.tau, dim=-1)
@@ -72,6 +73,14 @@ class Distillation:
         else:
             kd_loss = F.cross_entropy(distilled.float(), teacher_logits.argmax(dim=-1))
         return logits, (1 - self.alpha) * task_loss + self.alpha * kd_loss
+
+    def teacher_input(self, images: torch.Tensor) -> torch.Tensor:
+        """The images as the teacher was trained to see them: DistillationTeacher.normalize_input's formula,
+        whose torch.equal test of the two normalizations would read the device every step."""
+        if not self.renormalize:
+            return images
+        teacher = self.teacher
+        return (images * self.student_std + self.student_mean - teacher.mean_kd) / teacher.std_kd
 
 
 def is_token_student(model: nn.Module) -> bool:
@@ -179,4 +188,5 @@ def build_distillation(cfg: DistillConfig, teacher: nn.Module, pretrained: Pretr
              f", tau {cfg.tau:g}" if cfg.type == "soft" else "")
     return Distillation(held, cfg.type, cfg.alpha, cfg.tau, token,
                         torch.tensor(list(mean), device=device).view(1, -1, 1, 1),
-                        torch.tensor(list(std), device=device).view(1, -1, 1, 1))
+                        torch.tensor(list(std), device=device).view(1, -1, 1, 1),
+                        renormalize=(teacher_mean, teacher_std) != ([float(v) for v in mean], [float(v) for v in std]))
