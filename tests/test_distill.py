@@ -72,7 +72,7 @@ def test_losses_equal_timms_distillation_tasks(token, kind):
     assert torch.equal(loss, expected["loss"]), (loss, expected["loss"])
     assert torch.equal(logits, expected["output"])
     # DeiT's data mean/std (ImageNet's) are not the teacher's (0.5): there the teacher's input was renormalized.
-    assert torch.equal(ours.teacher.mean_kd, ours.student_mean) is not token
+    assert ours.renormalize is token and torch.equal(ours.teacher.mean_kd, ours.student_mean) is not token
 
 
 def test_teacher_is_frozen_and_bitwise_unchanged_by_training(tmp_path):
@@ -80,7 +80,8 @@ def test_teacher_is_frozen_and_bitwise_unchanged_by_training(tmp_path):
     batches: the teacher's file tensors, BatchNorm statistics included, come out bit for bit; no gradient ever
     reached it; the student did train."""
     torch.save(tiny_teacher(10).state_dict(), tmp_path / "teacher.pth")
-    cfg = load_config("dummy", [f"distill.teacher_weights={tmp_path / 'teacher.pth'}", "distill.teacher_name=test_resnet"])
+    cfg = load_config("dummy", [f"distill.teacher_weights={tmp_path / 'teacher.pth'}",
+                                "distill.teacher_name=test_resnet"])
     student = timm.create_model("test_resnet", num_classes=10)
     cfg, teacher = train.load_teacher(cfg, Resume(None, None), student, 10)
     assert cfg.distill.teacher_sha256 == teacher_sha256(DistillConfig(str(tmp_path / "teacher.pth")), False, None)
@@ -147,6 +148,15 @@ def test_bad_distillation_settings_are_one_line(overrides, expected, tmp_path, c
     assert err.strip().splitlines()[-1].startswith(expected.format(tmp=tmp_path)), err
 
 
+def test_dry_run_loads_the_teacher(tmp_path, capsys):
+    torch.save(tiny_teacher(10).state_dict(), tmp_path / "teacher.pth")
+    argv = ["--dry-run", *TINY, f"output_dir={tmp_path / 'run'}", f"distill.teacher_weights={tmp_path}/teacher.pth",
+            "distill.teacher_name=test_resnet", "distill.type=hard"]
+    assert report_errors(train.main, argv) == 0
+    assert capsys.readouterr().out.startswith("dry run passed: test_resnet, distilled from test_resnet (hard) on 32")
+    assert not (tmp_path / "run").exists()
+
+
 def test_recipe_without_its_teacher_is_one_line(capsys):
     """configs/deit_small_distilled.yaml names its teacher (regnety_160) but cannot ship its weights."""
     from tests.test_recipes import SMALL
@@ -183,3 +193,21 @@ def test_one_process_equals_two_ranks_with_distillation_and_mixup(tmp_path):
         tmp_path / "one").keys()  # the student only: the teacher is not in the checkpoint
     assert saved["config"]["distill"]["teacher_sha256"] == teacher_sha256(
         DistillConfig(str(tmp_path / "teacher.pth")), False, None)
+
+
+@pytest.mark.slow
+def test_resume_mid_epoch_with_distillation_is_bitwise_identical(tmp_path):
+    """tests/test_resume.py's run (dropout, drop-path, EMA, augmentation) with a teacher: stopped after 3 of its 16
+    steps and resumed, it ends bitwise as the uninterrupted run; the teacher added no state to lose."""
+    from tests.test_resume import RUN, assert_same, rows_without_timing
+
+    torch.save(tiny_teacher(10).state_dict(), tmp_path / "teacher.pth")
+    run = [*RUN, f"distill.teacher_weights={tmp_path / 'teacher.pth'}", "distill.teacher_name=test_resnet",
+           "distill.type=hard", "distill.alpha=0.7"]
+    run_script("train.py", *run, f"output_dir={tmp_path / 'straight'}")
+    run_script("train.py", *run, f"output_dir={tmp_path / 'resumed'}", "train.max_steps=3")
+    run_script("train.py", *run, f"output_dir={tmp_path / 'resumed'}")
+    straight, resumed = (torch.load(tmp_path / name / "last.pth", weights_only=True)
+                         for name in ("straight", "resumed"))
+    assert_same(straight, resumed)
+    assert rows_without_timing(tmp_path / "resumed") == rows_without_timing(tmp_path / "straight")
