@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 from timm.scheduler.scheduler import Scheduler
@@ -22,7 +22,6 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from engine.dist import DistInfo
-from engine.distill import Distillation
 from engine.errors import UserError
 from engine.hooks import Hook
 from engine.logs import Progress
@@ -32,6 +31,9 @@ from engine.prefetch import Normalize, device_batches
 from engine.signals import Preempted, requested, stop, training_steps, workers_shielded
 from engine.speed import LoaderWait
 from engine.state import TrainState
+
+if TYPE_CHECKING:  # the loop only calls it: keep the teacher's and weights' modules out of its imports
+    from engine.distill import Distillation
 
 log = logging.getLogger(__name__)
 
