@@ -17,6 +17,7 @@ if __name__ == "__main__":  # first: a SIGTERM or SIGUSR1 during the imports bel
     handle_early()
 
 import argparse
+import dataclasses
 import logging
 import random
 from pathlib import Path
@@ -36,11 +37,14 @@ from data.mixing import BatchMix
 from data.transforms import DeviceNormalize
 from engine.checkpoint import Checkpointer
 from engine.cli import run_main
-from engine.config import Config, ModelConfig, best_metric, config_yaml, keys_help, load_config, mixing, to_dict
+from engine.config import (Config, ModelConfig, best_metric, config_yaml, given_keys, keys_help, load_config, mixing,
+                           to_dict)
 from engine.dist import DistInfo, broadcast_tensors, init_distributed, rank0_decides, read_launch_env
+from engine.distill import build_distillation, check_teacher_needed, freeze_teacher, read_teacher, teacher_sha256
 from engine.hooks import EmaUpdate, IntervalTracking, StepCheckpoint
 from engine.logs import setup_logging
 from engine.losses import build_loss
+from engine.multilabel import evaluate_multilabel
 from engine.optim import (build_optimizer, build_scheduler, check_optimizer, check_scheduler, scaled_lr_note,
                           with_scaled_lr)
 from engine.precision import Precision, resolve_precision
@@ -52,10 +56,9 @@ from engine.speed import InputAdvice
 from engine.state import TrainState
 from engine.tracking import TensorBoardWriter, WandbTracker
 from engine.weights import check_pretrained, resolve_preprocessing
-from engine.multilabel import evaluate_multilabel
 from engine.trainer import LoopConfig, TrainParts, evaluate, train_one_epoch
 from models.ema import create_ema
-from models.factory import compile_warning, create_model, prepare_model
+from models.factory import check_model_name, compile_warning, create_model, prepare_model
 
 log = logging.getLogger("train")
 
@@ -100,15 +103,34 @@ def start_up(cfg: Config, info: DistInfo) -> tuple[Config, Resume, DataBundle, P
     return cfg, start, data, precision, model
 
 
+def load_teacher(cfg: Config, start: Resume, model: nn.Module, num_classes: int) -> tuple[Config, tuple | None]:
+    """distill.*: (cfg with distill.teacher_sha256 recorded, (teacher model frozen with its file's weights, the
+    file, its model name)); (cfg, None) without a teacher. engine/distill.py says what the teacher does."""
+    check_teacher_needed(cfg.distill, model, cfg.model.name)
+    if not cfg.distill.teacher_weights:
+        return cfg, None
+    pretrained, name = read_teacher(cfg.distill)
+    digest = teacher_sha256(cfg.distill, "distill.teacher_sha256" in given_keys(cfg),
+                            start.ckpt["config"] if start.ckpt else None)
+    check_model_name(name, key="distill.teacher_name")
+    teacher = freeze_teacher(create_model(ModelConfig(name=name, kwargs=cfg.distill.teacher_kwargs), num_classes),
+                             pretrained, name)
+    resolved = dataclasses.replace(cfg, distill=dataclasses.replace(cfg.distill, teacher_sha256=digest))
+    resolved.given = given_keys(cfg)
+    return resolved, (teacher, pretrained, name)
+
+
 def dry_run(cfg: Config, info: DistInfo) -> str:
     """fit()'s checks up to the first training step, with nothing written to output_dir; returns a summary."""
     out = Path(cfg.output_dir)
-    _, start, data, _, _ = start_up(cfg, info)
+    cfg, start, data, _, model = start_up(cfg, info)
+    cfg, teacher = load_teacher(cfg, start, model, data.num_classes)
     rank0_decides(lambda: check_writable(out))
     resumed = f"resumes {start.path}" if start.path else "starts fresh"
-    return (f"dry run passed: {cfg.model.name} on {len(data.train.dataset)} train / {len(data.val.dataset)} val "
-            f"images, {data.num_classes} classes{', multi-label' if cfg.data.multi_label else ''}; the run {resumed}; "
-            f"{out} is writable; nothing was written")
+    taught = f", distilled from {teacher[2]} ({cfg.distill.type})" if teacher else ""
+    return (f"dry run passed: {cfg.model.name}{taught} on {len(data.train.dataset)} train / {len(data.val.dataset)} "
+            f"val images, {data.num_classes} classes{', multi-label' if cfg.data.multi_label else ''}; the run "
+            f"{resumed}; {out} is writable; nothing was written")
 
 
 def seed_everything(seed: int) -> None:
@@ -134,9 +156,12 @@ def wrap_for_training(model: nn.Module, cfg: ModelConfig, info: DistInfo) -> nn.
 def fit(cfg: Config, info: DistInfo) -> TrainState:
     out = Path(cfg.output_dir)
     cfg, start, data, precision, model = start_up(cfg, info)
+    cfg, teacher = load_teacher(cfg, start, model, data.num_classes)
     if cfg.optim.lr_base and info.is_main:
         log.info(scaled_lr_note(cfg, info.world_size))
     model = prepare_model(model, cfg.model, info.device, info.world_size)
+    distill = build_distillation(cfg.distill, *teacher, model, cfg.data.mean, cfg.data.std, info.device,
+                                 cfg.model.channels_last) if teacher else None
     ema = create_ema(model, cfg.model.ema_decay, cfg.model.ema_warmup)
     start.load_ema(ema.module if ema is not None else None)
     torch.manual_seed(cfg.seed + info.rank)  # dropout / drop-path differ per rank, reproducibly
@@ -146,7 +171,7 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
     updates_per_epoch = steps_per_epoch(data.train, cfg.train.accum_steps)
     parts = TrainParts(wrap_for_training(model, cfg.model, info), optimizer,
                        build_scheduler(optimizer, cfg.sched, cfg.train.epochs, updates_per_epoch),
-                       build_loss(cfg.train, mixing(cfg.data)), precision)
+                       build_loss(cfg.train, mixing(cfg.data)), precision, distill)
     state = start.load_training(parts, cfg, info)
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
     total_steps = cfg.train.epochs * updates_per_epoch

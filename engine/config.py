@@ -194,6 +194,17 @@ class DistConfig:
 
 
 @dataclass
+class DistillConfig:
+    teacher_weights: str = ""  # teacher's weights (any form model.init_from takes); "" = no distillation
+    teacher_name: str = ""  # the teacher's timm model name; "" = the one its weights name (a train.py checkpoint)
+    teacher_kwargs: dict[str, Any] = field(default_factory=dict)  # more timm.create_model options for the teacher
+    teacher_sha256: str = ""  # the teacher file's sha256, recorded at start-up; a resumed run's teacher must match
+    type: str = "soft"  # soft: KL of softened logits (distill.tau) | hard: cross-entropy on the teacher's argmax
+    alpha: float = 0.5  # loss = (1 - alpha) x train.loss + alpha x distillation loss (DeiT's distillation-alpha)
+    tau: float = 1.0  # soft: the softmax temperature of both logits (the loss is scaled by tau^2)
+
+
+@dataclass
 class Config:
     seed: int = 0  # seeds model init, data order and augmentation, in [0, 2^32)
     output_dir: str = "runs/default"  # where config.yaml, metrics.jsonl and checkpoints go
@@ -206,6 +217,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)  # knowledge distillation (engine/distill.py)
 
 
 CHOICES = {
@@ -220,6 +232,7 @@ CHOICES = {
     "train.loss": ("ce", "bce"),
     "optim.clip_mode": ("norm", "value", "agc"),
     "data.mix_mode": ("pair", "batch"),
+    "distill.type": ("soft", "hard"),
     "sched.warmup_shape": ("timm", "nvidia"),
     "optim.lr_base_scale": ("linear", "sqrt"),
     "sched.name": ("cosine", "tanh", "poly", "wsd", "rsqrt", "step", "multistep", "constant"),
@@ -228,7 +241,7 @@ ENDLESS_SCHEDULES = ("step", "multistep", "constant")  # no end to cool down aft
 POSITIVE = ("train.epochs", "train.batch_size", "train.accum_steps", "data.img_size",
             "logging.interval", "dist.rendezvous_timeout_s", "train.max_nonfinite", "data.prefetch_factor",
             "data.dummy_train_size", "data.dummy_val_size", "data.dummy_num_classes", "data.dummy_image_size",
-            "data.max_image_pixels", "sched.decay_rate", "optim.lr_base_size", "data.random_erase_count")
+            "data.max_image_pixels", "sched.decay_rate", "optim.lr_base_size", "data.random_erase_count", "distill.tau")
 NON_NEGATIVE = ("dist.timeout_s", "logging.wandb_samples", "optim.lr", "optim.weight_decay", "optim.clip_grad",
                 "train.max_steps", "data.num_workers", "train.ckpt_every_steps", "train.keep_last_k",
                 "data.color_jitter", "data.val_img_size", "sched.warmup_epochs", "sched.warmup_lr", "sched.min_lr",
@@ -425,7 +438,7 @@ def validate(cfg: Config) -> None:
     for key in NON_NEGATIVE:
         if _get(cfg, key) < 0:
             raise UserError(f"config key {key!r} must be >= 0, got {_get(cfg, key)!r}")
-    for key in ("data.hflip", "data.random_erase", "data.mixup_prob", "data.mixup_switch_prob"):
+    for key in ("data.hflip", "data.random_erase", "data.mixup_prob", "data.mixup_switch_prob", "distill.alpha"):
         if not 0 <= _get(cfg, key) <= 1:
             raise UserError(f"config key {key!r} must be in [0, 1], got {_get(cfg, key)!r}")
     parse_auto_augment(cfg.data.auto_augment)

@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 from timm.scheduler.scheduler import Scheduler
@@ -32,6 +32,9 @@ from engine.signals import Preempted, requested, stop, training_steps, workers_s
 from engine.speed import LoaderWait
 from engine.state import TrainState
 
+if TYPE_CHECKING:  # the loop only calls it: keep the teacher's and weights' modules out of its imports
+    from engine.distill import Distillation
+
 log = logging.getLogger(__name__)
 
 
@@ -44,6 +47,7 @@ class TrainParts:
     scheduler: Scheduler
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     precision: Precision
+    distill: Distillation | None = None  # distill.*: a teacher's logits in the loss (engine/distill.py)
 
 
 @dataclass
@@ -96,7 +100,10 @@ def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cf
             with sync:
                 with parts.precision.autocast():
                     logits = model(images)
-                    loss = parts.loss_fn(logits, targets)
+                    if parts.distill is None:
+                        loss = parts.loss_fn(logits, targets)
+                    else:  # the teacher sees these (mixed) images, under the same autocast
+                        logits, loss = parts.distill(logits, targets, images, parts.loss_fn)
                 parts.precision.backward(loss / group_size)
             correct = 0.0 if cfg.multi_label else hits(ranked_classes(logits.detach(), 1), labels, 1)
             meter.add(loss.detach() * len(labels), correct, len(labels))

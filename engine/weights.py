@@ -63,12 +63,13 @@ def _describe(missing: list[str], unexpected: list[str], reshaped: list[str]) ->
     return "; ".join(parts)
 
 
-def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], source: str) -> None:
-    """Load exactly these weights: a missing, unexpected or reshaped tensor is a UserError."""
+def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], source: str,
+                 check: str = "model.name") -> None:
+    """Load exactly these weights: a missing, unexpected or reshaped tensor is a UserError (`check`: the key to fix)."""
     problems = _mismatch(model, state_dict)
     if any(problems):
         raise UserError(f"{source} does not fit this model ({_describe(*problems)}); "
-                        "check model.name and the number of classes")
+                        f"check {check} and the number of classes")
     model.load_state_dict(state_dict)
 
 
@@ -86,26 +87,27 @@ class Pretrained:
     path: str
     architecture: str | None = None  # the model the file names (config.json, a train.py checkpoint); None: unknown
     preprocessing: dict[str, Any] = field(default_factory=dict)  # data.* keys the weights were trained with
+    key: str = "model.init_from"  # the config key that named the file (distill.teacher_weights for a teacher)
 
     @property
     def source(self) -> str:
-        return f"model.init_from={self.path}"
+        return f"{self.key}={self.path}"
 
 
-def read_pretrained(path: str | os.PathLike) -> Pretrained:
-    """model.init_from's file: a train.py checkpoint, a timm/torchvision .pth, a .safetensors file, or a
-    Hugging Face / timm model folder (config.json + model.safetensors or pytorch_model.bin)."""
+def read_pretrained(path: str | os.PathLike, key: str = "model.init_from") -> Pretrained:
+    """model.init_from's file (or `key`'s): a train.py checkpoint, a timm/torchvision .pth, a .safetensors file,
+    or a Hugging Face / timm model folder (config.json + model.safetensors or pytorch_model.bin)."""
     path = Path(path)
-    source = f"model.init_from={path}"
+    source = f"{key}={path}"
     if path.is_dir():
-        return read_model_folder(path)
+        return read_model_folder(path, key)
     if not path.exists():
         raise UserError(f"{source}: {path} does not exist; give a checkpoint, a .pth or .safetensors file, or a "
                         "model folder (config.json + model.safetensors)")
     if path.suffix == ".safetensors":
-        return Pretrained(state_dict_in(read_safetensors(path), source), str(path))
+        return Pretrained(state_dict_in(read_safetensors(path, key), source), str(path), key=key)
     obj = load_checkpoint(path)
-    pretrained = Pretrained(state_dict_in(obj, source), str(path))
+    pretrained = Pretrained(state_dict_in(obj, source), str(path), key=key)
     if isinstance(obj, dict) and isinstance(obj.get("config"), dict):  # a train.py checkpoint knows its training
         config = obj["config"]
         pretrained.architecture = config.get("model", {}).get("name")
@@ -117,7 +119,7 @@ def read_pretrained(path: str | os.PathLike) -> Pretrained:
 PREPROCESSING = ("mean", "std", "interpolation", "crop_pct")  # the data.* keys pretrained weights come with
 
 
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def read_safetensors(path: Path, key: str = "model.init_from") -> dict[str, torch.Tensor]:
     """A .safetensors file's tensors; a damaged file is a UserError naming it."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -125,35 +127,35 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(path)
     except (OSError, SafetensorError) as err:
-        raise UserError(f"model.init_from={path} cannot be read as safetensors ({err}); it is damaged or not a "
+        raise UserError(f"{key}={path} cannot be read as safetensors ({err}); it is damaged or not a "
                         ".safetensors file") from None
 
 
-def read_model_folder(folder: Path) -> Pretrained:
+def read_model_folder(folder: Path, key: str = "model.init_from") -> Pretrained:
     """A Hugging Face / timm model folder: config.json (architecture, pretrained_cfg) and its weights file."""
     config_file = folder / "config.json"
     if not config_file.is_file():
-        raise UserError(f"model.init_from={folder} is a folder without config.json; give a checkpoint, a .pth or "
+        raise UserError(f"{key}={folder} is a folder without config.json; give a checkpoint, a .pth or "
                         ".safetensors file, or a model folder holding config.json and model.safetensors")
     try:
         meta = json.loads(config_file.read_text())
     except (OSError, ValueError) as err:
-        raise UserError(f"model.init_from: cannot read {config_file} ({err})") from None
+        raise UserError(f"{key}: cannot read {config_file} ({err})") from None
     if not isinstance(meta, dict):
-        raise UserError(f"model.init_from: {config_file} is not a timm/Hugging Face model config (not a mapping)")
+        raise UserError(f"{key}: {config_file} is not a timm/Hugging Face model config (not a mapping)")
     for name in ("model.safetensors", "pytorch_model.bin"):
         if (folder / name).is_file():
             weights = folder / name
             break
     else:
-        raise UserError(f"model.init_from={folder} holds no model.safetensors (or pytorch_model.bin) beside "
+        raise UserError(f"{key}={folder} holds no model.safetensors (or pytorch_model.bin) beside "
                         "config.json")
-    source = f"model.init_from={weights}"
-    raw = read_safetensors(weights) if weights.suffix == ".safetensors" else load_checkpoint(weights)
+    source = f"{key}={weights}"
+    raw = read_safetensors(weights, key) if weights.suffix == ".safetensors" else load_checkpoint(weights)
     pretrained_cfg = meta.get("pretrained_cfg") if isinstance(meta.get("pretrained_cfg"), dict) else {}
     preprocessing = {k: pretrained_cfg[k] for k in PREPROCESSING if pretrained_cfg.get(k) is not None}
     architecture = meta.get("architecture") if isinstance(meta.get("architecture"), str) else None
-    return Pretrained(state_dict_in(raw, source), str(folder), architecture, preprocessing)
+    return Pretrained(state_dict_in(raw, source), str(folder), architecture, preprocessing, key)
 
 
 def check_architecture(pretrained: Pretrained, model_name: str) -> None:

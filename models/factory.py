@@ -16,7 +16,7 @@ from engine.errors import UserError
 log = logging.getLogger(__name__)
 
 
-def check_model_name(name: str) -> None:
+def check_model_name(name: str, key: str = "model.name") -> None:
     """Fail fast, with close timm names, instead of timm's long traceback."""
     arch = name.split(".")[0]  # "resnet50.a1_in1k" names a pretrained tag of "resnet50"
     known = timm.list_models()
@@ -24,7 +24,7 @@ def check_model_name(name: str) -> None:
         return
     close = difflib.get_close_matches(arch, known, n=5, cutoff=0.6) or timm.list_models(f"*{arch[:5]}*")[:5]
     hint = f"; did you mean: {', '.join(close)}?" if close else "; see timm.list_models()"
-    raise UserError(f"unknown model.name {name!r}{hint}")
+    raise UserError(f"unknown {key} {name!r}{hint}")
 
 
 def create_model(cfg: ModelConfig, num_classes: int, weights: dict[str, torch.Tensor] | None = None,

@@ -72,6 +72,14 @@ SCHEDULE_ROWS = [
         "partner", ("data.aug_repeats",), PARTNERS_TEST),
     Row("deit_small.yaml", "lr for the global batch", "5e-4 x batch / 512 (main.py: linear_scaled_lr)", LR_KEYS,
         LR_BASE_TEST),
+    Row("deit_small_distilled.yaml", "lr schedule", "as deit_small.yaml (main.py's defaults)",
+        ("sched.name", "sched.warmup_epochs", "sched.warmup_lr", "sched.warmup_prefix", "sched.min_lr"),
+        SCHEDULE_TEST),
+    Row("deit_small_distilled.yaml", "distillation", "--distillation-type hard, alpha 0.5: 0.5 x CE(class head, "
+        "labels) + 0.5 x CE(distillation head, teacher argmax); teacher regnety_160 in eval mode on the mixed images "
+        "(main.py, losses.py DistillationLoss)", ("distill.type", "distill.alpha", "distill.teacher_name"),
+        "tests/test_distill.py::test_losses_equal_timms_distillation_tasks", "timm's TokenDistillationTask, the same "
+        "formula"),
     Row("resnet50_rsb_a3.yaml", "lr schedule", "timm cosine, 5 warmup epochs from 1e-4, to 1e-6 over all 100 "
         "epochs (no warmup prefix)",
         ("sched.name", "sched.warmup_epochs", "sched.warmup_lr", "sched.warmup_prefix", "sched.min_lr"),

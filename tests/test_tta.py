@@ -1,5 +1,5 @@
 """Evaluation at the test resolution (data.val_img_size / val_crop_pct) and test-time augmentation (--tta-flip,
---tta-crops 5) in evaluate.py and predict.py, on the session's tiny run: no training here."""
+--tta-crops 5) in evaluate.py and predict.py, on the session's tiny run; one slow test trains on the digits."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from engine.config import DataConfig, ModelConfig, config_from_dict
 from engine.weights import load_weights
 from models.factory import create_model
 from models.tta import TTAModel
-from tests.helpers import make_image_folder, run_script
+from tests.helpers import make_image_folder, read_jsonl, run_script
 
 
 def read_rows(path: Path) -> list[dict[str, str]]:
@@ -196,3 +196,24 @@ def test_evaluate_with_tta_is_identical_on_1_and_2_processes(tiny_run, tmp_path)
     assert outputs[0] == outputs[1]  # byte for byte
     result = json.loads(outputs[0][0])
     assert result["img_size"] == 14 and result["tta"]["views"] == 10 and result["n"] == 10
+
+
+@pytest.mark.slow
+def test_training_evaluates_and_chooses_best_at_val_img_size(tmp_path):
+    """Issue 27's acceptance, at its cheapest: train at 24 px on the digits, evaluate at data.val_img_size=32.
+    metrics.jsonl's val_top1 is exactly evaluate.py's top-1 on best.pth (at 32 px, from the stored config) and is
+    not what an evaluation at the training size gives."""
+    out = tmp_path / "run"
+    run_script("train.py", "--config", "digits", "model.name=test_resnet", "data.img_size=24", "data.val_img_size=32",
+               "train.epochs=1", "data.num_workers=0", "amp=off", "logging.progress=false", f"output_dir={out}")
+    [row] = read_jsonl(out / "metrics.jsonl")
+    results = {}
+    for size in (32, 24):
+        run_script("evaluate.py", str(out / "best.pth"), "--output-dir", str(tmp_path / f"eval{size}"),
+                   *([f"data.val_img_size={size}"] if size == 24 else []))
+        results[size] = json.loads((tmp_path / f"eval{size}" / "eval.json").read_text())
+    assert results[32]["img_size"] == 32 and results[24]["img_size"] == 24
+    assert row["val_top1"] == results[32]["top1"]  # exactly: the same images, crops and counts
+    assert (results[24]["top1"], results[24]["loss"]) != (results[32]["top1"], results[32]["loss"])
+    print(f"val_top1 {row['val_top1']:.2f} = evaluate.py at 32 px {results[32]['top1']:.2f}; at 24 px "
+          f"{results[24]['top1']:.2f}")
