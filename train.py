@@ -35,11 +35,12 @@ from data.mixing import BatchMix
 from data.transforms import DeviceNormalize
 from engine.checkpoint import Checkpointer
 from engine.cli import run_main
-from engine.config import Config, ModelConfig, best_metric, config_yaml, keys_help, load_config, mixing, to_dict
+from engine.config import (Config, ModelConfig, best_metric, config_yaml, keys_help, load_config, lower_is_better,
+                           mixing, to_dict)
 from engine.dist import DistInfo, broadcast_tensors, init_distributed, rank0_decides, read_launch_env
 from engine.hooks import EmaUpdate, IntervalTracking, StepCheckpoint
 from engine.logs import setup_logging
-from engine.losses import build_loss
+from engine.losses import build_loss, class_weights
 from engine.optim import (build_optimizer, build_scheduler, check_optimizer, check_scheduler, scaled_lr_note,
                           with_scaled_lr)
 from engine.precision import Precision, resolve_precision
@@ -95,6 +96,7 @@ def start_up(cfg: Config, info: DistInfo) -> tuple[Config, Resume, DataBundle, P
         model = create_model(cfg.model, data.num_classes, pretrained.state_dict, pretrained.source)
         check_pretrained(model, pretrained)
     start.load_model(model, cfg, data.class_names, info.world_size)
+    class_weights(cfg.train.class_weights, data.class_counts, data.class_names)  # checked before anything is written
     return cfg, start, data, precision, model
 
 
@@ -143,7 +145,9 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
     updates_per_epoch = steps_per_epoch(data.train, cfg.train.accum_steps)
     parts = TrainParts(wrap_for_training(model, cfg.model, info), optimizer,
                        build_scheduler(optimizer, cfg.sched, cfg.train.epochs, updates_per_epoch),
-                       build_loss(cfg.train, mixing(cfg.data)), precision)
+                       build_loss(cfg.train, mixing(cfg.data),
+                                  class_weights(cfg.train.class_weights, data.class_counts, data.class_names)),
+                       precision)
     state = start.load_training(parts, cfg, info)
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
     total_steps = cfg.train.epochs * updates_per_epoch
@@ -179,9 +183,16 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
              step_checkpoint, IntervalTracking(sinks), *([profile] if profile else [])]
     input_advice = InputAdvice(cfg.data, cpu_share(info.local_world_size), info.is_main)
 
+    patience = cfg.train.early_stop_patience
     while state.epoch < cfg.train.epochs:
         if cfg.train.max_steps and state.global_step >= cfg.train.max_steps:
             log.info("stopping at train.max_steps=%d", cfg.train.max_steps)
+            break
+        if patience and state.epochs_without_best >= patience:  # checked here, so a resumed run stops alike
+            log.info("stopping early before epoch %d: %s has not improved for %d epochs (train.early_stop_patience="
+                     "%d); best %s %.4f", state.epoch, chosen_on, state.epochs_without_best, patience, chosen_on,
+                     state.best_top1)
+            tracker.summary({"early_stopped_before_epoch": state.epoch})
             break
         data.train.sampler.set_epoch(state.epoch, start=state.samples_done(
             cfg.train.accum_steps, cfg.train.batch_size, len(data.train)))
@@ -199,8 +210,9 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
             # every rank evaluates rank 0's EMA, the one the checkpoint saves.
             broadcast_tensors(ema.module.state_dict().values())
             ema_stats = evaluate(ema.module, data.val, precision, info, normalize)
-            row.update({f"ema_{k}": ema_stats[k] for k in ("val_loss", "val_top1", "val_top5")})
-        is_best = state.update_best(row[chosen_on])
+            row.update({f"ema_{k}": ema_stats[k] for k in ("val_loss", "val_top1", "val_top5", "val_balanced_acc",
+                                                            "val_macro_f1")})
+        is_best = state.update_best(row[chosen_on], lower_is_better(chosen_on))
         finished = state.epoch_finished(updates_per_epoch)  # else max_steps stopped it: resume continues it
         if finished and cfg.data.skip_corrupt:
             row["skipped_images"] = skipped_train_images(data.train, info.world_size, train_stats["train_images"])
@@ -208,14 +220,15 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
                 log.warning("epoch %d: %d unreadable training image(s) skipped (data.skip_corrupt=true)",
                             state.epoch, row["skipped_images"])
         if finished:
-            state.finish_epoch()
+            state.finish_epoch(improved=is_best)
         record.append(row)
         if info.is_main:
             for sink in sinks:
                 sink.log_epoch(state.global_step, row, state.best_top1)
-            log.info("epoch %d: train_loss %.4f train_top1 %.2f | val_loss %.4f val_top1 %.2f val_top5 %.2f | "
-                     "%.0f img/s, %.1fs", row["epoch"], row["train_loss"], row["train_top1"], row["val_loss"],
-                     row["val_top1"], row["val_top5"], row["train_img_per_s"], row["epoch_time_s"])
+            log.info("epoch %d: train_loss %.4f train_top1 %.2f | val_loss %.4f val_top1 %.2f val_top5 %.2f "
+                     "bal_acc %.2f macro_f1 %.2f | %.0f img/s, %.1fs", row["epoch"], row["train_loss"],
+                     row["train_top1"], row["val_loss"], row["val_top1"], row["val_top5"], row["val_balanced_acc"],
+                     row["val_macro_f1"], row["train_img_per_s"], row["epoch_time_s"])
         checkpointer.save(state, val_top1=row[chosen_on], best=is_best, epoch_file=finished)
         if is_best:  # a model version per best.pth, so a preempted run keeps its best model in W&B
             tracker.log_checkpoint(out / "best.pth", {"epoch": row["epoch"], "global_step": state.global_step,

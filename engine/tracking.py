@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 INIT_TIMEOUT_S = 90.0  # wandb.init gives up after this (network down) instead of hanging the job
 FINISH_TIMEOUT_S = 600.0  # the end-of-run upload gives up after this; `wandb sync` uploads the rest later
 OFFLINE_MODES = ("offline", "dryrun", "disabled")
-BEST = {"val_top1": "max", "val_top5": "max", "val_loss": "min"}  # the same for the ema_ metrics
+BEST = {"val_top1": "max", "val_top5": "max", "val_loss": "min", "val_balanced_acc": "max", "val_macro_f1": "max"}  # the same for the ema_ metrics
 
 
 class Sink:
