@@ -63,6 +63,8 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=20.0, help="largest class / smallest class")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="training seeds (the cut uses seed 0)")
     parser.add_argument("--runs", default="runs/imbalanced_digits", help="output folders of the runs")
+    parser.add_argument("--only", nargs="+", choices=list(VARIANTS), default=list(VARIANTS), metavar="VARIANT",
+                        help="run these variants only (default: all three)")
     args = parser.parse_args()
     digits = export_digits(REPO / ".cache/digits")
     root = REPO / args.root
@@ -73,6 +75,8 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- |")
     runs = REPO / args.runs / time.strftime("%Y%m%d-%H%M%S")  # new folders: resume=none never meets an old run
     for name, overrides in VARIANTS.items():
+        if name not in args.only:
+            continue
         for seed in args.seeds:
             out = runs / f"{name.split('=')[-1].replace(' ', '_')}_seed{seed}"
             began = time.perf_counter()

@@ -3,9 +3,12 @@
 With mixing the targets arrive as probabilities with label smoothing already folded in (data.mixing), so
 the loss smooths nothing itself; evaluation always reports plain cross-entropy (val_loss).
 
-train.class_weights w are torch's CrossEntropyLoss `weight`: on hard labels the batch loss is
-sum_i w[y_i] l_i / sum_i w[y_i] (a weighted mean; label smoothing's term weights each class c by w[c]); on soft
-targets (mixing) it is sum_i sum_c w[c] p_ic (-log q_ic) / N, a plain mean over the N images.
+train.class_weights w are torch's CrossEntropyLoss `weight`, per image (reduction="none"), averaged over the
+N images of the batch: hard labels give sum_i w[y_i] l_i / N (label smoothing's uniform term weights each class c
+by w[c]), soft targets (mixing) sum_i sum_c w[c] p_ic (-log q_ic) / N. Not torch's weighted mean (divided by
+sum_i w[y_i]): that denominator differs between the processes' batches, and DDP's average of per-process means
+would then differ from one process's mean over the global batch. Balanced weights average 1 over the training
+set, so the loss keeps its scale.
 """
 
 from __future__ import annotations
@@ -54,17 +57,18 @@ def class_weights(setting: str | list[float], class_counts: list[int], class_nam
 
 
 class WeightedCrossEntropy(nn.Module):
-    """torch's CrossEntropyLoss with class weights on float32 logits and targets (as BinaryCrossEntropy), the
-    weights moved to the logits' device on the first call (the loss is built before the device is known)."""
+    """torch's CrossEntropyLoss with class weights per image, averaged over the images (see the module's
+    docstring), on float32 logits and targets (as BinaryCrossEntropy); the weights move to the logits' device
+    on the first call (the loss is built before the device is known)."""
 
     def __init__(self, weight: torch.Tensor, smoothing: float) -> None:
         super().__init__()
-        self.ce = nn.CrossEntropyLoss(weight=weight, label_smoothing=smoothing)
+        self.ce = nn.CrossEntropyLoss(weight=weight, label_smoothing=smoothing, reduction="none")
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.ce.weight.device != logits.device:
             self.ce.to(logits.device)
-        return self.ce(logits.float(), targets.float() if targets.is_floating_point() else targets)
+        return self.ce(logits.float(), targets.float() if targets.is_floating_point() else targets).mean()
 
 
 class BinaryCrossEntropy(nn.Module):

@@ -98,8 +98,9 @@ def test_balanced_class_weights_are_scikit_learns():
 
 @pytest.mark.parametrize("smoothing, soft", [(0.0, False), (0.1, False), (0.1, True)])
 def test_weighted_cross_entropy_semantics(smoothing, soft):
-    """What train.class_weights computes, in float64 by hand: a weighted mean over hard labels (smoothing's
-    uniform term weighted per class), a plain mean over N images of sum_c w_c p_c (-log q_c) on soft targets."""
+    """What train.class_weights computes, in float64 by hand: the mean over the N images of w[y] l (smoothing's
+    uniform term weighted per class) on hard labels, of sum_c w_c p_c (-log q_c) on soft targets. Not torch's
+    weighted mean (divided by sum w[y]): DDP would average per-process denominators (the 2-rank test below)."""
     gen = torch.Generator().manual_seed(0)
     logits, labels = torch.randn(16, 4, generator=gen), torch.randint(4, (16,), generator=gen)
     weights = torch.tensor([0.5, 2.0, 3.0, 10.0])
@@ -113,7 +114,7 @@ def test_weighted_cross_entropy_semantics(smoothing, soft):
     else:
         nll = -log_q.gather(1, labels[:, None])[:, 0]
         uniform = -(w * log_q).sum(1) / 4
-        expected = (w[labels] * ((1 - smoothing) * nll) + smoothing * uniform).sum() / w[labels].sum()
+        expected = (w[labels] * ((1 - smoothing) * nll) + smoothing * uniform).mean()
         actual = loss_fn(logits, labels)
     assert torch.allclose(actual.double(), expected, rtol=1e-6)
 
