@@ -160,8 +160,7 @@ def evaluate(model: nn.Module, loader: DataLoader, precision: Precision, info: D
     """
     model.eval()
     meter = SumMeter(("loss_sum", "top1", "top5", "count"), info.device)
-    num_classes = len(loader.dataset.classes)  # also on a rank without a batch: every rank reduces the same size
-    confusion = torch.zeros(num_classes * num_classes, dtype=torch.int64, device=info.device)
+    confusion = None  # C x C counts (flat), C = the model's outputs
     with workers_shielded():
         batches = device_batches(iter(loader), info.device, normalize)
     for images, targets in batches:
@@ -171,9 +170,14 @@ def evaluate(model: nn.Module, loader: DataLoader, precision: Precision, info: D
         loss = nn.functional.cross_entropy(logits, targets, reduction="sum")
         ranked = ranked_classes(logits, 5)
         meter.add(loss, hits(ranked, targets, 1), hits(ranked, targets, 5), len(targets))
+        if confusion is None:
+            confusion = torch.zeros(logits.shape[1] ** 2, dtype=torch.int64, device=info.device)
         add_confusion(confusion, targets, ranked[:, 0])
         if on_batch is not None:
             on_batch(logits, targets, ranked)
+    if confusion is None:  # a rank without a batch still joins the reduction, with the data's class count
+        confusion = torch.zeros(len(loader.dataset.classes) ** 2, dtype=torch.int64, device=info.device)
+    num_classes = math.isqrt(len(confusion))
     sums, confusion = meter.global_sums_with(confusion.view(num_classes, num_classes))
     count = sums["count"]
     return {"val_loss": sums["loss_sum"] / count, "val_top1": 100.0 * sums["top1"] / count,

@@ -254,17 +254,19 @@ def test_class_balanced_sampler_resumes_mid_epoch_bitwise(balanced_runs):
 
 
 # lr 0 on a model without BatchNorm: val_loss is the same every epoch, so epoch 0 is the best one and every later
-# epoch is one without improvement; patience 2 stops the run after epoch 2 of 6.
-STOPS = [*TINY, "model.name=test_efficientnet_gn", "optim.lr=0", "train.epochs=6", "train.best_metric=val_loss",
-         "train.early_stop_patience=2"]
+# epoch is one without improvement; patience 2 stops the run after epoch 2 of 6. 16 images: 2 steps an epoch.
+STOPS = [*TINY, "model.name=test_efficientnet_gn", "data.dummy_train_size=16", "optim.lr=0", "train.epochs=6",
+         "train.best_metric=val_loss", "train.early_stop_patience=2"]
 
 
 @pytest.mark.slow
 def test_early_stopping_stops_at_the_same_epoch_when_resumed(tmp_path):
+    """A run stopped after epoch 1 (one epoch without improvement, kept in last.pth) and resumed stops before
+    epoch 3 as the uninterrupted run does; without the kept count it would run epoch 3 too."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     done = run_script("train.py", *STOPS, f"output_dir={straight}")
     assert "stopping early before epoch 3: val_loss has not improved for 2 epochs" in done.stderr
-    run_script("train.py", *STOPS, f"output_dir={resumed}", "train.max_steps=8")  # the end of epoch 1
+    run_script("train.py", *STOPS, f"output_dir={resumed}", "train.max_steps=4")  # the end of epoch 1
     assert load_checkpoint(resumed / "last.pth")["epochs_without_best"] == 1
     run_script("train.py", *STOPS, f"output_dir={resumed}")
     for run in (straight, resumed):
