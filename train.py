@@ -220,7 +220,7 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
                 log.warning("epoch %d: %d unreadable training image(s) skipped (data.skip_corrupt=true)",
                             state.epoch, row["skipped_images"])
         if finished:
-            state.finish_epoch(improved=is_best)
+            state.finish_epoch()
         record.append(row)
         if info.is_main:
             for sink in sinks:
