@@ -50,6 +50,7 @@ from engine.metrics import class_metrics
 from engine.outputs import replace_with, starts_with, temp_beside, write_output
 from engine.precision import resolve_precision
 from engine.tracking import WandbTracker
+from engine.multilabel import best_thresholds, evaluate_multilabel, multilabel_metrics
 from engine.trainer import evaluate
 from models.factory import create_model, prepare_model
 from models.tta import CROPS, TTAModel, describe
@@ -57,8 +58,10 @@ from engine.weights import load_weights
 
 log = logging.getLogger("evaluate")
 COLUMNS = ("index", "path", "label", "pred", "confidence", "top5", "label_name", "pred_name", "loss")
+ML_COLUMNS = ("index", "path", "labels", "pred", "label_names", "pred_names", "probs", "loss")  # multi-label
 OUTPUTS = {"eval.json": starts_with(b'{\n  "checkpoint": '), "predictions.csv": CSV_OUTPUT,  # as written here
-           "confusion_matrix.png": starts_with(b"\x89PNG\r\n\x1a\n")}
+           "confusion_matrix.png": starts_with(b"\x89PNG\r\n\x1a\n"),
+           "per_class.csv": starts_with(b"class,positives,ap,")}  # multi-label
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -73,6 +76,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "probabilities of each image and its horizontal mirror")
     parser.add_argument("--tta-crops", type=int, default=1, help="1: the centre crop (default); 5: average the "
                         "softmax probabilities of the centre and four corner crops of the resized image")
+    parser.add_argument("--tune-thresholds", action="store_true", help="multi-label: also choose each class's "
+                        "threshold maximizing its F1 on this set (eval.json per_class; predict.py --thresholds)")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks for user errors")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data.val_img_size=224 amp=bf16")
     return parser.parse_intermixed_args(argv)  # overrides may follow the options
@@ -96,9 +101,15 @@ def checkpoint_config(ckpt: dict[str, Any], args: argparse.Namespace) -> Config:
     for item in args.overrides:
         set_dotted(raw, *parse_override(item))
     try:
-        return config_from_dict(raw)
+        cfg = config_from_dict(raw)
     except UserError as err:
         raise UserError(f"checkpoint {args.checkpoint}: {err}") from None
+    if cfg.data.multi_label and (args.tta_flip or args.tta_crops > 1):
+        raise UserError(f"checkpoint {args.checkpoint} is multi-label: --tta-flip and --tta-crops (averaged softmax "
+                        "probabilities) do not apply to it; evaluate without them")
+    if args.tune_thresholds and not cfg.data.multi_label:
+        raise UserError(f"--tune-thresholds applies to multi-label checkpoints; {args.checkpoint} is single-label")
+    return cfg
 
 
 def build_model(cfg: Config, ckpt: dict[str, Any], args: argparse.Namespace, info: DistInfo) -> torch.nn.Module:
@@ -149,6 +160,80 @@ class PredictionWriter:
 
     def write(self, path: Path) -> None:
         write_csv(self.rows(), path, COLUMNS)
+
+
+class MultiLabelWriter:
+    """PredictionWriter for multi-label data: each image's sigmoid probabilities and the classes above threshold."""
+
+    def __init__(self, dataset: AugmentedDataset, start: int, class_names: list[str], threshold: float) -> None:
+        self.dataset, self.start, self.class_names, self.threshold = dataset, start, class_names, threshold
+        self.batches: list[tuple[torch.Tensor, ...]] = []
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
+        losses = torch.nn.functional.binary_cross_entropy_with_logits(logits, targets, reduction="none").mean(1)
+        self.batches.append((targets, logits.sigmoid(), losses))
+
+    def rows(self) -> list[dict[str, Any]]:
+        if not self.batches:
+            return []
+        targets, probs, losses = (torch.cat(parts).tolist() for parts in zip(*self.batches))
+        rows = []
+        for offset, (target, prob, loss) in enumerate(zip(targets, probs, losses)):
+            index = self.start + offset
+            true = [c for c, t in enumerate(target) if t]
+            pred = [c for c, p in enumerate(prob) if p >= np.float32(self.threshold)]
+            rows.append({"index": index, "path": self.dataset.path(index), "labels": " ".join(map(str, true)),
+                         "pred": " ".join(map(str, pred)), "label_names": "|".join(self.class_names[c] for c in true),
+                         "pred_names": "|".join(self.class_names[c] for c in pred),
+                         "probs": " ".join(map(repr, prob)), "loss": repr(loss)})
+        return rows
+
+    def write(self, path: Path) -> None:
+        write_csv(self.rows(), path, ML_COLUMNS)
+
+
+def read_multilabel(rows: list[dict[str, str]], num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """(0/1 targets, float32 probabilities) of predictions.csv's multi-label rows, as evaluated."""
+    targets = np.zeros((len(rows), num_classes), np.float32)
+    for i, row in enumerate(rows):
+        targets[i, [int(c) for c in row["labels"].split()]] = 1
+    probs = np.array([row["probs"].split() for row in rows], dtype=np.float64).astype(np.float32)
+    return targets, probs.reshape(len(rows), num_classes)
+
+
+def summarize_multilabel(rows: list[dict[str, str]], metrics: dict[str, float], class_names: list[str],
+                         threshold: float, tune: bool, checkpoint: str, ema: bool) -> dict[str, Any]:
+    """eval.json contents for multi-label data, computed from predictions.csv (checked against the gathered run)."""
+    targets, probs = read_multilabel(rows, len(class_names))
+    found = multilabel_metrics(targets, probs, threshold)
+    if (found["map"], found["f1"]) != (metrics["val_map"], metrics["val_f1"]):
+        raise RuntimeError("predictions.csv disagrees with the gathered mAP / F1")
+    per_class = [{"class": name, "positives": found["positives"][c], "ap": found["per_class_ap"][c],
+                  "f1": found["per_class_f1"][c], "tp": found["tp"][c], "fp": found["fp"][c], "fn": found["fn"][c]}
+                 for c, name in enumerate(class_names)]
+    result = {"checkpoint": checkpoint, "ema": ema, "n": len(rows), "multi_label": True, "threshold": threshold,
+              "map": found["map"], "map_micro": found["map_micro"], "f1": found["f1"], "f1_macro": found["f1_macro"],
+              # Sum of per-image losses (mean BCE over classes), correctly rounded: the same for any number of processes.
+              "loss": math.fsum(float(row["loss"]) for row in rows) / len(rows)}
+    if tune:  # chosen on this set: an optimistic F1 unless the set is a validation split kept apart from the test
+        chosen = best_thresholds(targets, probs)
+        tuned = multilabel_metrics(targets, probs, chosen.astype(np.float32))
+        result.update(f1_tuned=tuned["f1"], f1_macro_tuned=tuned["f1_macro"])
+        for c, entry in enumerate(per_class):
+            entry.update(threshold=float(chosen[c]), f1_tuned=tuned["per_class_f1"][c])
+    result["per_class"] = per_class
+    return result
+
+
+def per_class_table(result: dict[str, Any]) -> bytes:
+    """per_class.csv: one row per class (AP and F1 in percent; an AP is empty for a class with no positive image)."""
+    columns = ["class", "positives", "ap", "f1", "tp", "fp", "fn", "threshold", "f1_tuned"]
+    lines = [",".join(columns)]
+    for entry in result["per_class"]:
+        cells = ["" if entry.get(key) is None else entry[key] for key in columns]
+        cells[0] = '"' + str(cells[0]).replace('"', '""') + '"'
+        lines.append(",".join(str(cell) for cell in cells))
+    return ("\n".join(lines) + "\n").encode("utf-8", errors="surrogateescape")
 
 
 def summarize(rows: list[dict[str, str]], metrics: dict[str, float], class_names: list[str],
@@ -248,8 +333,11 @@ def run(cfg: Config, ckpt: dict[str, Any], args: argparse.Namespace, info: DistI
     log.info("evaluating %s (%s, %s) on %d images at %d px (crop_pct %s), %d view(s) each, %d process(es), batch %d "
              "per process", args.checkpoint, cfg.model.name, "EMA weights" if args.ema else "weights", len(dataset),
              size, crop_pct, tta_views(args), info.world_size, cfg.train.batch_size)
-    writer = PredictionWriter(dataset, loader.sampler.start, class_names)
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
+    if cfg.data.multi_label:
+        return run_multilabel(cfg, args, info, out, dataset, loader, model, precision, normalize, class_names,
+                              ckpt.get("wandb_id"))
+    writer = PredictionWriter(dataset, loader.sampler.start, class_names)
     metrics = evaluate(model, loader, precision, info, normalize, on_batch=writer)
     writer.write(part_file(out, "predictions", info.rank))
     barrier()  # every part file is complete before rank 0 reads them
@@ -268,14 +356,42 @@ def run(cfg: Config, ckpt: dict[str, Any], args: argparse.Namespace, info: DistI
     return result
 
 
+def run_multilabel(cfg: Config, args: argparse.Namespace, info: DistInfo, out: Path, dataset: AugmentedDataset,
+                   loader: torch.utils.data.DataLoader, model: torch.nn.Module, precision, normalize: DeviceNormalize,
+                   class_names: list[str], trained_run_id: str | None) -> dict[str, Any] | None:
+    """run() for multi-label data: predictions.csv with probabilities, eval.json with mAP/F1, per_class.csv."""
+    threshold = cfg.data.multi_label_threshold
+    writer = MultiLabelWriter(dataset, loader.sampler.start, class_names, threshold)
+    metrics = evaluate_multilabel(model, loader, precision, info, normalize, threshold, on_batch=writer)
+    writer.write(part_file(out, "predictions", info.rank))
+    barrier()  # every part file is complete before rank 0 reads them
+    if not info.is_main:
+        return None
+    rows = merge_parts(out, "predictions", info.world_size, len(dataset))
+    write_csv(rows, out / "predictions.csv", ML_COLUMNS)
+    result = summarize_multilabel(rows, metrics, class_names, threshold, args.tune_thresholds, str(args.checkpoint),
+                                  args.ema)
+    size, crop_pct = eval_size(cfg.data)
+    result.update(img_size=size, crop_pct=crop_pct)
+    write_output(out / "eval.json", (json.dumps(result, indent=2) + "\n").encode(), OUTPUTS["eval.json"],
+                 "an earlier eval.json of evaluate.py", "--output-dir")
+    write_output(out / "per_class.csv", per_class_table(result), OUTPUTS["per_class.csv"],
+                 "an earlier per_class.csv of evaluate.py", "--output-dir")
+    log_to_wandb(cfg, args, result, out, rows, trained_run_id)
+    result["output_dir"] = str(out)
+    return result
+
+
 def log_to_wandb(cfg: Config, args: argparse.Namespace, result: dict[str, Any], out: Path,
                  rows: list[dict[str, str]], trained_run_id: str | None) -> None:
-    """With logging.wandb on (stored or overridden), an "eval" W&B run gets the metrics, matrix and predictions;
-    the checkpoint of a tracked training that logged its checkpoints is declared as the run's input."""
+    """With logging.wandb on (stored or overridden), an "eval" W&B run gets the metrics, matrix (single-label) and
+    predictions; the checkpoint of a tracked training that logged its checkpoints is declared as the run's input.
+    Per class: top-1, or (multi-label) AP."""
     tracker = WandbTracker(cfg.logging, is_main=True)  # rank 0 only; never raises
+    multi = bool(result.get("multi_label"))
     tracker.start({**to_dict(cfg), "checkpoint": str(args.checkpoint), "ema": args.ema}, out, job_type="eval")
-    per_class = {c["class"]: c["top1"] for c in result["per_class"]}
-    tracker.log_evaluation({**result, "per_class": per_class}, out / "confusion_matrix.png", rows)
+    per_class = {c["class"]: c["ap"] if multi else c["top1"] for c in result["per_class"]}
+    tracker.log_evaluation({**result, "per_class": per_class}, None if multi else out / "confusion_matrix.png", rows)
     tracker.use_model(args.checkpoint, trained_run_id)
     tracker.finish()
 
@@ -299,7 +415,13 @@ def main(argv: list[str]) -> int:
         tune_cpu_process(threads=1)
     exact_kernels(info.device)
     result = run(cfg, ckpt, args, info)  # report_errors leaves the process group, after reporting any error
-    if result is not None:
+    if result is not None and result.get("multi_label"):
+        worst = sorted((c for c in result["per_class"] if c["ap"] is not None), key=lambda c: c["ap"])[:3]
+        print(f"mAP {result['map']:.2f}  mAP micro {result['map_micro']:.2f}  F1@{result['threshold']} "
+              f"{result['f1']:.2f}  loss {result['loss']:.4f}  n {result['n']}")
+        print("lowest per-class AP: " + ", ".join(f"{readable(c['class'])} {c['ap']:.1f}" for c in worst))
+        print(f"wrote eval.json, predictions.csv, per_class.csv to {result['output_dir']}")
+    elif result is not None:
         worst = sorted((c for c in result["per_class"] if c["top1"] is not None), key=lambda c: c["top1"])[:3]
         print(f"top1 {result['top1']:.2f}%  top5 {result['top5']:.2f}%  loss {result['loss']:.4f}  n {result['n']}")
         print("lowest per-class top1: " + ", ".join(f"{readable(c['class'])} {c['top1']:.1f}%" for c in worst))

@@ -128,7 +128,16 @@ def metadata(cfg: Config, trained: Trained) -> dict[str, Any]:
             "crop_pct": crop_pct, "mean": cfg.data.mean, "std": cfg.data.std,
             "interpolation": cfg.data.interpolation,
             "input": "float32 NCHW: short side resized to floor(input_size / crop_pct) (antialiased, as timm's "
-                     "eval transform), centre-cropped, (x / 255 - mean) / std"}
+                     "eval transform), centre-cropped, (x / 255 - mean) / std",
+            **multi_label_meta(trained)}
+
+
+def multi_label_meta(trained: Trained) -> dict[str, Any]:
+    """Multi-label models say how to read their logits: one sigmoid per class and a threshold (none: a softmax)."""
+    if not trained.multi_label:
+        return {}
+    return {"multi_label": True, "multi_label_threshold": trained.threshold,
+            "output": "logits: one sigmoid per class; a class is present at sigmoid >= multi_label_threshold"}
 
 
 def export_onnx(model: nn.Module, example: torch.Tensor, out: Path, meta: dict[str, Any], opset: int
@@ -181,7 +190,9 @@ def export_model_folder(model: nn.Module, cfg: Config, trained: Trained, folder:
                    "crop_mode": "center", "mean": tuple(cfg.data.mean), "std": tuple(cfg.data.std),
                    "interpolation": cfg.data.interpolation}
     config_file = folder / MODEL_CONFIG
-    save_config_for_hf(model, str(config_file), model_config={"label_names": trained.class_names},
+    model_config = {"label_names": trained.class_names, **multi_label_meta(trained)}
+    model_config.pop("output", None)
+    save_config_for_hf(model, str(config_file), model_config=model_config,
                        model_args=dict(cfg.model.kwargs), data_config=data_config)
     written = json.loads(config_file.read_text())
     for key in NOT_OURS:  # timm's default weights' provenance, which these weights do not have

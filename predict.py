@@ -13,6 +13,9 @@ Writes predictions.csv (index, path, class_1, prob_1, ..., class_k, prob_k) and 
 plus the unreadable files) to --output-dir. An unreadable file is reported and skipped; the others are predicted.
 Relative paths in a list file are relative to the list file's folder. Under torchrun each rank predicts a
 block of whole batches (as evaluate.py) and rank 0 merges the rows in input order.
+A multi-label model (data.multi_label) gives each image's sigmoid probabilities instead (predictions.csv:
+index, path, labels, probs) and the classes at or above the threshold (data.multi_label_threshold, --threshold,
+or per class: --thresholds with an eval.json of `evaluate.py --tune-thresholds`), labels separated by `|`.
 """
 
 from __future__ import annotations
@@ -68,6 +71,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "probabilities of each image and its horizontal mirror")
     parser.add_argument("--tta-crops", type=int, default=1, help="1: the centre crop (default); 5: average the "
                         "softmax probabilities of the centre and four corner crops of the resized image")
+    parser.add_argument("--threshold", type=float, help="multi-label: a class is predicted at sigmoid >= this "
+                        "(default: the model's data.multi_label_threshold)")
+    parser.add_argument("--thresholds", help="multi-label: per-class thresholds, from an eval.json written by "
+                        "evaluate.py --tune-thresholds")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks for user errors")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data.num_workers=0 amp=off")
     return parser.parse_intermixed_args(argv)
@@ -89,10 +96,49 @@ def columns(k: int) -> list[str]:
     return ["index", "path"] + [f"{name}_{i}" for i in range(1, k + 1) for name in ("class", "prob")]
 
 
+ML_COLUMNS = ["index", "path", "labels", "probs"]  # multi-label predictions.csv
+
+
+def class_thresholds(args: argparse.Namespace, trained: Trained) -> torch.Tensor:
+    """Multi-label: each class's threshold (--thresholds eval.json, else --threshold or the model's own)."""
+    if not trained.multi_label:
+        if args.threshold is not None or args.thresholds:
+            raise UserError(f"--threshold and --thresholds apply to multi-label models; {trained.source} is not one")
+        return torch.zeros(0)
+    if args.threshold is not None and not 0 < args.threshold < 1:
+        raise UserError(f"--threshold must be in (0, 1), got {args.threshold}")
+    chosen = [args.threshold or trained.threshold] * len(trained.class_names)
+    if args.thresholds:
+        try:
+            per_class = {entry["class"]: float(entry["threshold"])
+                         for entry in json.loads(Path(args.thresholds).read_text())["per_class"]}
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise UserError(f"--thresholds {args.thresholds}: not an eval.json of evaluate.py --tune-thresholds "
+                            f"({type(err).__name__}: {err})") from None
+        missing = [name for name in trained.class_names if name not in per_class]
+        if missing:
+            raise UserError(f"--thresholds {args.thresholds} has no threshold for class {missing[0]!r} of "
+                            f"{trained.source}")
+        chosen = [per_class[name] for name in trained.class_names]
+    return torch.tensor(chosen, dtype=torch.float32)
+
+
+def multi_label_rows(logits: torch.Tensor, indices: list[int], dataset: ImageListDataset, class_names: list[str],
+                     thresholds: torch.Tensor) -> list[dict[str, Any]]:
+    """Rows of a multi-label model: the classes at or above their thresholds, and every class's probability."""
+    probs = logits.float().sigmoid().cpu()
+    present = probs >= thresholds
+    return [{"index": index, "path": dataset.path(index), "error": "",
+             "labels": "|".join(name for name, on in zip(class_names, row_present.tolist()) if on),
+             "probs": " ".join(f"{value:.6f}" for value in row.tolist())}
+            for index, row, row_present in zip(indices, probs, present)]
+
+
 @torch.no_grad()
 def predict(model: torch.nn.Module, loader, dataset: ImageListDataset, class_names: list[str], k: int,
-            cfg: Config, info: DistInfo) -> list[dict[str, Any]]:
-    """This rank's rows, in input order: top-k names and probabilities, or the error of an unreadable file."""
+            cfg: Config, info: DistInfo, thresholds: torch.Tensor | None = None) -> list[dict[str, Any]]:
+    """This rank's rows, in input order: top-k names and probabilities (multi-label, with `thresholds`: the
+    classes above them and every probability), or the error of an unreadable file."""
     precision = resolve_precision(cfg.amp, info.device)
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
     rows: list[dict[str, Any]] = []
@@ -102,6 +148,9 @@ def predict(model: torch.nn.Module, loader, dataset: ImageListDataset, class_nam
             continue
         with precision.autocast():
             logits = model(normalize(images.to(info.device)))
+        if thresholds is not None:
+            rows += multi_label_rows(logits, indices.tolist(), dataset, class_names, thresholds)
+            continue
         probs, ranked = logits.float().softmax(dim=1).topk(k, dim=1)
         for index, top, p in zip(indices.tolist(), ranked.tolist(), probs.tolist()):
             row = {"index": index, "path": dataset.path(index), "error": ""}
@@ -132,6 +181,10 @@ def run(trained: Trained, cfg: Config, args: argparse.Namespace, info: DistInfo)
     paths = rank0_decides(lambda: find_images(args.inputs))
     if len(paths) < info.world_size:
         raise UserError(f"{len(paths)} image(s) for {info.world_size} processes; use fewer processes")
+    thresholds = class_thresholds(args, trained)
+    if trained.multi_label and (args.tta_flip or args.tta_crops > 1):
+        raise UserError(f"{trained.source} is multi-label: --tta-flip and --tta-crops (averaged softmax "
+                        "probabilities) do not apply to it; predict without them")
     rank0_decides(lambda: make_output_dir(out, OUTPUTS))
     dataset = ImageListDataset(paths, eval_transform(cfg.data, args.tta_crops), cfg.data.max_image_pixels)
     loader = build_eval_loader(dataset, cfg.data, cfg.train.batch_size, info, collate_fn=collate_predictions)
@@ -145,23 +198,32 @@ def run(trained: Trained, cfg: Config, args: argparse.Namespace, info: DistInfo)
         log.info("predicting %d images with %s (%s, %d classes), %d process(es), batch %d per process",
                  len(paths), trained.source, cfg.model.name, len(trained.class_names), info.world_size,
                  cfg.train.batch_size)
-    rows = predict(model, loader, dataset, trained.class_names, k, cfg, info)
-    write_csv(rows, part_file(out, "predictions", info.rank), [*columns(k), "error"])
+    multi = trained.multi_label
+    shown = ML_COLUMNS if multi else columns(k)
+    rows = predict(model, loader, dataset, trained.class_names, k, cfg, info, thresholds if multi else None)
+    write_csv(rows, part_file(out, "predictions", info.rank), [*shown, "error"])
     barrier()  # every part file is complete before rank 0 reads them
     if not info.is_main:
         return None
     rows = merge_parts(out, "predictions", info.world_size, len(paths))
-    good = [{key: row[key] for key in columns(k)} for row in rows if not row["error"]]
+    good = [{key: row[key] for key in shown} for row in rows if not row["error"]]
     unreadable = [{"path": row["path"], "error": row["error"]} for row in rows if row["error"]]
     for row in unreadable:
         log.warning("skipped: %s", row["error"])
-    write_csv(good, out / "predictions.csv", columns(k))
+    write_csv(good, out / "predictions.csv", shown)
     size, crop_pct = eval_size(cfg.data)
     result = {"checkpoint": str(args.checkpoint), "ema": args.ema, "img_size": size, "crop_pct": crop_pct,
-              "tta": describe(args.tta_flip, args.tta_crops), "n": len(good), "unreadable": unreadable,
-              "predictions": [{"index": int(row["index"]), "path": row["path"],
-                               "top": [{"class": row[f"class_{i}"], "prob": float(row[f"prob_{i}"])}
-                                       for i in range(1, k + 1)]} for row in good]}
+              "tta": describe(args.tta_flip, args.tta_crops), "n": len(good), "unreadable": unreadable}
+    if multi:
+        result.update(multi_label=True, thresholds=dict(zip(trained.class_names, thresholds.tolist())),
+                      predictions=[{"index": int(row["index"]), "path": row["path"],
+                                    "labels": [name for name in row["labels"].split("|") if name],
+                                    "probs": dict(zip(trained.class_names, map(float, row["probs"].split())))}
+                                   for row in good])
+    else:
+        result["predictions"] = [{"index": int(row["index"]), "path": row["path"],
+                                  "top": [{"class": row[f"class_{i}"], "prob": float(row[f"prob_{i}"])}
+                                          for i in range(1, k + 1)]} for row in good]
     text = json.dumps(result, indent=1, ensure_ascii=False) + "\n"
     write_output(out / "predictions.json", text.encode("utf-8", "surrogateescape"), JSON_OUTPUT,
                  "an earlier predictions.json of predict.py", "--output-dir")

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
 
 from engine.startup import cpu_share, import_timm_without_wandb, tune_cpu_process
 
@@ -52,6 +53,7 @@ from engine.speed import InputAdvice
 from engine.state import TrainState
 from engine.tracking import TensorBoardWriter, WandbTracker
 from engine.weights import check_pretrained, resolve_preprocessing
+from engine.multilabel import evaluate_multilabel
 from engine.trainer import LoopConfig, TrainParts, evaluate, train_one_epoch
 from models.ema import create_ema
 from models.factory import compile_warning, create_model, prepare_model
@@ -107,7 +109,8 @@ def dry_run(cfg: Config, info: DistInfo) -> str:
     rank0_decides(lambda: check_writable(out))
     resumed = f"resumes {start.path}" if start.path else "starts fresh"
     return (f"dry run passed: {cfg.model.name} on {len(data.train.dataset)} train / {len(data.val.dataset)} val "
-            f"images, {data.num_classes} classes; the run {resumed}; {out} is writable; nothing was written")
+            f"images, {data.num_classes} classes{', multi-label' if cfg.data.multi_label else ''}; the run {resumed}; "
+            f"{out} is writable; nothing was written")
 
 
 def seed_everything(seed: int) -> None:
@@ -155,7 +158,7 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
                       normalize, cfg.logging.progress, cfg.train.max_nonfinite,
                       min(total_steps, cfg.train.max_steps or total_steps),
                       BatchMix(data.num_classes, cfg.train.label_smoothing) if mixing(cfg.data) else None,
-                      cfg.optim.clip_mode)
+                      cfg.optim.clip_mode, multi_label=cfg.data.multi_label)
     global_batch = cfg.train.batch_size * info.world_size * cfg.train.accum_steps
     log.info("model %s (%.1fM params), %d process(es) on %s, %s, global batch %d, %d steps/epoch",
              cfg.model.name, sum(p.numel() for p in model.parameters()) / 1e6, info.world_size,
@@ -203,15 +206,14 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
             stopped.checkpoint = out / "last.pth"
             raise
         input_advice.after_epoch(state.epoch, train_stats)
-        val_stats = evaluate(parts.model, data.val, precision, info, normalize)
+        val_stats = validate(parts.model, data.val, precision, info, normalize, cfg)
         row = {"epoch": state.epoch, **train_stats, **val_stats, "lr": optimizer.param_groups[0]["lr"]}
         if ema is not None:
             # BatchNorm buffers differ per rank between DDP's broadcasts, and so do the EMAs of them:
             # every rank evaluates rank 0's EMA, the one the checkpoint saves.
             broadcast_tensors(ema.module.state_dict().values())
-            ema_stats = evaluate(ema.module, data.val, precision, info, normalize)
-            row.update({f"ema_{k}": ema_stats[k] for k in ("val_loss", "val_top1", "val_top5", "val_balanced_acc",
-                                                            "val_macro_f1")})
+            ema_stats = validate(ema.module, data.val, precision, info, normalize, cfg)
+            row.update({f"ema_{k}": v for k, v in ema_stats.items() if k != "val_count"})
         is_best = state.update_best(row[chosen_on], lower_is_better(chosen_on))
         finished = state.epoch_finished(updates_per_epoch)  # else max_steps stopped it: resume continues it
         if finished and cfg.data.skip_corrupt:
@@ -225,10 +227,7 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
         if info.is_main:
             for sink in sinks:
                 sink.log_epoch(state.global_step, row, state.best_top1)
-            log.info("epoch %d: train_loss %.4f train_top1 %.2f | val_loss %.4f val_top1 %.2f val_top5 %.2f "
-                     "bal_acc %.2f macro_f1 %.2f | %.0f img/s, %.1fs", row["epoch"], row["train_loss"],
-                     row["train_top1"], row["val_loss"], row["val_top1"], row["val_top5"], row["val_balanced_acc"],
-                     row["val_macro_f1"], row["train_img_per_s"], row["epoch_time_s"])
+            log.info(epoch_line(row))
         checkpointer.save(state, val_top1=row[chosen_on], best=is_best, epoch_file=finished)
         if is_best:  # a model version per best.pth, so a preempted run keeps its best model in W&B
             tracker.log_checkpoint(out / "best.pth", {"epoch": row["epoch"], "global_step": state.global_step,
@@ -239,6 +238,26 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
         sink.finish()
     log.info("done: best %s %.2f, outputs in %s", chosen_on, state.best_top1, out)
     return state
+
+
+def validate(model: nn.Module, loader: DataLoader, precision: Precision, info: DistInfo, normalize: DeviceNormalize,
+             cfg: Config) -> dict[str, float]:
+    """The epoch's validation metrics: top-1/top-5, or mAP and F1 for multi-label data (engine/multilabel.py)."""
+    if cfg.data.multi_label:
+        return evaluate_multilabel(model, loader, precision, info, normalize, cfg.data.multi_label_threshold)
+    return evaluate(model, loader, precision, info, normalize)
+
+
+def epoch_line(row: dict) -> str:
+    """The log line of an epoch's metrics.jsonl row (multi-label: no top-1, mAP and F1 instead)."""
+    if "val_map" in row:
+        shown = (f"train_loss {row['train_loss']:.4f} | val_loss {row['val_loss']:.4f} val_map {row['val_map']:.2f} "
+                 f"val_map_micro {row['val_map_micro']:.2f} val_f1 {row['val_f1']:.2f}")
+    else:
+        shown = (f"train_loss {row['train_loss']:.4f} train_top1 {row['train_top1']:.2f} | val_loss "
+                 f"{row['val_loss']:.4f} val_top1 {row['val_top1']:.2f} val_top5 {row['val_top5']:.2f} "
+                 f"bal_acc {row['val_balanced_acc']:.2f} macro_f1 {row['val_macro_f1']:.2f}")
+    return f"epoch {row['epoch']}: {shown} | {row['train_img_per_s']:.0f} img/s, {row['epoch_time_s']:.1f}s"
 
 
 def main(argv: list[str]) -> int:

@@ -97,8 +97,13 @@ class AugmentedDataset(Dataset, abc.ABC):
         if self.tensor_transform is not None:
             image = seeded(self.tensor_transform, image, tensor_seed(entropy))
         if pair >= 0:
-            return image, int(self.labels[index]), (epoch, pair)
-        return image, int(self.labels[index])
+            return image, self.target(index), (epoch, pair)
+        return image, self.target(index)
+
+    def target(self, index: int) -> int | torch.Tensor:
+        """A sample's label: its class index, or (multi-label: labels is a [N, C] 0/1 array) a float multi-hot row."""
+        label = self.labels[index]
+        return torch.from_numpy(label.astype(np.float32)) if label.ndim else int(label)
 
 
 def tensor_seed(entropy: list[int]) -> int:
@@ -133,6 +138,26 @@ def shared_labels(labels: np.ndarray, own: list[str], classes: list[str], where:
         more = f" and {len(empty) - 10} more" if len(empty) > 10 else ""
         log.warning("%s has no images of %d class(es): %s%s", where, len(empty), ", ".join(empty[:10]), more)
     return mapped
+
+
+def multi_hot(label_sets: list[list[int]], own: list[str], classes: list[str], where: str) -> np.ndarray:
+    """Multi-label samples (each a list of indices into `own`) as a [N, len(classes)] uint8 0/1 array in the
+    training class map `classes`; as shared_labels, a class the map lacks is an error, an absent one a warning.
+    An empty set ("no tags") is a row of zeros."""
+    position = {name: i for i, name in enumerate(classes)}
+    for row, labels in enumerate(label_sets):
+        extra = [own[i] for i in labels if own[i] not in position]
+        if extra:
+            raise UserError(f"{where} row {row}: label {extra[0]!r} is not one of the {len(classes)} training "
+                            "classes; fix the row, or train on that class too")
+    hot = np.zeros((len(label_sets), len(classes)), dtype=np.uint8)
+    for row, labels in enumerate(label_sets):
+        hot[row, [position[own[i]] for i in labels]] = 1
+    if len(classes) and not hot.any(axis=0).all():
+        empty = [name for name, n in zip(classes, hot.any(axis=0)) if not n]
+        more = f" and {len(empty) - 10} more" if len(empty) > 10 else ""
+        log.warning("%s has no images of %d class(es): %s%s", where, len(empty), ", ".join(empty[:10]), more)
+    return hot
 
 
 def find_classes(split_dir: Path) -> list[str]:

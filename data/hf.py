@@ -9,6 +9,8 @@ to data.root); data.label_column is a ClassLabel (its names are the classes), in
 classes are their sorted names). A row without a label (null, or -1 in a ClassLabel) is an error naming
 it; with data.skip_corrupt the training split leaves such rows out, counted in a warning.
 data.path_column names each image in predictions.csv (default: the file path stored, else `<split>[row]`).
+Multi-label (data.multi_label=true): the label column is a list per row (Sequence(ClassLabel), lists of
+integers or of class names); an empty list is an image with no labels.
 Rows are read one at a time from the memory-mapped table: forked workers share its pages and turn
 only the row they read into Python objects.
 """
@@ -22,7 +24,7 @@ from pathlib import Path
 import albumentations as A
 import numpy as np
 
-from data.datasets import AugmentedDataset, decode_image, read_image, shared_labels
+from data.datasets import AugmentedDataset, decode_image, multi_hot, read_image, shared_labels
 from engine.config import DataConfig
 from engine.errors import UserError
 
@@ -66,12 +68,21 @@ def column_type(feature) -> str:
 
 LABEL_TYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "string", "large_string")
 IMAGE_TYPES = ("Image", "binary", "large_binary", "string", "large_string")
+LIST_TYPES = ("List", "LargeList", "Sequence")  # a list of labels per row (multi-label)
 
 
-def check_column_types(features, image_column: str, label_column: str, where: str) -> None:
-    """Labels are class names, integers or a ClassLabel; images are an Image feature, bytes or file paths."""
+def check_column_types(features, image_column: str, label_column: str, where: str, multi_label: bool = False) -> None:
+    """Labels are class names, integers or a ClassLabel (multi-label: a list of them per row); images are an
+    Image feature, bytes or file paths."""
     columns = ", ".join(f"{name} {column_type(feature)}" for name, feature in features.items())
     kind = column_type(features[label_column])
+    if (kind in LIST_TYPES) != multi_label:
+        need = "a list of labels per row (Sequence(ClassLabel))" if multi_label else "one label per row"
+        raise UserError(f"{where}: data.label_column={label_column} is a column of {kind}, and data.multi_label="
+                        f"{str(multi_label).lower()} needs {need}; set data.multi_label={str(not multi_label).lower()}"
+                        " or name another column")
+    if multi_label:
+        kind = column_type(features[label_column].feature)
     if kind != "ClassLabel" and kind not in LABEL_TYPES:
         raise UserError(f"{where}: data.label_column={label_column} names a column of {kind}, not labels; name a "
                         f"column of class names, integers or a ClassLabel (columns: {columns})")
@@ -81,7 +92,8 @@ def check_column_types(features, image_column: str, label_column: str, where: st
                         f"column of images, encoded image bytes or file paths (columns: {columns})")
 
 
-def labelled_rows(ds, label_column: str, where: str, skip: bool) -> tuple[np.ndarray | None, np.ndarray]:
+def labelled_rows(ds, label_column: str, where: str, skip: bool, multi_label: bool = False) -> tuple[np.ndarray | None,
+                                                                                                   np.ndarray]:
     """(the rows kept, None for all; their label column): a row without a label (null, or -1, which a ClassLabel
     uses for "no label") is an error naming it, or with `skip` (data.skip_corrupt) left out with a warning."""
     import pyarrow.compute as pc
@@ -91,7 +103,7 @@ def labelled_rows(ds, label_column: str, where: str, skip: bool) -> tuple[np.nda
     if column_type(ds.features[label_column]) == "ClassLabel":
         missing |= pc.equal(column, -1).fill_null(False).to_numpy(zero_copy_only=False)
     if not missing.any():
-        return None, column.to_numpy()
+        return None, column if multi_label else column.to_numpy()
     rows = np.flatnonzero(missing)
     if not skip:
         more = f" (and {len(rows) - 1} more row(s))" if len(rows) > 1 else ""
@@ -102,7 +114,8 @@ def labelled_rows(ds, label_column: str, where: str, skip: bool) -> tuple[np.nda
     log.warning("data.skip_corrupt: %s: %d row(s) without a label skipped (rows %s%s)", where, len(rows),
                 ", ".join(map(str, rows[:10])), more)
     kept = np.flatnonzero(~missing)
-    return kept, column.filter(~missing).to_numpy()  # in Arrow: numpy makes an int column with nulls float
+    column = column.filter(~missing)
+    return kept, column if multi_label else column.to_numpy()  # in Arrow: numpy makes an int column with nulls float
 
 
 def class_labels(column: np.ndarray, feature, where: str) -> tuple[list[str], np.ndarray]:
@@ -121,13 +134,21 @@ def class_labels(column: np.ndarray, feature, where: str) -> tuple[list[str], np
     raise UserError(f"{where}: the label column holds {column.dtype}; use class names, integers or a ClassLabel")
 
 
+def label_sets(column, feature, where: str) -> tuple[list[str], list[list[int]]]:
+    """(class names, each row's label indices) from a column of label lists (data.multi_label)."""
+    flat = column.combine_chunks() if hasattr(column, "combine_chunks") else column
+    offsets = flat.offsets.to_numpy()
+    own, values = class_labels(flat.values.to_numpy(zero_copy_only=False), feature.feature, where)
+    return own, [sorted(set(values[start:stop].tolist())) for start, stop in zip(offsets[:-1], offsets[1:])]
+
+
 class HFDataset(AugmentedDataset):
     """One split of a Hugging Face dataset on disk, in its row order."""
 
     def __init__(self, root: str | Path, split: str, transform: A.Compose, seed: int,
                  classes: list[str] | None = None, *, image_column: str = "image", label_column: str = "label",
                  path_column: str = "", skip_corrupt: bool = False,
-                 max_pixels: int = DataConfig.max_image_pixels) -> None:
+                 max_pixels: int = DataConfig.max_image_pixels, multi_label: bool = False) -> None:
         super().__init__(transform, seed)
         import datasets
 
@@ -138,11 +159,16 @@ class HFDataset(AugmentedDataset):
             if column and column not in ds.column_names:
                 raise UserError(f"{self.where} has no column {column!r} (data.{key}_column); it has "
                                 f"{', '.join(ds.column_names)}")
-        check_column_types(ds.features, image_column, label_column, self.where)
-        self.rows, column = labelled_rows(ds, label_column, self.where, skip_corrupt)
-        own, labels = class_labels(column, ds.features[label_column], self.where)
-        self.classes = classes if classes is not None else own
-        self.labels = shared_labels(labels, own, self.classes, self.where)
+        check_column_types(ds.features, image_column, label_column, self.where, multi_label)
+        self.rows, column = labelled_rows(ds, label_column, self.where, skip_corrupt, multi_label)
+        if multi_label:
+            own, sets = label_sets(column, ds.features[label_column], self.where)
+            self.classes = classes if classes is not None else own
+            self.labels = multi_hot(sets, own, self.classes, self.where)
+        else:
+            own, labels = class_labels(column, ds.features[label_column], self.where)
+            self.classes = classes if classes is not None else own
+            self.labels = shared_labels(labels, own, self.classes, self.where)
         keep = [image_column] + ([path_column] if path_column else [])
         ds = ds.select_columns(keep)
         if isinstance(ds.features[image_column], datasets.Image):

@@ -5,6 +5,10 @@ not be told from a header naming other columns. A UTF-8 byte order mark (Excel's
 A label is a class name, or an index into the class list when `<data.root>/classes.txt` (one class name a
 line, in label order) exists. Without classes.txt the classes are the split's label names, sorted (as
 numbers when every label is an integer). A path listed twice counts twice, with a warning naming its lines.
+
+Multi-label (data.multi_label=true): the header may read `path,labels`, and a row's labels are separated by
+`|` (`img.jpg,dog|cat`); an empty cell is an image with no labels (`img.jpg,`), which counts as a negative
+for every class.
 """
 
 from __future__ import annotations
@@ -16,11 +20,12 @@ from pathlib import Path
 import albumentations as A
 import numpy as np
 
-from data.datasets import AugmentedDataset, PackedStrings, read_image, shared_labels
+from data.datasets import AugmentedDataset, PackedStrings, multi_hot, read_image, shared_labels
 from engine.config import DataConfig
 from engine.errors import UserError
 
 CLASS_FILE = "classes.txt"
+LABEL_SEPARATOR = "|"  # between the labels of one multi-label row
 log = logging.getLogger(__name__)
 
 
@@ -33,8 +38,9 @@ def find_list(root: Path, split: str) -> Path:
                     "path,label row per image, or set data.root and the split names")
 
 
-def read_rows(file: Path, split: str) -> list[tuple[int, str, str]]:
-    """(line number, path, label) of each row after the header; a row that is not two fields is named by its line."""
+def read_rows(file: Path, split: str, multi_label: bool = False) -> list[tuple[int, str, str]]:
+    """(line number, path, label) of each row after the header; a row that is not two fields is named by its line
+    (multi-label: the label field may be empty)."""
     try:
         text = file.read_text(encoding="utf-8-sig", errors="surrogateescape")  # paths are bytes on Linux
     except OSError as err:
@@ -42,7 +48,7 @@ def read_rows(file: Path, split: str) -> list[tuple[int, str, str]]:
     delimiter = "\t" if file.suffix == ".tsv" else ","
     lines = csv.reader(text.splitlines(), delimiter=delimiter)
     header = next(lines, [])
-    if [cell.strip().lower() for cell in header] != ["path", "label"]:
+    if [cell.strip().lower() for cell in header] not in (["path", "label"], ["path", "labels"]):
         shown = "path<tab>label" if delimiter == "\t" else "path,label"
         raise UserError(f"list file {file}: line 1 must be the header {shown}, found the columns "
                         f"{', '.join(header) or '(none)'}; add that header (or rename its columns)")
@@ -50,7 +56,7 @@ def read_rows(file: Path, split: str) -> list[tuple[int, str, str]]:
     for number, row in enumerate(lines, 2):
         if not row:
             continue
-        if len(row) != 2 or not row[0].strip() or not row[1].strip():
+        if len(row) != 2 or not row[0].strip() or not (row[1].strip() or multi_label):
             raise UserError(f"{file} line {number}: expected two fields, path{delimiter}label, got {row!r}")
         rows.append((number, row[0].strip(), row[1].strip()))
     if not rows:
@@ -96,25 +102,49 @@ def label_index(file: Path, number: int, label: str, position: dict[str, int]) -
                     f"below {len(position)}")
 
 
+def split_labels(cell: str) -> list[str]:
+    """The labels of one multi-label cell, `a|b|c`; an empty cell is the empty set."""
+    return sorted({label.strip() for label in cell.split(LABEL_SEPARATOR) if label.strip()})
+
+
+def check_known(file: Path, cells: list[tuple[int, list[str]]], indices: list[list[int]], own: list[str],
+                classes: list[str]) -> None:
+    """A multi-label row naming a class the training classes lack is named by its line and label."""
+    known = set(classes)
+    for (number, labels), row in zip(cells, indices):
+        for label, i in zip(labels, row):
+            if own[i] not in known:
+                raise UserError(f"{file} line {number}: label {label!r} is not one of the {len(classes)} training "
+                                "classes; fix the row, or add the class to the training split (or classes.txt)")
+
+
 class ListFileDataset(AugmentedDataset):
     """The images a list file names, in its row order."""
 
     def __init__(self, root: str | Path, split: str, transform: A.Compose, seed: int,
                  classes: list[str] | None = None, *, skip_corrupt: bool = False,
-                 max_pixels: int = DataConfig.max_image_pixels) -> None:
+                 max_pixels: int = DataConfig.max_image_pixels, multi_label: bool = False) -> None:
         super().__init__(transform, seed)
         self.root, self.skip_corrupt, self.max_pixels = Path(root), skip_corrupt, max_pixels
         file = find_list(self.root, split)
-        rows = read_rows(file, split)
+        rows = read_rows(file, split, multi_label)
+        cells = [(number, split_labels(label) if multi_label else [label]) for number, _, label in rows]
+        if not multi_label and any(LABEL_SEPARATOR in label for _, _, label in rows):
+            log.warning("list file %s has labels holding %r, read as single class names; for several labels per "
+                        "image set data.multi_label=true", file, LABEL_SEPARATOR)
         own = read_classes(self.root)
         if own is None:
-            names = {label for _, _, label in rows}
+            names = {label for _, labels in cells for label in labels}
             numeric = all(name.isdigit() for name in names)
             own = sorted(names, key=int) if numeric else sorted(names)
         position = {name: i for i, name in enumerate(own)}
-        labels = np.asarray([label_index(file, number, label, position) for number, _, label in rows], np.int64)
+        indices = [[label_index(file, number, label, position) for label in labels] for number, labels in cells]
         self.classes = classes if classes is not None else own
-        self.labels = shared_labels(labels, own, self.classes, str(file))
+        if multi_label:
+            check_known(file, cells, indices, own, self.classes)
+            self.labels = multi_hot(indices, own, self.classes, str(file))
+        else:
+            self.labels = shared_labels(np.asarray([i for i, in indices], np.int64), own, self.classes, str(file))
         self.paths = PackedStrings([path for _, path, _ in rows])
 
     def path(self, index: int) -> str:

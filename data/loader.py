@@ -206,14 +206,14 @@ def build_split(cfg: DataConfig, split: str, transform: A.Compose, seed: int, cl
     """One split in data.name's format; `classes` is the class map its labels use (None: its own classes)."""
     if cfg.name == "wds":
         return ShardDataset(split_index(cfg.root, split), transform, seed, classes, skip_corrupt=skip_corrupt,
-                            max_pixels=cfg.max_image_pixels, cache_dir=cfg.shard_cache)
+                            max_pixels=cfg.max_image_pixels, cache_dir=cfg.shard_cache, multi_label=cfg.multi_label)
     if cfg.name == "hf":
         return HFDataset(cfg.root, split, transform, seed, classes, image_column=cfg.image_column,
                          label_column=cfg.label_column, path_column=cfg.path_column, skip_corrupt=skip_corrupt,
-                         max_pixels=cfg.max_image_pixels)
+                         max_pixels=cfg.max_image_pixels, multi_label=cfg.multi_label)
     if cfg.name == "listfile":
         return ListFileDataset(cfg.root, split, transform, seed, classes, skip_corrupt=skip_corrupt,
-                               max_pixels=cfg.max_image_pixels)
+                               max_pixels=cfg.max_image_pixels, multi_label=cfg.multi_label)
     return ImageFolderDataset(Path(cfg.root) / split, transform, seed, classes, skip_corrupt=skip_corrupt,
                               max_pixels=cfg.max_image_pixels)
 
@@ -375,15 +375,15 @@ class DataBundle:
     val: DataLoader
     num_classes: int
     class_names: list[str]
-    class_counts: list[int]  # training images per class (train.class_weights=balanced)
+    class_counts: list[int]  # training images per class (train.class_weights=balanced); multi-label: positives
 
 
 def build_data(cfg: DataConfig, batch_size: int, seed: int, info: DistInfo) -> DataBundle:
     """Everything training needs from data/: both loaders and the class list."""
     train_set, val_set = build_datasets(cfg, seed, info.local_rank)
     train_set.tensor_transform = tensor_augment(cfg)  # data.auto_augment, data.random_erase: for any data format
-    log.info("data %s: train %d images, val %d images, %d classes",
-             cfg.name, len(train_set), len(val_set), len(train_set.classes))
+    log.info("data %s: train %d images, val %d images, %d classes%s", cfg.name, len(train_set), len(val_set),
+             len(train_set.classes), ", multi-label (data.multi_label=true)" if cfg.multi_label else "")
     val = build_eval_loader(val_set, cfg, batch_size, info)
     val_batches = math.ceil(len(val_set) / batch_size)
     if val_batches < info.world_size:  # a rank without a batch would skip DDP's buffer sync and hang the others
@@ -395,8 +395,15 @@ def build_data(cfg: DataConfig, batch_size: int, seed: int, info: DistInfo) -> D
         val=val,
         num_classes=len(train_set.classes),
         class_names=list(train_set.classes),
-        class_counts=np.bincount(train_set.labels, minlength=len(train_set.classes)).tolist(),
+        class_counts=class_counts(train_set.labels, len(train_set.classes)),
     )
+
+
+def class_counts(labels: np.ndarray, num_classes: int) -> list[int]:
+    """Images of each class: of class indices, or (multi-label) the positives of each multi-hot column."""
+    if labels.ndim == 2:
+        return labels.sum(axis=0, dtype=np.int64).tolist()
+    return np.bincount(labels, minlength=num_classes).tolist()
 
 
 def steps_per_epoch(loader: DataLoader, accum_steps: int) -> int:

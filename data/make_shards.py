@@ -1,6 +1,7 @@
 """Convert an ImageFolder tree into WebDataset tar shards plus their index (read by data.name=wds).
 
     python -m data.make_shards <imagefolder root> <out> [--shard-size N] [--splits train val]
+    python -m data.make_shards <list-file root> <out> --list [--multi-label]     # from <split>.csv list files
 
 Writes <out>/<split>-gG-NNNNNN.tar (N samples each, the last one fewer) and <out>/<split>.json (see
 data/shards.py). Samples keep ImageFolder's order and class list (every split is labelled with the
@@ -30,8 +31,11 @@ import tarfile
 from pathlib import Path
 from typing import Iterator
 
-from data.datasets import ImageFolderDataset, find_classes
-from data.shards import label_mismatch, scan_tar
+import numpy as np
+
+from data.datasets import AugmentedDataset, ImageFolderDataset, find_classes
+from data.listfile import ListFileDataset
+from data.shards import cls_text, label_mismatch, scan_tar
 from engine.errors import UserError
 from engine.logs import setup_logging
 
@@ -74,7 +78,21 @@ def previous_index(out: Path, split: str) -> tuple[int, set[str]]:
                         "choose another output folder") from None
 
 
-def write_shard(tar_path: Path, dataset: ImageFolderDataset, indices: range) -> None:
+def sample_label(dataset: AugmentedDataset, i: int) -> int | list[int]:
+    """A sample's label as the index stores it: a class index, or (multi-label) the list of its class indices."""
+    label = dataset.labels[i]
+    return [int(c) for c in np.flatnonzero(label)] if label.ndim else int(label)
+
+
+def source_split(root: Path, split: str, classes: list[str] | None, listed: bool, multi_label: bool
+                 ) -> AugmentedDataset:
+    """The split to convert: an ImageFolder split folder, or (--list) the split's list file."""
+    if listed:
+        return ListFileDataset(root, split, transform=None, seed=0, classes=classes, multi_label=multi_label)
+    return ImageFolderDataset(root / split, transform=None, seed=0, classes=classes)
+
+
+def write_shard(tar_path: Path, dataset: AugmentedDataset, indices: range) -> None:
     """The samples `indices` of the dataset as one tar file, through a temp name."""
     tmp = tar_path.with_name(f".{tar_path.name}.tmp")
     with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as tar:
@@ -86,15 +104,15 @@ def write_shard(tar_path: Path, dataset: ImageFolderDataset, indices: range) -> 
                 raise UserError(f"cannot read image {path} ({err.strerror}); remove or replace it") from None
             key, ext = f"{i:08d}", Path(path).suffix.lower()
             add_member(tar, key + ext, data)
-            add_member(tar, f"{key}.cls", str(int(dataset.labels[i])).encode())
+            add_member(tar, f"{key}.cls", cls_text(sample_label(dataset, i)).encode())
             add_member(tar, f"{key}.path", os.fsencode(path))
     os.replace(tmp, tar_path)
 
 
-def write_split(split_dir: Path, out: Path, split: str, classes: list[str], shard_size: int) -> int:
+def write_split(dataset: AugmentedDataset, out: Path, split: str, classes: list[str], shard_size: int,
+                multi_label: bool = False) -> int:
     """Write one split's shards as a new generation, switch its index to them, remove the old generation;
     returns its number of samples."""
-    dataset = ImageFolderDataset(split_dir, transform=None, seed=0, classes=classes)
     generation, old = previous_index(out, split)
     generation += 1
     while any(name.startswith(f"{split}-g{generation}-") for name in old):
@@ -104,14 +122,15 @@ def write_split(split_dir: Path, out: Path, split: str, classes: list[str], shar
         name = shard_name(split, generation, len(shards))
         indices = range(first, min(first + shard_size, len(dataset)))
         write_shard(out / name, dataset, indices)
-        labels = [int(label) for label in dataset.labels[indices.start:indices.stop]]
+        labels = [sample_label(dataset, i) for i in indices]
         size = (out / name).stat().st_size
         _, keys, cls = scan_tar(str(out / name), str(out / name), size)  # read back: the index says what it holds
         if wrong := label_mismatch(keys, cls, labels):
             raise UserError(f"shard {out / name} as written disagrees with its index ({wrong}); {out / split}.json "
                             "was left as it was: check the disk and run again")
         shards.append({"url": name, "nsamples": len(indices), "filesize": size, "labels": labels})
-    index = {"wids_version": 1, "name": split, "generation": generation, "classes": classes, "shardlist": shards}
+    index = {"wids_version": 1, "name": split, "generation": generation, "classes": classes, "shardlist": shards,
+             **({"multi_label": True} if multi_label else {})}
     tmp = out / f".{split}.json.tmp"
     tmp.write_text(json.dumps(index) + "\n")
     os.replace(tmp, out / f"{split}.json")  # the switch: the old generation is now unused
@@ -157,18 +176,23 @@ def check_outside(root: Path, splits: list[str], out: Path) -> None:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("root", help="an ImageFolder root holding <split>/<class>/*")
+    parser.add_argument("root", help="an ImageFolder root holding <split>/<class>/* (with --list: <split>.csv files)")
     parser.add_argument("out", help="folder for the shards and <split>.json indexes")
     parser.add_argument("--shard-size", type=int, default=1000, help="samples per shard (default 1000)")
     parser.add_argument("--splits", nargs="+", default=["train", "val"],
                         help="splits to convert; the first one's class folders are the class list (default: train val)")
+    parser.add_argument("--list", action="store_true", help="root holds list files (data.name=listfile) to convert")
+    parser.add_argument("--multi-label", action="store_true", help="with --list: rows hold sets of labels (a|b)")
     args = parser.parse_args(argv)
     setup_logging(0, "INFO")
+    if args.multi_label and not args.list:
+        raise UserError("--multi-label converts list files (path,labels rows with a|b); add --list")
     if args.shard_size <= 0:
         raise UserError(f"--shard-size must be > 0, got {args.shard_size}")
     root, out = Path(args.root), Path(args.out)
     check_outside(root, args.splits, out)
-    classes = find_classes(root / args.splits[0])
+    first = source_split(root, args.splits[0], None, args.list, args.multi_label) if args.list else None
+    classes = first.classes if first is not None else find_classes(root / args.splits[0])
     for split in args.splits:  # before creating anything; read again under the lock
         previous_index(out, split)
     try:
@@ -177,7 +201,8 @@ def main(argv: list[str]) -> int:
         raise UserError(f"cannot create {out} ({err.strerror}); choose another output folder") from None
     with locked(out):
         for split in args.splits:
-            write_split(root / split, out, split, classes, args.shard_size)
+            dataset = source_split(root, split, classes, args.list, args.multi_label)
+            write_split(dataset, out, split, classes, args.shard_size, args.multi_label)
     return 0
 
 

@@ -11,7 +11,7 @@ each other.
 
 The collate (`MixCollate`, in the DataLoader workers) draws the mixes and ships them beside the uint8
 batch; `BatchMix` applies them after DeviceNormalize and builds the soft targets, with label smoothing
-folded in.
+folded in (multi-label: the two images' multi-hot rows are mixed with the same lambda).
 """
 
 from __future__ import annotations
@@ -106,7 +106,8 @@ class BatchMix:
         mixed = torch.where(box, other, blend * images + (1 - blend) * other)
         if images.is_contiguous(memory_format=torch.channels_last) and not images.is_contiguous():
             mixed = mixed.contiguous(memory_format=torch.channels_last)
-        own = smooth_one_hot(labels, self.num_classes, self.smoothing, images.dtype)
+        own = (smooth_one_hot(labels, self.num_classes, self.smoothing, images.dtype) if labels.ndim == 1
+               else smooth_multi_hot(labels, self.smoothing, images.dtype))
         targets = lam[:, None] * own + (1 - lam[:, None]) * own[partner]
         return mixed, targets
 
@@ -116,3 +117,10 @@ def smooth_one_hot(labels: torch.Tensor, num_classes: int, smoothing: float, dty
     off = smoothing / num_classes
     targets = torch.full((len(labels), num_classes), off, dtype=dtype, device=labels.device)
     return targets.scatter_(1, labels[:, None], 1.0 - smoothing + off)
+
+
+def smooth_multi_hot(labels: torch.Tensor, smoothing: float, dtype: torch.dtype) -> torch.Tensor:
+    """Multi-hot rows (multi-label) with timm's smoothing values: smoothing / C off, 1 - smoothing + smoothing / C on."""
+    off = smoothing / labels.shape[1]
+    on, off = (torch.full((), value, dtype=dtype, device=labels.device) for value in (1.0 - smoothing + off, off))
+    return torch.where(labels > 0, on, off)

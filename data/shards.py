@@ -5,7 +5,9 @@ URLs relative to the index) plus what training needs before opening any shard: "
 order) and each shard's "labels". A sample is three tar members (written by `python -m data.make_shards`):
 `<key>.<jpg|png|...>` (the image, still encoded; decode_image decodes it in the DataLoader workers),
 `<key>.cls` (its label; a process that opens a shard checks them all against the index) and `<key>.path`
-(the path it was converted from: predictions.csv's path column).
+(the path it was converted from: predictions.csv's path column). Multi-label shards (made from a list file
+with --multi-label) say "multi_label": true in the index; a sample's labels are a list of class indices there,
+and its .cls member holds them separated by spaces (empty: no labels).
 
 Why not wids.ShardListDataset itself: it copies every local shard into /tmp/_wids_cache before reading it
 and prints to stderr whenever it is built. wids' parts are used instead: the index format and its URL
@@ -29,7 +31,7 @@ from urllib.parse import quote, urlparse
 import albumentations as A
 import numpy as np
 
-from data.datasets import IMAGE_EXTENSIONS, AugmentedDataset, decode_image, shared_labels
+from data.datasets import IMAGE_EXTENSIONS, AugmentedDataset, decode_image, multi_hot, shared_labels
 from engine.config import DataConfig
 from engine.errors import UserError
 
@@ -70,12 +72,14 @@ def read_index(index: str, cache_dir: str) -> dict:
             for shard in spec["shardlist"]:
                 if not is_url(shard["url"]):
                     shard["url"] = str(Path(index).parent / shard["url"])
-        classes, shards = spec["classes"], spec["shardlist"]
-        labels = [np.asarray(shard["labels"], dtype=np.int64).reshape(-1) for shard in shards]
+        classes, shards, multi = spec["classes"], spec["shardlist"], bool(raw.get("multi_label"))
+        labels = [[sorted(map(int, sample)) for sample in shard["labels"]] if multi
+                  else np.asarray(shard["labels"], dtype=np.int64).reshape(-1) for shard in shards]
         if any(len(lab) != shard["nsamples"] for lab, shard in zip(labels, shards)):
             raise ValueError("a shard's labels and nsamples differ")
+        flat = [np.asarray([i for sample in lab for i in sample], np.int64) if multi else lab for lab in labels]
         if not all(isinstance(c, str) for c in classes) or any(((lab < 0) | (lab >= len(classes))).any()
-                                                               for lab in labels):
+                                                               for lab in flat):
             raise ValueError("labels outside the class list")
     except json.JSONDecodeError as err:
         raise UserError(f"shard index {index} is not valid JSON (line {err.lineno}: {err.msg}); {REWRITE}") from None
@@ -83,7 +87,7 @@ def read_index(index: str, cache_dir: str) -> dict:
         what = f"no {err}" if isinstance(err, KeyError) else str(err) or "not a wids shard list"
         raise UserError(f"shard index {index} is broken ({what}); {REWRITE}") from None
     return {"classes": classes, "urls": [shard["url"] for shard in shards], "labels": labels,
-            "sizes": [shard.get("filesize") for shard in shards]}
+            "sizes": [shard.get("filesize") for shard in shards], "multi_label": multi}
 
 
 def fetch(url: str, local: str) -> str:
@@ -126,9 +130,20 @@ def scan_tar(path: str, url: str, filesize: int | None) -> tuple[np.ndarray, lis
     return np.asarray(rows, dtype=np.int64).reshape(-1, 4), keys, cls
 
 
-def label_mismatch(keys: list[str], cls: list[bytes | None], labels: list[int]) -> str:
+def cls_text(label: int | list[int]) -> str:
+    """A sample's .cls member: its class index, or (multi-label) its class indices separated by spaces."""
+    return " ".join(map(str, label)) if isinstance(label, list) else str(int(label))
+
+
+def label_mismatch(keys: list[str], cls: list[bytes | None], labels: list) -> str:
     """The first sample whose .cls member (where it has one) is not its label in `labels`, in words ("": none)."""
     for key, member, label in zip(keys, cls, labels):
+        if isinstance(label, list):
+            words = member.split() if member is not None else []
+            if member is not None and not (all(w.isdigit() for w in words) and sorted(map(int, words)) == label):
+                return f"sample {key} has {member.strip().decode(errors='replace')!r} in its .cls member, the " \
+                       f"index {label}"
+            continue
         if member is not None and not (member.strip().isdigit() and int(member) == label):
             return f"sample {key} has {member.strip().decode(errors='replace')!r} in its .cls member, the index {label}"
     return ""
@@ -139,7 +154,7 @@ class ShardDataset(AugmentedDataset):
 
     def __init__(self, index: str, transform: A.Compose, seed: int, classes: list[str] | None = None, *,
                  skip_corrupt: bool = False, max_pixels: int = DataConfig.max_image_pixels,
-                 cache_dir: str = "") -> None:
+                 cache_dir: str = "", multi_label: bool = False) -> None:
         super().__init__(transform, seed)
         self.index, self.skip_corrupt, self.max_pixels = index, skip_corrupt, max_pixels
         self.cache_dir = cache_dir or os.environ.get("WIDS_CACHE", "/tmp/_wids_cache")
@@ -148,11 +163,18 @@ class ShardDataset(AugmentedDataset):
         spec = read_index(index, self.cache_dir)
         self.urls: list[str] = spec["urls"]
         self.sizes: list[int | None] = spec["sizes"]
-        labels = np.concatenate(spec["labels"]) if spec["labels"] else np.zeros(0, np.int64)
+        if spec["multi_label"] != multi_label:
+            made = "from a list file with --multi-label" if spec["multi_label"] else "with one label per image"
+            raise UserError(f"shard index {index} was made {made}; set data.multi_label="
+                            f"{str(spec['multi_label']).lower()}")
         self.classes = classes if classes is not None else spec["classes"]
-        self.labels = shared_labels(labels, spec["classes"], self.classes, index)
+        if multi_label:
+            self.labels = multi_hot([s for lab in spec["labels"] for s in lab], spec["classes"], self.classes, index)
+        else:
+            labels = np.concatenate(spec["labels"]) if spec["labels"] else np.zeros(0, np.int64)
+            self.labels = shared_labels(labels, spec["classes"], self.classes, index)
         self.starts = np.concatenate([[0], np.cumsum([len(lab) for lab in spec["labels"]])])
-        self.shard_labels: list[np.ndarray] = spec["labels"]  # as the index says, for the shards' .cls members
+        self.shard_labels: list = spec["labels"]  # as the index says, for the shards' .cls members
         missing = [url for url in self.urls if not is_url(url) and not os.path.isfile(url)]
         if missing:
             more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
@@ -206,7 +228,8 @@ class ShardDataset(AugmentedDataset):
         if len(rows) != expected:
             raise UserError(f"shard {url} holds {len(rows)} samples but index {self.index} says {expected} "
                             f"(a cut-short or replaced shard); {REWRITE}")
-        if wrong := label_mismatch(keys, cls, self.shard_labels[shard].tolist()):
+        labels = self.shard_labels[shard]
+        if wrong := label_mismatch(keys, cls, labels.tolist() if isinstance(labels, np.ndarray) else labels):
             raise UserError(f"shard {url} disagrees with its index {self.index} ({wrong}); {REWRITE}")
         return rows
 

@@ -114,6 +114,8 @@ class DataConfig:
     aug_repeats: int = 0  # repeated augmentation: each image k times per epoch (k >= 2), differently augmented
     mix_mode: str = "pair"  # pair: one mixup/cutmix draw per pair of images | batch: one per data.mix_group images
     mix_group: int = 0  # batch mode: images per draw, of the global order (any world size); 0 = train.batch_size
+    multi_label: bool = False  # images have sets of labels (listfile: a|b|c; hf: Sequence(ClassLabel); wds: --list)
+    multi_label_threshold: float = 0.5  # multi-label: a class is predicted when its sigmoid is >= this (val_f1)
 
 
 @dataclass
@@ -478,7 +480,8 @@ def validate(cfg: Config) -> None:
     validate_sched(cfg.sched, cfg.train.epochs)
     validate_optim(cfg.optim)
     validate_bce(cfg.train)
-    validate_imbalance(cfg.train)
+    validate_multi_label(cfg)
+    validate_imbalance(cfg)
     if cfg.logging.wandb:
         validate_wandb(cfg.logging)
     if not cfg.resume:
@@ -582,22 +585,47 @@ def validate_bce(cfg: TrainConfig) -> None:
         raise UserError(f"config key 'train.bce_pos_weight' must be > 0 (or null: 1), got {cfg.bce_pos_weight}")
 
 
-def validate_imbalance(cfg: TrainConfig) -> None:
+MULTI_LABEL_FORMATS = ("listfile", "hf", "wds")  # the formats whose samples can carry a set of labels
+
+
+def validate_multi_label(cfg: Config) -> None:
+    """data.multi_label needs a format that can hold a set of labels, and trains with one sigmoid per class."""
+    if not 0 < cfg.data.multi_label_threshold < 1:
+        raise UserError(f"config key 'data.multi_label_threshold' must be in (0, 1), got "
+                        f"{cfg.data.multi_label_threshold}")
+    if not cfg.data.multi_label:
+        return
+    if cfg.data.name not in MULTI_LABEL_FORMATS:
+        raise UserError(f"data.multi_label=true needs data.name {', '.join(MULTI_LABEL_FORMATS)}: data.name="
+                        f"{cfg.data.name} gives each image one class (write a list file: path,labels with a|b)")
+    if cfg.train.loss != "bce":
+        raise UserError(f"data.multi_label=true trains one sigmoid per class: set train.loss=bce (train.loss is "
+                        f"{cfg.train.loss!r})")
+
+
+def validate_imbalance(cfg: Config) -> None:
     """train.class_weights and train.best_metric values that could not work (a list's length is checked
     against the classes when the data is read: engine/losses.py class_weights)."""
-    weights = cfg.class_weights
+    weights, multi_label = cfg.train.class_weights, cfg.data.multi_label
     if isinstance(weights, str) and weights not in ("none", "balanced"):
         raise UserError(f"config key 'train.class_weights' is {weights!r}; use none, balanced or a list of one "
                         "weight per class, e.g. [1.0, 5.0]")
     if isinstance(weights, list) and (not weights or min(weights) < 0 or max(weights) == 0):
         raise UserError(f"config key 'train.class_weights' must be one weight >= 0 per class, not all 0, got "
                         f"{weights}")
-    if weights != "none" and cfg.loss != "ce":
-        raise UserError(f"config key 'train.class_weights' applies to train.loss=ce (train.loss is {cfg.loss!r}); "
+    if weights != "none" and cfg.train.loss != "ce":
+        raise UserError(f"config key 'train.class_weights' applies to train.loss=ce (train.loss is "
+                        f"{cfg.train.loss!r}); "
                         "use train.bce_pos_weight with bce")
-    if cfg.best_metric == "val_map":  # the one place that decides where mAP exists (multi-label data, issue 26)
-        raise UserError("train.best_metric=val_map needs multi-label data, and this run's data is single-label; "
-                        "use val_top1, val_balanced_acc, val_macro_f1 or val_loss")
+    if cfg.train.best_metric == "val_map" and not multi_label:  # the one place that decides where mAP exists
+        raise UserError("train.best_metric=val_map needs multi-label data (data.multi_label=true), and this run's "
+                        "data is single-label; use val_top1, val_balanced_acc, val_macro_f1 or val_loss")
+    if multi_label and cfg.train.best_metric in ("val_balanced_acc", "val_macro_f1"):
+        raise UserError(f"train.best_metric={cfg.train.best_metric} is a single-label metric; with "
+                        "data.multi_label=true use val_map (the default there) or val_loss")
+    if multi_label and cfg.data.sampler == "class_balanced":
+        raise UserError("data.sampler=class_balanced draws one class per image, and multi-label images have "
+                        "several; use data.sampler=uniform (train.bce_pos_weight weights the positives)")
 
 
 def validate_wandb(cfg: LoggingConfig) -> None:
@@ -662,9 +690,11 @@ def config_yaml(cfg: Config) -> str:
 
 
 def best_metric(cfg: Config) -> str:
-    """The metrics.jsonl column best.pth is chosen on: train.best_metric, of the EMA's weights with model.ema_decay
-    and train.best_on_ema."""
+    """The metrics.jsonl column best.pth is chosen on: train.best_metric (val_top1, the default, means val_map for
+    multi-label data), of the EMA's weights with model.ema_decay and train.best_on_ema."""
     name = cfg.train.best_metric
+    if cfg.data.multi_label and name == "val_top1":
+        name = "val_map"
     return f"ema_{name}" if cfg.model.ema_decay > 0 and cfg.train.best_on_ema else name
 
 

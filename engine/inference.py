@@ -36,13 +36,16 @@ class Trained:
     class_names: list[str]
     source: str  # "checkpoint PATH" or "model folder PATH", for messages
     best_metric: str = "val_top1"  # what the checkpoint was chosen on: ema_val_top1 with train.best_on_ema
+    multi_label: bool = False  # one sigmoid per class (data.multi_label), not a softmax over the classes
+    threshold: float = 0.5  # multi-label: a class is predicted at sigmoid >= this (data.multi_label_threshold)
 
 
 def ema_hint(source: str, best_metric: str | None, using_ema: bool) -> str | None:
     """What to say when the weights in use are not the ones best.pth was chosen on (evaluate, predict, export)."""
-    if using_ema or best_metric != "ema_val_top1":
+    if using_ema or not (best_metric or "").startswith("ema_"):
         return None
-    return f"{source} was chosen on its EMA weights' val_top1 (train.best_on_ema); add --ema to use those weights"
+    return (f"{source} was chosen on its EMA weights' {best_metric.removeprefix('ema_')} (train.best_on_ema); add --ema "
+            "to use those weights")
 
 
 def load_trained(path: str | os.PathLike, ema: bool = False) -> Trained:
@@ -65,8 +68,10 @@ def load_trained(path: str | os.PathLike, ema: bool = False) -> Trained:
     key = "ema" if ema else "model"
     if key not in ckpt:
         raise UserError(f"checkpoint {path} holds no EMA weights; use it without --ema")
+    data = ckpt["config"].get("data", {})
     return Trained(json.loads(json.dumps(ckpt["config"])), ckpt[key], list(ckpt["class_names"]),
-                   f"checkpoint {path}", ckpt.get("best_metric", "val_top1"))
+                   f"checkpoint {path}", ckpt.get("best_metric", "val_top1"), bool(data.get("multi_label", False)),
+                   float(data.get("multi_label_threshold", 0.5)))
 
 
 def load_model_folder(folder: Path) -> Trained:
@@ -88,7 +93,8 @@ def load_model_folder(folder: Path) -> Trained:
     names = meta.get("label_names") or [str(i) for i in range(meta["num_classes"])]
     if isinstance(names, dict):  # timm allows {class index: name}
         names = [str(names.get(str(i), names.get(i, i))) for i in range(meta["num_classes"])]
-    return Trained(raw, weights, list(names), f"model folder {folder}")
+    return Trained(raw, weights, list(names), f"model folder {folder}", multi_label=bool(meta.get("multi_label")),
+                   threshold=float(meta.get("multi_label_threshold", 0.5)))
 
 
 def read_model_config(folder: Path) -> dict[str, Any]:

@@ -29,7 +29,7 @@ def build_loss(cfg: TrainConfig, mixing: bool, class_weights: torch.Tensor | Non
     """train.loss with train.label_smoothing applied once: on hard labels here, or in the mixed targets;
     `class_weights`: one per class for cross-entropy (see class_weights())."""
     smoothing = 0.0 if mixing else cfg.label_smoothing
-    if cfg.loss == "bce":
+    if cfg.loss == "bce":  # multi-label (data.multi_label) trains with it; its targets are multi-hot rows
         return BinaryCrossEntropy(smoothing, cfg.bce_target_threshold, cfg.bce_pos_weight)
     if class_weights is not None:
         return WeightedCrossEntropy(class_weights, smoothing)
@@ -78,9 +78,14 @@ class BinaryCrossEntropy(nn.Module):
     def __init__(self, smoothing: float, target_threshold: float | None = None,
                  pos_weight: float | None = None) -> None:
         super().__init__()
+        self.smoothing = smoothing
         self.bce = TimmBinaryCrossEntropy(smoothing, target_threshold=target_threshold, pos_weight=pos_weight)
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.bce.pos_weight is not None and self.bce.pos_weight.device != logits.device:
             self.bce.to(logits.device)  # once: the loss is built before the device is known
+        if targets.is_floating_point() and self.smoothing:  # multi-hot rows: timm smooths class indices only;
+            # its values (data.mixing.smooth_multi_hot): smoothing / C off, 1 - smoothing + smoothing / C on
+            off = self.smoothing / targets.shape[1]
+            targets = torch.where(targets > 0, 1.0 - self.smoothing + off, off).float()
         return self.bce(logits.float(), targets.float() if targets.is_floating_point() else targets)

@@ -35,7 +35,9 @@ log = logging.getLogger(__name__)
 INIT_TIMEOUT_S = 90.0  # wandb.init gives up after this (network down) instead of hanging the job
 FINISH_TIMEOUT_S = 600.0  # the end-of-run upload gives up after this; `wandb sync` uploads the rest later
 OFFLINE_MODES = ("offline", "dryrun", "disabled")
-BEST = {"val_top1": "max", "val_top5": "max", "val_loss": "min", "val_balanced_acc": "max", "val_macro_f1": "max"}  # the same for the ema_ metrics
+BEST = {"val_top1": "max", "val_top5": "max", "val_loss": "min",  # the same for the ema_ metrics
+        "val_map": "max", "val_map_micro": "max", "val_f1": "max",  # multi-label
+        "val_balanced_acc": "max", "val_macro_f1": "max"}  # single-label, imbalanced
 
 
 class Sink:
@@ -200,9 +202,10 @@ class WandbTracker(Sink):
             artifact.add_file(str(path), name=path.name)
             self.run._log_artifact(artifact, is_user_created=True, use_after_commit=True)
 
-    def log_evaluation(self, metrics: dict[str, Any], confusion_png: str | os.PathLike,
+    def log_evaluation(self, metrics: dict[str, Any], confusion_png: str | os.PathLike | None,
                        rows: list[dict[str, Any]]) -> None:
-        """evaluate.py's results: metrics in the summary under eval/, the confusion matrix, a predictions table."""
+        """evaluate.py's results: metrics in the summary under eval/, the confusion matrix (none for multi-label),
+        a predictions table."""
         if not self.active:
             return
         with self._guard("logging the evaluation"):
@@ -210,7 +213,8 @@ class WandbTracker(Sink):
 
             columns = list(rows[0]) if rows else []
             table = wandb.Table(columns=columns, data=[[table_cell(row[c]) for c in columns] for row in rows])
-            self.run.log({"eval/confusion_matrix": wandb.Image(str(confusion_png)), "eval/predictions": table})
+            image = {} if confusion_png is None else {"eval/confusion_matrix": wandb.Image(str(confusion_png))}
+            self.run.log({**image, "eval/predictions": table})
             self.run.summary.update({f"eval/{k}": v for k, v in metrics.items()})
 
     def finish(self) -> None:

@@ -58,6 +58,7 @@ class LoopConfig:
     total_steps: int = 0  # optimizer steps of the whole run, for its ETA (0: unknown, the epoch's are shown)
     mix: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # (images, labels, mix) -> images, targets
     clip_mode: str = "norm"  # optim.clip_mode: norm | value | agc
+    multi_label: bool = False  # multi-hot targets (data.multi_label): no train_top1, train_loss only
 
 
 def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cfg: LoopConfig, info: DistInfo,
@@ -97,7 +98,8 @@ def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cf
                     logits = model(images)
                     loss = parts.loss_fn(logits, targets)
                 parts.precision.backward(loss / group_size)
-            meter.add(loss.detach() * len(labels), hits(ranked_classes(logits.detach(), 1), labels, 1), len(labels))
+            correct = 0.0 if cfg.multi_label else hits(ranked_classes(logits.detach(), 1), labels, 1)
+            meter.add(loss.detach() * len(labels), correct, len(labels))
             if not last_micro_step:
                 continue
             stepped, signum = parts.precision.step(optimizer, model, cfg.clip_grad, requested(), cfg.clip_mode)
@@ -133,7 +135,8 @@ def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cf
     sums, (wait, step_s) = state.sync_sums_and_max((waits.epoch(), step_s))
     seconds = state.epoch_seconds = time.perf_counter() - start
     count = max(sums["count"], 1.0)
-    return {"train_loss": sums["loss_sum"] / count, "train_top1": 100.0 * sums["correct"] / count,
+    top1 = {} if cfg.multi_label else {"train_top1": 100.0 * sums["correct"] / count}
+    return {"train_loss": sums["loss_sum"] / count, **top1,
             "train_img_per_s": sums["count"] / seconds, "epoch_time_s": seconds, "train_images": int(sums["count"]),
             "train_input_wait": wait, "train_step_s": step_s}
 

@@ -10,6 +10,7 @@ import contextlib
 import gc
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -66,8 +67,8 @@ def run_script(script: str, *args: str, nproc: int = 1, timeout: float = HANG, e
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                str(REPO / script), *args]
     env = {**(env or script_env()), "PYTHONFAULTHANDLER": "1"}
-    with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True) as popen:
+    with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=no_core_files) as popen:
         try:
             stdout, stderr = popen.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -79,6 +80,11 @@ def run_script(script: str, *args: str, nproc: int = 1, timeout: float = HANG, e
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
                              f"stderr:\n{proc.stderr[-5000:]}")
     return proc
+
+
+def no_core_files() -> None:
+    """In the child before exec: a SIGABRT (a hang's stack dump) must not leave core files in the repository."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
 def descendants(pid: int) -> list[int]:

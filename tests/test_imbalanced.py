@@ -281,3 +281,15 @@ def test_early_stopping_stops_at_the_same_epoch_when_resumed(tmp_path):
     again = run_script("train.py", *STOPS, f"output_dir={straight}")  # a finished, stopped run stays stopped
     assert "stopping early before epoch 3" in again.stderr
     assert len(read_jsonl(straight / "metrics.jsonl")) == 3
+
+
+def test_multi_label_data_takes_val_map_and_refuses_single_label_settings():
+    """data.multi_label (issue 26 items 1-2): best.pth follows val_map unless told otherwise; the single-label
+    metrics and the one-class-per-image sampler are refused in one line."""
+    multi = ["data.name=listfile", "data.multi_label=true", "train.loss=bce"]
+    assert best_metric(load_config("configs/digits.yaml", multi)) == "val_map"
+    assert best_metric(load_config("configs/digits.yaml", [*multi, "train.best_metric=val_loss"])) == "val_loss"
+    for override, message in (("train.best_metric=val_macro_f1", "is a single-label metric"),
+                              ("data.sampler=class_balanced", "multi-label images have several")):
+        with pytest.raises(UserError, match=message):
+            load_config("configs/digits.yaml", [*multi, override])
