@@ -46,6 +46,7 @@ from engine.dist import DistInfo, barrier, init_distributed, rank0_decides, read
 from engine.errors import UserError
 from engine.inference import CSV_OUTPUT, ema_hint, make_output_dir, merge_parts, part_file, write_csv
 from engine.logs import setup_logging
+from engine.metrics import class_metrics
 from engine.outputs import replace_with, starts_with, temp_beside, write_output
 from engine.precision import resolve_precision
 from engine.tracking import WandbTracker
@@ -245,6 +246,8 @@ def summarize(rows: list[dict[str, str]], metrics: dict[str, float], class_names
     correct = int(np.trace(confusion))
     if round(metrics["val_top1"] * len(rows) / 100.0) != correct:
         raise RuntimeError("predictions.csv disagrees with the all-reduced top-1 count")
+    if any(metrics.get(key) != value for key, value in class_metrics(torch.from_numpy(confusion)).items()):
+        raise RuntimeError("predictions.csv disagrees with the all-reduced confusion matrix")
     per_class = []
     for c, name in enumerate(class_names):
         n = int(confusion[c].sum())
@@ -255,6 +258,8 @@ def summarize(rows: list[dict[str, str]], metrics: dict[str, float], class_names
         "n": len(rows),
         "top1": metrics["val_top1"],
         "top5": metrics["val_top5"],
+        "balanced_acc": metrics["val_balanced_acc"],  # mean of the per-class top1 (recall) of the classes present
+        "macro_f1": metrics["val_macro_f1"],
         # Sum of per-image losses, correctly rounded (math.fsum): the same for any number of processes.
         "loss": math.fsum(float(row["loss"]) for row in rows) / len(rows),
         "per_class": per_class,

@@ -37,13 +37,13 @@ from data.mixing import BatchMix
 from data.transforms import DeviceNormalize
 from engine.checkpoint import Checkpointer
 from engine.cli import run_main
-from engine.config import (Config, ModelConfig, best_metric, config_yaml, given_keys, keys_help, load_config, mixing,
-                           to_dict)
+from engine.config import (Config, ModelConfig, best_metric, config_yaml, given_keys, keys_help, load_config,
+                           lower_is_better, mixing, to_dict)
 from engine.dist import DistInfo, broadcast_tensors, init_distributed, rank0_decides, read_launch_env
 from engine.distill import build_distillation, check_teacher_needed, freeze_teacher, read_teacher, teacher_sha256
 from engine.hooks import EmaUpdate, IntervalTracking, StepCheckpoint
 from engine.logs import setup_logging
-from engine.losses import build_loss
+from engine.losses import build_loss, class_weights
 from engine.multilabel import evaluate_multilabel
 from engine.optim import (build_optimizer, build_scheduler, check_optimizer, check_scheduler, scaled_lr_note,
                           with_scaled_lr)
@@ -100,6 +100,7 @@ def start_up(cfg: Config, info: DistInfo) -> tuple[Config, Resume, DataBundle, P
         model = create_model(cfg.model, data.num_classes, pretrained.state_dict, pretrained.source)
         check_pretrained(model, pretrained)
     start.load_model(model, cfg, data.class_names, info.world_size)
+    class_weights(cfg.train.class_weights, data.class_counts, data.class_names)  # checked before anything is written
     return cfg, start, data, precision, model
 
 
@@ -171,7 +172,9 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
     updates_per_epoch = steps_per_epoch(data.train, cfg.train.accum_steps)
     parts = TrainParts(wrap_for_training(model, cfg.model, info), optimizer,
                        build_scheduler(optimizer, cfg.sched, cfg.train.epochs, updates_per_epoch),
-                       build_loss(cfg.train, mixing(cfg.data)), precision, distill)
+                       build_loss(cfg.train, mixing(cfg.data),
+                                  class_weights(cfg.train.class_weights, data.class_counts, data.class_names)),
+                       precision, distill)
     state = start.load_training(parts, cfg, info)
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
     total_steps = cfg.train.epochs * updates_per_epoch
@@ -207,9 +210,16 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
              step_checkpoint, IntervalTracking(sinks), *([profile] if profile else [])]
     input_advice = InputAdvice(cfg.data, cpu_share(info.local_world_size), info.is_main)
 
+    patience = cfg.train.early_stop_patience
     while state.epoch < cfg.train.epochs:
         if cfg.train.max_steps and state.global_step >= cfg.train.max_steps:
             log.info("stopping at train.max_steps=%d", cfg.train.max_steps)
+            break
+        if patience and state.epochs_without_best >= patience:  # checked here, so a resumed run stops alike
+            log.info("stopping early before epoch %d: %s has not improved for %d epochs (train.early_stop_patience="
+                     "%d); best %s %.4f", state.epoch, chosen_on, state.epochs_without_best, patience, chosen_on,
+                     state.best_top1)
+            tracker.summary({"early_stopped_before_epoch": state.epoch})
             break
         data.train.sampler.set_epoch(state.epoch, start=state.samples_done(
             cfg.train.accum_steps, cfg.train.batch_size, len(data.train)))
@@ -228,7 +238,7 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
             broadcast_tensors(ema.module.state_dict().values())
             ema_stats = validate(ema.module, data.val, precision, info, normalize, cfg)
             row.update({f"ema_{k}": v for k, v in ema_stats.items() if k != "val_count"})
-        is_best = state.update_best(row[chosen_on])
+        is_best = state.update_best(row[chosen_on], lower_is_better(chosen_on))
         finished = state.epoch_finished(updates_per_epoch)  # else max_steps stopped it: resume continues it
         if finished and cfg.data.skip_corrupt:
             row["skipped_images"] = skipped_train_images(data.train, info.world_size, train_stats["train_images"])
@@ -269,7 +279,8 @@ def epoch_line(row: dict) -> str:
                  f"val_map_micro {row['val_map_micro']:.2f} val_f1 {row['val_f1']:.2f}")
     else:
         shown = (f"train_loss {row['train_loss']:.4f} train_top1 {row['train_top1']:.2f} | val_loss "
-                 f"{row['val_loss']:.4f} val_top1 {row['val_top1']:.2f} val_top5 {row['val_top5']:.2f}")
+                 f"{row['val_loss']:.4f} val_top1 {row['val_top1']:.2f} val_top5 {row['val_top5']:.2f} "
+                 f"bal_acc {row['val_balanced_acc']:.2f} macro_f1 {row['val_macro_f1']:.2f}")
     return f"epoch {row['epoch']}: {shown} | {row['train_img_per_s']:.0f} img/s, {row['epoch_time_s']:.1f}s"
 
 

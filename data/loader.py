@@ -18,6 +18,7 @@ from typing import Callable, Iterator
 
 import albumentations as A
 import cv2
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Sampler, default_collate
 
@@ -51,13 +52,18 @@ class EpochSampler(DistributedSampler):
     without mixing: k units in a row, on k different ranks when world_size >= k. With mixing each of the k
     copies gets a different partner (`repeated_pairs`), as in the sources, where each copy lands in another
     batch. With neither, this is torch's DistributedSampler (shuffle, drop_last) exactly.
+
+    `balanced` (data.sampler=class_balanced) replaces the epoch's permutation by len(dataset) draws with
+    replacement, each a uniform class and then a uniform image of it (an image's chance is 1 / (classes x its
+    class's count)), from the same (seed, epoch) generator; units, repeats and the dealing stay as above.
     """
 
     start = 0
 
-    def __init__(self, dataset, *args, unit: int = 1, repeats: int = 1, **kwargs) -> None:
+    def __init__(self, dataset, *args, unit: int = 1, repeats: int = 1, balanced: bool = False, **kwargs) -> None:
         super().__init__(dataset, *args, **kwargs)
         self.unit, self.repeats = unit, max(repeats, 1)
+        self.by_class = images_by_class(dataset.labels, dataset.classes) if balanced else None
         self.num_samples = len(self.dataset) // unit // self.num_replicas * unit
         self.total_size = self.num_samples * self.num_replicas
 
@@ -69,7 +75,10 @@ class EpochSampler(DistributedSampler):
         """(index, repeat) at each position of this epoch, the same list for every rank and world size."""
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)  # DistributedSampler's shuffle
-        perm = torch.randperm(len(self.dataset), generator=generator).tolist()
+        if self.by_class is None:
+            perm = torch.randperm(len(self.dataset), generator=generator).tolist()
+        else:
+            perm = balanced_draws(*self.by_class, len(self.dataset), generator)
         if self.unit == 2 and self.repeats > 1:
             return repeated_pairs(perm, self.repeats)[:len(perm)]
         units = [perm[i:i + self.unit] for i in range(0, len(perm), self.unit)]
@@ -89,6 +98,28 @@ class EpochSampler(DistributedSampler):
 
     def __len__(self) -> int:
         return max(self.num_samples - self.start, 0)
+
+
+def images_by_class(labels, classes: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(image indices sorted by class, where each class starts in them); a class without images is refused:
+    a class-balanced sampler would have to draw it."""
+    labels = torch.as_tensor(labels, dtype=torch.int64)
+    counts = torch.bincount(labels, minlength=len(classes))
+    if not counts.all():
+        empty = [name for name, n in zip(classes, counts.tolist()) if n == 0]
+        raise UserError(f"data.sampler=class_balanced: the training set has no images of class(es) "
+                        f"{', '.join(empty[:10])}; add images of them, remove their folders, or use "
+                        "data.sampler=uniform")
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    return torch.argsort(labels, stable=True), starts
+
+
+def balanced_draws(order: torch.Tensor, starts: torch.Tensor, n: int, generator: torch.Generator) -> list[int]:
+    """n image indices drawn with replacement: a uniform class, then a uniform image of that class."""
+    classes = torch.randint(len(starts) - 1, (n,), generator=generator)
+    counts = starts[1:] - starts[:-1]
+    within = torch.randint(2**62, (n,), generator=generator) % counts[classes]  # bias < count / 2^62
+    return order[starts[classes] + within].tolist()
 
 
 def repeated_pairs(perm: list[int], repeats: int) -> list[tuple[int, int]]:
@@ -282,7 +313,8 @@ def build_train_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: i
     """Shuffled, drop_last loader over this rank's share of the training set (with mixing, batches carry
     their mixes: data.mixing)."""
     sampler = EpochSampler(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=seed,
-                           drop_last=True, unit=2 if mixing(cfg) else 1, repeats=cfg.aug_repeats)
+                           drop_last=True, unit=2 if mixing(cfg) else 1, repeats=cfg.aug_repeats,
+                           balanced=cfg.sampler == "class_balanced")
     check_repeats(cfg.aug_repeats, len(dataset), batch_size * info.world_size, mixing(cfg))
     if len(sampler) < batch_size:
         raise UserError(f"each rank gets {len(sampler)} training images but train.batch_size is {batch_size}; "
@@ -343,6 +375,7 @@ class DataBundle:
     val: DataLoader
     num_classes: int
     class_names: list[str]
+    class_counts: list[int]  # training images per class (train.class_weights=balanced); multi-label: positives
 
 
 def build_data(cfg: DataConfig, batch_size: int, seed: int, info: DistInfo) -> DataBundle:
@@ -362,7 +395,15 @@ def build_data(cfg: DataConfig, batch_size: int, seed: int, info: DistInfo) -> D
         val=val,
         num_classes=len(train_set.classes),
         class_names=list(train_set.classes),
+        class_counts=class_counts(train_set.labels, len(train_set.classes)),
     )
+
+
+def class_counts(labels: np.ndarray, num_classes: int) -> list[int]:
+    """Images of each class: of class indices, or (multi-label) the positives of each multi-hot column."""
+    if labels.ndim == 2:
+        return labels.sum(axis=0, dtype=np.int64).tolist()
+    return np.bincount(labels, minlength=num_classes).tolist()
 
 
 def steps_per_epoch(loader: DataLoader, accum_steps: int) -> int:

@@ -110,6 +110,7 @@ class DataConfig:
     cutmix_alpha: float = 0.0  # cutmix Beta(alpha, alpha) box between pairs of images; 0 = off
     mixup_prob: float = 1.0  # probability that a pair is mixed (when mixup or cutmix is on)
     mixup_switch_prob: float = 0.5  # probability of cutmix instead of mixup when both are on
+    sampler: str = "uniform"  # uniform: each image once an epoch | class_balanced: classes drawn equally (replacement)
     aug_repeats: int = 0  # repeated augmentation: each image k times per epoch (k >= 2), differently augmented
     mix_mode: str = "pair"  # pair: one mixup/cutmix draw per pair of images | batch: one per data.mix_group images
     mix_group: int = 0  # batch mode: images per draw, of the global order (any world size); 0 = train.batch_size
@@ -166,6 +167,9 @@ class TrainConfig:
     keep_last_k: int = 0  # keep the newest k epoch_NNNN.pth files; 0 = none
     max_nonfinite: int = 5  # fp32/bf16: stop after this many optimizer steps in a row with inf/NaN gradients
     best_on_ema: bool = True  # with model.ema_decay: best.pth is the epoch with the best ema_val_top1 (as timm)
+    class_weights: str | list[float] = "none"  # ce: none | balanced (n / (classes x class count)) | [w0, w1, ...]
+    best_metric: str = "val_top1"  # best.pth: val_top1 | val_balanced_acc | val_macro_f1 | val_map | val_loss (min)
+    early_stop_patience: int = 0  # stop after this many epochs without a better train.best_metric; 0 = off
 
 
 @dataclass
@@ -230,6 +234,8 @@ CHOICES = {
     "dist.backend": ("auto", "nccl", "gloo"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
     "train.loss": ("ce", "bce"),
+    "data.sampler": ("uniform", "class_balanced"),
+    "train.best_metric": ("val_top1", "val_balanced_acc", "val_macro_f1", "val_map", "val_loss"),
     "optim.clip_mode": ("norm", "value", "agc"),
     "data.mix_mode": ("pair", "batch"),
     "distill.type": ("soft", "hard"),
@@ -246,7 +252,8 @@ NON_NEGATIVE = ("dist.timeout_s", "logging.wandb_samples", "optim.lr", "optim.we
                 "train.max_steps", "data.num_workers", "train.ckpt_every_steps", "train.keep_last_k",
                 "data.color_jitter", "data.val_img_size", "sched.warmup_epochs", "sched.warmup_lr", "sched.min_lr",
                 "data.mixup_alpha", "data.cutmix_alpha", "data.aug_repeats", "data.mix_group",
-                "sched.warmup_steps", "sched.decay_epochs", "sched.cooldown_epochs", "optim.lr_base")
+                "sched.warmup_steps", "sched.decay_epochs", "sched.cooldown_epochs", "optim.lr_base",
+                "train.early_stop_patience")
 FRACTIONS = ("model.drop_rate", "model.drop_path_rate", "train.label_smoothing", "model.ema_decay")  # in [0, 1)
 MAX_SEED = 2**32 - 1  # np.random.seed (train.py) takes nothing larger
 OPENCV_MAX_PIXELS = 2**30  # OpenCV refuses larger images (CV_IO_MAX_IMAGE_PIXELS)
@@ -386,6 +393,15 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
         except UserError as err:
             message = str(err).replace(f"must be {inner.__name__},", f"must be {inner.__name__} or null,")
             raise UserError(message) from None
+    if isinstance(hint, types.UnionType):  # `str | list[float]`: a name, or a list (train.class_weights)
+        named, listed = hint.__args__
+        if isinstance(value, list):
+            return _coerce(key, listed, value)
+        try:
+            return _coerce(key, named, value)
+        except UserError as err:
+            raise UserError(str(err).replace(f"must be {named.__name__},", f"must be {named.__name__} or a list,")) from None
+
     if hint is float and isinstance(value, (int, str)) and not isinstance(value, bool):
         try:  # (PyYAML reads 1e-3, without a dot, as a string)
             value = float(value)
@@ -478,6 +494,7 @@ def validate(cfg: Config) -> None:
     validate_optim(cfg.optim)
     validate_bce(cfg.train)
     validate_multi_label(cfg)
+    validate_imbalance(cfg)
     if cfg.logging.wandb:
         validate_wandb(cfg.logging)
     if not cfg.resume:
@@ -599,6 +616,31 @@ def validate_multi_label(cfg: Config) -> None:
                         f"{cfg.train.loss!r})")
 
 
+def validate_imbalance(cfg: Config) -> None:
+    """train.class_weights and train.best_metric values that could not work (a list's length is checked
+    against the classes when the data is read: engine/losses.py class_weights)."""
+    weights, multi_label = cfg.train.class_weights, cfg.data.multi_label
+    if isinstance(weights, str) and weights not in ("none", "balanced"):
+        raise UserError(f"config key 'train.class_weights' is {weights!r}; use none, balanced or a list of one "
+                        "weight per class, e.g. [1.0, 5.0]")
+    if isinstance(weights, list) and (not weights or min(weights) < 0 or max(weights) == 0):
+        raise UserError(f"config key 'train.class_weights' must be one weight >= 0 per class, not all 0, got "
+                        f"{weights}")
+    if weights != "none" and cfg.train.loss != "ce":
+        raise UserError(f"config key 'train.class_weights' applies to train.loss=ce (train.loss is "
+                        f"{cfg.train.loss!r}); "
+                        "use train.bce_pos_weight with bce")
+    if cfg.train.best_metric == "val_map" and not multi_label:  # the one place that decides where mAP exists
+        raise UserError("train.best_metric=val_map needs multi-label data (data.multi_label=true), and this run's "
+                        "data is single-label; use val_top1, val_balanced_acc, val_macro_f1 or val_loss")
+    if multi_label and cfg.train.best_metric in ("val_balanced_acc", "val_macro_f1"):
+        raise UserError(f"train.best_metric={cfg.train.best_metric} is a single-label metric; with "
+                        "data.multi_label=true use val_map (the default there) or val_loss")
+    if multi_label and cfg.data.sampler == "class_balanced":
+        raise UserError("data.sampler=class_balanced draws one class per image, and multi-label images have "
+                        "several; use data.sampler=uniform (train.bce_pos_weight weights the positives)")
+
+
 def validate_wandb(cfg: LoggingConfig) -> None:
     """Names W&B would refuse at init time; caught here so the mistake is a one-line error, not a lost run."""
     if not 0 < len(cfg.wandb_project) <= 128 or any(c in cfg.wandb_project for c in "/\\#?%:"):
@@ -661,10 +703,17 @@ def config_yaml(cfg: Config) -> str:
 
 
 def best_metric(cfg: Config) -> str:
-    """The metrics.jsonl column best.pth is chosen on: the EMA's top-1 with model.ema_decay and train.best_on_ema;
-    val_map for multi-label data."""
-    metric = "val_map" if cfg.data.multi_label else "val_top1"
-    return f"ema_{metric}" if cfg.model.ema_decay > 0 and cfg.train.best_on_ema else metric
+    """The metrics.jsonl column best.pth is chosen on: train.best_metric (val_top1, the default, means val_map for
+    multi-label data), of the EMA's weights with model.ema_decay and train.best_on_ema."""
+    name = cfg.train.best_metric
+    if cfg.data.multi_label and name == "val_top1":
+        name = "val_map"
+    return f"ema_{name}" if cfg.model.ema_decay > 0 and cfg.train.best_on_ema else name
+
+
+def lower_is_better(metric: str) -> bool:
+    """Whether a smaller value of this metrics.jsonl column is the better one (the losses)."""
+    return metric.removeprefix("ema_") == "val_loss"
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

@@ -1,6 +1,12 @@
-"""Exact metrics across ranks: keep sums (loss x n, correct, n) and all-reduce those, never means."""
+"""Exact metrics across ranks: keep sums (loss x n, correct, n) and all-reduce those, never means.
+
+The metrics of imbalanced data (balanced accuracy, macro-F1, per-class recall) come from a C x C confusion
+matrix of counts, kept on the device and all-reduced once with the sums (`class_metrics`).
+"""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -34,6 +40,13 @@ class SumMeter:
                                   else torch.full((), v, dtype=torch.float64, device=self.sums.device)
                                   for v in values])
 
+    def global_sums_with(self, counts: torch.Tensor) -> tuple[dict[str, float], torch.Tensor]:
+        """Sums over all ranks, and `counts` (e.g. a confusion matrix) summed over all ranks, in one all-reduce.
+
+        float64 holds integer counts exactly up to 2^53."""
+        total = all_reduce_sum(torch.cat([self.sums, counts.flatten().to(torch.float64)])).cpu()
+        return dict(zip(self.names, total[:len(self.names)].tolist())), total[len(self.names):].view(counts.shape)
+
     def global_sums(self) -> dict[str, float]:
         """Sums over all ranks (a collective: every rank must call it)."""
         return self.global_sums_and_max(())[0]
@@ -51,3 +64,30 @@ class SumMeter:
         total = all_reduce_sum(torch.cat([self.sums, slots])).tolist()
         ranks = [total[len(self.names) + r * count:len(self.names) + (r + 1) * count] for r in range(world)]
         return dict(zip(self.names, total)), [max(values) for values in zip(*ranks)]
+
+
+PER_CLASS_RECALL_MAX = 20  # classes up to which each class's val recall gets its own metrics column
+
+
+def add_confusion(confusion: torch.Tensor, targets: torch.Tensor, predicted: torch.Tensor) -> None:
+    """Count (true class, predicted class) pairs into a flat C*C matrix on the device: scatter_add, not bincount,
+    which on CUDA reads the input's max on the host."""
+    classes = math.isqrt(len(confusion))
+    confusion.scatter_add_(0, targets * classes + predicted, torch.ones_like(targets, dtype=confusion.dtype))
+
+
+def class_metrics(confusion: torch.Tensor) -> dict[str, float]:
+    """val_balanced_acc (mean recall over the classes present), val_macro_f1 (mean F1 over the classes present or
+    predicted), in percent as scikit-learn's balanced_accuracy_score and f1_score(average='macro') define them,
+    and val_recall_<c> of each class present when there are at most PER_CLASS_RECALL_MAX classes."""
+    confusion = confusion.to(torch.float64)
+    hit, true, predicted = confusion.diagonal(), confusion.sum(1), confusion.sum(0)
+    present, seen = true > 0, (true + predicted) > 0
+    recall = hit[present] / true[present]
+    f1 = 2 * hit[seen] / (true[seen] + predicted[seen])
+    metrics = {"val_balanced_acc": 100.0 * recall.mean().item() if len(recall) else 0.0,
+               "val_macro_f1": 100.0 * f1.mean().item() if len(f1) else 0.0}
+    if len(confusion) <= PER_CLASS_RECALL_MAX:
+        for c in present.nonzero().flatten().tolist():
+            metrics[f"val_recall_{c}"] = 100.0 * (hit[c] / true[c]).item()
+    return metrics

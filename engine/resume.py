@@ -221,7 +221,7 @@ class Resume:
         state.load_state_dict(ckpt)
         then, now = ckpt.get("best_metric", "val_top1"), best_metric(cfg)
         if then != now:  # best_top1 measured another metric: comparing the two would pick best.pth wrongly
-            state.best_top1 = -math.inf
+            state.best_top1, state.epochs_without_best = -math.inf, 0
             if info.is_main:
                 log.info("checkpoint %s chose best.pth on %s; best.pth is now chosen on %s, from the next evaluation "
                          "on", path, then, now)

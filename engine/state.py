@@ -16,17 +16,20 @@ import torch
 from engine.metrics import SumMeter
 
 TRAIN_SUMS = ("loss_sum", "correct", "count")
-CHECKPOINTED = ("epoch", "global_step", "best_top1", "epoch_step", "epoch_sums", "epoch_seconds")
+CHECKPOINTED = ("epoch", "global_step", "best_top1", "epoch_step", "epoch_sums", "epoch_seconds",
+                "epochs_without_best", "best_in_epoch")
 
 
 @dataclass
 class TrainState:
     epoch: int = 0  # the next epoch to run (or the one in progress, when epoch_step > 0)
     global_step: int = 0  # optimizer steps done
-    best_top1: float = -math.inf
+    best_top1: float = -math.inf  # the best value of train.best_metric so far (-inf: none yet); named before it
     epoch_step: int = 0  # optimizer steps done in `epoch`; > 0 in a mid-epoch checkpoint
     epoch_sums: dict[str, float] = field(default_factory=dict)  # train sums over all ranks, as of the last sync
     epoch_seconds: float = 0.0  # training time of the epoch's steps
+    epochs_without_best: int = 0  # finished epochs in which best_top1 did not improve (train.early_stop_patience)
+    best_in_epoch: bool = False  # best_top1 improved during `epoch` (also at an evaluation before a mid-epoch stop)
     meter: SumMeter | None = field(default=None, repr=False, compare=False)  # this rank's sums while training
 
     def start_epoch(self, device: torch.device, is_main: bool) -> SumMeter:
@@ -61,12 +64,18 @@ class TrainState:
         return self.epoch_step >= steps_per_epoch
 
     def finish_epoch(self) -> None:
+        """The next epoch; an epoch in which no evaluation beat the best counts towards early stopping."""
         self.epoch, self.epoch_step, self.epoch_sums, self.epoch_seconds, self.meter = self.epoch + 1, 0, {}, 0.0, None
+        self.epochs_without_best = 0 if self.best_in_epoch else self.epochs_without_best + 1
+        self.best_in_epoch = False
 
-    def update_best(self, top1: float) -> bool:
-        """Record a validation top-1; True when it beats every earlier one."""
-        better = top1 > self.best_top1
-        self.best_top1 = max(self.best_top1, top1)
+    def update_best(self, value: float, lower_is_better: bool = False) -> bool:
+        """Record a validation metric; True when it beats every earlier one (strictly: a tie is no improvement)."""
+        if math.isnan(value):
+            return False
+        better = self.best_top1 == -math.inf or (value < self.best_top1 if lower_is_better else value > self.best_top1)
+        if better:
+            self.best_top1, self.best_in_epoch = value, True
         return better
 
     def samples_done(self, accum_steps: int, batch_size: int, batches_per_epoch: int) -> int:
@@ -84,4 +93,6 @@ class TrainState:
         self.epoch_step = ckpt.get("epoch_step", 0)
         self.epoch_sums = dict(ckpt.get("epoch_sums") or {})
         self.epoch_seconds = ckpt.get("epoch_seconds", 0.0)
+        self.epochs_without_best = ckpt.get("epochs_without_best", 0)
+        self.best_in_epoch = ckpt.get("best_in_epoch", False)
         self.meter = None

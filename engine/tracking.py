@@ -36,7 +36,8 @@ INIT_TIMEOUT_S = 90.0  # wandb.init gives up after this (network down) instead o
 FINISH_TIMEOUT_S = 600.0  # the end-of-run upload gives up after this; `wandb sync` uploads the rest later
 OFFLINE_MODES = ("offline", "dryrun", "disabled")
 BEST = {"val_top1": "max", "val_top5": "max", "val_loss": "min",  # the same for the ema_ metrics
-        "val_map": "max", "val_map_micro": "max", "val_f1": "max"}  # multi-label
+        "val_map": "max", "val_map_micro": "max", "val_f1": "max",  # multi-label
+        "val_balanced_acc": "max", "val_macro_f1": "max"}  # single-label, imbalanced
 
 
 class Sink:

@@ -25,7 +25,7 @@ from engine.dist import DistInfo
 from engine.errors import UserError
 from engine.hooks import Hook
 from engine.logs import Progress
-from engine.metrics import SumMeter, hits, ranked_classes
+from engine.metrics import SumMeter, add_confusion, class_metrics, hits, ranked_classes
 from engine.precision import Precision
 from engine.prefetch import Normalize, device_batches
 from engine.signals import Preempted, requested, stop, training_steps, workers_shielded
@@ -163,12 +163,14 @@ def check_nonfinite(skipped: int, limit: int, step: int, info: DistInfo) -> None
 def evaluate(model: nn.Module, loader: DataLoader, precision: Precision, info: DistInfo,
              normalize: Normalize,
              on_batch: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None) -> dict[str, float]:
-    """Exact val_loss / val_top1 / val_top5 over the whole (sharded, unpadded) validation set.
+    """Exact val_loss / val_top1 / val_top5, and the confusion matrix's metrics (engine.metrics.class_metrics),
+    over the whole (sharded, unpadded) validation set: one all-reduce at the end, no host sync per batch.
 
     on_batch(logits, targets, ranked) sees each batch with the top-5 classes the metrics counted.
     """
     model.eval()
     meter = SumMeter(("loss_sum", "top1", "top5", "count"), info.device)
+    confusion = None  # C x C counts (flat), C = the model's outputs
     with workers_shielded():
         batches = device_batches(iter(loader), info.device, normalize)
     for images, targets in batches:
@@ -178,9 +180,15 @@ def evaluate(model: nn.Module, loader: DataLoader, precision: Precision, info: D
         loss = nn.functional.cross_entropy(logits, targets, reduction="sum")
         ranked = ranked_classes(logits, 5)
         meter.add(loss, hits(ranked, targets, 1), hits(ranked, targets, 5), len(targets))
+        if confusion is None:
+            confusion = torch.zeros(logits.shape[1] ** 2, dtype=torch.int64, device=info.device)
+        add_confusion(confusion, targets, ranked[:, 0])
         if on_batch is not None:
             on_batch(logits, targets, ranked)
-    sums = meter.global_sums()
+    if confusion is None:  # a rank without a batch still joins the reduction, with the data's class count
+        confusion = torch.zeros(len(loader.dataset.classes) ** 2, dtype=torch.int64, device=info.device)
+    num_classes = math.isqrt(len(confusion))
+    sums, confusion = meter.global_sums_with(confusion.view(num_classes, num_classes))
     count = sums["count"]
     return {"val_loss": sums["loss_sum"] / count, "val_top1": 100.0 * sums["top1"] / count,
-            "val_top5": 100.0 * sums["top5"] / count, "val_count": int(count)}
+            "val_top5": 100.0 * sums["top5"] / count, "val_count": int(count), **class_metrics(confusion)}

@@ -19,6 +19,7 @@ from tests.helpers import read_jsonl, run_ranks, run_script
 pytestmark = pytest.mark.slow  # torchrun jobs
 
 VAL_SIZE = 101  # divisible by neither 2 nor 3
+CLASS_METRICS = ("val_balanced_acc", "val_macro_f1", "val_recall_")
 
 
 def evaluate_on_ranks(rank: int, world: int) -> dict:
@@ -42,6 +43,10 @@ def test_sharded_evaluation_is_exact_for_1_2_3_ranks(tmp_path):
             assert metrics["val_count"] == VAL_SIZE
             assert metrics["val_top1"] == reference["val_top1"] and metrics["val_top5"] == reference["val_top5"]
             assert math.isclose(metrics["val_loss"], reference["val_loss"], rel_tol=1e-5)
+            # The all-reduced confusion matrix's metrics (issue 26): counts, so exact too.
+            assert {k: v for k, v in metrics.items() if k.startswith(CLASS_METRICS)} == \
+                {k: v for k, v in reference.items() if k.startswith(CLASS_METRICS)}
+    assert reference["val_balanced_acc"] > 0 and "val_recall_9" in reference
 
 
 def test_torchrun_two_ranks_trains_and_writes_outputs(tmp_path):

@@ -1,0 +1,295 @@
+"""Imbalanced single-label data (issue 26): class weights, the class-balanced sampler, the metrics that judge
+imbalance (against scikit-learn's), train.best_metric and early stopping."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import evaluate
+import train
+from data.loader import EpochSampler
+from engine.checkpoint import load_checkpoint
+from engine.cli import report_errors
+from engine.config import TrainConfig, best_metric, load_config
+from engine.errors import UserError
+from engine.losses import build_loss, class_weights
+from engine.metrics import PER_CLASS_RECALL_MAX, class_metrics
+from engine.state import TrainState
+from tests.helpers import TINY, make_image_folder, read_jsonl, run_script
+from tests.test_resume import assert_same, rows_without_timing
+
+# 100 : 10 : 5 : 1 images: a class-balanced draw must still give each class a quarter of an epoch.
+LABELS = np.repeat(np.arange(4), [100, 10, 5, 1])
+
+
+class Labelled:
+    """What EpochSampler reads of a dataset: its labels, its classes, its length."""
+
+    def __init__(self, labels: np.ndarray, classes: int) -> None:
+        self.labels, self.classes = labels, [f"c{i}" for i in range(classes)]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+def dealt(world: int, epoch: int = 3, start: int = 0, **kwargs) -> list[list[tuple]]:
+    """Each rank's keys of `epoch` for a class-balanced EpochSampler over LABELS."""
+    ranks = []
+    for rank in range(world):
+        sampler = EpochSampler(Labelled(LABELS, 4), num_replicas=world, rank=rank, shuffle=True, seed=7,
+                               drop_last=True, balanced=True, **kwargs)
+        sampler.set_epoch(epoch, start)
+        ranks.append(list(sampler))
+    return ranks
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"repeats": 3}, {"unit": 2}, {"unit": 2, "repeats": 2}])
+def test_class_balanced_sampler_deals_one_global_order_to_any_world_size(kwargs):
+    """Batch j of W ranks x B images == images [j B W, (j+1) B W) of the one-process order, as EpochSampler deals."""
+    unit = kwargs.get("unit", 1)
+    (single,) = dealt(1, **kwargs)
+    for world in (2, 3):
+        ranks = dealt(world, **kwargs)
+        merged = [key for block in zip(*[[r[i:i + unit] for i in range(0, len(r), unit)] for r in ranks])
+                  for part in block for key in part]
+        assert merged == single[:len(merged)]
+        assert min(len(r) for r in ranks) == len(single) // unit // world * unit
+    assert single != dealt(1, epoch=4, **kwargs)[0]  # a new draw every epoch
+    assert dealt(2, start=5, **kwargs)[1] == dealt(2, **kwargs)[1][5:]  # a mid-epoch resume skips what was read
+
+
+def test_class_balanced_sampler_draws_every_class_alike():
+    """Over many epochs each class gets a quarter of the draws though its images are 86% to 1% of the set; an
+    image's chance is 1 / (classes x its class's count)."""
+    draws = np.array([index for epoch in range(200) for _, index in dealt(1, epoch=epoch)[0]])
+    share = np.bincount(LABELS[draws], minlength=4) / len(draws)
+    assert np.allclose(share, 0.25, atol=0.01), share
+    lone = np.flatnonzero(LABELS == 3)[0]
+    assert math.isclose(np.mean(draws == lone), 0.25, abs_tol=0.01)
+    assert len(dealt(1)[0]) == len(LABELS)  # an epoch keeps the dataset's length
+
+
+def test_class_balanced_sampler_refuses_a_class_without_images():
+    with pytest.raises(UserError, match="no images of class.*c2"):
+        EpochSampler(Labelled(np.array([0, 0, 1, 3]), 4), num_replicas=1, rank=0, balanced=True)
+
+
+def test_balanced_class_weights_are_scikit_learns():
+    from sklearn.utils.class_weight import compute_class_weight
+
+    counts = np.bincount(LABELS).tolist()
+    expected = compute_class_weight("balanced", classes=np.arange(4), y=LABELS)
+    assert torch.allclose(class_weights("balanced", counts, ["a", "b", "c", "d"]),
+                          torch.tensor(expected, dtype=torch.float32))
+    assert class_weights("none", counts, ["a", "b", "c", "d"]) is None
+    assert class_weights([1, 2, 3, 4], counts, ["a", "b", "c", "d"]).tolist() == [1, 2, 3, 4]
+    with pytest.raises(UserError, match="has 3 weights but the data has 4 classes"):
+        class_weights([1, 2, 3], counts, ["a", "b", "c", "d"])
+    with pytest.raises(UserError, match="no images of class.*c"):
+        class_weights("balanced", [3, 1, 0, 2], ["a", "b", "c", "d"])
+
+
+@pytest.mark.parametrize("smoothing, soft", [(0.0, False), (0.1, False), (0.1, True)])
+def test_weighted_cross_entropy_semantics(smoothing, soft):
+    """What train.class_weights computes, in float64 by hand: the mean over the N images of w[y] l (smoothing's
+    uniform term weighted per class) on hard labels, of sum_c w_c p_c (-log q_c) on soft targets. Not torch's
+    weighted mean (divided by sum w[y]): DDP would average per-process denominators (the 2-rank test below)."""
+    gen = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(16, 4, generator=gen), torch.randint(4, (16,), generator=gen)
+    weights = torch.tensor([0.5, 2.0, 3.0, 10.0])
+    cfg = TrainConfig(label_smoothing=smoothing, class_weights=weights.tolist())
+    loss_fn = build_loss(cfg, mixing=soft, class_weights=weights)
+    log_q, w = torch.log_softmax(logits.double(), 1), weights.double()
+    if soft:  # mixed targets arrive with smoothing folded in; the loss smooths nothing itself
+        targets = torch.softmax(torch.randn(16, 4, generator=gen), 1)
+        expected = -(w * targets.double() * log_q).sum(1).mean()
+        actual = loss_fn(logits, targets)
+    else:
+        nll = -log_q.gather(1, labels[:, None])[:, 0]
+        uniform = -(w * log_q).sum(1) / 4
+        expected = (w[labels] * ((1 - smoothing) * nll) + smoothing * uniform).mean()
+        actual = loss_fn(logits, labels)
+    assert torch.allclose(actual.double(), expected, rtol=1e-6)
+
+
+def test_class_metrics_are_scikit_learns():
+    """A class absent from y_true (only predicted), one never predicted, one in neither: sklearn's definitions."""
+    from sklearn.metrics import balanced_accuracy_score, f1_score, recall_score
+
+    rng = np.random.default_rng(0)
+    y_true = rng.choice([0, 1, 2, 4], 300, p=[0.7, 0.2, 0.08, 0.02])
+    y_pred = np.where(rng.random(300) < 0.6, y_true, rng.choice([0, 1, 3], 300))
+    y_pred[y_pred == 4] = 0  # class 4 is never predicted, class 3 never true, class 5 neither
+    confusion = torch.from_numpy(np.bincount(y_true * 6 + y_pred, minlength=36).reshape(6, 6))
+    metrics = class_metrics(confusion)
+    with pytest.warns(UserWarning):  # sklearn warns that class 3 is predicted but never true
+        assert math.isclose(metrics["val_balanced_acc"], 100 * balanced_accuracy_score(y_true, y_pred), rel_tol=1e-12)
+    assert math.isclose(metrics["val_macro_f1"], 100 * f1_score(y_true, y_pred, average="macro"), rel_tol=1e-12)
+    recalls = recall_score(y_true, y_pred, labels=[0, 1, 2, 4], average=None)
+    assert [metrics[f"val_recall_{c}"] for c in (0, 1, 2, 4)] == pytest.approx(100 * recalls, rel=1e-12)
+    assert "val_recall_3" not in metrics and "val_recall_5" not in metrics  # no true images: no recall
+    many = PER_CLASS_RECALL_MAX + 1
+    assert not any(k.startswith("val_recall_") for k in class_metrics(torch.eye(many, dtype=torch.int64)))
+
+
+def test_best_metric_direction_and_ema_column():
+    cfg = load_config("configs/digits.yaml", ["train.best_metric=val_loss", "model.ema_decay=0.9"])
+    assert best_metric(cfg) == "ema_val_loss"
+    state = TrainState()
+    assert [state.update_best(v, lower_is_better=True) for v in (2.0, 2.0, 1.5, 1.7, float("nan"))] == \
+        [True, False, True, False, False]
+    assert state.best_top1 == 1.5
+    state = TrainState()
+    assert [state.update_best(v) for v in (50.0, 50.0, 60.0)] == [True, False, True]
+    state.finish_epoch()  # an epoch with a new best (at any of its evaluations) resets the early-stopping count
+    assert state.epochs_without_best == 0 and state.update_best(55.0) is False
+    state.finish_epoch()
+    assert state.epochs_without_best == 1
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.class_weights=[1,-2]", "'train.class_weights' must be one weight >= 0 per class"),
+    ("train.class_weights=heavy", "'train.class_weights' is 'heavy'; use none, balanced or a list"),
+    ("train.best_metric=val_map", "train.best_metric=val_map needs multi-label data"),
+    ("train.best_metric=val_f1", "'train.best_metric' is 'val_f1'; choose one of val_top1, val_balanced_acc"),
+    ("train.early_stop_patience=-1", "'train.early_stop_patience' must be >= 0"),
+])
+def test_bad_imbalance_settings_are_one_line(override, message, tmp_path, capsys):
+    assert report_errors(train.main, [*TINY, override, f"output_dir={tmp_path}", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and message in err.strip().splitlines()[-1], err
+
+
+@pytest.fixture(scope="module")
+def empty_class(tmp_path_factory) -> Path:
+    """Training images of a and b, and a class folder c with none."""
+    root = tmp_path_factory.mktemp("empty_class")
+    make_image_folder(root, {"train": {"a": 8, "b": 8}, "val": {"a": 2, "b": 2}}, size=20)
+    (root / "train/c").mkdir()
+    return root
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("override, message", [
+    ("data.sampler=class_balanced", "data.sampler=class_balanced: the training set has no images of class(es) c;"),
+    ("train.class_weights=balanced", "train.class_weights=balanced: the training set has no images of class(es) c,"),
+    ("train.class_weights=[1,2]", "train.class_weights has 2 weights but the data has 3 classes (a, b, c)"),
+])
+def test_class_settings_that_do_not_fit_the_data_are_one_line(override, message, workers, empty_class, tmp_path,
+                                                              capsys):
+    args = [*TINY, "data.name=imagefolder", f"data.root={empty_class}", "train.batch_size=4",
+            f"data.num_workers={workers}", override, f"output_dir={tmp_path / 'run'}"]
+    extra = ["--dry-run"] if workers == 0 else []  # the dry run makes the run's checks; a run writes nothing
+    assert report_errors(train.main, [*args, *extra]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and message in err.strip().splitlines()[-1], err
+    assert not (tmp_path / "run").exists()
+
+
+def test_evaluate_writes_the_class_metrics_of_its_predictions(tiny_run, tmp_path):
+    """eval.json's balanced accuracy and macro-F1 are scikit-learn's on predictions.csv, and the training run's
+    last evaluation of the same weights wrote the same values to metrics.jsonl."""
+    import csv
+
+    from sklearn.metrics import balanced_accuracy_score, f1_score
+
+    assert report_errors(evaluate.main, [str(tiny_run / "last.pth"), "--output-dir", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "eval.json").read_text())
+    with open(tmp_path / "predictions.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    y_true, y_pred = [int(r["label"]) for r in rows], [int(r["pred"]) for r in rows]
+    assert math.isclose(result["balanced_acc"], 100 * balanced_accuracy_score(y_true, y_pred), rel_tol=1e-12)
+    assert math.isclose(result["macro_f1"], 100 * f1_score(y_true, y_pred, average="macro"), rel_tol=1e-12)
+    row = read_jsonl(tiny_run / "metrics.jsonl")[-1]
+    assert (row["val_balanced_acc"], row["val_macro_f1"]) == (result["balanced_acc"], result["macro_f1"])
+    assert [row.get(f"val_recall_{c}") for c in range(10)] == [c["top1"] for c in result["per_class"]]
+
+
+# ---- trained runs (slow): the sampler under DDP and across a resume, early stopping across a resume ----
+
+# test_correctness's dummy set and model without BatchNorm at 3 classes (50 images: 17, 17, 16), so balanced
+# class weights differ from 1; 2 epochs of 4 steps with a global batch of 12.
+BALANCED = ("data.dummy_num_classes=3", "data.sampler=class_balanced", "train.class_weights=balanced")
+
+
+@pytest.fixture(scope="module")
+def balanced_runs(tmp_path_factory) -> dict[str, Path]:
+    from tests.test_correctness import COMMON, NO_BN_MODEL
+
+    root = tmp_path_factory.mktemp("balanced")
+    one = (*COMMON, NO_BN_MODEL, *BALANCED, "train.batch_size=12")
+    run_script("train.py", *one, f"output_dir={root / 'one'}")
+    run_script("train.py", *COMMON, NO_BN_MODEL, *BALANCED, "train.batch_size=6", f"output_dir={root / 'two'}",
+               nproc=2)
+    run_script("train.py", *one, f"output_dir={root / 'resumed'}", "train.max_steps=6")  # stops mid-epoch 1
+    assert load_checkpoint(root / "resumed/last.pth")["epoch_step"] == 2
+    partial = read_jsonl(root / "resumed/metrics.jsonl")[-1]["val_top1"]  # the evaluation at the stop
+    run_script("train.py", *one, f"output_dir={root / 'resumed'}")
+    return {"one": root / "one", "two": root / "two", "resumed": root / "resumed", "partial_top1": partial}
+
+
+@pytest.mark.slow
+def test_class_balanced_sampler_one_process_equals_two_ranks(balanced_runs):
+    """The same global batches (and weighted loss) on 1 and 2 processes: the same weights within fp32 rounding."""
+    from tests.test_correctness import assert_same_model
+
+    assert_same_model(balanced_runs["one"], balanced_runs["two"])
+    one, two = read_jsonl(balanced_runs["one"] / "metrics.jsonl"), read_jsonl(balanced_runs["two"] / "metrics.jsonl")
+    assert [r["train_top1"] for r in one] == [r["train_top1"] for r in two]  # the same images, classified alike
+
+
+@pytest.mark.slow
+def test_class_balanced_sampler_resumes_mid_epoch_bitwise(balanced_runs):
+    """Stopped after step 2 of epoch 1 and resumed: the checkpoint and metrics equal the uninterrupted run's."""
+    expected, resumed = load_checkpoint(balanced_runs["one"] / "last.pth"), load_checkpoint(
+        balanced_runs["resumed"] / "last.pth")
+    # best_top1 also saw the evaluation at the stop (which counts as the epoch's improvement, as in the straight run).
+    assert resumed["best_top1"] == max(expected["best_top1"], balanced_runs["partial_top1"])
+    resumed["best_top1"] = expected["best_top1"]
+    assert_same(expected, resumed)
+    assert rows_without_timing(balanced_runs["resumed"]) == rows_without_timing(balanced_runs["one"])
+
+
+# lr 0 on a model without BatchNorm: val_loss is the same every epoch, so epoch 0 is the best one and every later
+# epoch is one without improvement; patience 2 stops the run after epoch 2 of 6. 16 images: 2 steps an epoch.
+STOPS = [*TINY, "model.name=test_efficientnet_gn", "data.dummy_train_size=16", "optim.lr=0", "train.epochs=6",
+         "train.best_metric=val_loss", "train.early_stop_patience=2"]
+
+
+@pytest.mark.slow
+def test_early_stopping_stops_at_the_same_epoch_when_resumed(tmp_path):
+    """A run stopped after epoch 1 (one epoch without improvement, kept in last.pth) and resumed stops before
+    epoch 3 as the uninterrupted run does; without the kept count it would run epoch 3 too."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    done = run_script("train.py", *STOPS, f"output_dir={straight}")
+    assert "stopping early before epoch 3: val_loss has not improved for 2 epochs" in done.stderr
+    run_script("train.py", *STOPS, f"output_dir={resumed}", "train.max_steps=4")  # the end of epoch 1
+    assert load_checkpoint(resumed / "last.pth")["epochs_without_best"] == 1
+    run_script("train.py", *STOPS, f"output_dir={resumed}")
+    for run in (straight, resumed):
+        ckpt = load_checkpoint(run / "last.pth")
+        assert (ckpt["epoch"], ckpt["epochs_without_best"]) == (3, 2)
+        assert [r["epoch"] for r in read_jsonl(run / "metrics.jsonl")] == [0, 1, 2]
+        assert load_checkpoint(run / "best.pth")["epoch"] == 1  # chosen after epoch 0
+    again = run_script("train.py", *STOPS, f"output_dir={straight}")  # a finished, stopped run stays stopped
+    assert "stopping early before epoch 3" in again.stderr
+    assert len(read_jsonl(straight / "metrics.jsonl")) == 3
+
+
+def test_multi_label_data_takes_val_map_and_refuses_single_label_settings():
+    """data.multi_label (issue 26 items 1-2): best.pth follows val_map unless told otherwise; the single-label
+    metrics and the one-class-per-image sampler are refused in one line."""
+    multi = ["data.name=listfile", "data.multi_label=true", "train.loss=bce"]
+    assert best_metric(load_config("configs/digits.yaml", multi)) == "val_map"
+    assert best_metric(load_config("configs/digits.yaml", [*multi, "train.best_metric=val_loss"])) == "val_loss"
+    for override, message in (("train.best_metric=val_macro_f1", "is a single-label metric"),
+                              ("data.sampler=class_balanced", "multi-label images have several")):
+        with pytest.raises(UserError, match=message):
+            load_config("configs/digits.yaml", [*multi, override])
