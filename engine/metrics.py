@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from engine.dist import all_reduce_sum, get_rank, get_world_size
@@ -79,15 +80,18 @@ def add_confusion(confusion: torch.Tensor, targets: torch.Tensor, predicted: tor
 def class_metrics(confusion: torch.Tensor) -> dict[str, float]:
     """val_balanced_acc (mean recall over the classes present), val_macro_f1 (mean F1 over the classes present or
     predicted), in percent as scikit-learn's balanced_accuracy_score and f1_score(average='macro') define them,
-    and val_recall_<c> of each class present when there are at most PER_CLASS_RECALL_MAX classes."""
-    confusion = confusion.to(torch.float64)
-    hit, true, predicted = confusion.diagonal(), confusion.sum(1), confusion.sum(0)
+    and val_recall_<c> of each class present when there are at most PER_CLASS_RECALL_MAX classes.
+
+    The matrix comes to the host once (one copy, as the sums' tolist()); the arithmetic is numpy's.
+    """
+    counts = confusion.cpu().numpy().astype(np.float64)
+    hit, true, predicted = counts.diagonal(), counts.sum(1), counts.sum(0)
     present, seen = true > 0, (true + predicted) > 0
     recall = hit[present] / true[present]
     f1 = 2 * hit[seen] / (true[seen] + predicted[seen])
-    metrics = {"val_balanced_acc": 100.0 * recall.mean().item() if len(recall) else 0.0,
-               "val_macro_f1": 100.0 * f1.mean().item() if len(f1) else 0.0}
-    if len(confusion) <= PER_CLASS_RECALL_MAX:
-        for c in present.nonzero().flatten().tolist():
-            metrics[f"val_recall_{c}"] = 100.0 * (hit[c] / true[c]).item()
+    metrics = {"val_balanced_acc": 100.0 * float(recall.mean()) if len(recall) else 0.0,
+               "val_macro_f1": 100.0 * float(f1.mean()) if len(f1) else 0.0}
+    if len(counts) <= PER_CLASS_RECALL_MAX:
+        for c in np.flatnonzero(present).tolist():
+            metrics[f"val_recall_{c}"] = 100.0 * float(hit[c] / true[c])
     return metrics
