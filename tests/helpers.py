@@ -104,12 +104,23 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def exited(pid: int) -> bool:
+    """Gone, or a zombie waiting for its parent."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
 def dump_stacks_and_kill(popen: subprocess.Popen) -> str:
     """SIGABRT to a hung run and all its descendants (each dumps its stacks), then SIGKILL; their stderr."""
     pids = [popen.pid, *descendants(popen.pid)]  # DataLoader workers leave the process group: found by parent
-    for pid in reversed(pids):
+    for pid in reversed(pids):  # one at a time, so that their dumps do not interleave in the shared stderr
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGABRT)
+        deadline = time.monotonic() + 10
+        while not exited(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
     try:
         _, stderr = popen.communicate(timeout=60)
     except subprocess.TimeoutExpired:
