@@ -173,6 +173,21 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 
 
 @pytest.mark.slow
+def test_training_on_one_process_equals_two_ranks(lists, tmp_path):
+    """Multi-hot targets mixed (mixup and cutmix) and smoothed under BCE: 1 process and 2 ranks train on the same
+    global batches, so their weights agree within fp32 rounding, and so do their val mAPs."""
+    from tests.test_correctness import NO_BN_MODEL, assert_same_model
+
+    args = (*TINY, *ML, NO_BN_MODEL, f"data.root={lists / 'good'}", "data.mixup_alpha=0.4", "data.cutmix_alpha=1.0",
+            "train.label_smoothing=0.1", "train.epochs=2")
+    run_script("train.py", *args, "train.batch_size=8", f"output_dir={tmp_path / 'one'}")
+    run_script("train.py", *args, "train.batch_size=4", f"output_dir={tmp_path / 'two'}", nproc=2)
+    assert_same_model(tmp_path / "one", tmp_path / "two", steps=6)  # 24 images, global batch 8, 2 epochs
+    one, two = (read_jsonl(tmp_path / run / "metrics.jsonl") for run in ("one", "two"))
+    assert [r["val_map"] for r in one] == pytest.approx([r["val_map"] for r in two], abs=1e-3)
+
+
+@pytest.mark.slow
 def test_training_reports_map_and_evaluate_matches_sklearn_on_1_and_2_processes(trained, evaluated, tmp_path):
     row = read_jsonl(trained / "metrics.jsonl")[-1]
     assert "train_top1" not in row and "val_top1" not in row
