@@ -256,3 +256,29 @@ def test_truncated_checkpoint(booby_trapped, tmp_path, capsys):
     path.write_bytes(path.read_bytes()[:5000])
     line = last_error(capsys, report_errors(evaluate.main, [str(path), "--output-dir", str(tmp_path / "eval")]))
     assert f"checkpoint {path} cannot be read" in line and "truncated" in line
+
+
+class FailsAtFive(torch.utils.data.Dataset):
+    """Index 5 raises a UserError, as a dataset reading a bad file does."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index == 5:
+            raise UserError("image 5 is unreadable")
+        return torch.zeros(3)
+
+
+def test_a_worker_error_ends_the_loaders_workers_at_once():
+    """The one line, and no worker left running for the cycle collector to join (5 s per worker in torch)."""
+    import multiprocessing
+
+    from data.loader import OneLineErrorLoader
+
+    others = set(multiprocessing.active_children())  # other tests' workers not yet collected
+    loader = OneLineErrorLoader(FailsAtFive(), batch_size=4, num_workers=2, persistent_workers=True)
+    with pytest.raises(UserError, match="^image 5 is unreadable$"):
+        for _ in loader:
+            pass
+    assert set(multiprocessing.active_children()) - others == set()
