@@ -50,7 +50,8 @@ import_timm_without_wandb()  # first: the imports below reach timm, which would 
 
 from data.loader import build_data, build_train_loader
 from engine.cli import run_main
-from engine.config import Config, OptimConfig, load_config
+from engine.config import Config, OptimConfig
+from engine.config_load import load_config
 from engine.dist import DistInfo, init_distributed
 from engine.errors import UserError
 from engine.optim import build_optimizer

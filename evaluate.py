@@ -41,7 +41,8 @@ from data.transforms import DeviceNormalize, eval_size
 from data.datasets import AugmentedDataset
 from engine.checkpoint import load_checkpoint
 from engine.cli import run_main
-from engine.config import Config, config_from_dict, parse_override, set_dotted, to_dict
+from engine.config import Config, to_dict
+from engine.config_load import config_from_dict, parse_override, set_dotted
 from engine.dist import DistInfo, barrier, init_distributed, rank0_decides, read_launch_env
 from engine.errors import UserError
 from engine.inference import CSV_OUTPUT, ema_hint, make_output_dir, merge_parts, part_file, write_csv

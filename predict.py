@@ -41,7 +41,8 @@ from data.datasets import ImageListDataset, find_images
 from data.loader import build_eval_loader, collate_channels_last
 from data.transforms import DeviceNormalize, eval_size, eval_transform
 from engine.cli import run_main
-from engine.config import Config, parse_override
+from engine.config import Config
+from engine.config_load import parse_override
 from engine.dist import DistInfo, barrier, init_distributed, rank0_decides, read_launch_env
 from engine.errors import UserError
 from engine.inference import (CSV_OUTPUT, Trained, check_same_architecture, ema_hint, inference_config,

@@ -37,8 +37,9 @@ from data.mixing import BatchMix
 from data.transforms import DeviceNormalize
 from engine.checkpoint import Checkpointer
 from engine.cli import run_main
-from engine.config import (Config, ModelConfig, best_metric, config_yaml, given_keys, keys_help, load_config,
-                           lower_is_better, mixing, to_dict)
+from engine.config import (Config, ModelConfig, best_metric, config_yaml, given_keys, keys_help, lower_is_better,
+                           mixing, to_dict)
+from engine.config_load import load_config
 from engine.dist import DistInfo, broadcast_tensors, init_distributed, rank0_decides, read_launch_env
 from engine.distill import build_distillation, check_teacher_needed, freeze_teacher, read_teacher, teacher_sha256
 from engine.hooks import EmaUpdate, IntervalTracking, StepCheckpoint

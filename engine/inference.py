@@ -18,7 +18,8 @@ from typing import Any, Sequence
 import torch
 
 from engine.checkpoint import load_checkpoint
-from engine.config import Config, config_from_dict, set_dotted
+from engine.config import Config
+from engine.config_load import config_from_dict, set_dotted
 from engine.errors import UserError
 from engine.outputs import Recognise, check_replaceable, replace_with, starts_with, temp_beside
 

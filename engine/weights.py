@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from engine.checkpoint import load_checkpoint
-from engine.config import CHOICES, Config, given_keys
+from engine.config import Config, given_keys
+from engine.config_checks import CHOICES
 from engine.errors import UserError
 
 log = logging.getLogger(__name__)

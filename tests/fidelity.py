@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import yaml
 
-from engine.config import load_config, to_dict
+from engine.config import to_dict
+from engine.config_load import load_config
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from tests.helpers import REPO
 
-BOTTOM = {"engine.errors", "engine.config", "engine.dist", "engine.logs", "engine.metrics", "engine.precision",
-          "engine.startup", "engine.host_memory", "engine.prefetch", "engine.signals",
+BOTTOM = {"engine.errors", "engine.config", "engine.config_checks", "engine.config_load", "engine.dist", "engine.logs",
+          "engine.metrics", "engine.precision", "engine.startup", "engine.host_memory", "engine.prefetch", "engine.signals",
           "engine.outputs"}
 APP_PACKAGES = ("engine", "data", "models")
 

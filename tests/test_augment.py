@@ -20,7 +20,8 @@ from data.mixing import CUTMIX, MIXUP, BatchMix, MixCollate, cutmix_box
 from data.transforms import TimmRandAugment, tensor_augment, train_transform
 from engine.checkpoint import load_checkpoint
 from engine.cli import report_errors
-from engine.config import DataConfig, TrainConfig, load_config
+from engine.config import DataConfig, TrainConfig
+from engine.config_load import load_config
 from engine.dist import DistInfo
 from engine.errors import UserError
 from engine.losses import build_loss

@@ -9,7 +9,8 @@ import yaml
 
 import train
 from engine.cli import report_errors
-from engine.config import Config, config_from_dict, load_config
+from engine.config import Config
+from engine.config_load import config_from_dict, load_config
 from tests.helpers import TINY, make_image_folder
 
 

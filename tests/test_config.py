@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import Config, config_from_dict, config_yaml, load_config, to_dict
+from engine.config import Config, config_yaml, to_dict
+from engine.config_load import config_from_dict, load_config
 from engine.errors import UserError
 
 

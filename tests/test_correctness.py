@@ -189,7 +189,7 @@ def keys_read_by_fit(rank: int, world: int, runs: list[list[str]]) -> list[list[
     """Call train.py's fit once per override list on this rank; return the (epoch, index) keys that each
     call's training loop read, in order."""
     from data.datasets import AugmentedDataset
-    from engine.config import load_config
+    from engine.config_load import load_config
     from engine.dist import DistInfo
     from train import fit
 

@@ -17,7 +17,8 @@ from timm.task import LogitDistillationTask, TokenDistillationTask
 import train
 from data.transforms import DeviceNormalize
 from engine.cli import report_errors
-from engine.config import DistillConfig, OptimConfig, SchedConfig, load_config
+from engine.config import DistillConfig, OptimConfig, SchedConfig
+from engine.config_load import load_config
 from engine.dist import DistInfo
 from engine.distill import build_distillation, teacher_sha256
 from engine.errors import UserError

@@ -133,7 +133,7 @@ def digits_subset(source: Path, target: Path, classes: list[str]) -> Path:
 @pytest.mark.slow  # a short digits training, then a fine-tuning run on 5 of its classes
 def test_finetune_from_a_safetensors_file_into_a_5_class_head(tmp_path):
     from engine.dist import DistInfo
-    from engine.config import load_config
+    from engine.config_load import load_config
 
     base = tmp_path / "base"
     digits = tmp_path / "digits"
@@ -220,7 +220,7 @@ def test_interpolation_reaches_both_pipelines():
 
 
 def test_finetune_digits_config_leaves_the_preprocessing_to_the_weights():
-    from engine.config import load_config
+    from engine.config_load import load_config
 
     cfg = load_config("finetune_digits")
     assert cfg.model.init_from == "runs/digits/best-hf" and cfg.data.name == "imagefolder"

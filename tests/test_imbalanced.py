@@ -10,14 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 import evaluate
 import train
 from data.loader import EpochSampler
 from engine.checkpoint import load_checkpoint
 from engine.cli import report_errors
-from engine.config import TrainConfig, best_metric, load_config
+from engine.config import TrainConfig, best_metric
+from engine.config_load import load_config
 from engine.errors import UserError
 from engine.losses import build_loss, class_weights
 from engine.metrics import PER_CLASS_RECALL_MAX, class_metrics

@@ -16,7 +16,8 @@ from torch import nn
 
 from data.datasets import seeded
 from data.transforms import DeviceNormalize, TimmErasing
-from engine.config import TrainConfig, load_config
+from engine.config import TrainConfig
+from engine.config_load import load_config
 from engine.errors import UserError
 from engine.losses import build_loss
 from engine.precision import Precision

@@ -24,7 +24,8 @@ from torchvision.transforms._presets import ImageClassification
 
 from data.datasets import seeded
 from data.transforms import DeviceNormalize, eval_transform, tensor_augment, train_transform
-from engine.config import DataConfig, load_config
+from engine.config import DataConfig
+from engine.config_load import load_config
 
 PHOTOS = [np.array(photo) for photo in load_sample_images().images]  # writable copies
 BOUND = 0.1  # mean |difference| per image, in 0-255 levels

@@ -11,7 +11,7 @@ import torch
 
 import train
 from engine.cli import report_errors
-from engine.config import CONFIG_DIR, load_config
+from engine.config_load import CONFIG_DIR, load_config
 from engine.optim import check_optimizer
 from tests.helpers import REPO
 

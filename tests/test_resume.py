@@ -21,7 +21,7 @@ import evaluate
 import train
 from engine.checkpoint import load_checkpoint
 from engine.cli import report_errors
-from engine.config import load_config
+from engine.config_load import load_config
 from engine.errors import UserError
 from engine.resume import check_resumable
 from tests.compare import model_rows

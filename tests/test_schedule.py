@@ -14,7 +14,7 @@ from torch import nn
 
 import train
 from engine.cli import report_errors
-from engine.config import load_config
+from engine.config_load import load_config
 from engine.errors import UserError
 from engine.optim import build_optimizer, build_scheduler
 from tests.helpers import TINY, read_jsonl

@@ -11,7 +11,6 @@ import base64
 import hashlib
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ import pytest
 import torch
 import yaml
 
-from engine.config import load_config
+from engine.config_load import load_config
 from engine.errors import UserError
 from tests.helpers import REPO, read_jsonl, run_script, script_env
 from tests.wandb_reader import find_runs, read_run
@@ -311,7 +310,7 @@ def test_sample_table_holds_the_augmented_images_the_model_is_fed(tracked):
     import cv2
 
     from data.loader import build_datasets
-    from engine.config import load_config
+    from engine.config_load import load_config
 
     out, root = tracked
     [path] = find_runs(root / "wandb")

@@ -19,7 +19,8 @@ from data.loader import build_datasets, build_val_dataset
 from data.transforms import DeviceNormalize, eval_size, eval_transform, resize, short_side_size, train_transform
 from engine.checkpoint import load_checkpoint
 from engine.cli import report_errors
-from engine.config import DataConfig, ModelConfig, config_from_dict
+from engine.config import DataConfig, ModelConfig
+from engine.config_load import config_from_dict
 from engine.weights import load_weights
 from models.factory import create_model
 from models.tta import TTAModel
@@ -175,7 +176,7 @@ def test_export_metadata_gives_the_test_resolution(tiny_run):
     ("data.val_crop_pct", 1.5, "config key 'data.val_crop_pct' must be in (0, 1] (0 = data.crop_pct), got 1.5"),
 ])
 def test_bad_val_keys_are_one_line(key, value, message):
-    from engine.config import set_dotted
+    from engine.config_load import set_dotted
     from engine.errors import UserError
 
     raw: dict = {}

@@ -1,0 +1,258 @@
+"""The values a Config can type-check with and still not work (batch size 0, an unknown mode, a schedule timm
+would quietly default): each refused at load time, in one line naming the key and what to use."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from engine.config import Config, LoggingConfig, OptimConfig, SchedConfig, TrainConfig, mixing
+from engine.errors import UserError
+
+
+CHOICES = {
+    "amp": ("auto", "bf16", "fp16", "off"),
+    "data.name": ("imagefolder", "dummy", "digits", "wds", "listfile", "hf"),
+    "model.freeze": ("none", "backbone"),
+    "data.interpolation": ("bilinear", "bicubic", "nearest", "area", "lanczos"),
+    "data.random_erase_mode": ("pixel", "rand", "const"),
+    "data.train_interpolation": ("", "random", "bilinear", "bicubic", "nearest", "area", "lanczos"),
+    "dist.backend": ("auto", "nccl", "gloo"),
+    "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
+    "train.loss": ("ce", "bce"),
+    "data.sampler": ("uniform", "class_balanced"),
+    "train.best_metric": ("val_top1", "val_balanced_acc", "val_macro_f1", "val_map", "val_loss"),
+    "optim.clip_mode": ("norm", "value", "agc"),
+    "data.mix_mode": ("pair", "batch"),
+    "distill.type": ("soft", "hard"),
+    "sched.warmup_shape": ("timm", "nvidia"),
+    "optim.lr_base_scale": ("linear", "sqrt"),
+    "sched.name": ("cosine", "tanh", "poly", "wsd", "rsqrt", "step", "multistep", "constant"),
+}
+ENDLESS_SCHEDULES = ("step", "multistep", "constant")  # no end to cool down after
+POSITIVE = ("train.epochs", "train.batch_size", "train.accum_steps", "data.img_size",
+            "logging.interval", "dist.rendezvous_timeout_s", "train.max_nonfinite", "data.prefetch_factor",
+            "data.dummy_train_size", "data.dummy_val_size", "data.dummy_num_classes", "data.dummy_image_size",
+            "data.max_image_pixels", "sched.decay_rate", "optim.lr_base_size", "data.random_erase_count", "distill.tau")
+NON_NEGATIVE = ("dist.timeout_s", "logging.wandb_samples", "optim.lr", "optim.weight_decay", "optim.clip_grad",
+                "train.max_steps", "data.num_workers", "train.ckpt_every_steps", "train.keep_last_k",
+                "data.color_jitter", "data.val_img_size", "sched.warmup_epochs", "sched.warmup_lr", "sched.min_lr",
+                "data.mixup_alpha", "data.cutmix_alpha", "data.aug_repeats", "data.mix_group",
+                "sched.warmup_steps", "sched.decay_epochs", "sched.cooldown_epochs", "optim.lr_base",
+                "train.early_stop_patience")
+FRACTIONS = ("model.drop_rate", "model.drop_path_rate", "train.label_smoothing", "model.ema_decay")  # in [0, 1)
+MAX_SEED = 2**32 - 1  # np.random.seed (train.py) takes nothing larger
+OPENCV_MAX_PIXELS = 2**30  # OpenCV refuses larger images (CV_IO_MAX_IMAGE_PIXELS)
+
+
+def _get(cfg: Config, key: str) -> Any:
+    node: Any = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def validate(cfg: Config) -> None:
+    """Reject values that type-check but cannot work (negative lr, batch size 0, unknown modes)."""
+    if cfg.sched.name == "plateau":  # before CHOICES: say why it is missing
+        raise UserError("sched.name 'plateau' is not supported: it steps on a validation metric and timm does not "
+                        "checkpoint its state (a resumed run would not continue it); use cosine, step or multistep")
+    for key, allowed in CHOICES.items():
+        if _get(cfg, key) not in allowed:
+            raise UserError(f"config key {key!r} is {_get(cfg, key)!r}; choose one of {', '.join(allowed)}")
+    for key in POSITIVE:
+        if _get(cfg, key) <= 0:
+            raise UserError(f"config key {key!r} must be > 0, got {_get(cfg, key)!r}")
+    for key in NON_NEGATIVE:
+        if _get(cfg, key) < 0:
+            raise UserError(f"config key {key!r} must be >= 0, got {_get(cfg, key)!r}")
+    for key in ("data.hflip", "data.random_erase", "data.mixup_prob", "data.mixup_switch_prob", "distill.alpha"):
+        if not 0 <= _get(cfg, key) <= 1:
+            raise UserError(f"config key {key!r} must be in [0, 1], got {_get(cfg, key)!r}")
+    parse_auto_augment(cfg.data.auto_augment)
+    steps = cfg.logging.profile_steps
+    if steps and not (len(steps) == 2 and 1 <= steps[0] <= steps[1]):
+        raise UserError(f"config key 'logging.profile_steps' must be [start, end] with 1 <= start <= end (optimizer "
+                        f"steps, the first is 1), or [] for no profile; got {steps}")
+    if mixing(cfg.data) and cfg.train.batch_size % 2:
+        raise UserError(f"config key 'train.batch_size' must be even with mixup or cutmix on (images are mixed in "
+                        f"pairs within a process's batch), got {cfg.train.batch_size}")
+    if mixing(cfg.data) and cfg.data.mix_mode == "batch" and cfg.data.mix_group % 2:
+        raise UserError(f"config key 'data.mix_group' must be even (a group holds whole pairs), got "
+                        f"{cfg.data.mix_group}")
+    for key in FRACTIONS:
+        if not 0 <= _get(cfg, key) < 1:
+            raise UserError(f"config key {key!r} must be in [0, 1), got {_get(cfg, key)!r}")
+    if not 0 <= cfg.seed <= MAX_SEED:
+        raise UserError(f"config key 'seed' must be in [0, {MAX_SEED}], got {cfg.seed}")
+    if not cfg.output_dir.strip():  # an unset shell variable: checkpoints would land in the current folder
+        raise UserError("config key 'output_dir' is empty; give the folder for this run's checkpoints and metrics")
+    for key in ("data.train_split", "data.val_split"):
+        if not _get(cfg, key).strip():
+            raise UserError(f"config key {key!r} is empty; name the split (a folder under data.root, e.g. val)")
+    if cfg.data.max_image_pixels > OPENCV_MAX_PIXELS:
+        raise UserError(f"config key 'data.max_image_pixels' must be at most {OPENCV_MAX_PIXELS} (OpenCV's own "
+                        f"limit), got {cfg.data.max_image_pixels}")
+    if not 0 < cfg.data.crop_pct <= 1:
+        raise UserError(f"config key 'data.crop_pct' must be in (0, 1], got {cfg.data.crop_pct}")
+    if not 0 <= cfg.data.val_crop_pct <= 1:
+        raise UserError(f"config key 'data.val_crop_pct' must be in (0, 1] (0 = data.crop_pct), got "
+                        f"{cfg.data.val_crop_pct}")
+    for key in ("data.scale", "data.ratio"):
+        low_high = _get(cfg, key)
+        if len(low_high) != 2 or not 0 < low_high[0] <= low_high[1]:
+            raise UserError(f"config key {key!r} must be [low, high] with 0 < low <= high, got {low_high}")
+    validate_sched(cfg.sched, cfg.train.epochs)
+    validate_optim(cfg.optim)
+    validate_bce(cfg.train)
+    validate_multi_label(cfg)
+    validate_imbalance(cfg)
+    if cfg.logging.wandb:
+        validate_wandb(cfg.logging)
+    if not cfg.resume:
+        raise UserError("config key 'resume' is empty; use auto, none or the path of a checkpoint")
+    if len(cfg.data.mean) != 3 or len(cfg.data.std) != 3 or min(cfg.data.std) <= 0:
+        raise UserError("config keys 'data.mean' and 'data.std' need 3 values each (RGB), std > 0")
+
+
+AUTO_AUGMENT_FORMS = ("rand-m<magnitude 0-10>[-n<ops>][-mstd<std>][-p<op probability>][-inc1] (e.g. "
+                      "rand-m9-mstd0.5-inc1), "
+                      "trivialaugment, "
+                      "augmix[-m<severity 1-10>][-w<width>][-d<depth>], autoaugment, or \"\" for none")
+AUTO_AUGMENT_OPTIONS = {"rand": {"m": 9.0, "n": 2.0, "mstd": 0.0, "p": 0.5, "inc": 0.0},
+                        "augmix": {"m": 3.0, "w": 3.0, "d": -1.0},
+                        "trivialaugment": {}, "autoaugment": {}}
+
+
+def parse_auto_augment(text: str) -> tuple[str, dict[str, float]]:
+    """timm-style policy string -> (policy, options with defaults); ("", {}) for none."""
+    if not text:
+        return "", {}
+    name, *parts = text.split("-")
+    if name not in AUTO_AUGMENT_OPTIONS:
+        raise UserError(f"config key 'data.auto_augment' is {text!r}; use {AUTO_AUGMENT_FORMS}")
+    options = dict(AUTO_AUGMENT_OPTIONS[name])
+    for part in parts:
+        match = re.fullmatch(r"(mstd|[a-z]+?)(\d+(?:\.\d*)?)", part)
+        integer_only = match and match.group(1) not in ("mstd", "p")
+        if not match or match.group(1) not in options or (integer_only and "." in match.group(2)):
+            raise UserError(f"config key 'data.auto_augment' is {text!r}: cannot read {part!r}; use "
+                            f"{AUTO_AUGMENT_FORMS}")
+        options[match.group(1)] = float(match.group(2))
+    if name == "rand" and not (options["m"] <= 10 and options["n"] >= 1 and options["p"] <= 1
+                               and options["inc"] in (0, 1)):
+        raise UserError(f"config key 'data.auto_augment' is {text!r}: rand needs m in 0-10, n >= 1, p in [0, 1] "
+                        f"and inc 0 or 1")
+    if name == "augmix" and not (1 <= options["m"] <= 10 and options["w"] >= 1):
+        raise UserError(f"config key 'data.auto_augment' is {text!r}: augmix needs m in 1-10 and w >= 1")
+    return name, options
+
+
+def validate_sched(cfg: SchedConfig, epochs: int) -> None:
+    """Schedule settings timm would ignore or take a default for (step's is 90 epochs), refused at load time."""
+    if cfg.name == "step" and cfg.decay_epochs <= 0:
+        raise UserError("sched.name=step needs sched.decay_epochs > 0 (decay the lr every that many epochs), "
+                        "e.g. sched.decay_epochs=30")
+    if cfg.name == "multistep" and not cfg.decay_milestones:
+        raise UserError("sched.name=multistep needs sched.decay_milestones, the epochs to decay at, "
+                        "e.g. sched.decay_milestones=[30,60,80]")
+    milestones = cfg.decay_milestones
+    if milestones and (milestones[0] <= 0 or any(b <= a for a, b in zip(milestones, milestones[1:]))):
+        raise UserError(f"config key 'sched.decay_milestones' must increase from an epoch > 0, got {milestones}")
+    if cfg.warmup_epochs and cfg.warmup_steps:
+        raise UserError(f"set sched.warmup_epochs or sched.warmup_steps, not both (got {cfg.warmup_epochs} and "
+                        f"{cfg.warmup_steps})")
+    if cfg.cooldown_epochs and cfg.name in ENDLESS_SCHEDULES:
+        raise UserError(f"sched.cooldown_epochs applies to schedules with an end (cosine, tanh, poly, wsd, rsqrt), "
+                        f"not sched.name={cfg.name}; set it to 0")
+    if cfg.step_on_epochs and cfg.warmup_steps:
+        raise UserError(f"sched.warmup_steps={cfg.warmup_steps} needs an lr that changes every step; with "
+                        "sched.step_on_epochs=true give sched.warmup_epochs")
+    if cfg.warmup_shape == "nvidia" and not cfg.step_on_epochs:
+        raise UserError("sched.warmup_shape=nvidia is NVIDIA's per-epoch warmup; set sched.step_on_epochs=true "
+                        "with it")
+    if cfg.warmup_prefix and cfg.warmup_epochs >= epochs - cfg.cooldown_epochs:
+        raise UserError(f"sched.warmup_prefix=true: sched.warmup_epochs {cfg.warmup_epochs} leaves no epoch of "
+                        f"train.epochs {epochs} for the schedule after it; lower sched.warmup_epochs")
+    if cfg.cooldown_epochs >= epochs:
+        raise UserError(f"sched.cooldown_epochs must be below train.epochs ({epochs}), got {cfg.cooldown_epochs}")
+
+
+def validate_optim(cfg: OptimConfig) -> None:
+    """Optimizer values out of range (whether this optimizer takes them is checked at start-up: engine/optim.py)."""
+    if cfg.betas and (len(cfg.betas) != 2 or not all(0 <= b < 1 for b in cfg.betas)):
+        raise UserError(f"config key 'optim.betas' must be [beta1, beta2], each in [0, 1), got {cfg.betas}")
+    if cfg.eps is not None and cfg.eps <= 0:
+        raise UserError(f"config key 'optim.eps' must be > 0 (or null: the optimizer's default), got {cfg.eps}")
+    if not 0 <= cfg.layer_decay <= 1:
+        raise UserError(f"config key 'optim.layer_decay' must be in [0, 1] (0: off), got {cfg.layer_decay}")
+    if cfg.clip_mode != "norm" and cfg.clip_grad == 0:  # a mode without a value would silently clip nothing
+        what = "the AGC clip factor, e.g. 0.01" if cfg.clip_mode == "agc" else "the largest |gradient element|"
+        raise UserError(f"config key 'optim.clip_mode' is {cfg.clip_mode} but optim.clip_grad is 0 (off); set "
+                        f"optim.clip_grad ({what})")
+
+
+def validate_bce(cfg: TrainConfig) -> None:
+    """BCE's options only mean something with train.loss=bce; out of range they would train on nonsense targets."""
+    for key in ("bce_target_threshold", "bce_pos_weight"):
+        if getattr(cfg, key) is not None and cfg.loss != "bce":
+            raise UserError(f"config key 'train.{key}' applies to train.loss=bce only (train.loss is {cfg.loss!r}); "
+                            f"set train.loss=bce or remove it")
+    if cfg.bce_target_threshold is not None and not 0 <= cfg.bce_target_threshold < 1:
+        raise UserError(f"config key 'train.bce_target_threshold' must be in [0, 1) (or null: off), got "
+                        f"{cfg.bce_target_threshold}")
+    if cfg.bce_pos_weight is not None and cfg.bce_pos_weight <= 0:
+        raise UserError(f"config key 'train.bce_pos_weight' must be > 0 (or null: 1), got {cfg.bce_pos_weight}")
+
+
+MULTI_LABEL_FORMATS = ("listfile", "hf", "wds")  # the formats whose samples can carry a set of labels
+
+
+def validate_multi_label(cfg: Config) -> None:
+    """data.multi_label needs a format that can hold a set of labels, and trains with one sigmoid per class."""
+    if not 0 < cfg.data.multi_label_threshold < 1:
+        raise UserError(f"config key 'data.multi_label_threshold' must be in (0, 1), got "
+                        f"{cfg.data.multi_label_threshold}")
+    if not cfg.data.multi_label:
+        return
+    if cfg.data.name not in MULTI_LABEL_FORMATS:
+        raise UserError(f"data.multi_label=true needs data.name {', '.join(MULTI_LABEL_FORMATS)}: data.name="
+                        f"{cfg.data.name} gives each image one class (write a list file: path,labels with a|b)")
+    if cfg.train.loss != "bce":
+        raise UserError(f"data.multi_label=true trains one sigmoid per class: set train.loss=bce (train.loss is "
+                        f"{cfg.train.loss!r})")
+
+
+def validate_imbalance(cfg: Config) -> None:
+    """train.class_weights and train.best_metric values that could not work (a list's length is checked
+    against the classes when the data is read: engine/losses.py class_weights)."""
+    weights, multi_label = cfg.train.class_weights, cfg.data.multi_label
+    if isinstance(weights, str) and weights not in ("none", "balanced"):
+        raise UserError(f"config key 'train.class_weights' is {weights!r}; use none, balanced or a list of one "
+                        "weight per class, e.g. [1.0, 5.0]")
+    if isinstance(weights, list) and (not weights or min(weights) < 0 or max(weights) == 0):
+        raise UserError(f"config key 'train.class_weights' must be one weight >= 0 per class, not all 0, got "
+                        f"{weights}")
+    if weights != "none" and cfg.train.loss != "ce":
+        raise UserError(f"config key 'train.class_weights' applies to train.loss=ce (train.loss is "
+                        f"{cfg.train.loss!r}); "
+                        "use train.bce_pos_weight with bce")
+    if cfg.train.best_metric == "val_map" and not multi_label:  # the one place that decides where mAP exists
+        raise UserError("train.best_metric=val_map needs multi-label data (data.multi_label=true), and this run's "
+                        "data is single-label; use val_top1, val_balanced_acc, val_macro_f1 or val_loss")
+    if multi_label and cfg.train.best_metric in ("val_balanced_acc", "val_macro_f1"):
+        raise UserError(f"train.best_metric={cfg.train.best_metric} is a single-label metric; with "
+                        "data.multi_label=true use val_map (the default there) or val_loss")
+    if multi_label and cfg.data.sampler == "class_balanced":
+        raise UserError("data.sampler=class_balanced draws one class per image, and multi-label images have "
+                        "several; use data.sampler=uniform (train.bce_pos_weight weights the positives)")
+
+
+def validate_wandb(cfg: LoggingConfig) -> None:
+    """Names W&B would refuse at init time; caught here so the mistake is a one-line error, not a lost run."""
+    if not 0 < len(cfg.wandb_project) <= 128 or any(c in cfg.wandb_project for c in "/\\#?%:"):
+        raise UserError(f"config key 'logging.wandb_project' is {cfg.wandb_project!r}; W&B needs 1-128 characters "
+                        "without / \\ # ? % :")
+    for tag in cfg.wandb_tags:
+        if not 0 < len(tag) <= 64:
+            raise UserError(f"config key 'logging.wandb_tags' has {tag!r}; W&B tags need 1-64 characters")
