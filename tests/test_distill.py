@@ -194,21 +194,3 @@ def test_one_process_equals_two_ranks_with_distillation_and_mixup(tmp_path):
         tmp_path / "one").keys()  # the student only: the teacher is not in the checkpoint
     assert saved["config"]["distill"]["teacher_sha256"] == teacher_sha256(
         DistillConfig(str(tmp_path / "teacher.pth")), False, None)
-
-
-@pytest.mark.slow
-def test_resume_mid_epoch_with_distillation_is_bitwise_identical(tmp_path):
-    """tests/test_resume.py's run (dropout, drop-path, EMA, augmentation) with a teacher: stopped after 3 of its 16
-    steps and resumed, it ends bitwise as the uninterrupted run; the teacher added no state to lose."""
-    from tests.test_resume import RUN, assert_same, rows_without_timing
-
-    torch.save(tiny_teacher(10).state_dict(), tmp_path / "teacher.pth")
-    run = [*RUN, f"distill.teacher_weights={tmp_path / 'teacher.pth'}", "distill.teacher_name=test_resnet",
-           "distill.type=hard", "distill.alpha=0.7"]
-    run_script("train.py", *run, f"output_dir={tmp_path / 'straight'}")
-    run_script("train.py", *run, f"output_dir={tmp_path / 'resumed'}", "train.max_steps=3")
-    run_script("train.py", *run, f"output_dir={tmp_path / 'resumed'}")
-    straight, resumed = (torch.load(tmp_path / name / "last.pth", weights_only=True)
-                         for name in ("straight", "resumed"))
-    assert_same(straight, resumed)
-    assert rows_without_timing(tmp_path / "resumed") == rows_without_timing(tmp_path / "straight")
