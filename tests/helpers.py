@@ -128,9 +128,10 @@ def dump_stacks_and_kill(popen: subprocess.Popen) -> str:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         _, stderr = popen.communicate()
-    for pid in pids:  # anything left (a worker whose parent died first)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    for pid in pids:  # anything left (a worker whose parent died first); an exited pid may be another's by now
+        if not exited(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     return stderr
 
 
