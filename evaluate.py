@@ -340,12 +340,9 @@ def run(cfg: Config, ckpt: dict[str, Any], args: argparse.Namespace, info: DistI
                               ckpt.get("wandb_id"))
     writer = PredictionWriter(dataset, loader.sampler.start, class_names)
     metrics = evaluate(model, loader, precision, info, normalize, on_batch=writer)
-    writer.write(part_file(out, "predictions", info.rank))
-    barrier()  # every part file is complete before rank 0 reads them
-    if not info.is_main:
+    rows = merged_predictions(writer, out, info, len(dataset), COLUMNS)
+    if rows is None:
         return None
-    rows = merge_parts(out, "predictions", info.world_size, len(dataset))
-    write_csv(rows, out / "predictions.csv", COLUMNS)
     result, confusion = summarize(rows, metrics, class_names, str(args.checkpoint), args.ema)
     result.update(img_size=size, crop_pct=crop_pct, tta=describe(args.tta_flip, args.tta_crops))
     write_output(out / "eval.json", (json.dumps(result, indent=2) + "\n").encode(), OUTPUTS["eval.json"],
@@ -357,6 +354,19 @@ def run(cfg: Config, ckpt: dict[str, Any], args: argparse.Namespace, info: DistI
     return result
 
 
+def merged_predictions(writer: PredictionWriter | MultiLabelWriter, out: Path, info: DistInfo, total: int,
+                       columns: tuple[str, ...]) -> list[dict] | None:
+    """Each rank writes its part; rank 0 merges them in the global order into predictions.csv and gets the rows
+    (None on the other ranks)."""
+    writer.write(part_file(out, "predictions", info.rank))
+    barrier()  # every part file is complete before rank 0 reads them
+    if not info.is_main:
+        return None
+    rows = merge_parts(out, "predictions", info.world_size, total)
+    write_csv(rows, out / "predictions.csv", columns)
+    return rows
+
+
 def run_multilabel(cfg: Config, args: argparse.Namespace, info: DistInfo, out: Path, dataset: AugmentedDataset,
                    loader: torch.utils.data.DataLoader, model: torch.nn.Module, precision, normalize: DeviceNormalize,
                    class_names: list[str], trained_run_id: str | None) -> dict[str, Any] | None:
@@ -364,12 +374,9 @@ def run_multilabel(cfg: Config, args: argparse.Namespace, info: DistInfo, out: P
     threshold = cfg.data.multi_label_threshold
     writer = MultiLabelWriter(dataset, loader.sampler.start, class_names, threshold)
     metrics = evaluate_multilabel(model, loader, precision, info, normalize, threshold, on_batch=writer)
-    writer.write(part_file(out, "predictions", info.rank))
-    barrier()  # every part file is complete before rank 0 reads them
-    if not info.is_main:
+    rows = merged_predictions(writer, out, info, len(dataset), ML_COLUMNS)
+    if rows is None:
         return None
-    rows = merge_parts(out, "predictions", info.world_size, len(dataset))
-    write_csv(rows, out / "predictions.csv", ML_COLUMNS)
     result = summarize_multilabel(rows, metrics, class_names, threshold, args.tune_thresholds, str(args.checkpoint),
                                   args.ema)
     size, crop_pct = eval_size(cfg.data)

@@ -19,8 +19,8 @@ from torch.utils.data import DataLoader
 
 from engine.dist import DistInfo, all_gather_object
 from engine.precision import Precision
-from engine.prefetch import Normalize, device_batches
-from engine.signals import workers_shielded
+from engine.prefetch import Normalize
+from engine.trainer import model_logits
 
 
 def average_precision(targets: np.ndarray, scores: np.ndarray) -> float | None:
@@ -92,14 +92,8 @@ def evaluate_multilabel(model: nn.Module, loader: DataLoader, precision: Precisi
 
     on_batch(logits, targets) sees each batch (evaluate.py writes its predictions from it).
     """
-    model.eval()
     batches_out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    with workers_shielded():
-        batches = device_batches(iter(loader), info.device, normalize)
-    for images, targets in batches:
-        with precision.autocast():
-            logits = model(images)
-        logits = logits.float()
+    for logits, targets in model_logits(model, loader, precision, info, normalize):
         losses = nn.functional.binary_cross_entropy_with_logits(logits, targets, reduction="none").mean(1)
         batches_out.append((logits.sigmoid(), targets, losses))
         if on_batch is not None:

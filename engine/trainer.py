@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 from timm.scheduler.scheduler import Scheduler
@@ -159,6 +159,18 @@ def check_nonfinite(skipped: int, limit: int, step: int, info: DistInfo) -> None
         log.warning("step %d: inf or NaN gradients, optimizer step skipped (%d in a row)", step, skipped)
 
 
+def model_logits(model: nn.Module, loader: DataLoader, precision: Precision, info: DistInfo,
+                 normalize: Normalize) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The model in eval mode over the loader: each batch's float32 logits and its targets (for the evaluations)."""
+    model.eval()
+    with workers_shielded():
+        batches = device_batches(iter(loader), info.device, normalize)
+    for images, targets in batches:
+        with precision.autocast():
+            logits = model(images)
+        yield logits.float(), targets
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: DataLoader, precision: Precision, info: DistInfo,
              normalize: Normalize,
@@ -168,15 +180,9 @@ def evaluate(model: nn.Module, loader: DataLoader, precision: Precision, info: D
 
     on_batch(logits, targets, ranked) sees each batch with the top-5 classes the metrics counted.
     """
-    model.eval()
     meter = SumMeter(("loss_sum", "top1", "top5", "count"), info.device)
     confusion = None  # C x C counts (flat), C = the model's outputs
-    with workers_shielded():
-        batches = device_batches(iter(loader), info.device, normalize)
-    for images, targets in batches:
-        with precision.autocast():
-            logits = model(images)
-        logits = logits.float()
+    for logits, targets in model_logits(model, loader, precision, info, normalize):
         loss = nn.functional.cross_entropy(logits, targets, reduction="sum")
         ranked = ranked_classes(logits, 5)
         meter.add(loss, hits(ranked, targets, 1), hits(ranked, targets, 5), len(targets))
