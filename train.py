@@ -41,6 +41,7 @@ from engine.config import (Config, ModelConfig, best_metric, config_yaml, given_
                            mixing, to_dict)
 from engine.config_load import load_config
 from engine.dist import DistInfo, broadcast_tensors, init_distributed, rank0_decides, read_launch_env
+from engine.errors import UserError
 from engine.distill import build_distillation, check_teacher_needed, freeze_teacher, read_teacher, teacher_sha256
 from engine.hooks import EmaUpdate, IntervalTracking, StepCheckpoint
 from engine.logs import setup_logging
@@ -60,6 +61,7 @@ from engine.weights import check_pretrained, resolve_preprocessing
 from engine.trainer import LoopConfig, TrainParts, evaluate, train_one_epoch
 from models.ema import create_ema
 from models.factory import check_model_name, compile_warning, create_model, prepare_model
+from models.sharding import is_sharded, replicated_tensors, shard_model
 
 log = logging.getLogger("train")
 
@@ -95,6 +97,9 @@ def start_up(cfg: Config, info: DistInfo) -> tuple[Config, Resume, DataBundle, P
         if info.is_main:
             log.warning(warning)
     precision = resolve_precision(cfg.amp, info.device)
+    if cfg.dist.strategy == "fsdp" and precision.scaler is not None:  # amp=fp16 itself: engine/config_checks.py
+        raise UserError(f"amp={cfg.amp} chose fp16 on this GPU, which dist.strategy=fsdp cannot use (the GradScaler "
+                        "would see only each process's shard of the gradients); use amp=off, or dist.strategy=ddp")
     if pretrained is None:
         model = create_model(cfg.model, data.num_classes)
     else:
@@ -142,10 +147,24 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def shard_for_training(model: nn.Module, ema: nn.Module | None, precision: Precision, info: DistInfo) -> None:
+    """dist.strategy=fsdp: FSDP2 on the model and its EMA, in place (models/sharding.py), before the optimizer
+    takes the sharded parameters; the same units and bf16 policy for both, so the EMA is sharded like the model."""
+    if info.world_size == 1:
+        log.info("dist.strategy=fsdp in one process: nothing to shard, the model trains whole (as with ddp)")
+        return
+    shard_model(model, precision.dtype)
+    if ema is not None:
+        shard_model(ema, precision.dtype)
+    log.info("dist.strategy=fsdp: parameters, gradients and optimizer state sharded across %d processes%s",
+             info.world_size, ", weights gathered in bf16" if precision.dtype == torch.bfloat16 else "")
+
+
 def wrap_for_training(model: nn.Module, cfg: ModelConfig, info: DistInfo) -> nn.Module:
-    """DDP over several processes, then torch.compile if asked: the module the loop calls."""
+    """DDP over several processes (unless FSDP2 already shards the model), then torch.compile if asked: the
+    module the loop calls."""
     train_model = model
-    if info.world_size > 1:
+    if info.world_size > 1 and not is_sharded(model):
         device_ids = [info.device.index] if info.device.type == "cuda" else None  # CPU DDP needs None
         train_model = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
     if cfg.compile:
@@ -166,6 +185,8 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
                                  cfg.model.channels_last) if teacher else None
     ema = create_ema(model, cfg.model.ema_decay, cfg.model.ema_warmup)
     start.load_ema(ema.module if ema is not None else None)
+    if cfg.dist.strategy == "fsdp":
+        shard_for_training(model, ema.module if ema is not None else None, precision, info)
     torch.manual_seed(cfg.seed + info.rank)  # dropout / drop-path differ per rank, reproducibly
     if info.device.type == "cuda":
         torch.backends.cudnn.benchmark = True
@@ -231,12 +252,14 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
             stopped.checkpoint = out / "last.pth"
             raise
         input_advice.after_epoch(state.epoch, train_stats)
+        if is_sharded(model):  # DDP broadcasts rank 0's buffers (BatchNorm statistics) at each forward; FSDP never
+            broadcast_tensors(replicated_tensors(model))
         val_stats = validate(parts.model, data.val, precision, info, normalize, cfg)
         row = {"epoch": state.epoch, **train_stats, **val_stats, "lr": optimizer.param_groups[0]["lr"]}
         if ema is not None:
             # BatchNorm buffers differ per rank between DDP's broadcasts, and so do the EMAs of them:
             # every rank evaluates rank 0's EMA, the one the checkpoint saves.
-            broadcast_tensors(ema.module.state_dict().values())
+            broadcast_tensors(replicated_tensors(ema.module))  # sharded (fsdp): each rank keeps its own shards
             ema_stats = validate(ema.module, data.val, precision, info, normalize, cfg)
             row.update({f"ema_{k}": v for k, v in ema_stats.items() if k != "val_count"})
         is_best = state.update_best(row[chosen_on], lower_is_better(chosen_on))

@@ -9,6 +9,11 @@ bit for bit: model, EMA weights (if any), optimizer, scheduler, GradScaler, the 
 and train sums of an unfinished epoch, best val_top1), the resolved config, the class names,
 the W&B run id, and every rank's RNG states. The data order needs no state: the sampler is
 seeded by (seed, epoch) and each augmentation by (seed, epoch, index).
+
+Under dist.strategy=fsdp every rank joins the gathering of the sharded model, EMA and optimizer state onto
+rank 0 (torch.distributed.checkpoint's full state dicts), and the files are the same single .pth as a DDP
+run's: evaluate.py, predict.py, export.py and model.init_from read them as they are, and they resume with
+either strategy (the optimizer state is put back shard by shard: load_optimizer_state).
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.fsdp import FSDPModule
 
 from engine.dist import DistInfo, all_gather_object, rank0_decides
 from engine.errors import UserError
@@ -32,6 +40,7 @@ from engine.run_dir import atomic_file
 from engine.state import TrainState
 
 log = logging.getLogger(__name__)
+FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU only
 EPOCH_FILE = re.compile(r"epoch_(\d+)\.pth")
 # torch.save's zip archive, and the legacy format (a protocol-2 pickle of torch's magic number) of old .pth files.
 TORCH_FILE_STARTS = (b"PK\x03\x04", b"\x80\x02\x8a\x0a")
@@ -66,6 +75,44 @@ def on_cpu(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(on_cpu(value) for value in obj)
     return obj
+
+
+def optimizer_state_by_index(by_name: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """torch.distributed.checkpoint's whole optimizer state (keyed by parameter name) in Optimizer.state_dict()'s
+    layout (parameters numbered in param_groups order): what DDP runs save, so either kind of run resumes it.
+    The groups' settings are the optimizer's own (the same on every rank; DCP's copy turns betas into lists)."""
+    index = {name: i for i, name in enumerate(n for group in by_name["param_groups"] for n in group["params"])}
+    return {"state": {index[name]: value for name, value in by_name["state"].items()},
+            "param_groups": optimizer.state_dict()["param_groups"]}
+
+
+def gather_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, ema: nn.Module | None) -> dict[str, Any]:
+    """dist.strategy=fsdp: the whole model, EMA and optimizer state on rank 0's CPU, in the layout DDP runs save
+    (a collective: every rank calls it; the others get empty dicts). {} for a model that is not sharded."""
+    if not isinstance(model, FSDPModule):
+        return {}
+    gathered = {"model": get_model_state_dict(model, options=FULL_ON_RANK0),
+                "optimizer": get_optimizer_state_dict(model, optimizer, options=FULL_ON_RANK0)}
+    if ema is not None:
+        gathered["ema"] = get_model_state_dict(ema, options=FULL_ON_RANK0)
+    if gathered["optimizer"]:
+        gathered["optimizer"] = optimizer_state_by_index(gathered["optimizer"], optimizer)
+    return gathered
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """A saved (whole, numbered) optimizer state into `optimizer`; for a sharded model each rank keeps its shards."""
+    if not isinstance(model, FSDPModule):
+        optimizer.load_state_dict(saved)
+        return
+    names = {id(param): name for name, param in model.named_parameters()}
+    numbered = [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
+    by_name = {"state": {numbered[i]: value for i, value in saved["state"].items()},
+               "param_groups": [{**group, "params": [numbered[i] for i in group["params"]]}
+                                for group in saved["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):  # DCP's copy made tuples lists
+        group.update({key: value for key, value in saved_group.items() if key != "params"})
 
 
 class WriteErrors:
@@ -184,13 +231,17 @@ class Checkpointer:
         self.wandb_id = wandb_id  # the W&B run a later resume continues (kept even when tracking is now off)
         self.saved_step: int | None = None  # global step of the last checkpoint this run wrote
 
-    def contents(self, fields: dict[str, Any], rng: list[dict[str, Any]], val_top1: float | None) -> dict[str, Any]:
-        """The checkpoint dict (`fields`: TrainState.state_dict()): plain tensors, numbers, strings, lists, dicts."""
-        ema = {"ema": cpu_state_dict(self.ema)} if self.ema is not None else {}
+    def contents(self, fields: dict[str, Any], rng: list[dict[str, Any]], val_top1: float | None,
+                 gathered: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The checkpoint dict (`fields`: TrainState.state_dict(); `gathered`: a sharded run's gather_sharded):
+        plain tensors, numbers, strings, lists, dicts."""
+        ema, gathered = {}, gathered or {}
+        if self.ema is not None:
+            ema = {"ema": gathered["ema"] if gathered else cpu_state_dict(self.ema)}
         return {
-            "model": cpu_state_dict(self.model),
+            "model": gathered["model"] if gathered else cpu_state_dict(self.model),
             **ema,  # the EMA weights, only when the run keeps an EMA
-            "optimizer": on_cpu(self.optimizer.state_dict()),
+            "optimizer": gathered["optimizer"] if gathered else on_cpu(self.optimizer.state_dict()),
             "scheduler": self.scheduler.state_dict(),
             "scaler": on_cpu(self.scaler.state_dict()) if self.scaler else {},
             **fields,  # epoch, global_step, best_top1, epoch_step, epoch_sums, epoch_seconds
@@ -208,12 +259,13 @@ class Checkpointer:
         """Write last.pth (and best.pth, and an epoch file for a finished epoch); a collective."""
         fields = state.state_dict()  # syncs the epoch's running sums: a collective too
         rng = all_gather_object(rng_state())
-        rank0_decides(lambda: self.write(fields, rng, val_top1, best, epoch_file))
+        gathered = gather_sharded(self.model, self.optimizer, self.ema)  # dist.strategy=fsdp: a collective
+        rank0_decides(lambda: self.write(fields, rng, val_top1, best, epoch_file, gathered))
 
     def write(self, fields: dict[str, Any], rng: list[dict[str, Any]], val_top1: float | None, best: bool,
-              epoch_file: bool) -> None:
+              epoch_file: bool, gathered: dict[str, Any] | None = None) -> None:
         """Rank 0's part of save(): refuse inf/NaN weights, write the files, prune old epoch files."""
-        ckpt = self.contents(fields, rng, val_top1)
+        ckpt = self.contents(fields, rng, val_top1, gathered)
         finished_epoch = fields["epoch"] - 1  # the epoch just finished, as in metrics.jsonl
         names = ["last.pth"] + (["best.pth"] if best else [])
         if epoch_file and self.keep_last_k > 0:

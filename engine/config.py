@@ -160,6 +160,7 @@ class DistConfig:
     backend: str = "auto"  # auto (nccl with CUDA, else gloo) | nccl | gloo
     timeout_s: int = 0  # collective timeout before a hung job is aborted; 0 = 1800 under torchrun, 600 without it
     rendezvous_timeout_s: int = 300  # how long the processes may take to meet at start-up
+    strategy: str = "ddp"  # ddp: every process holds the whole model | fsdp: parameters, gradients, optimizer sharded
 
 
 @dataclass

@@ -18,6 +18,7 @@ CHOICES = {
     "data.random_erase_mode": ("pixel", "rand", "const"),
     "data.train_interpolation": ("", "random", "bilinear", "bicubic", "nearest", "area", "lanczos"),
     "dist.backend": ("auto", "nccl", "gloo"),
+    "dist.strategy": ("ddp", "fsdp"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
     "train.loss": ("ce", "bce"),
     "data.sampler": ("uniform", "class_balanced"),
@@ -107,6 +108,8 @@ def validate(cfg: Config) -> None:
     validate_bce(cfg.train)
     validate_multi_label(cfg)
     validate_imbalance(cfg)
+    if cfg.dist.strategy == "fsdp":
+        validate_fsdp(cfg)
     if cfg.logging.wandb:
         validate_wandb(cfg.logging)
     if not cfg.resume:
@@ -246,6 +249,22 @@ def validate_imbalance(cfg: Config) -> None:
     if multi_label and cfg.data.sampler == "class_balanced":
         raise UserError("data.sampler=class_balanced draws one class per image, and multi-label images have "
                         "several; use data.sampler=uniform (train.bce_pos_weight weights the positives)")
+
+
+def validate_fsdp(cfg: Config) -> None:
+    """What dist.strategy=fsdp cannot do (docs/fsdp.md says why), refused before anything starts."""
+    refused = {
+        "amp=fp16": (cfg.amp == "fp16", "the GradScaler's inf check would see only each process's shard of the "
+                     "gradients; use amp=bf16 or amp=off"),
+        "model.sync_bn=true": (cfg.model.sync_bn, "BatchNorm models are small enough for dist.strategy=ddp, "
+                               "which has SyncBN; use ddp, or model.sync_bn=false"),
+        "model.compile=true": (cfg.model.compile, "not supported with sharded models here; use model.compile=false"),
+        "optim.clip_mode=agc": (cfg.optim.clip_mode == "agc", "timm's adaptive clipping does in-place steps that "
+                                "sharded (DTensor) gradients refuse; use optim.clip_mode=norm or value"),
+    }
+    for setting, (on, why) in refused.items():
+        if on:
+            raise UserError(f"dist.strategy=fsdp with {setting}: {why}")
 
 
 def validate_wandb(cfg: LoggingConfig) -> None:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from timm.utils import dispatch_clip_grad
+from torch.distributed.tensor import DTensor
 
 from engine.dist import max_over_ranks, step_flags_over_ranks
 from engine.errors import UserError
@@ -51,6 +52,8 @@ class Precision:
         on any rank is a NaN on every rank and all ranks skip the same step. Both answers travel in one tensor,
         one all-reduce and one read on the host per step; fp16's GradScaler reads its inf flag itself, so fp16
         reads twice. Clipping (optim.clip_mode) sees the unscaled, summed gradients, the same on every rank.
+        Under dist.strategy=fsdp the gradients are sharded (DTensors): their total norm is reduced over the ranks,
+        so the inf/NaN decision and the clip factor are the same on every rank too.
         """
         if self.scaler:  # fp16: the scaler skips non-finite steps and lowers the scale
             self.scaler.unscale_(optimizer)
@@ -61,6 +64,8 @@ class Precision:
             return True, max_over_ranks(stop_signal, device)
         params = [p for p in model.parameters() if p.grad is not None]
         norm = nn.utils.get_total_norm([p.grad for p in params])
+        if isinstance(norm, DTensor):  # dist.strategy=fsdp: the norm over every rank's shards, the same on each
+            norm = norm.full_tensor()
         nonfinite, signum = step_flags_over_ranks(torch.isfinite(norm).logical_not(), stop_signal)
         if nonfinite:
             return False, signum

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.checkpoint import EPOCH_FILE, UnreadableCheckpoint, load_checkpoint, set_rng_state
+from engine.checkpoint import (EPOCH_FILE, UnreadableCheckpoint, load_checkpoint, load_optimizer_state,
+                               set_rng_state)
 from engine.config import Config, best_metric, to_dict
 from engine.dist import DistInfo, rank0_decides
 from engine.errors import UserError
@@ -215,7 +216,7 @@ class Resume:
             return state
         ckpt, path = self.ckpt, self.path
         check_optimizer_state(ckpt["optimizer"], parts.optimizer, path)
-        parts.optimizer.load_state_dict(ckpt["optimizer"])
+        load_optimizer_state(parts.model, parts.optimizer, ckpt["optimizer"])  # sharded (fsdp) or whole
         if parts.precision.scaler is not None and ckpt.get("scaler"):
             parts.precision.scaler.load_state_dict(ckpt["scaler"])
         state.load_state_dict(ckpt)

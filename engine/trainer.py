@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 import torch
 from timm.scheduler.scheduler import Scheduler
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader
 
-from engine.dist import DistInfo
+from engine.dist import DistInfo, max_over_ranks
 from engine.errors import UserError
 from engine.hooks import Hook
 from engine.logs import Progress
@@ -161,14 +162,23 @@ def check_nonfinite(skipped: int, limit: int, step: int, info: DistInfo) -> None
 
 def model_logits(model: nn.Module, loader: DataLoader, precision: Precision, info: DistInfo,
                  normalize: Normalize) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The model in eval mode over the loader: each batch's float32 logits and its targets (for the evaluations)."""
+    """The model in eval mode over the loader: each batch's float32 logits and its targets (for the evaluations).
+
+    A sharded model's forward is a collective (each unit all-gathers its weights), and the ranks' blocks of the
+    validation set may differ by a batch: a rank with fewer batches runs forwards on one image until every rank
+    has run as many (their outputs are dropped).
+    """
     model.eval()
+    missing = max_over_ranks(len(loader), info.device) - len(loader) if isinstance(model, FSDPModule) else 0
     with workers_shielded():
         batches = device_batches(iter(loader), info.device, normalize)
     for images, targets in batches:
         with precision.autocast():
             logits = model(images)
         yield logits.float(), targets
+    for _ in range(missing):  # every rank has at least one batch (data.loader.build_data checks it)
+        with precision.autocast():
+            model(images[:1])
 
 
 @torch.no_grad()
