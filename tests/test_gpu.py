@@ -126,6 +126,28 @@ def test_resume_continues_a_gpu_run(tmp_path, amp):
         assert max(relative_differences(load_weights(whole), load_weights(split)).values()) < 1e-3
 
 
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=two_gpus)])
+def test_fsdp_bf16_run_saves_resumes_and_evaluates(tmp_path, nproc):
+    """dist.strategy=fsdp with amp=bf16 (a ViT, AdamW, clipping, EMA): stopped mid-epoch, resumed, evaluated from
+    its single-file checkpoint. One GPU has no process group: the model trains whole, the same code path."""
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("bf16 needs compute capability 8.0 (Ampere) or newer; fsdp refuses fp16")
+    common = ["dist.strategy=fsdp", "amp=bf16", "model.name=test_vit", "model.kwargs.img_size=32",
+              "data.crop_pct=1.0", "optim.name=adamw", "optim.lr=0.001", "optim.clip_grad=1.0",
+              "model.ema_decay=0.99", "train.epochs=2", "data.dummy_train_size=96"]
+    stop = 3 if nproc == 1 else 2  # of 6 or 3 steps per epoch (batch 16 per GPU)
+    split = train(tmp_path / "split", *common, f"train.max_steps={stop}", nproc=nproc)  # stops mid-epoch 0
+    assert torch.load(split / "last.pth", weights_only=True)["epoch_step"] == stop
+    train(split, *common, nproc=nproc)  # resume=auto continues from last.pth
+    assert [row["epoch"] for row in read_jsonl(split / "metrics.jsonl")] == [0, 1]
+    ckpt = torch.load(split / "last.pth", weights_only=True, map_location="cpu")
+    assert ckpt["global_step"] == 2 * 96 // (16 * nproc) and "ema" in ckpt
+    assert all(v.dtype == torch.float32 for v in ckpt["model"].values() if v.is_floating_point())  # fp32 masters
+    assert_finite(split)
+    run_script("evaluate.py", str(split / "last.pth"), "--output-dir", str(tmp_path / "eval"))
+    assert json.loads((tmp_path / "eval" / "eval.json").read_text())["n"] == 50
+
+
 def test_channels_last_and_torch_compile_train(tmp_path):
     for name, option in (("cl", "model.channels_last=true"), ("compiled", "model.compile=true")):
         out = train(tmp_path / name, option, "train.max_steps=3")
