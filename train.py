@@ -190,7 +190,7 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
     torch.manual_seed(cfg.seed + info.rank)  # dropout / drop-path differ per rank, reproducibly
     if info.device.type == "cuda":
         torch.backends.cudnn.benchmark = True
-    optimizer = build_optimizer(model, cfg.optim, grad_scaler=precision.scaler is not None)
+    optimizer = build_optimizer(model, cfg.optim, grad_scaler=precision.scaler is not None, sharded=is_sharded(model))
     updates_per_epoch = steps_per_epoch(data.train, cfg.train.accum_steps)
     parts = TrainParts(wrap_for_training(model, cfg.model, info), optimizer,
                        build_scheduler(optimizer, cfg.sched, cfg.train.epochs, updates_per_epoch),

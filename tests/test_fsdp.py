@@ -16,9 +16,9 @@ from engine.config import OptimConfig
 from engine.config_load import load_config
 from engine.errors import UserError
 from engine.optim import build_optimizer
-from models.sharding import shard_units
+from models.sharding import shard_model, shard_units
 from tests.compare import relative_differences, worst_tensor
-from tests.helpers import read_jsonl, run_script
+from tests.helpers import read_jsonl, run_ranks, run_script
 
 # A ViT (LayerNorm, no BatchNorm) trained with AdamW, gradient clipping and an EMA over 6 optimizer steps of a
 # global batch of 8. 19 validation images in batches of 4: 5 batches, so rank 0 evaluates 2 and rank 1 3 (the
@@ -75,11 +75,32 @@ def test_fsdp_checkpoint_numbers_the_optimizer_state_as_torch_does():
     optimizer = build_optimizer(model, OptimConfig(name="adamw", lr=0.01))
     model(torch.randn(2, 3, 16, 16)).sum().backward()
     optimizer.step()
-    expected, got = optimizer.state_dict(), optimizer_state_by_index(get_optimizer_state_dict(model, optimizer), optimizer)
+    expected = optimizer.state_dict()
+    got = optimizer_state_by_index(get_optimizer_state_dict(model, optimizer), optimizer)
     assert len(expected["param_groups"]) == 2 and got["param_groups"] == expected["param_groups"]
     assert got["state"].keys() == expected["state"].keys() and len(got["state"]) == len(list(model.parameters()))
     for index, state in expected["state"].items():
         assert all(torch.equal(got["state"][index][k], v) for k, v in state.items())
+
+
+def sgd_step_on_shards(rank: int, world: int) -> dict:
+    """One step of the app's SGD (fused where it can be) on a sharded ViT, and what it left."""
+    torch.manual_seed(0)
+    model = shard_model(timm.create_model("test_vit", num_classes=3, img_size=16), None)
+    optimizer = build_optimizer(model, OptimConfig(name="sgd", lr=0.1), sharded=True)
+    torch.manual_seed(rank)
+    model(torch.randn(2, 3, 16, 16)).sum().backward()
+    before = model.head.weight.full_tensor().clone()
+    optimizer.step()
+    return {"fused": optimizer.defaults.get("fused"), "moved": (model.head.weight.full_tensor() - before).abs().max()}
+
+
+@pytest.mark.slow
+def test_sgd_steps_sharded_parameters(tmp_path):
+    """train.py's default optimizer is torch's fused SGD, which DTensors refuse (no sharding rule for
+    aten._fused_sgd_): on sharded parameters it steps unfused."""
+    for result in run_ranks(sgd_step_on_shards, 2, tmp_path):
+        assert not result["fused"] and result["moved"] > 0
 
 
 @pytest.mark.parametrize("name, kwargs, unit", [
