@@ -18,6 +18,7 @@ import logging
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -52,10 +53,12 @@ def shard_model(model: nn.Module, param_dtype: torch.dtype | None) -> nn.Module:
     if not dist.is_initialized():
         return model
     model.to(memory_format=torch.contiguous_format)  # FSDP2 shards contiguous tensors only; inputs stay channels-last
+    # On the model's device (FSDP2's default is the machine's accelerator, wrong for a CPU run on a GPU machine).
+    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     for unit in shard_units(model):
-        fully_shard(unit, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 
