@@ -101,9 +101,18 @@ def gather_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, ema: nn.M
 
 
 def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
-    """A saved (whole, numbered) optimizer state into `optimizer`; for a sharded model each rank keeps its shards."""
+    """A saved (whole, numbered) optimizer state into `optimizer`; for a sharded model each rank keeps its shards.
+
+    Whole: each state tensor is laid out like its parameter. torch's fused Adam/AdamW/SGD step the state in the
+    parameter's memory layout, and load_state_dict keeps the file's: state from contiguous weights (an fsdp run,
+    or model.channels_last=false) resumed into channels-last weights would be stepped scrambled.
+    """
     if not isinstance(model, FSDPModule):
         optimizer.load_state_dict(saved)
+        for param, state in optimizer.state.items():
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.shape == param.shape and value.stride() != param.stride():
+                    state[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)
         return
     names = {id(param): name for name, param in model.named_parameters()}
     numbered = [names[id(param)] for group in optimizer.param_groups for param in group["params"]]

@@ -3,6 +3,7 @@ are the usual single files, and what it cannot do is refused at load time in one
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -11,7 +12,7 @@ import timm
 import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-from engine.checkpoint import optimizer_state_by_index
+from engine.checkpoint import load_optimizer_state, optimizer_state_by_index
 from engine.config import OptimConfig
 from engine.config_load import load_config
 from engine.errors import UserError
@@ -131,3 +132,29 @@ def test_what_fsdp_cannot_do_is_refused_in_one_line(overrides, message):
     with pytest.raises(UserError) as err:
         load_config("configs/dummy.yaml", ["dist.strategy=fsdp", *overrides])
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_resumed_optimizer_state_takes_each_parameters_memory_format():
+    """Torch's fused AdamW steps its state in the parameter's memory layout. State saved from contiguous weights
+    (an fsdp run: FSDP2 keeps weights contiguous; or model.channels_last=false) and resumed into channels-last
+    weights must step exactly as state saved from channels-last weights does."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 4, 3)).to(
+        memory_format=torch.channels_last)
+    optimizer = build_optimizer(model, OptimConfig(name="adamw", lr=0.1))
+    model(torch.randn(2, 3, 8, 8)).sum().backward()
+    optimizer.step()
+    saved = optimizer.state_dict()
+    weights = [s["exp_avg"] for s in saved["state"].values() if s["exp_avg"].ndim == 4]
+    assert len(weights) == 2 and all(not w.is_contiguous() for w in weights)  # channels-last, like the weights
+    contiguous = {**saved, "state": {i: {k: v.contiguous() for k, v in s.items()} for i, s in saved["state"].items()}}
+    results = []
+    for state in (saved, contiguous):
+        resumed = copy.deepcopy(model)
+        resumed_optimizer = build_optimizer(resumed, OptimConfig(name="adamw", lr=0.1))
+        load_optimizer_state(resumed, resumed_optimizer, copy.deepcopy(state))
+        torch.manual_seed(1)
+        resumed(torch.randn(2, 3, 8, 8)).sum().backward()
+        resumed_optimizer.step()
+        results.append([p.detach() for p in resumed.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
