@@ -18,8 +18,8 @@ from engine.config_load import load_config
 from engine.errors import UserError
 from engine.optim import build_optimizer
 from models.sharding import shard_model, shard_units
-from tests.compare import relative_differences, worst_tensor
-from tests.helpers import read_jsonl, run_ranks, run_script
+from tests.compare import differing_tensors, load_weights, relative_differences, worst_tensor
+from tests.helpers import TINY, read_jsonl, run_ranks, run_script
 
 # A ViT (LayerNorm, no BatchNorm) trained with AdamW, gradient clipping and an EMA over 6 optimizer steps of a
 # global batch of 8. 19 validation images in batches of 4: 5 batches, so rank 0 evaluates 2 and rank 1 3 (the
@@ -66,6 +66,14 @@ def test_fsdp_on_two_ranks_trains_the_ddp_and_single_process_model(tmp_path):
     result = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert result["n"] == 19 and result["top1"] == row["val_top1"]
     assert math.isclose(result["loss"], row["val_loss"], rel_tol=1e-5)
+
+
+@pytest.mark.slow
+def test_fsdp_in_one_process_trains_the_plain_model(tiny_run, tmp_path):
+    """Without a process group there is nothing to shard: the run says so once and trains bitwise as ddp's."""
+    proc = run_script("train.py", *TINY, "dist.strategy=fsdp", f"output_dir={tmp_path / 'run'}")
+    assert proc.stderr.count("dist.strategy=fsdp in one process: nothing to shard") == 1
+    assert differing_tensors(load_weights(tiny_run), load_weights(tmp_path / "run")) == []
 
 
 def test_fsdp_checkpoint_numbers_the_optimizer_state_as_torch_does():
