@@ -176,7 +176,7 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
                        build_loss(cfg.train, mixing(cfg.data),
                                   class_weights(cfg.train.class_weights, data.class_counts, data.class_names)),
                        precision, distill)
-    state = start.load_training(parts, cfg, info)
+    state = start.load_training(parts, cfg, info, updates_per_epoch)
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
     total_steps = cfg.train.epochs * updates_per_epoch
     loop = LoopConfig(cfg.train.accum_steps, cfg.optim.clip_grad, cfg.train.max_steps, cfg.logging.interval,

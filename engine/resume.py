@@ -123,13 +123,34 @@ def check_resumable(ckpt: dict[str, Any], path: Path, cfg: Config, class_names: 
         raise UserError(f"checkpoint {path} has other class names than the data (class {first}: "
                         f"{old_classes[first]!r} vs {class_names[first]!r}); resume on the same data")
     if ckpt.get("epoch_step", 0) > 0:
-        old = ckpt["config"]["train"]
-        then = (ckpt["world_size"], old["batch_size"], old["accum_steps"])
-        now = (world_size, cfg.train.batch_size, cfg.train.accum_steps)
-        if then != now:
-            raise UserError(f"checkpoint {path} stopped mid-epoch with (processes, train.batch_size, "
-                            f"train.accum_steps) = {then}, this run has {now}; resume it with the same values "
-                            "so no sample is skipped or repeated, or from an end-of-epoch checkpoint")
+        check_global_batch(ckpt, path, cfg, world_size)
+
+
+def global_batch(world_size: int, batch_size: int, accum_steps: int) -> int:
+    """Images per optimizer step over all processes: what fixes which samples each step trains on."""
+    return world_size * batch_size * accum_steps
+
+
+def check_global_batch(ckpt: dict[str, Any], path: Path, cfg: Config, world_size: int) -> None:
+    """A mid-epoch checkpoint continues on any number of processes whose global batch is the checkpoint's.
+
+    The epoch's sample order is the same for every world size and step j covers global positions
+    [j G, (j + 1) G) (data/loader.EpochSampler), so with the same G the run trains on exactly the samples
+    the interrupted one had not reached; with another G the steps would split the epoch elsewhere.
+    """
+    old = ckpt["config"]["train"]
+    then = global_batch(ckpt["world_size"], old["batch_size"], old["accum_steps"])
+    now = global_batch(world_size, cfg.train.batch_size, cfg.train.accum_steps)
+    if then == now:
+        return
+    per_process = then // world_size
+    fits = (f"with {world_size} process(es) set train.batch_size x train.accum_steps = {per_process} (e.g. "
+            f"train.batch_size={per_process} train.accum_steps=1)" if then % world_size == 0 else
+            f"no batch size fits on {world_size} process(es): use a number of processes that divides {then}")
+    raise UserError(f"checkpoint {path} stopped mid-epoch with a global batch of {then} images ({ckpt['world_size']} "
+                    f"process(es) x train.batch_size={old['batch_size']} x train.accum_steps={old['accum_steps']}), "
+                    f"this run's is {now}: {fits}, so no sample is skipped or repeated; or resume from an "
+                    "end-of-epoch checkpoint (epoch_NNNN.pth), where the global batch may change")
 
 
 def yaml_value(value: Any) -> str:
@@ -208,7 +229,7 @@ class Resume:
         else:
             log.info("checkpoint %s has no EMA weights: the EMA starts from the resumed model", self.path)
 
-    def load_training(self, parts: TrainParts, cfg: Config, info: DistInfo) -> TrainState:
+    def load_training(self, parts: TrainParts, cfg: Config, info: DistInfo, updates_per_epoch: int) -> TrainState:
         """The loop state, optimizer, GradScaler and this rank's RNG states (a fresh state for a fresh run)."""
         state = TrainState()
         if self.ckpt is None:
@@ -226,8 +247,16 @@ class Resume:
                 log.info("checkpoint %s chose best.pth on %s; best.pth is now chosen on %s, from the next evaluation "
                          "on", path, then, now)
         # The schedule is a function of the config and the step (timm's schedulers keep no other
-        # state): rebuilt from the config, a resumed run may extend train.epochs.
-        parts.scheduler.step_update(num_updates=state.global_step)
+        # state): rebuilt from the config, a resumed run may extend train.epochs, or change the global batch
+        # at an epoch boundary (the schedule continues at the same epoch).
+        parts.scheduler.step_update(num_updates=state.schedule_position(updates_per_epoch))
+        old = ckpt["config"]["train"]
+        then = global_batch(ckpt["world_size"], old["batch_size"], old["accum_steps"])
+        now = global_batch(info.world_size, cfg.train.batch_size, cfg.train.accum_steps)
+        if then != now and info.is_main:
+            log.info("checkpoint %s trained with a global batch of %d images, this run's is %d: the lr schedule "
+                     "continues at epoch %d with %d updates per epoch; optim.lr is %g (optim.lr_base scales it "
+                     "with the global batch)", path, then, now, state.epoch, updates_per_epoch, cfg.optim.lr)
         rng = ckpt["rng"]
         if info.rank < len(rng):
             set_rng_state(rng[info.rank])

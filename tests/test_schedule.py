@@ -102,6 +102,19 @@ def test_step_schedule_in_a_run_decays_at_the_configured_epoch(tmp_path):
     assert [row["lr"] for row in read_jsonl(out / "metrics.jsonl")] == pytest.approx([0.01, 0.001, 0.001])
 
 
+@pytest.mark.slow
+def test_resume_with_another_global_batch_continues_the_schedule_at_its_epoch(tmp_path):
+    """An end-of-epoch checkpoint at batch 8 resumed at batch 16 (half the updates per epoch): from there the lr
+    is the batch-16 run's at the same epoch (its global step, counted in batch-8 updates, would be an epoch ahead)."""
+    common = [*TINY, "train.epochs=3", "sched.name=cosine", "optim.lr=0.1"]
+    assert report_errors(train.main, [*common, "train.batch_size=16", f"output_dir={tmp_path}/straight"]) == 0
+    resumed = f"output_dir={tmp_path}/resumed"
+    assert report_errors(train.main, [*common, "train.batch_size=8", "train.max_steps=4", resumed]) == 0
+    assert report_errors(train.main, [*common, "train.batch_size=16", resumed]) == 0
+    lrs = [[row["lr"] for row in read_jsonl(tmp_path / name / "metrics.jsonl")] for name in ("straight", "resumed")]
+    assert lrs[1][1:] == pytest.approx(lrs[0][1:]) and lrs[0][1] > 0.01  # cosine, still far from its end
+
+
 def optimizer_for(overrides: list[str], model: nn.Module | None = None) -> torch.optim.Optimizer:
     """The optimizer fit() builds for `overrides`, after the start-up check of the optim section."""
     from engine.optim import check_optimizer
