@@ -47,7 +47,7 @@ from engine.logs import setup_logging
 from engine.losses import build_loss, class_weights
 from engine.multilabel import evaluate_multilabel
 from engine.optim import (build_optimizer, build_scheduler, check_optimizer, check_scheduler, scaled_lr_note,
-                          with_scaled_lr)
+                          with_global_batch, with_scaled_lr)
 from engine.precision import Precision, resolve_precision
 from engine.profiling import ProfileSteps
 from engine.resume import Resume
@@ -88,6 +88,7 @@ def start_up(cfg: Config, info: DistInfo) -> tuple[Config, Resume, DataBundle, P
     start = Resume.find(cfg.resume, Path(cfg.output_dir))
     pretrained = start.pretrained(cfg.model)
     cfg = resolve_preprocessing(cfg, pretrained, start.ckpt["config"] if start.ckpt else None)
+    cfg = with_global_batch(cfg, info.world_size)
     cfg = with_scaled_lr(cfg, info.world_size)  # after resolve_preprocessing, which reads the keys the user set
     seed_everything(cfg.seed)
     data = build_data(cfg.data, cfg.train.batch_size, cfg.seed, info)

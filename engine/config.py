@@ -122,6 +122,7 @@ class SchedConfig:
 class TrainConfig:
     epochs: int = 10  # a resumed run may raise it
     batch_size: int = 64  # per process; the global batch is batch_size x world size x accum_steps
+    global_batch_size: int = 0  # set: batch_size = this / (world size x accum_steps), the same global batch on any number of processes; 0 = off
     accum_steps: int = 1  # micro-batches per optimizer step
     label_smoothing: float = 0.0  # cross-entropy label smoothing, in [0, 1)
     loss: str = "ce"  # ce (soft-target cross-entropy when mixing) | bce (binary cross-entropy, the RSB recipes)
