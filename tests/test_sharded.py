@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.fsdp import fully_shard
 
@@ -155,7 +156,92 @@ def test_an_index_that_would_run_code_is_refused_and_the_code_does_not_run(tmp_p
             return (Path.touch, (marker,))
 
     (folder / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(AttributeError):  # DCP's own reader runs the payload (then trips over its result)
+        FileSystemReader(folder).read_metadata()
+    assert marker.exists()
+    marker.unlink()
     with pytest.raises(UserError, match=r"^checkpoint .*last.dcp was refused: its .metadata holds objects that are "
                                         r"not plain data .*pathlib.*; only load files you trust$"):
         read_checkpoint(folder)
     assert not marker.exists()
+
+
+SAVING = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    sys.path.insert(0, sys.argv[2])
+    from engine import sharded
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)])  # 4M parameters: 48 MB with AdamW's state
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 1024)).sum().backward()
+    optimizer.step()
+    for step in range(1, 1000):  # save after save, each with every weight = step
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(step)
+        sharded.save(Path(sys.argv[1]), model, optimizer, {"epoch": 0, "global_step": step, "rng": []})
+        print(step, flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_a_rank_killed_while_writing_its_shards_leaves_the_previous_folder_whole(tmp_path):
+    """2 FSDP ranks save in a loop; rank 1 is SIGKILLed once its shard file of a new save exists in the temp folder."""
+    folder, port = tmp_path / "last.dcp", free_port()
+    (tmp_path / ".last.dcp.keep").mkdir()  # a user's folder with a similar name: never ours
+    procs = [subprocess.Popen([sys.executable, "-c", SAVING, str(folder), str(REPO)], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True,
+                              env=script_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                                             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+             for rank in range(2)]
+    try:
+        assert procs[0].stdout.readline().strip() == "1"  # the first folder is in place
+        deadline = time.monotonic() + 300
+        while not list(tmp_path.glob(".last.dcp.*.tmp/__1_*.distcp")):  # rank 1 is writing a later save's shards
+            assert procs[1].poll() is None and time.monotonic() < deadline
+            time.sleep(0.002)
+        procs[1].send_signal(signal.SIGKILL)
+        procs[0].wait(timeout=300)  # its collective fails: it must stop without swapping in the cut-short folder
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert procs[0].returncode != 0
+    left = [p.name for p in tmp_path.glob(".last.dcp.*.tmp")]
+    assert left, "the kill should leave the temp folder it cut short"
+    assert decide_resume("auto", tmp_path) == str(folder)  # resume=auto picks the previous folder, not the temp
+    kept = read_checkpoint(folder)
+    step = kept["global_step"]
+    print(f"killed during the save after global step {step}; left behind: {left}")
+    assert step >= 1 and all(bool((t == step).all()) for t in kept["model"].values())  # one whole save, not a mix
+    model, optimizer = build_wide()
+    sharded.load(folder, model, optimizer, kept["optimizer_rest"])  # resumes on 1 process
+    assert all(bool((p == step).all()) for p in model.parameters())
+    sharded.save(folder, model, optimizer, {"epoch": 0, "global_step": step + 1, "rng": []})
+    assert not list(tmp_path.glob(".last.dcp.*.tmp")) and (tmp_path / ".last.dcp.keep").is_dir()
+    assert read_checkpoint(folder)["global_step"] == step + 1
+
+
+def build_wide() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The killed test's model, unsharded, in one process."""
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)])
+    return model, torch.optim.AdamW(model.parameters())
+
+
+def test_a_save_killed_between_its_two_renames_is_put_back(tmp_path):
+    """The state a kill between "old aside" and "new in" leaves (made here by hand): resume=auto moves it back."""
+    folder = tmp_path / "last.dcp"
+    single_save(folder, 2.0, 7)
+    os.rename(folder, tmp_path / f".last.dcp.{os.getpid()}.0a1b2c3d.old")
+    assert decide_resume("auto", tmp_path) == str(folder)
+    assert read_checkpoint(folder)["global_step"] == 7
