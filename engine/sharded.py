@@ -81,7 +81,7 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(folder: Path) -> Metadata:
-    """The folder's DCP index, as data; every entry must be a tensor (DCP loads other entries as code-running pickles)."""
+    """The folder's DCP index, as data; every entry must be a tensor (DCP unpickles other entries as code)."""
     file = folder / METADATA
     try:
         with file.open("rb") as f:
@@ -120,8 +120,8 @@ def check_complete(folder: Path) -> None:
     missing = [name for name in (METADATA, PLAIN) if not (folder / name).is_file()]
     if missing:
         raise UnreadableCheckpoint(f"checkpoint {folder} is not a whole sharded checkpoint (no {', '.join(missing)}): "
-                                   "train.py swaps in only finished folders, so it was cut short or written by "
-                                   "something else")
+                                   "train.py swaps in only finished folders, so it was cut short or made by something "
+                                   "else; give a whole one (a last.dcp or .pth file train.py wrote)")
 
 
 def read_plain(folder: Path, load_file) -> dict[str, Any]:

@@ -24,9 +24,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.fsdp import fully_shard
 
 from engine import sharded
-from engine.checkpoint import read_checkpoint
+from engine.checkpoint import read_checkpoint, save_atomic
+from engine.config_load import load_config
 from engine.errors import UserError
-from engine.resume import decide_resume
+from engine.resume import Resume, decide_resume
 from tests.helpers import REPO, free_port, run_ranks, script_env
 
 
@@ -139,12 +140,42 @@ def test_a_folder_that_is_not_a_whole_checkpoint_is_one_line(tmp_path):
     folder = tmp_path / "last.dcp"
     folder.mkdir()
     with pytest.raises(UserError, match=r"^checkpoint .*last.dcp is not a whole sharded checkpoint \(no .metadata, "
-                                        r"train_state.pth\): train.py swaps in only finished folders"):
+                                        r"train_state.pth\): train.py swaps in only finished folders, .*; give a "
+                                        r"whole one"):
         read_checkpoint(folder)
     single_save(tmp_path / "good.dcp", 1.0, 1)
     (tmp_path / "good.dcp" / "__0_0.distcp").write_bytes(b"cut")  # a shard cut short
     with pytest.raises(UserError, match=r"^checkpoint .*good.dcp cannot be read \(.*\); it is damaged or truncated$"):
         read_checkpoint(tmp_path / "good.dcp")
+
+
+def test_resume_of_a_run_whose_last_dcp_is_not_whole_names_it_and_the_way_out(tmp_path):
+    (tmp_path / "config.yaml").write_text("seed: 0\n")
+    (tmp_path / "last.dcp").mkdir()  # e.g. made by hand, or copied without its files
+    with pytest.raises(UserError) as caught:
+        Resume.find("auto", tmp_path)
+    assert str(caught.value) == (f"checkpoint {tmp_path}/last.dcp is not a whole sharded checkpoint (no .metadata, "
+                                 "train_state.pth): train.py swaps in only finished folders, so it was cut short or "
+                                 "made by something else; give a whole one (a last.dcp or .pth file train.py wrote); "
+                                 "no readable epoch_NNNN.pth is left to continue from: choose another output_dir to "
+                                 "start over")
+
+
+def test_epoch_files_with_sharded_checkpoints_are_refused_in_one_line():
+    with pytest.raises(UserError, match=r"^config key 'train.keep_last_k' is 2, but with train.ckpt_format=sharded "
+                                        r"only last.dcp is kept .*; set train.keep_last_k=0, or train.ckpt_format=file$"):
+        load_config(None, ["train.ckpt_format=sharded", "train.keep_last_k=2"])
+
+
+def test_resume_auto_takes_the_newer_of_last_pth_and_last_dcp(tmp_path):
+    """A run that switched train.ckpt_format leaves both kinds: resume=auto continues the one written last."""
+    save_atomic({"global_step": 3}, tmp_path / "last.pth")
+    single_save(tmp_path / "last.dcp", 1.0, 5)
+    os.utime(tmp_path / "last.pth", (1, 1))
+    assert decide_resume("auto", tmp_path) == str(tmp_path / "last.dcp")
+    os.utime(tmp_path / "last.pth")  # now
+    os.utime(tmp_path / "last.dcp" / "train_state.pth", (1, 1))
+    assert decide_resume("auto", tmp_path) == str(tmp_path / "last.pth")
 
 
 def test_an_index_that_would_run_code_is_refused_and_the_code_does_not_run(tmp_path):
