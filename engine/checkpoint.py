@@ -137,6 +137,25 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
                                    "it is truncated or not a checkpoint") from None
 
 
+def is_sharded(path: str | os.PathLike) -> bool:
+    """Whether `path` names a sharded checkpoint folder (*.dcp) rather than a .pth file."""
+    return sharded.is_sharded(path)
+
+
+def last_checkpoint(out_dir: Path) -> Path | None:
+    """out_dir's last.pth or last.dcp/ (sharded), the newer by modification time when both exist (a run that
+    switched train.ckpt_format leaves the other behind); None when neither is there. Rank 0 only: a sharded
+    save killed between its two renames left the previous folder aside, and it is moved back here."""
+    folder = out_dir / "last.dcp"
+    if out_dir.is_dir():
+        sharded.recover(folder)
+    kept = [(mark.stat().st_mtime, path) for path, mark in ((out_dir / "last.pth", out_dir / "last.pth"),
+                                                           (folder, folder / sharded.PLAIN)) if mark.is_file()]
+    if folder.is_dir() and not (folder / sharded.PLAIN).is_file():
+        kept.append((0.0, folder))  # not a whole folder: named, so that reading it says what is wrong
+    return max(kept)[1] if kept else None
+
+
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """A checkpoint as plain data, whichever kind: a .pth file as saved; a sharded folder's plain data with its
     model (and EMA) weights whole, its optimizer tensors left in the folder (`load_sharded_training` reads them)."""

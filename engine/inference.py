@@ -17,8 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
-from engine.checkpoint import read_checkpoint
-from engine.sharded import is_sharded
+from engine.checkpoint import is_sharded, read_checkpoint
 from engine.config import Config
 from engine.config_load import config_from_dict, set_dotted
 from engine.errors import UserError

@@ -17,9 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine import sharded
-from engine.checkpoint import (EPOCH_FILE, UnreadableCheckpoint, load_sharded_training, read_checkpoint,
-                               set_rng_state)
+from engine.checkpoint import (EPOCH_FILE, UnreadableCheckpoint, is_sharded, last_checkpoint, load_sharded_training,
+                               read_checkpoint, set_rng_state)
 from engine.config import Config, best_metric, to_dict
 from engine.dist import DistInfo, rank0_decides
 from engine.errors import UserError
@@ -42,7 +41,7 @@ def find_resume_checkpoint(resume: str, out_dir: Path) -> Path | None:
 
 def decide_resume(resume: str, out_dir: Path) -> str | None:
     """The checkpoint path to continue, or None: a fresh run only in a folder holding no run record."""
-    last = newest_last(out_dir)
+    last = last_checkpoint(out_dir)
     found = run_files(out_dir)
     if resume == "auto":
         if last is not None:
@@ -62,26 +61,13 @@ def decide_resume(resume: str, out_dir: Path) -> str | None:
         except UserError:
             raise UserError(f"{problem}; {last} cannot be read: {way_out(out_dir)}") from None
         raise UserError(f"{problem}; use resume=auto to continue it, or another output_dir to start over")
-    if not Path(resume).is_file() and not (sharded.is_sharded(resume) and Path(resume).is_dir()):
+    if not Path(resume).is_file() and not (is_sharded(resume) and Path(resume).is_dir()):
         raise UserError(f"resume={resume}: no such checkpoint file; use auto, none or an existing .pth path (or "
                         ".dcp folder)")
     if found and Path(resume).resolve().parent != out_dir.resolve():
         raise UserError(f"output_dir {out_dir} already holds another run ({', '.join(found)}); to continue "
                         f"{resume} choose an output_dir that holds no run")
     return resume
-
-
-def newest_last(out_dir: Path) -> Path | None:
-    """last.pth or last.dcp/ (sharded), the newer by modification time when both exist (a run that switched
-    train.ckpt_format leaves the other behind); None when neither is there."""
-    folder = out_dir / "last.dcp"
-    if out_dir.is_dir():
-        sharded.recover(folder)  # a save killed between its two renames left the previous folder aside
-    kept = [(path.stat().st_mtime, path) for path, mark in ((out_dir / "last.pth", out_dir / "last.pth"),
-                                                           (folder, folder / sharded.PLAIN)) if mark.is_file()]
-    if folder.is_dir() and not (folder / sharded.PLAIN).is_file():
-        kept.append((0.0, folder))  # not a whole folder: named, so that reading it says what is wrong
-    return max(kept)[1] if kept else None
 
 
 def run_files(out_dir: Path) -> list[str]:

@@ -17,8 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.checkpoint import load_checkpoint, read_checkpoint
-from engine.sharded import is_sharded
+from engine.checkpoint import is_sharded, load_checkpoint, read_checkpoint
 from engine.config import Config, given_keys
 from engine.config_checks import CHOICES
 from engine.errors import UserError
