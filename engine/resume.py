@@ -219,7 +219,8 @@ class Resume:
             return state
         ckpt, path = self.ckpt, self.path
         if ckpt.get("format") == "sharded":
-            check_optimizer_state(ckpt["optimizer_rest"], parts.optimizer, path)
+            if ckpt["optimizer_rest"]["param_groups"] is not None:  # None: saved before the first optimizer step
+                check_optimizer_state(ckpt["optimizer_rest"], parts.optimizer, path)
             load_sharded_training(path, parts.model, parts.optimizer, ckpt)  # resharded to this run's processes
         else:
             check_optimizer_state(ckpt["optimizer"], parts.optimizer, path)

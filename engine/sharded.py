@@ -1,7 +1,7 @@
 """Sharded training checkpoints: a folder (`last.dcp/`) every rank writes its own shards into, in parallel.
 
 torch.distributed.checkpoint (DCP) writes the model's and the optimizer's tensors, taken with
-`get_state_dict` (plain, DDP and FSDP2-sharded modules alike): each rank writes the shards it holds, and
+`get_model_state_dict`/`get_optimizer_state_dict` (plain, DDP and FSDP2-sharded modules alike): each rank writes the shards it holds, and
 loading reshards, so a folder written by 2 processes loads on 1 or 3. Everything else a training checkpoint
 holds (epoch, step, sums, per-rank RNG, config, class names, W&B id, scheduler, GradScaler, EMA weights, the
 optimizer's param_groups) is plain data in `train_state.pth`, written by rank 0 and read weights_only.
@@ -34,7 +34,8 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 
@@ -188,8 +189,12 @@ def save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, plain
     `plain`: everything but the model and optimizer tensors (rank 0's is written). OSError and DCP failures become
     one UserError on every rank naming the folder; the previous folder stays as it was.
     """
-    model_sd, optim_sd = get_state_dict(trained_module(model), optimizer)
-    optim_tensors, optim_rest = split_optimizer(optim_sd)
+    module = trained_module(model)
+    model_sd = get_model_state_dict(module)
+    if optimizer.state:
+        optim_tensors, optim_rest = split_optimizer(get_optimizer_state_dict(module, optimizer))
+    else:  # never stepped: get_optimizer_state_dict would make its state with a zero step (Adam's count too)
+        optim_tensors, optim_rest = {}, {"param_groups": None, "state": {}}
     tmp = Path(broadcast_object(str(temp_name(folder)) if is_main() else None))
     rank0_decides(lambda: prepare(folder, tmp))
     try:
@@ -214,13 +219,17 @@ def write_failure(err: BaseException) -> str:
 
 def prepare(folder: Path, tmp: Path) -> None:
     """Rank 0, before a save: our temp folders left by a killed save removed, the new temp folder made."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    recover(folder)
-    for path in folder.parent.iterdir():
-        match = TEMP.fullmatch(path.name)
-        if match and match["name"] == folder.name and match["tag"] == "tmp":
-            remove(path)
-    tmp.mkdir()
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        recover(folder)
+        for path in folder.parent.iterdir():
+            match = TEMP.fullmatch(path.name)
+            if match and match["name"] == folder.name and match["tag"] == "tmp":
+                remove(path)
+        tmp.mkdir()
+    except OSError as err:
+        raise UserError(f"cannot write checkpoint {folder} ({err.strerror or err}); make output_dir writable or "
+                        "choose another output_dir") from None
 
 
 def finish(folder: Path, tmp: Path, plain: dict[str, Any]) -> None:
@@ -268,15 +277,17 @@ def load(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, optim
     Resharded by DCP to this run's layout: any number of processes, DDP or FSDP2.
     """
     module = trained_module(model)
-    model_sd, optim_sd = get_state_dict(module, optimizer)
-    optim_tensors, _ = split_optimizer(optim_sd)
-    state = {"model": model_sd, "optimizer": optim_tensors}
+    stepped = optim_rest["param_groups"] is not None  # else saved before the optimizer's first step: nothing to load
+    state = {"model": get_model_state_dict(module)}
+    if stepped:
+        state["optimizer"] = split_optimizer(get_optimizer_state_dict(module, optimizer))[0]
     try:
         with quiet_single_process():
             dcp.load(state, storage_reader=SafeReader(folder))
     except CheckpointException as err:
         raise UserError(f"checkpoint {folder} cannot be read ({write_failure(err)}); it is damaged, or its "
                         "optimizer does not fit this run's", all_ranks=True) from None
-    merged = {fqn: {**optim_rest["state"].get(fqn, {}), **tensors} for fqn, tensors in state["optimizer"].items()}
     set_model_state_dict(module, state["model"], options=StateDictOptions(strict=True))
-    set_optimizer_state_dict(module, optimizer, {"state": merged, "param_groups": optim_rest["param_groups"]})
+    if stepped:
+        merged = {fqn: {**optim_rest["state"].get(fqn, {}), **tensors} for fqn, tensors in state["optimizer"].items()}
+        set_optimizer_state_dict(module, optimizer, {"state": merged, "param_groups": optim_rest["param_groups"]})

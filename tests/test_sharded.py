@@ -136,6 +136,17 @@ def single_save(folder: Path, value: float, step: int) -> None:
     sharded.save(folder, model, optimizer, {"epoch": 0, "global_step": step, "rng": []})
 
 
+def test_an_optimizer_saved_before_its_first_step_is_left_unstepped(tmp_path):
+    """DCP's get_optimizer_state_dict makes missing state with a zero step: that would count as Adam's first."""
+    model, optimizer = build("plain", seed=0)
+    sharded.save(tmp_path / "last.dcp", model, optimizer, {"global_step": 0})
+    assert not optimizer.state
+    fresh, fresh_optimizer = build("plain", seed=1)
+    sharded.load(tmp_path / "last.dcp", fresh, fresh_optimizer, read_checkpoint(tmp_path / "last.dcp")["optimizer_rest"])
+    assert not fresh_optimizer.state
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+
+
 def test_a_folder_that_is_not_a_whole_checkpoint_is_one_line(tmp_path):
     folder = tmp_path / "last.dcp"
     folder.mkdir()
