@@ -263,7 +263,8 @@ class Checkpointer:
         broken = sharded.local_nonfinite(sharded.trained_module(self.model).state_dict())
         if max_over_ranks(int(bool(broken)), self.info.device):
             raise self.diverged(broken, fields)
-        sharded.save(self.last, self.model, self.optimizer, self.plain_contents(fields, rng, val_top1))
+        plain = self.plain_contents(fields, rng, val_top1) if self.info.is_main else {}  # rank 0 writes it
+        sharded.save(self.last, self.model, self.optimizer, plain)
         self.saved_step = fields["global_step"]
 
     def diverged(self, broken: list[str], fields: dict[str, Any]) -> UserError:

@@ -21,6 +21,7 @@ are read by DCP with `torch.load(weights_only=True)`.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import pickle
 import re
@@ -41,12 +42,13 @@ from torch.distributed.tensor import DTensor
 
 from engine.dist import broadcast_object, is_main, rank0_decides
 from engine.errors import UnreadableCheckpoint, UserError
-from engine.outputs import remove, replace_with, temp_name
+from engine.outputs import check_replaceable, remove, replace_with, temp_name, write_new
 from engine.signals import sigterm_deferred
 
 SUFFIX = ".dcp"
 PLAIN = "train_state.pth"  # rank 0's plain data (torch.save, weights_only-loadable)
 METADATA = ".metadata"  # DCP's index of the shards (a pickle: read through MetadataUnpickler)
+OURS = "a sharded checkpoint train.py wrote"  # what a save may replace, in messages
 SHARD = re.compile(r"__\d+_\d+\.distcp")  # DCP's shard files: __<rank>_<n>.distcp
 TEMP = re.compile(r"\.(?P<name>.+\.dcp)\.\d+\.[0-9a-f]+\.(?P<tag>tmp|old)")  # outputs.temp_name of a folder here
 # What a DCP .metadata pickle may name: its dataclasses, torch.Size, a tensor layout, the checkpoint's path.
@@ -222,6 +224,7 @@ def prepare(folder: Path, tmp: Path) -> None:
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         recover(folder)
+        check_replaceable(folder, is_ours, OURS, "output_dir")  # before any rank writes (checked again at the swap)
         for path in folder.parent.iterdir():
             match = TEMP.fullmatch(path.name)
             if match and match["name"] == folder.name and match["tag"] == "tmp":
@@ -235,12 +238,11 @@ def prepare(folder: Path, tmp: Path) -> None:
 def finish(folder: Path, tmp: Path, plain: dict[str, Any]) -> None:
     """Rank 0, after every rank wrote its shards: the plain data, fsync, then the swap into place."""
     try:
-        with (tmp / PLAIN).open("xb") as f:
-            torch.save(plain, f)
-            f.flush()
-            os.fsync(f.fileno())
+        buffer = io.BytesIO()
+        torch.save(plain, buffer)  # in memory: a failed write is then a plain OSError (torch.save's is a RuntimeError)
+        write_new(tmp / PLAIN, buffer.getvalue())
         fsync_folder(tmp)
-        replace_with(tmp, folder, is_ours, "a sharded checkpoint train.py wrote", "output_dir")
+        replace_with(tmp, folder, is_ours, OURS, "output_dir")
         fsync_folder(folder.parent)
     except OSError as err:
         remove(tmp)

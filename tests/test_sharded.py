@@ -28,6 +28,7 @@ from engine.checkpoint import read_checkpoint, save_atomic
 from engine.config_load import load_config
 from engine.errors import UserError
 from engine.resume import Resume, decide_resume
+from engine.weights import read_pretrained
 from tests.helpers import REPO, free_port, run_ranks, script_env
 
 
@@ -145,6 +146,23 @@ def test_an_optimizer_saved_before_its_first_step_is_left_unstepped(tmp_path):
     sharded.load(tmp_path / "last.dcp", fresh, fresh_optimizer, read_checkpoint(tmp_path / "last.dcp")["optimizer_rest"])
     assert not fresh_optimizer.state
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+
+
+def test_a_folder_the_app_did_not_write_is_never_replaced(tmp_path):
+    folder = tmp_path / "last.dcp"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match=r"^.*last.dcp is a folder \(notes.txt\), not a sharded checkpoint train.py "
+                                        r"wrote; it was left as it is: move it away or choose another output_dir$"):
+        single_save(folder, 1.0, 1)
+    assert [p.name for p in folder.iterdir()] == ["notes.txt"] and [p.name for p in tmp_path.iterdir()] == ["last.dcp"]
+
+
+def test_model_init_from_and_inference_read_a_folder_whole(tmp_path):
+    single_save(tmp_path / "last.dcp", 0.5, 4)
+    weights = read_pretrained(tmp_path / "last.dcp").state_dict
+    assert weights.keys() == Net().state_dict().keys() and all(bool((w == 0.5).all()) for w in weights.values()
+                                                               if w.is_floating_point() and w.dim() == 2)
 
 
 def test_a_folder_that_is_not_a_whole_checkpoint_is_one_line(tmp_path):
