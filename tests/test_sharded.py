@@ -1,5 +1,8 @@
 """Sharded checkpoints (engine/sharded.py): real gloo groups, real FSDP2 sharding, real folders on disk.
 
+engine.resume, engine.weights and engine.config_load (which import timm) are imported inside the tests that use
+them: every spawned rank imports this module, and timm would cost each several seconds.
+
 A folder written by 2 ranks of an FSDP2-sharded model loads on 3 ranks and on 1 (DCP reshards), a DDP
 model's folder loads into a plain one, a save killed mid-write leaves the previous folder whole, and a
 folder that is not a whole checkpoint (or whose index would run code) is one line.
@@ -25,10 +28,7 @@ from torch.distributed.fsdp import fully_shard
 
 from engine import sharded
 from engine.checkpoint import read_checkpoint, save_atomic
-from engine.config_load import load_config
 from engine.errors import UserError
-from engine.resume import Resume, decide_resume
-from engine.weights import read_pretrained
 from tests.helpers import REPO, free_port, run_ranks, script_env
 
 
@@ -68,7 +68,7 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
             "param_groups": optim_sd["param_groups"]}
 
 
-def train_and_save(rank: int, world: int, kind: str, folder: str) -> dict:
+def train_and_save(kind: str, rank: int, folder: Path) -> dict:
     """Three AdamW steps on rank-dependent data, then a sharded save; the whole state as it was saved."""
     model, optimizer = build(kind, seed=0)
     for step in range(3):
@@ -76,21 +76,26 @@ def train_and_save(rank: int, world: int, kind: str, folder: str) -> dict:
         model(torch.randn(4, 13)).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad()
-    sharded.save(Path(folder), model, optimizer, {"epoch": 1, "global_step": 3, "rng": []})
+    sharded.save(folder, model, optimizer, {"epoch": 1, "global_step": 3, "rng": []})
     return full_state(model, optimizer)
 
 
-def load_into_fresh(rank: int, world: int, kind: str, folder: str) -> dict:
-    """Another seed's model, then the folder loaded into it; its whole state."""
+def load_fresh(kind: str, folder: Path) -> dict:
+    """Another seed's model, then the folder loaded into it; its whole state before (`fresh`) and after loading."""
     model, optimizer = build(kind, seed=1)
-    plain = read_checkpoint(folder)
-    sharded.load(Path(folder), model, optimizer, plain["optimizer_rest"])
-    return full_state(model, optimizer)
+    fresh = full_state(model, optimizer)
+    sharded.load(folder, model, optimizer, read_checkpoint(folder)["optimizer_rest"])
+    return {**full_state(model, optimizer), "fresh": fresh}
 
 
-def fresh_state(rank: int, world: int, kind: str) -> dict:
-    """The state load_into_fresh starts from."""
-    return full_state(*build(kind, seed=1))
+def save_both_then_load(rank: int, world: int, tmp: str) -> dict:
+    """2 ranks: an FSDP2 model saved to fsdp.dcp, a DDP model to ddp.dcp; then fsdp.dcp loaded into a DDP model."""
+    saved = {kind: train_and_save(kind, rank, Path(tmp) / f"{kind}.dcp") for kind in ("fsdp", "ddp")}
+    return {**saved, "fsdp.dcp into ddp": load_fresh("ddp", Path(tmp) / "fsdp.dcp")}
+
+
+def load_both(rank: int, world: int, kind: str, tmp: str) -> dict:
+    return {f"{name}.dcp into {kind}": load_fresh(kind, Path(tmp) / f"{name}.dcp") for name in ("fsdp", "ddp")}
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -104,28 +109,26 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 @pytest.mark.slow
-def test_fsdp_folder_of_2_ranks_loads_on_3_and_on_1_exactly(tmp_path):
-    folder = tmp_path / "last.dcp"
-    saved = run_ranks(train_and_save, 2, tmp_path, "fsdp", str(folder))[0]
-    assert sorted(p.name for p in folder.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
-                                                        "train_state.pth"]  # each rank wrote its own shards
-    assert max_diff(saved, run_ranks(fresh_state, 1, tmp_path, "plain")[0]) > 0  # what loading must change
-    on_three = run_ranks(load_into_fresh, 3, tmp_path, "fsdp", str(folder))
-    on_one = run_ranks(load_into_fresh, 1, tmp_path, "plain", str(folder))[0]
-    print(f"max diff 2 -> 3 ranks (fsdp): {max(max_diff(saved, r) for r in on_three)}, 2 fsdp -> 1 plain: "
-          f"{max_diff(saved, on_one)}")
-    assert all(max_diff(saved, loaded) == 0.0 for loaded in [*on_three, on_one])
-    assert on_one["param_groups"] == saved["param_groups"]
-    whole = read_checkpoint(folder)["model"]  # one process, no group: the weights evaluate.py would read
-    assert all(torch.equal(whole[k], saved["model"][k]) for k in saved["model"])
-
-
-@pytest.mark.slow
-def test_ddp_folder_loads_into_a_plain_model_exactly(tmp_path):
-    folder = tmp_path / "last.dcp"
-    saved = run_ranks(train_and_save, 2, tmp_path, "ddp", str(folder))[0]
-    on_one = run_ranks(load_into_fresh, 1, tmp_path, "plain", str(folder))[0]
-    assert max_diff(saved, on_one) == 0.0
+def test_folders_of_2_ranks_load_on_1_2_and_3_ranks_exactly(tmp_path):
+    """FSDP2 (per block + root) and DDP folders written by 2 ranks, loaded into FSDP2 on 3 ranks, DDP on 2 and a
+    plain model in 1 process: model and optimizer state bitwise the saved ones (DCP reshards on load)."""
+    first = run_ranks(save_both_then_load, 2, tmp_path, str(tmp_path))
+    saved = {"fsdp": first[0]["fsdp"], "ddp": first[0]["ddp"]}
+    assert sorted(p.name for p in (tmp_path / "fsdp.dcp").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "train_state.pth"]  # each rank wrote its own shards
+    diffs = {}
+    for result in [*first, *run_ranks(load_both, 3, tmp_path, "fsdp", str(tmp_path)),
+                   *run_ranks(load_both, 1, tmp_path, "plain", str(tmp_path))]:
+        for key, state in result.items():
+            if " into " in key:
+                source = saved[key.split(".")[0]]
+                assert max_diff(source, state["fresh"]) > 0  # loading had something to change
+                diffs[key] = max(diffs.get(key, 0.0), max_diff(source, state))
+                assert state["param_groups"] == source["param_groups"]
+    print(f"max diff per load (over ranks): {diffs}")
+    assert len(diffs) == 5 and all(diff == 0.0 for diff in diffs.values())
+    whole = read_checkpoint(tmp_path / "fsdp.dcp")["model"]  # one process, no group: what evaluate.py reads
+    assert all(torch.equal(whole[k], saved["fsdp"]["model"][k]) for k in saved["fsdp"]["model"])
 
 
 def single_save(folder: Path, value: float, step: int) -> None:
@@ -159,6 +162,8 @@ def test_a_folder_the_app_did_not_write_is_never_replaced(tmp_path):
 
 
 def test_model_init_from_and_inference_read_a_folder_whole(tmp_path):
+    from engine.weights import read_pretrained
+
     single_save(tmp_path / "last.dcp", 0.5, 4)
     weights = read_pretrained(tmp_path / "last.dcp").state_dict
     assert weights.keys() == Net().state_dict().keys() and all(bool((w == 0.5).all()) for w in weights.values()
@@ -179,6 +184,8 @@ def test_a_folder_that_is_not_a_whole_checkpoint_is_one_line(tmp_path):
 
 
 def test_resume_of_a_run_whose_last_dcp_is_not_whole_names_it_and_the_way_out(tmp_path):
+    from engine.resume import Resume
+
     (tmp_path / "config.yaml").write_text("seed: 0\n")
     (tmp_path / "last.dcp").mkdir()  # e.g. made by hand, or copied without its files
     with pytest.raises(UserError) as caught:
@@ -191,6 +198,8 @@ def test_resume_of_a_run_whose_last_dcp_is_not_whole_names_it_and_the_way_out(tm
 
 
 def test_epoch_files_with_sharded_checkpoints_are_refused_in_one_line():
+    from engine.config_load import load_config
+
     with pytest.raises(UserError, match=r"^config key 'train.keep_last_k' is 2, but with train.ckpt_format=sharded "
                                         r"only last.dcp is kept .*; set train.keep_last_k=0, or train.ckpt_format=file$"):
         load_config(None, ["train.ckpt_format=sharded", "train.keep_last_k=2"])
@@ -198,6 +207,8 @@ def test_epoch_files_with_sharded_checkpoints_are_refused_in_one_line():
 
 def test_resume_auto_takes_the_newer_of_last_pth_and_last_dcp(tmp_path):
     """A run that switched train.ckpt_format leaves both kinds: resume=auto continues the one written last."""
+    from engine.resume import decide_resume
+
     save_atomic({"global_step": 3}, tmp_path / "last.pth")
     single_save(tmp_path / "last.dcp", 1.0, 5)
     os.utime(tmp_path / "last.pth", (1, 1))
@@ -257,6 +268,8 @@ SAVING = textwrap.dedent("""
 @pytest.mark.slow
 def test_a_rank_killed_while_writing_its_shards_leaves_the_previous_folder_whole(tmp_path):
     """2 FSDP ranks save in a loop; rank 1 is SIGKILLed once its shard file of a new save exists in the temp folder."""
+    from engine.resume import decide_resume
+
     folder, port = tmp_path / "last.dcp", free_port()
     (tmp_path / ".last.dcp.keep").mkdir()  # a user's folder with a similar name: never ours
     procs = [subprocess.Popen([sys.executable, "-c", SAVING, str(folder), str(REPO)], stdout=subprocess.PIPE,
@@ -300,6 +313,8 @@ def build_wide() -> tuple[nn.Module, torch.optim.Optimizer]:
 
 def test_a_save_killed_between_its_two_renames_is_put_back(tmp_path):
     """The state a kill between "old aside" and "new in" leaves (made here by hand): resume=auto moves it back."""
+    from engine.resume import decide_resume
+
     folder = tmp_path / "last.dcp"
     single_save(folder, 2.0, 7)
     os.rename(folder, tmp_path / f".last.dcp.{os.getpid()}.0a1b2c3d.old")
