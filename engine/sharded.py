@@ -1,8 +1,8 @@
 """Sharded training checkpoints: a folder (`last.dcp/`) every rank writes its own shards into, in parallel.
 
 torch.distributed.checkpoint (DCP) writes the model's and the optimizer's tensors, taken with
-`get_model_state_dict`/`get_optimizer_state_dict` (plain, DDP and FSDP2-sharded modules alike): each rank writes the shards it holds, and
-loading reshards, so a folder written by 2 processes loads on 1 or 3. Everything else a training checkpoint
+`get_model_state_dict`/`get_optimizer_state_dict` (plain, DDP and FSDP2-sharded modules alike): each rank
+writes the shards it holds, and loading reshards, so a folder written by 2 processes loads on 1 or 3. Everything else a training checkpoint
 holds (epoch, step, sums, per-rank RNG, config, class names, W&B id, scheduler, GradScaler, EMA weights, the
 optimizer's param_groups) is plain data in `train_state.pth`, written by rank 0 and read weights_only.
 

@@ -146,7 +146,8 @@ def test_an_optimizer_saved_before_its_first_step_is_left_unstepped(tmp_path):
     sharded.save(tmp_path / "last.dcp", model, optimizer, {"global_step": 0})
     assert not optimizer.state
     fresh, fresh_optimizer = build("plain", seed=1)
-    sharded.load(tmp_path / "last.dcp", fresh, fresh_optimizer, read_checkpoint(tmp_path / "last.dcp")["optimizer_rest"])
+    folder = tmp_path / "last.dcp"
+    sharded.load(folder, fresh, fresh_optimizer, read_checkpoint(folder)["optimizer_rest"])
     assert not fresh_optimizer.state
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
 
@@ -201,7 +202,8 @@ def test_epoch_files_with_sharded_checkpoints_are_refused_in_one_line():
     from engine.config_load import load_config
 
     with pytest.raises(UserError, match=r"^config key 'train.keep_last_k' is 2, but with train.ckpt_format=sharded "
-                                        r"only last.dcp is kept .*; set train.keep_last_k=0, or train.ckpt_format=file$"):
+                                        r"only last.dcp is kept .*; set train.keep_last_k=0, or "
+                                        r"train.ckpt_format=file$"):
         load_config(None, ["train.ckpt_format=sharded", "train.keep_last_k=2"])
 
 
