@@ -179,7 +179,7 @@ class Config:
     seed: int = 0  # seeds model init, data order and augmentation, in [0, 2^32)
     output_dir: str = "runs/default"  # where config.yaml, metrics.jsonl and checkpoints go
     amp: str = "auto"  # auto | bf16 | fp16 | off
-    resume: str = "auto"  # auto (continue from <output_dir>/last.pth if present) | none | <checkpoint path>
+    resume: str = "auto"  # auto (continue from <output_dir>/last.pth or last.dcp if present) | none | <checkpoint path>
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
