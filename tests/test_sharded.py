@@ -322,3 +322,27 @@ def test_a_save_killed_between_its_two_renames_is_put_back(tmp_path):
     os.rename(folder, tmp_path / f".last.dcp.{os.getpid()}.0a1b2c3d.old")
     assert decide_resume("auto", tmp_path) == str(folder)
     assert read_checkpoint(folder)["global_step"] == 7
+
+
+def test_a_model_with_nan_is_not_saved_and_the_message_says_what_is_on_disk(tmp_path):
+    from engine.checkpoint import Checkpointer
+    from engine.dist import DistInfo
+    from engine.state import TrainState
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    checkpointer = Checkpointer(tmp_path, DistInfo(0, 1, 0, 1, torch.device("cpu")), 0, model=model,
+                                optimizer=optimizer, scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1),
+                                scaler=None, config={}, class_names=["a", "b"], sharded=True)
+    model[1].running_mean.fill_(float("nan"))
+    with pytest.raises(UserError, match=r"inf/NaN values \(1.running_mean\) at global step 2; no checkpoint was "
+                                        r"written"):
+        checkpointer.save(TrainState(global_step=2))
+    assert not list(tmp_path.iterdir())
+    model[1].running_mean.fill_(0.0)
+    checkpointer.save(TrainState(global_step=3))
+    model[1].running_mean.fill_(float("nan"))
+    with pytest.raises(UserError, match=f"{tmp_path}/last.dcp keeps the last good state \\(global step 3\\)"):
+        checkpointer.save(TrainState(global_step=4))
+    assert read_checkpoint(tmp_path / "last.dcp")["global_step"] == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.dcp"]
