@@ -67,7 +67,7 @@ OUTPUTS = {"eval.json": starts_with(b'{\n  "checkpoint": '), "predictions.csv": 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", help="a checkpoint written by train.py (last.pth, best.pth, ...)")
+    parser.add_argument("checkpoint", help="a checkpoint written by train.py (last.pth, best.pth, last.dcp, ...)")
     parser.add_argument("--data-dir", help="an ImageFolder root with <split>/<class>/*, split data.val_split (val; "
                         "data.val_split=test for another) (default: the checkpoint's data)")
     parser.add_argument("--batch-size", type=int, help="per process (default: the checkpoint's train.batch_size)")

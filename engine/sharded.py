@@ -102,6 +102,11 @@ def read_metadata(folder: Path) -> Metadata:
     if other:
         raise UserError(f"checkpoint {folder} was refused: its {METADATA} lists entries that are not tensors "
                         f"({', '.join(other[:3])}), which DCP would unpickle as code; only load files you trust")
+    files = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
+    outside = sorted(str(name) for name in files if not (isinstance(name, str) and SHARD.fullmatch(name)))
+    if outside:
+        raise UserError(f"checkpoint {folder} was refused: its {METADATA} points at files that are not its own shards "
+                        f"({', '.join(outside[:3])}); only load files you trust")
     return metadata
 
 

@@ -239,6 +239,20 @@ def test_an_index_that_would_run_code_is_refused_and_the_code_does_not_run(tmp_p
     assert not marker.exists()
 
 
+def test_an_index_pointing_outside_its_folder_is_refused(tmp_path):
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    folder = tmp_path / "last.dcp"
+    single_save(folder, 1.0, 1)
+    metadata = sharded.read_metadata(folder)
+    for index, info in metadata.storage_data.items():
+        metadata.storage_data[index] = _StorageInfo("../../secret.bin", info.offset, info.length)
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(UserError, match=r"its .metadata points at files that are not its own shards "
+                                        r"\(../../secret.bin\); only load files you trust$"):
+        read_checkpoint(folder)
+
+
 SAVING = textwrap.dedent("""
     import sys
     from pathlib import Path
