@@ -144,11 +144,10 @@ def is_sharded(path: str | os.PathLike) -> bool:
 
 def last_checkpoint(out_dir: Path) -> Path | None:
     """out_dir's last.pth or last.dcp/ (sharded), the newer by modification time when both exist (a run that
-    switched train.ckpt_format leaves the other behind); None when neither is there. Rank 0 only: a sharded
-    save killed between its two renames left the previous folder aside, and it is moved back here."""
+    switched train.ckpt_format leaves the other behind); None when neither is there. A sharded save killed between
+    its two renames left the previous last.dcp aside under a temp name: that folder is the one to continue."""
     folder = out_dir / "last.dcp"
-    if out_dir.is_dir():
-        sharded.recover(folder)
+    folder = sharded.set_aside(folder) or folder
     kept = [(mark.stat().st_mtime, path) for path, mark in ((out_dir / "last.pth", out_dir / "last.pth"),
                                                            (folder, folder / sharded.PLAIN)) if mark.is_file()]
     if folder.is_dir() and not (folder / sharded.PLAIN).is_file():

@@ -9,7 +9,8 @@ optimizer's param_groups) is plain data in `train_state.pth`, written by rank 0 
 Atomic as a whole: the folder is written under a temp name beside it (`.last.dcp.<pid>.<hex>.tmp`), every
 file fsynced, then rank 0 swaps it in (old aside, new in, old removed: engine/outputs.replace_with). A run
 killed before the swap leaves the previous folder as it was; one killed between the two renames leaves it
-aside as `.last.dcp.<pid>.<hex>.old`, which `recover` moves back. Temp folders are ours by that name only.
+aside as `.last.dcp.<pid>.<hex>.old`, which resume=auto reads (nothing is renamed when a run only reads)
+and the next save moves back before replacing it. Temp folders are ours by that name only.
 
 Reads are data-only. DCP's `.metadata` is a pickle and its FileSystemReader unpickles it with plain
 `pickle.load`, and loads any non-tensor entry with `torch.load(weights_only=False)`: both could run code.
@@ -267,15 +268,22 @@ def fsync_folder(folder: Path) -> None:
         os.close(fd)
 
 
-def recover(folder: Path) -> None:
-    """A save killed between its two renames left the previous folder aside (`.<name>.<pid>.<hex>.old`): back."""
-    if folder.exists():
-        return
+def set_aside(folder: Path) -> Path | None:
+    """The previous folder a save killed between its two renames left aside (`.<name>.<pid>.<hex>.old`), when
+    `folder` itself is missing; None otherwise."""
+    if folder.exists() or not folder.parent.is_dir():
+        return None
     aside = sorted((p for p in folder.parent.glob(f".{folder.name}.*.old")
                     if (m := TEMP.fullmatch(p.name)) and m["name"] == folder.name and is_ours(p)),
                    key=lambda p: p.stat().st_mtime)
-    if aside:
-        os.rename(aside[-1], folder)
+    return aside[-1] if aside else None
+
+
+def recover(folder: Path) -> None:
+    """Before a save: a folder set aside by a killed save goes back to its name (the save then replaces it)."""
+    aside = set_aside(folder)
+    if aside is not None:
+        os.rename(aside, folder)
 
 
 def load(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, optim_rest: dict[str, Any]) -> None:

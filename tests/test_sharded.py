@@ -328,14 +328,18 @@ def build_wide() -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def test_a_save_killed_between_its_two_renames_is_put_back(tmp_path):
-    """The state a kill between "old aside" and "new in" leaves (made here by hand): resume=auto moves it back."""
+    """The state a kill between "old aside" and "new in" leaves (made here by hand): resume=auto reads the folder
+    set aside, and the next save puts it back before replacing it."""
     from engine.resume import decide_resume
 
     folder = tmp_path / "last.dcp"
     single_save(folder, 2.0, 7)
-    os.rename(folder, tmp_path / f".last.dcp.{os.getpid()}.0a1b2c3d.old")
-    assert decide_resume("auto", tmp_path) == str(folder)
-    assert read_checkpoint(folder)["global_step"] == 7
+    aside = tmp_path / f".last.dcp.{os.getpid()}.0a1b2c3d.old"
+    os.rename(folder, aside)
+    assert decide_resume("auto", tmp_path) == str(aside) and not folder.exists()  # reading renames nothing
+    assert read_checkpoint(aside)["global_step"] == 7
+    single_save(folder, 3.0, 8)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.dcp"] and read_checkpoint(folder)["global_step"] == 8
 
 
 def test_a_model_with_nan_is_not_saved_and_the_message_says_what_is_on_disk(tmp_path):
