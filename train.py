@@ -196,7 +196,7 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
                                 scheduler=parts.scheduler, scaler=precision.scaler, config=to_dict(cfg),
                                 class_names=data.class_names, ema=ema.module if ema is not None else None,
                                 wandb_id=tracker.run_id or start.wandb_id,  # kept for a resume with tracking on
-                                best_metric=chosen_on)
+                                best_metric=chosen_on, sharded=cfg.train.ckpt_format == "sharded")
     # Nothing in output_dir changes before the run's first write (record.start): a run that fails to
     # start leaves the previous run's config.yaml, metrics.jsonl and checkpoints as they were.
     record = RunRecord(out, to_dict(cfg), first_epoch=state.epoch)
@@ -229,7 +229,7 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
             train_stats = train_one_epoch(parts, data.train, state, loop, info, hooks)
         except Preempted as stopped:  # SIGTERM or SIGUSR1: every rank stopped after the same step
             step_checkpoint.save(state)  # mid-epoch: resume=auto continues the epoch where it stopped
-            stopped.checkpoint = out / "last.pth"
+            stopped.checkpoint = checkpointer.last
             raise
         input_advice.after_epoch(state.epoch, train_stats)
         val_stats = validate(parts.model, data.val, precision, info, normalize, cfg)

@@ -20,6 +20,7 @@ CHOICES = {
     "dist.backend": ("auto", "nccl", "gloo"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
     "train.loss": ("ce", "bce"),
+    "train.ckpt_format": ("file", "sharded"),
     "data.sampler": ("uniform", "class_balanced"),
     "train.best_metric": ("val_top1", "val_balanced_acc", "val_macro_f1", "val_map", "val_loss"),
     "optim.clip_mode": ("norm", "value", "agc"),
@@ -80,6 +81,10 @@ def validate(cfg: Config) -> None:
     if mixing(cfg.data) and cfg.data.mix_mode == "batch" and cfg.data.mix_group % 2:
         raise UserError(f"config key 'data.mix_group' must be even (a group holds whole pairs), got "
                         f"{cfg.data.mix_group}")
+    if cfg.train.ckpt_format == "sharded" and cfg.train.keep_last_k:
+        raise UserError(f"config key 'train.keep_last_k' is {cfg.train.keep_last_k}, but with "
+                        "train.ckpt_format=sharded only last.dcp is kept (an epoch file would gather the whole model "
+                        "on rank 0); set train.keep_last_k=0, or train.ckpt_format=file")
     for key in FRACTIONS:
         if not 0 <= _get(cfg, key) < 1:
             raise UserError(f"config key {key!r} must be in [0, 1), got {_get(cfg, key)!r}")

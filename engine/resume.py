@@ -1,6 +1,7 @@
 """Resuming a run: which checkpoint to continue, whether it fits this run, and putting its state back.
 
-`resume=auto` continues from <output_dir>/last.pth when it exists, `resume=<path>` from that file,
+`resume=auto` continues from <output_dir>/last.pth or last.dcp/ (train.ckpt_format=sharded; the newer of the two
+when both exist), `resume=<path>` from that file or folder,
 `resume=none` never. A fresh run (resume=none, or auto without last.pth) refuses an output_dir that holds
 another run's record, naming its files. A checkpoint that does not fit (another model, other classes,
 another optimizer) stops the run before anything in output_dir is touched.
@@ -16,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.checkpoint import EPOCH_FILE, UnreadableCheckpoint, load_checkpoint, set_rng_state
+from engine.checkpoint import (EPOCH_FILE, UnreadableCheckpoint, is_sharded, last_checkpoint, load_sharded_training,
+                               read_checkpoint, set_rng_state)
 from engine.config import Config, best_metric, to_dict
 from engine.dist import DistInfo, rank0_decides
 from engine.errors import UserError
@@ -27,7 +29,7 @@ from engine.weights import Pretrained, check_architecture, load_weights, read_pr
 
 log = logging.getLogger(__name__)
 TRAINING_KEYS = ("model", "optimizer", "epoch", "global_step", "config", "class_names", "rng")
-RUN_FILES = ("config.yaml", "metrics.jsonl", "last.pth", "best.pth")  # and epoch_NNNN.pth
+RUN_FILES = ("config.yaml", "metrics.jsonl", "last.pth", "last.dcp", "best.pth")  # and epoch_NNNN.pth
 OPTIMIZER_KEYS = ("name", "no_decay_norm_bias", "layer_decay")  # what the optimizer state's layout depends on
 
 
@@ -39,10 +41,10 @@ def find_resume_checkpoint(resume: str, out_dir: Path) -> Path | None:
 
 def decide_resume(resume: str, out_dir: Path) -> str | None:
     """The checkpoint path to continue, or None: a fresh run only in a folder holding no run record."""
-    last = out_dir / "last.pth"
+    last = last_checkpoint(out_dir)
     found = run_files(out_dir)
     if resume == "auto":
-        if last.is_file():
+        if last is not None:
             return str(last)
         if found:
             raise UserError(f"output_dir {out_dir} holds a run ({', '.join(found)}) but no last.pth to continue; "
@@ -52,15 +54,16 @@ def decide_resume(resume: str, out_dir: Path) -> str | None:
         if not found:
             return None
         problem = f"output_dir {out_dir} already holds a run ({', '.join(found)}) and resume=none"
-        if not last.is_file():
+        if last is None:
             raise UserError(f"{problem}; {way_out(out_dir)}")
         try:
-            load_checkpoint(last)
+            read_checkpoint(last)
         except UserError:
             raise UserError(f"{problem}; {last} cannot be read: {way_out(out_dir)}") from None
         raise UserError(f"{problem}; use resume=auto to continue it, or another output_dir to start over")
-    if not Path(resume).is_file():
-        raise UserError(f"resume={resume}: no such checkpoint file; use auto, none or an existing .pth path")
+    if not Path(resume).is_file() and not (is_sharded(resume) and Path(resume).is_dir()):
+        raise UserError(f"resume={resume}: no such checkpoint file; use auto, none or an existing .pth path (or "
+                        ".dcp folder)")
     if found and Path(resume).resolve().parent != out_dir.resolve():
         raise UserError(f"output_dir {out_dir} already holds another run ({', '.join(found)}); to continue "
                         f"{resume} choose an output_dir that holds no run")
@@ -79,7 +82,7 @@ def way_out(out_dir: Path) -> str:
     numbered = sorted((int(m.group(1)), p) for p in out_dir.glob("epoch_*.pth") if (m := EPOCH_FILE.fullmatch(p.name)))
     for _, path in reversed(numbered):
         try:
-            load_checkpoint(path)
+            read_checkpoint(path)
         except UserError:
             continue
         return (f"resume={path} continues from the newest readable epoch file, or choose another output_dir "
@@ -88,9 +91,9 @@ def way_out(out_dir: Path) -> str:
 
 
 def load_resume_checkpoint(path: Path) -> dict[str, Any]:
-    """load_checkpoint; for a file that cannot be read, also name the way out."""
+    """read_checkpoint; for a file or folder that cannot be read, also name the way out."""
     try:
-        return load_checkpoint(path)
+        return read_checkpoint(path)
     except UnreadableCheckpoint as err:
         raise UserError(f"{err}; {way_out(path.parent)}") from None
 
@@ -98,7 +101,8 @@ def load_resume_checkpoint(path: Path) -> dict[str, Any]:
 def check_resumable(ckpt: dict[str, Any], path: Path, cfg: Config, class_names: list[str],
                     world_size: int) -> None:
     """Refuse a checkpoint this run cannot continue, naming the mismatch."""
-    absent = [key for key in TRAINING_KEYS if key not in ckpt]
+    optimizer = "optimizer_rest" if ckpt.get("format") == "sharded" else "optimizer"  # a folder keeps its tensors
+    absent = [key for key in TRAINING_KEYS if key.replace("optimizer", optimizer) not in ckpt]
     if absent:
         raise UserError(f"checkpoint {path} is not a training checkpoint of this app (no {', '.join(absent)}); "
                         "to start from its weights use model.init_from and resume=none")
@@ -235,8 +239,13 @@ class Resume:
         if self.ckpt is None:
             return state
         ckpt, path = self.ckpt, self.path
-        check_optimizer_state(ckpt["optimizer"], parts.optimizer, path)
-        parts.optimizer.load_state_dict(ckpt["optimizer"])
+        if ckpt.get("format") == "sharded":
+            if ckpt["optimizer_rest"]["param_groups"] is not None:  # None: saved before the first optimizer step
+                check_optimizer_state(ckpt["optimizer_rest"], parts.optimizer, path)
+            load_sharded_training(path, parts.model, parts.optimizer, ckpt)  # resharded to this run's processes
+        else:
+            check_optimizer_state(ckpt["optimizer"], parts.optimizer, path)
+            parts.optimizer.load_state_dict(ckpt["optimizer"])
         if parts.precision.scaler is not None and ckpt.get("scaler"):
             parts.precision.scaler.load_state_dict(ckpt["scaler"])
         state.load_state_dict(ckpt)
