@@ -39,7 +39,7 @@ import_timm_without_wandb()  # first: the imports below reach timm, which would 
 from data.loader import build_eval_loader, build_val_dataset
 from data.transforms import DeviceNormalize, eval_size
 from data.datasets import AugmentedDataset
-from engine.checkpoint import load_checkpoint
+from engine.checkpoint import read_checkpoint
 from engine.cli import run_main
 from engine.config import Config, to_dict
 from engine.config_load import config_from_dict, parse_override, set_dotted
@@ -67,7 +67,7 @@ OUTPUTS = {"eval.json": starts_with(b'{\n  "checkpoint": '), "predictions.csv": 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", help="a checkpoint written by train.py (last.pth, best.pth, ...)")
+    parser.add_argument("checkpoint", help="a checkpoint written by train.py (last.pth, best.pth, last.dcp, ...)")
     parser.add_argument("--data-dir", help="an ImageFolder root with <split>/<class>/*, split data.val_split (val; "
                         "data.val_split=test for another) (default: the checkpoint's data)")
     parser.add_argument("--batch-size", type=int, help="per process (default: the checkpoint's train.batch_size)")
@@ -413,7 +413,7 @@ def exact_kernels(device: torch.device) -> None:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    ckpt = load_checkpoint(args.checkpoint)
+    ckpt = read_checkpoint(args.checkpoint)
     cfg = checkpoint_config(ckpt, args)
     setup_logging(read_launch_env()[0], cfg.logging.level)  # before the rendezvous, which may wait
     info = init_distributed(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.rendezvous_timeout_s)

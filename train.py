@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from engine.startup import cpu_share, import_timm_without_wandb, tune_cpu_process
+from engine.startup import cpu_share, import_timm_without_wandb, training_threads, tune_cpu_process
 
 import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (engine/startup.py)
 
@@ -48,7 +48,7 @@ from engine.logs import setup_logging
 from engine.losses import build_loss, class_weights
 from engine.multilabel import evaluate_multilabel
 from engine.optim import (build_optimizer, build_scheduler, check_optimizer, check_scheduler, scaled_lr_note,
-                          with_scaled_lr)
+                          with_global_batch, with_scaled_lr)
 from engine.precision import Precision, resolve_precision
 from engine.profiling import ProfileSteps
 from engine.resume import Resume
@@ -90,6 +90,7 @@ def start_up(cfg: Config, info: DistInfo) -> tuple[Config, Resume, DataBundle, P
     start = Resume.find(cfg.resume, Path(cfg.output_dir))
     pretrained = start.pretrained(cfg.model)
     cfg = resolve_preprocessing(cfg, pretrained, start.ckpt["config"] if start.ckpt else None)
+    cfg = with_global_batch(cfg, info.world_size)
     cfg = with_scaled_lr(cfg, info.world_size)  # after resolve_preprocessing, which reads the keys the user set
     seed_everything(cfg.seed)
     data = build_data(cfg.data, cfg.train.batch_size, cfg.seed, info)
@@ -197,7 +198,7 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
                        build_loss(cfg.train, mixing(cfg.data),
                                   class_weights(cfg.train.class_weights, data.class_counts, data.class_names)),
                        precision, distill)
-    state = start.load_training(parts, cfg, info)
+    state = start.load_training(parts, cfg, info, updates_per_epoch)
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
     total_steps = cfg.train.epochs * updates_per_epoch
     loop = LoopConfig(cfg.train.accum_steps, cfg.optim.clip_grad, cfg.train.max_steps, cfg.logging.interval,
@@ -216,7 +217,7 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
                                 scheduler=parts.scheduler, scaler=precision.scaler, config=to_dict(cfg),
                                 class_names=data.class_names, ema=ema.module if ema is not None else None,
                                 wandb_id=tracker.run_id or start.wandb_id,  # kept for a resume with tracking on
-                                best_metric=chosen_on)
+                                best_metric=chosen_on, sharded=cfg.train.ckpt_format == "sharded")
     # Nothing in output_dir changes before the run's first write (record.start): a run that fails to
     # start leaves the previous run's config.yaml, metrics.jsonl and checkpoints as they were.
     record = RunRecord(out, to_dict(cfg), first_epoch=state.epoch)
@@ -249,7 +250,7 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
             train_stats = train_one_epoch(parts, data.train, state, loop, info, hooks)
         except Preempted as stopped:  # SIGTERM or SIGUSR1: every rank stopped after the same step
             step_checkpoint.save(state)  # mid-epoch: resume=auto continues the epoch where it stopped
-            stopped.checkpoint = out / "last.pth"
+            stopped.checkpoint = checkpointer.last
             raise
         input_advice.after_epoch(state.epoch, train_stats)
         if is_sharded(model):  # DDP broadcasts rank 0's buffers (BatchNorm statistics) at each forward; FSDP never
@@ -318,7 +319,7 @@ def main(argv: list[str]) -> int:
     setup_logging(read_launch_env()[0], cfg.logging.level)  # before the rendezvous, which may wait
     info = init_distributed(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.rendezvous_timeout_s)
     if info.device.type == "cpu":
-        tune_cpu_process(cpu_share(info.local_world_size))
+        tune_cpu_process(training_threads(cpu_share(info.local_world_size), cfg.data.num_workers))
     if args.dry_run:
         summary = dry_run(cfg, info)
         if info.is_main:

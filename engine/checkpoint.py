@@ -4,6 +4,11 @@ Writes go to a temp file in the same folder and are moved into place with os.rep
 crash mid-write leaves the previous file intact. Reads use weights_only=True: a checkpoint
 cannot run code when it is loaded.
 
+Two on-disk kinds, one owner: this module is the file kind (`last.pth`, `best.pth`, `epoch_NNNN.pth`) and
+the Checkpointer every run writes through; engine/sharded.py is the folder kind (`last.dcp/`, written by
+every rank with torch.distributed.checkpoint, train.ckpt_format=sharded). `read_checkpoint` reads either
+and is what resume, evaluate/predict/export and model.init_from ask.
+
 A training checkpoint (`Checkpointer.save`) holds everything a resumed run needs to continue
 bit for bit: model, EMA weights (if any), optimizer, scheduler, GradScaler, the loop state (epoch, global step, steps
 and train sums of an unfinished epoch, best val_top1), the resolved config, the class names,
@@ -33,8 +38,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule
 
-from engine.dist import DistInfo, all_gather_object, rank0_decides
-from engine.errors import UserError
+from engine import sharded
+from engine.dist import DistInfo, all_gather_object, max_over_ranks, rank0_decides
+from engine.errors import UnreadableCheckpoint, UserError
 from engine.signals import sigterm_deferred
 from engine.run_dir import atomic_file
 from engine.state import TrainState
@@ -86,17 +92,21 @@ def optimizer_state_by_index(by_name: dict[str, Any], optimizer: torch.optim.Opt
             "param_groups": optimizer.state_dict()["param_groups"]}
 
 
-def gather_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, ema: nn.Module | None) -> dict[str, Any]:
+def gather_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, ema: nn.Module | None,
+                   whole: bool = True) -> dict[str, Any]:
     """dist.strategy=fsdp: the whole model, EMA and optimizer state on rank 0's CPU, in the layout DDP runs save
-    (a collective: every rank calls it; the others get empty dicts). {} for a model that is not sharded."""
+    (a collective: every rank calls it; the others get empty dicts); `whole=False`: the EMA only. {} for a model
+    that is not sharded."""
     if not isinstance(model, FSDPModule):
         return {}
-    gathered = {"model": get_model_state_dict(model, options=FULL_ON_RANK0),
-                "optimizer": get_optimizer_state_dict(model, optimizer, options=FULL_ON_RANK0)}
+    gathered = {}
+    if whole:
+        gathered["model"] = get_model_state_dict(model, options=FULL_ON_RANK0)
+        # Never stepped: DCP would make the state with a zero step (engine/sharded.py); there is none to gather.
+        by_name = get_optimizer_state_dict(model, optimizer, options=FULL_ON_RANK0) if optimizer.state else {}
+        gathered["optimizer"] = optimizer_state_by_index(by_name, optimizer) if by_name else optimizer.state_dict()
     if ema is not None:
         gathered["ema"] = get_model_state_dict(ema, options=FULL_ON_RANK0)
-    if gathered["optimizer"]:
-        gathered["optimizer"] = optimizer_state_by_index(gathered["optimizer"], optimizer)
     return gathered
 
 
@@ -119,7 +129,8 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sav
     by_name = {"state": {numbered[i]: value for i, value in saved["state"].items()},
                "param_groups": [{**group, "params": [numbered[i] for i in group["params"]]}
                                 for group in saved["param_groups"]]}
-    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+    if saved["state"]:  # else saved before the first step: nothing to put back but the settings
+        set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
     for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):  # DCP's copy made tuples lists
         group.update({key: value for key, value in saved_group.items() if key != "params"})
 
@@ -155,10 +166,6 @@ def save_atomic(obj: dict[str, Any], path: str | os.PathLike) -> None:
             raise writer.error from None  # e.g. ENOSPC, EFBIG ("[enforce fail at inline_container.cc] unexpected pos")
 
 
-class UnreadableCheckpoint(UserError):
-    """A checkpoint file that exists but does not load (truncated, or not a checkpoint)."""
-
-
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Load a checkpoint as data only; a missing, truncated or unsafe file is a UserError."""
     path = Path(path)
@@ -189,6 +196,41 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         raise UnreadableCheckpoint(f"checkpoint {path} cannot be read ({type(err).__name__}: "
                                    f"{str(err).strip().splitlines()[0] if str(err).strip() else 'truncated?'}); "
                                    "it is truncated or not a checkpoint") from None
+
+
+def is_sharded(path: str | os.PathLike) -> bool:
+    """Whether `path` names a sharded checkpoint folder (*.dcp) rather than a .pth file."""
+    return sharded.is_sharded(path)
+
+
+def last_checkpoint(out_dir: Path) -> Path | None:
+    """out_dir's last.pth or last.dcp/ (sharded), the newer by modification time when both exist (a run that
+    switched train.ckpt_format leaves the other behind); None when neither is there. A sharded save killed between
+    its two renames left the previous last.dcp aside under a temp name: that folder is the one to continue."""
+    folder = out_dir / "last.dcp"
+    folder = sharded.set_aside(folder) or folder
+    kept = [(mark.stat().st_mtime, path) for path, mark in ((out_dir / "last.pth", out_dir / "last.pth"),
+                                                           (folder, folder / sharded.PLAIN)) if mark.is_file()]
+    if folder.is_dir() and not (folder / sharded.PLAIN).is_file():
+        kept.append((0.0, folder))  # not a whole folder: named, so that reading it says what is wrong
+    return max(kept)[1] if kept else None
+
+
+def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint as plain data, whichever kind: a .pth file as saved; a sharded folder's plain data with its
+    model (and EMA) weights whole, its optimizer tensors left in the folder (`load_sharded_training` reads them)."""
+    path = Path(path)
+    if not sharded.is_sharded(path):
+        return load_checkpoint(path)
+    ckpt = sharded.read_plain(path, load_checkpoint)
+    ckpt["model"] = sharded.read_tensors(path, "model.")
+    return ckpt
+
+
+def load_sharded_training(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                          ckpt: dict[str, Any]) -> None:
+    """A sharded folder's model and optimizer state into this run's, resharded to its processes (a collective)."""
+    sharded.load(path, model, optimizer, ckpt["optimizer_rest"])
 
 
 def nonfinite_tensors(state_dict: dict[str, torch.Tensor]) -> list[str]:
@@ -231,8 +273,10 @@ class Checkpointer:
     def __init__(self, out_dir: Path, info: DistInfo, keep_last_k: int, *, model: nn.Module,
                  optimizer: torch.optim.Optimizer, scheduler, scaler: torch.amp.GradScaler | None,
                  config: dict[str, Any], class_names: list[str], ema: nn.Module | None = None,
-                 wandb_id: str | None = None, best_metric: str = "val_top1") -> None:
+                 wandb_id: str | None = None, best_metric: str = "val_top1", sharded: bool = False) -> None:
         self.out_dir, self.info, self.keep_last_k = Path(out_dir), info, keep_last_k
+        self.sharded = sharded  # train.ckpt_format=sharded: last.dcp/ written by every rank instead of last.pth
+        self.last = self.out_dir / ("last.dcp" if sharded else "last.pth")
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.ema = ema
         self.best_metric = best_metric  # what val_top1 and best_top1 measure: val_top1, or ema_val_top1 (EMA weights)
@@ -242,15 +286,22 @@ class Checkpointer:
 
     def contents(self, fields: dict[str, Any], rng: list[dict[str, Any]], val_top1: float | None,
                  gathered: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The checkpoint dict (`fields`: TrainState.state_dict(); `gathered`: a sharded run's gather_sharded):
+        """The checkpoint dict (`fields`: TrainState.state_dict(); `gathered`: a sharded model's gather_sharded):
         plain tensors, numbers, strings, lists, dicts."""
-        ema, gathered = {}, gathered or {}
+        gathered = gathered or {}
+        return {"model": gathered["model"] if "model" in gathered else cpu_state_dict(self.model),
+                "optimizer": gathered["optimizer"] if "optimizer" in gathered else on_cpu(self.optimizer.state_dict()),
+                **self.plain_contents(fields, rng, val_top1, gathered)}
+
+    def plain_contents(self, fields: dict[str, Any], rng: list[dict[str, Any]], val_top1: float | None,
+                       gathered: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Everything but the model and optimizer state (a sharded folder's train_state.pth)."""
+        gathered = gathered or {}
+        ema = {}
         if self.ema is not None:
-            ema = {"ema": gathered["ema"] if gathered else cpu_state_dict(self.ema)}
+            ema = {"ema": gathered["ema"] if "ema" in gathered else cpu_state_dict(self.ema)}
         return {
-            "model": gathered["model"] if gathered else cpu_state_dict(self.model),
             **ema,  # the EMA weights, only when the run keeps an EMA
-            "optimizer": gathered["optimizer"] if gathered else on_cpu(self.optimizer.state_dict()),
             "scheduler": self.scheduler.state_dict(),
             "scaler": on_cpu(self.scaler.state_dict()) if self.scaler else {},
             **fields,  # epoch, global_step, best_top1, epoch_step, epoch_sums, epoch_seconds
@@ -268,24 +319,44 @@ class Checkpointer:
         """Write last.pth (and best.pth, and an epoch file for a finished epoch); a collective."""
         fields = state.state_dict()  # syncs the epoch's running sums: a collective too
         rng = all_gather_object(rng_state())
-        gathered = gather_sharded(self.model, self.optimizer, self.ema)  # dist.strategy=fsdp: a collective
+        # dist.strategy=fsdp: the sharded model, EMA and optimizer gathered whole onto rank 0 (a collective); for a
+        # sharded folder (DCP writes the model and optimizer) the EMA only, unless best.pth is written too.
+        gathered = gather_sharded(self.model, self.optimizer, self.ema, whole=not self.sharded or best)
+        if self.sharded:
+            self.save_sharded(fields, rng, val_top1, gathered)
+            if not best:
+                return
         rank0_decides(lambda: self.write(fields, rng, val_top1, best, epoch_file, gathered))
+
+    def save_sharded(self, fields: dict[str, Any], rng: list[dict[str, Any]], val_top1: float | None,
+                     gathered: dict[str, Any] | None = None) -> None:
+        """last.dcp/: every rank writes its shards (engine/sharded.py); inf/NaN on any rank refuses it on all."""
+        broken = sharded.local_nonfinite(sharded.trained_module(self.model).state_dict())
+        if max_over_ranks(int(bool(broken)), self.info.device):
+            raise self.diverged(broken, fields)
+        plain = self.plain_contents(fields, rng, val_top1, gathered) if self.info.is_main else {}  # rank 0 writes it
+        sharded.save(self.last, self.model, self.optimizer, plain)
+        self.saved_step = fields["global_step"]
+
+    def diverged(self, broken: list[str], fields: dict[str, Any]) -> UserError:
+        """The error for a model holding inf/NaN: what is on disk, and what to change."""
+        then = "then resume from it" if self.last.exists() else "then start again"
+        return UserError(f"the model holds inf/NaN values ({', '.join(broken[:3]) or 'on another rank'}) at global "
+                         f"step {fields['global_step']}; {self.kept_state()}. Lower optim.lr or set optim.clip_grad, "
+                         f"{then}", all_ranks=True)
 
     def write(self, fields: dict[str, Any], rng: list[dict[str, Any]], val_top1: float | None, best: bool,
               epoch_file: bool, gathered: dict[str, Any] | None = None) -> None:
         """Rank 0's part of save(): refuse inf/NaN weights, write the files, prune old epoch files."""
         ckpt = self.contents(fields, rng, val_top1, gathered)
         finished_epoch = fields["epoch"] - 1  # the epoch just finished, as in metrics.jsonl
-        names = ["last.pth"] + (["best.pth"] if best else [])
-        if epoch_file and self.keep_last_k > 0:
+        names = ([] if self.sharded else ["last.pth"]) + (["best.pth"] if best else [])
+        if epoch_file and self.keep_last_k > 0 and not self.sharded:
             names.append(f"epoch_{finished_epoch:04d}.pth")
         broken = nonfinite_tensors(ckpt["model"])
         if broken:
-            then = "then resume from it" if (self.out_dir / "last.pth").is_file() else "then start again"
-            raise UserError(f"the model holds inf/NaN values ({', '.join(broken[:3])}) at global step "
-                            f"{fields['global_step']}; {self.kept_state()}. Lower optim.lr or set "
-                            f"optim.clip_grad, {then}")
-        path = self.out_dir / "last.pth"
+            raise self.diverged(broken, fields)
+        path = self.last
         try:
             for name in names:
                 path = self.out_dir / name
@@ -300,10 +371,10 @@ class Checkpointer:
 
     def kept_state(self) -> str:
         """What a stopped run leaves to resume from, as found on disk."""
-        last = self.out_dir / "last.pth"
+        last = self.last
         if self.saved_step is not None:
             return f"{last} keeps the last good state (global step {self.saved_step})"
-        if last.is_file():
+        if last.exists():
             return f"{last} is as it was before this run"
         return "no checkpoint was written"
 

@@ -122,6 +122,7 @@ class SchedConfig:
 class TrainConfig:
     epochs: int = 10  # a resumed run may raise it
     batch_size: int = 64  # per process; the global batch is batch_size x world size x accum_steps
+    global_batch_size: int = 0  # set: batch_size = this / (world size x accum_steps), the same global batch on any number of processes; 0 = off
     accum_steps: int = 1  # micro-batches per optimizer step
     label_smoothing: float = 0.0  # cross-entropy label smoothing, in [0, 1)
     loss: str = "ce"  # ce (soft-target cross-entropy when mixing) | bce (binary cross-entropy, the RSB recipes)
@@ -130,6 +131,7 @@ class TrainConfig:
     max_steps: int = 0  # stop after this many optimizer steps (smoke runs); 0 = no limit
     ckpt_every_steps: int = 0  # also write last.pth every this many optimizer steps; 0 = only after each epoch
     keep_last_k: int = 0  # keep the newest k epoch_NNNN.pth files; 0 = none
+    ckpt_format: str = "file"  # last checkpoint: file (last.pth, rank 0) | sharded (last.dcp/ folder, every rank)
     max_nonfinite: int = 5  # fp32/bf16: stop after this many optimizer steps in a row with inf/NaN gradients
     best_on_ema: bool = True  # with model.ema_decay: best.pth is the epoch with the best ema_val_top1 (as timm)
     class_weights: str | list[float] = "none"  # ce: none | balanced (n / (classes x class count)) | [w0, w1, ...]
@@ -179,7 +181,7 @@ class Config:
     seed: int = 0  # seeds model init, data order and augmentation, in [0, 2^32)
     output_dir: str = "runs/default"  # where config.yaml, metrics.jsonl and checkpoints go
     amp: str = "auto"  # auto | bf16 | fp16 | off
-    resume: str = "auto"  # auto (continue from <output_dir>/last.pth if present) | none | <checkpoint path>
+    resume: str = "auto"  # auto (continue from <output_dir>/last.pth or last.dcp if present) | none | <checkpoint path>
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

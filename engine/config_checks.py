@@ -21,6 +21,7 @@ CHOICES = {
     "dist.strategy": ("ddp", "fsdp"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
     "train.loss": ("ce", "bce"),
+    "train.ckpt_format": ("file", "sharded"),
     "data.sampler": ("uniform", "class_balanced"),
     "train.best_metric": ("val_top1", "val_balanced_acc", "val_macro_f1", "val_map", "val_loss"),
     "optim.clip_mode": ("norm", "value", "agc"),
@@ -35,7 +36,7 @@ POSITIVE = ("train.epochs", "train.batch_size", "train.accum_steps", "data.img_s
             "logging.interval", "dist.rendezvous_timeout_s", "train.max_nonfinite", "data.prefetch_factor",
             "data.dummy_train_size", "data.dummy_val_size", "data.dummy_num_classes", "data.dummy_image_size",
             "data.max_image_pixels", "sched.decay_rate", "optim.lr_base_size", "data.random_erase_count", "distill.tau")
-NON_NEGATIVE = ("dist.timeout_s", "logging.wandb_samples", "optim.lr", "optim.weight_decay", "optim.clip_grad",
+NON_NEGATIVE = ("dist.timeout_s", "train.global_batch_size", "logging.wandb_samples", "optim.lr", "optim.weight_decay", "optim.clip_grad",
                 "train.max_steps", "data.num_workers", "train.ckpt_every_steps", "train.keep_last_k",
                 "data.color_jitter", "data.val_img_size", "sched.warmup_epochs", "sched.warmup_lr", "sched.min_lr",
                 "data.mixup_alpha", "data.cutmix_alpha", "data.aug_repeats", "data.mix_group",
@@ -81,6 +82,10 @@ def validate(cfg: Config) -> None:
     if mixing(cfg.data) and cfg.data.mix_mode == "batch" and cfg.data.mix_group % 2:
         raise UserError(f"config key 'data.mix_group' must be even (a group holds whole pairs), got "
                         f"{cfg.data.mix_group}")
+    if cfg.train.ckpt_format == "sharded" and cfg.train.keep_last_k:
+        raise UserError(f"config key 'train.keep_last_k' is {cfg.train.keep_last_k}, but with "
+                        "train.ckpt_format=sharded only last.dcp is kept (an epoch file would gather the whole model "
+                        "on rank 0); set train.keep_last_k=0, or train.ckpt_format=file")
     for key in FRACTIONS:
         if not 0 <= _get(cfg, key) < 1:
             raise UserError(f"config key {key!r} must be in [0, 1), got {_get(cfg, key)!r}")

@@ -17,3 +17,7 @@ class UserError(Exception):
         super().__init__(message)
         self.all_ranks = all_ranks
         self.before_group = before_group
+
+
+class UnreadableCheckpoint(UserError):
+    """A checkpoint that exists but does not load (truncated, cut short, or not a checkpoint)."""

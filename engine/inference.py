@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
-from engine.checkpoint import load_checkpoint
+from engine.checkpoint import is_sharded, read_checkpoint
 from engine.config import Config
 from engine.config_load import config_from_dict, set_dotted
 from engine.errors import UserError
@@ -52,16 +52,17 @@ def ema_hint(source: str, best_metric: str | None, using_ema: bool) -> str | Non
 def load_trained(path: str | os.PathLike, ema: bool = False) -> Trained:
     """A train.py checkpoint or an exported model folder (config.json + model.safetensors)."""
     path = Path(path)
-    if path.is_dir() and not (path / MODEL_CONFIG).is_file() and not any(path.glob("*.pth")):
+    if path.is_dir() and not is_sharded(path) and not (path / MODEL_CONFIG).is_file() \
+            and not any(path.glob("*.pth")):
         weights = " beside model.safetensors" if (path / MODEL_WEIGHTS).is_file() else " and model.safetensors"
         raise UserError(f"{path} is a folder that holds no checkpoint (.pth) and no {MODEL_CONFIG}; a model folder "
                         f"needs {MODEL_CONFIG}{weights} (export.py --format safetensors writes both), or give the "
                         ".pth file train.py wrote")
-    if path.is_dir() and (path / MODEL_CONFIG).is_file():
+    if path.is_dir() and not is_sharded(path) and (path / MODEL_CONFIG).is_file():
         if ema:
             raise UserError(f"model folder {path} holds one set of weights; use it without --ema")
         return load_model_folder(path)
-    ckpt = load_checkpoint(path)
+    ckpt = read_checkpoint(path)  # a .pth file, or a sharded last.dcp/ folder
     absent = [key for key in ("config", "model", "class_names") if key not in ckpt]
     if absent:
         raise UserError(f"checkpoint {path} was not written by train.py (no {', '.join(absent)}); "

@@ -11,7 +11,7 @@ from timm.scheduler import create_scheduler_v2
 from timm.scheduler.scheduler import Scheduler
 from torch import nn
 
-from engine.config import Config, OptimConfig, SchedConfig
+from engine.config import Config, OptimConfig, SchedConfig, mixing
 from engine.errors import UserError
 
 
@@ -57,6 +57,22 @@ def check_optimizer(cfg: OptimConfig) -> None:
         if not takes_it:
             raise UserError(f"optim.nesterov: optimizer {cfg.name!r} has no Nesterov option; remove optim.nesterov "
                             "(SGD-family optimizers take it: sgd, momentum, sgdw, lars)")
+
+
+def with_global_batch(cfg: Config, world_size: int) -> Config:
+    """cfg with train.batch_size from train.global_batch_size, if set: a run restarted on another number of processes
+    (torchrun --nnodes=MIN:MAX) keeps its global batch, so its mid-epoch checkpoints stay resumable."""
+    train = cfg.train
+    if not train.global_batch_size:
+        return cfg
+    per_step = world_size * train.accum_steps
+    batch, left = divmod(train.global_batch_size, per_step)
+    if left or (batch % 2 and mixing(cfg.data)):
+        what = "an even number of images per process (mixing pairs them)" if not left else "a whole batch per process"
+        raise UserError(f"config key 'train.global_batch_size' is {train.global_batch_size}, which does not give "
+                        f"{what} on {world_size} process(es) x train.accum_steps={train.accum_steps}; use a multiple "
+                        f"of {per_step * (2 if mixing(cfg.data) else 1)}")
+    return dataclasses.replace(cfg, train=dataclasses.replace(train, batch_size=batch))
 
 
 def with_scaled_lr(cfg: Config, world_size: int) -> Config:

@@ -1,6 +1,7 @@
 """Resuming a run: which checkpoint to continue, whether it fits this run, and putting its state back.
 
-`resume=auto` continues from <output_dir>/last.pth when it exists, `resume=<path>` from that file,
+`resume=auto` continues from <output_dir>/last.pth or last.dcp/ (train.ckpt_format=sharded; the newer of the two
+when both exist), `resume=<path>` from that file or folder,
 `resume=none` never. A fresh run (resume=none, or auto without last.pth) refuses an output_dir that holds
 another run's record, naming its files. A checkpoint that does not fit (another model, other classes,
 another optimizer) stops the run before anything in output_dir is touched.
@@ -16,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.checkpoint import (EPOCH_FILE, UnreadableCheckpoint, load_checkpoint, load_optimizer_state,
-                               set_rng_state)
+from engine.checkpoint import (EPOCH_FILE, UnreadableCheckpoint, is_sharded, last_checkpoint, load_optimizer_state,
+                               load_sharded_training, read_checkpoint, set_rng_state)
 from engine.config import Config, best_metric, to_dict
 from engine.dist import DistInfo, rank0_decides
 from engine.errors import UserError
@@ -28,7 +29,7 @@ from engine.weights import Pretrained, check_architecture, load_weights, read_pr
 
 log = logging.getLogger(__name__)
 TRAINING_KEYS = ("model", "optimizer", "epoch", "global_step", "config", "class_names", "rng")
-RUN_FILES = ("config.yaml", "metrics.jsonl", "last.pth", "best.pth")  # and epoch_NNNN.pth
+RUN_FILES = ("config.yaml", "metrics.jsonl", "last.pth", "last.dcp", "best.pth")  # and epoch_NNNN.pth
 OPTIMIZER_KEYS = ("name", "no_decay_norm_bias", "layer_decay")  # what the optimizer state's layout depends on
 
 
@@ -40,10 +41,10 @@ def find_resume_checkpoint(resume: str, out_dir: Path) -> Path | None:
 
 def decide_resume(resume: str, out_dir: Path) -> str | None:
     """The checkpoint path to continue, or None: a fresh run only in a folder holding no run record."""
-    last = out_dir / "last.pth"
+    last = last_checkpoint(out_dir)
     found = run_files(out_dir)
     if resume == "auto":
-        if last.is_file():
+        if last is not None:
             return str(last)
         if found:
             raise UserError(f"output_dir {out_dir} holds a run ({', '.join(found)}) but no last.pth to continue; "
@@ -53,15 +54,16 @@ def decide_resume(resume: str, out_dir: Path) -> str | None:
         if not found:
             return None
         problem = f"output_dir {out_dir} already holds a run ({', '.join(found)}) and resume=none"
-        if not last.is_file():
+        if last is None:
             raise UserError(f"{problem}; {way_out(out_dir)}")
         try:
-            load_checkpoint(last)
+            read_checkpoint(last)
         except UserError:
             raise UserError(f"{problem}; {last} cannot be read: {way_out(out_dir)}") from None
         raise UserError(f"{problem}; use resume=auto to continue it, or another output_dir to start over")
-    if not Path(resume).is_file():
-        raise UserError(f"resume={resume}: no such checkpoint file; use auto, none or an existing .pth path")
+    if not Path(resume).is_file() and not (is_sharded(resume) and Path(resume).is_dir()):
+        raise UserError(f"resume={resume}: no such checkpoint file; use auto, none or an existing .pth path (or "
+                        ".dcp folder)")
     if found and Path(resume).resolve().parent != out_dir.resolve():
         raise UserError(f"output_dir {out_dir} already holds another run ({', '.join(found)}); to continue "
                         f"{resume} choose an output_dir that holds no run")
@@ -80,7 +82,7 @@ def way_out(out_dir: Path) -> str:
     numbered = sorted((int(m.group(1)), p) for p in out_dir.glob("epoch_*.pth") if (m := EPOCH_FILE.fullmatch(p.name)))
     for _, path in reversed(numbered):
         try:
-            load_checkpoint(path)
+            read_checkpoint(path)
         except UserError:
             continue
         return (f"resume={path} continues from the newest readable epoch file, or choose another output_dir "
@@ -89,9 +91,9 @@ def way_out(out_dir: Path) -> str:
 
 
 def load_resume_checkpoint(path: Path) -> dict[str, Any]:
-    """load_checkpoint; for a file that cannot be read, also name the way out."""
+    """read_checkpoint; for a file or folder that cannot be read, also name the way out."""
     try:
-        return load_checkpoint(path)
+        return read_checkpoint(path)
     except UnreadableCheckpoint as err:
         raise UserError(f"{err}; {way_out(path.parent)}") from None
 
@@ -99,7 +101,8 @@ def load_resume_checkpoint(path: Path) -> dict[str, Any]:
 def check_resumable(ckpt: dict[str, Any], path: Path, cfg: Config, class_names: list[str],
                     world_size: int) -> None:
     """Refuse a checkpoint this run cannot continue, naming the mismatch."""
-    absent = [key for key in TRAINING_KEYS if key not in ckpt]
+    optimizer = "optimizer_rest" if ckpt.get("format") == "sharded" else "optimizer"  # a folder keeps its tensors
+    absent = [key for key in TRAINING_KEYS if key.replace("optimizer", optimizer) not in ckpt]
     if absent:
         raise UserError(f"checkpoint {path} is not a training checkpoint of this app (no {', '.join(absent)}); "
                         "to start from its weights use model.init_from and resume=none")
@@ -124,13 +127,34 @@ def check_resumable(ckpt: dict[str, Any], path: Path, cfg: Config, class_names: 
         raise UserError(f"checkpoint {path} has other class names than the data (class {first}: "
                         f"{old_classes[first]!r} vs {class_names[first]!r}); resume on the same data")
     if ckpt.get("epoch_step", 0) > 0:
-        old = ckpt["config"]["train"]
-        then = (ckpt["world_size"], old["batch_size"], old["accum_steps"])
-        now = (world_size, cfg.train.batch_size, cfg.train.accum_steps)
-        if then != now:
-            raise UserError(f"checkpoint {path} stopped mid-epoch with (processes, train.batch_size, "
-                            f"train.accum_steps) = {then}, this run has {now}; resume it with the same values "
-                            "so no sample is skipped or repeated, or from an end-of-epoch checkpoint")
+        check_global_batch(ckpt, path, cfg, world_size)
+
+
+def global_batch(world_size: int, batch_size: int, accum_steps: int) -> int:
+    """Images per optimizer step over all processes: what fixes which samples each step trains on."""
+    return world_size * batch_size * accum_steps
+
+
+def check_global_batch(ckpt: dict[str, Any], path: Path, cfg: Config, world_size: int) -> None:
+    """A mid-epoch checkpoint continues on any number of processes whose global batch is the checkpoint's.
+
+    The epoch's sample order is the same for every world size and step j covers global positions
+    [j G, (j + 1) G) (data/loader.EpochSampler), so with the same G the run trains on exactly the samples
+    the interrupted one had not reached; with another G the steps would split the epoch elsewhere.
+    """
+    old = ckpt["config"]["train"]
+    then = global_batch(ckpt["world_size"], old["batch_size"], old["accum_steps"])
+    now = global_batch(world_size, cfg.train.batch_size, cfg.train.accum_steps)
+    if then == now:
+        return
+    per_process = then // world_size
+    fits = (f"with {world_size} process(es) set train.batch_size x train.accum_steps = {per_process} (e.g. "
+            f"train.batch_size={per_process} train.accum_steps=1)" if then % world_size == 0 else
+            f"no batch size fits on {world_size} process(es): use a number of processes that divides {then}")
+    raise UserError(f"checkpoint {path} stopped mid-epoch with a global batch of {then} images ({ckpt['world_size']} "
+                    f"process(es) x train.batch_size={old['batch_size']} x train.accum_steps={old['accum_steps']}), "
+                    f"this run's is {now}: {fits}, so no sample is skipped or repeated; or resume from an "
+                    "end-of-epoch checkpoint (epoch_NNNN.pth), where the global batch may change")
 
 
 def yaml_value(value: Any) -> str:
@@ -209,14 +233,19 @@ class Resume:
         else:
             log.info("checkpoint %s has no EMA weights: the EMA starts from the resumed model", self.path)
 
-    def load_training(self, parts: TrainParts, cfg: Config, info: DistInfo) -> TrainState:
+    def load_training(self, parts: TrainParts, cfg: Config, info: DistInfo, updates_per_epoch: int) -> TrainState:
         """The loop state, optimizer, GradScaler and this rank's RNG states (a fresh state for a fresh run)."""
         state = TrainState()
         if self.ckpt is None:
             return state
         ckpt, path = self.ckpt, self.path
-        check_optimizer_state(ckpt["optimizer"], parts.optimizer, path)
-        load_optimizer_state(parts.model, parts.optimizer, ckpt["optimizer"])  # sharded (fsdp) or whole
+        if ckpt.get("format") == "sharded":
+            if ckpt["optimizer_rest"]["param_groups"] is not None:  # None: saved before the first optimizer step
+                check_optimizer_state(ckpt["optimizer_rest"], parts.optimizer, path)
+            load_sharded_training(path, parts.model, parts.optimizer, ckpt)  # resharded to this run's processes
+        else:
+            check_optimizer_state(ckpt["optimizer"], parts.optimizer, path)
+            load_optimizer_state(parts.model, parts.optimizer, ckpt["optimizer"])  # sharded (fsdp) or whole
         if parts.precision.scaler is not None and ckpt.get("scaler"):
             parts.precision.scaler.load_state_dict(ckpt["scaler"])
         state.load_state_dict(ckpt)
@@ -227,8 +256,16 @@ class Resume:
                 log.info("checkpoint %s chose best.pth on %s; best.pth is now chosen on %s, from the next evaluation "
                          "on", path, then, now)
         # The schedule is a function of the config and the step (timm's schedulers keep no other
-        # state): rebuilt from the config, a resumed run may extend train.epochs.
-        parts.scheduler.step_update(num_updates=state.global_step)
+        # state): rebuilt from the config, a resumed run may extend train.epochs, or change the global batch
+        # at an epoch boundary (the schedule continues at the same epoch).
+        parts.scheduler.step_update(num_updates=state.schedule_position(updates_per_epoch))
+        old = ckpt["config"]["train"]
+        then = global_batch(ckpt["world_size"], old["batch_size"], old["accum_steps"])
+        now = global_batch(info.world_size, cfg.train.batch_size, cfg.train.accum_steps)
+        if then != now and info.is_main:
+            log.info("checkpoint %s trained with a global batch of %d images, this run's is %d: the lr schedule "
+                     "continues at epoch %d with %d updates per epoch; optim.lr is %g (optim.lr_base scales it "
+                     "with the global batch)", path, then, now, state.epoch, updates_per_epoch, cfg.optim.lr)
         rng = ckpt["rng"]
         if info.rank < len(rng):
             set_rng_state(rng[info.rank])

@@ -78,6 +78,14 @@ class TrainState:
             self.best_top1, self.best_in_epoch = value, True
         return better
 
+    def schedule_position(self, updates_per_epoch: int) -> int:
+        """Where the lr schedule stands: epochs done in this run's updates, plus the epoch's own steps.
+
+        Equal to global_step while the global batch stays; after a resume with another global batch (at an
+        epoch boundary) the schedule continues at the same epoch, counted in the new batch's updates.
+        """
+        return self.epoch * updates_per_epoch + self.epoch_step
+
     def samples_done(self, accum_steps: int, batch_size: int, batches_per_epoch: int) -> int:
         """How many of its samples this rank already trained on in `epoch` (a mid-epoch resume skips them)."""
         return min(self.epoch_step * accum_steps, batches_per_epoch) * batch_size

@@ -116,7 +116,7 @@ def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cf
             state.step_done(time.perf_counter() - start)
             if skipped:
                 check_nonfinite(skipped, cfg.max_nonfinite, state.global_step, info)
-            parts.scheduler.step_update(num_updates=state.global_step)
+            parts.scheduler.step_update(num_updates=state.schedule_position(steps))
             for hook in hooks:
                 hook.after_step(state)
             if state.global_step % cfg.log_interval == 0:

@@ -1,6 +1,6 @@
 """Put saved weights into a model: exactly for resume and evaluation, head-tolerant for init_from.
 
-Files are read with engine.checkpoint.load_checkpoint (weights_only, never a download). Any
+Files are read with engine.checkpoint.read_checkpoint (weights_only, never a download). Any
 mismatch is a UserError that names the file and the first differing tensors.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.checkpoint import load_checkpoint
+from engine.checkpoint import is_sharded, load_checkpoint, read_checkpoint
 from engine.config import Config, given_keys
 from engine.config_checks import CHOICES
 from engine.errors import UserError
@@ -100,14 +100,14 @@ def read_pretrained(path: str | os.PathLike, key: str = "model.init_from") -> Pr
     or a Hugging Face / timm model folder (config.json + model.safetensors or pytorch_model.bin)."""
     path = Path(path)
     source = f"{key}={path}"
-    if path.is_dir():
+    if path.is_dir() and not is_sharded(path):
         return read_model_folder(path, key)
     if not path.exists():
         raise UserError(f"{source}: {path} does not exist; give a checkpoint, a .pth or .safetensors file, or a "
                         "model folder (config.json + model.safetensors)")
     if path.suffix == ".safetensors":
         return Pretrained(state_dict_in(read_safetensors(path, key), source), str(path), key=key)
-    obj = load_checkpoint(path)
+    obj = read_checkpoint(path)  # a .pth file, or a sharded .dcp folder
     pretrained = Pretrained(state_dict_in(obj, source), str(path), key=key)
     if isinstance(obj, dict) and isinstance(obj.get("config"), dict):  # a train.py checkpoint knows its training
         config = obj["config"]

@@ -33,6 +33,7 @@ LAST_BN_TEST = "tests/test_recipes.py::test_last_bn_init_is_the_sources"
 LR_BASE_TEST = "tests/test_schedule.py::test_lr_base_scales_with_the_global_batch"
 BCE_TEST = "tests/test_knobs.py::test_bce_threshold_and_pos_weight_equal_timms"
 LR_KEYS = ("optim.lr_base", "optim.lr_base_size", "optim.lr_base_scale")
+MAE = "vit_large_mae_finetune.yaml"
 
 # Schedules, stepping, mixing, repeated augmentation, init (issue 31 items 2, 3, 5).
 SCHEDULE_ROWS = [
@@ -109,6 +110,29 @@ SCHEDULE_ROWS = [
         "with other partners", ("data.aug_repeats",), PARTNERS_TEST),
     Row("resnet50_torchvision.yaml", "lr for the global batch", "0.5 at 1024 (--lr 0.5, 8 x 128)", LR_KEYS,
         LR_BASE_TEST),
+    Row(MAE, "lr schedule", "linear warmup from 0 over 5 epochs, then half-cycle cosine to 1e-6 over the 45 after it "
+        "(util/lr_sched.py adjust_learning_rate)",
+        ("sched.name", "sched.warmup_epochs", "sched.warmup_lr", "sched.warmup_prefix", "sched.min_lr"),
+        SCHEDULE_TEST),
+    Row(MAE, "lr stepping", "every iteration, at epoch + step / len(data_loader) (engine_finetune.py)",
+        ("sched.step_on_epochs",), SCHEDULE_TEST),
+    Row(MAE, "lr for the global batch", "--blr 1e-3 x effective batch / 256 (main_finetune.py): 4e-3 at 1024", LR_KEYS,
+        LR_BASE_TEST),
+    Row(MAE, "layer-wise lr decay, weight decay", "lr x 0.75^(25 - i): i = 0 embeddings, k + 1 block k, 25 fc_norm "
+        "and head; no decay on 1-D tensors, pos_embed, cls_token (util/lr_decay.py param_groups_lrd)",
+        ("optim.layer_decay", "optim.weight_decay", "optim.no_decay_norm_bias"),
+        "tests/test_recipes.py::test_layer_decay_and_weight_decay_are_maes_for_its_vit",
+        "timm's param_groups_layer_decay"),
+    Row(MAE, "pooling", "mean of the patch tokens, then a new LayerNorm fc_norm, no final norm (models_vit.py, "
+        "--global_pool)", ("model.kwargs",), "tests/test_recipes.py::test_global_pool_is_maes_models_vit"),
+    Row(MAE, "pre-trained weights", "{'model': encoder}; norm.* unused, fc_norm fresh (main_finetune.py: "
+        "load_state_dict(strict=False))", ("model.init_from",),
+        "tests/test_recipes.py::test_mae_weights_converted_as_the_header_says_start_the_recipes_model",
+        "the file converted once by the header's command"),
+    Row(MAE, "head init", "trunc_normal(std=2e-5) (main_finetune.py)", (), "",
+        "not expressible: timm's trunc_normal(std=0.02)"),
+    Row(MAE, "mixup/cutmix draw", "timm Mixup, --mixup_mode batch: one draw per GPU batch of 32",
+        ("data.mix_mode", "data.mix_group"), BATCH_MIX_TEST),
 ]
 
 # Preprocessing, RandAugment ops and random erasing (issue 31 items 1 and 4): rows from that work go here.
@@ -125,11 +149,11 @@ PREPROCESSING_ROWS: list[Row] = [
     *(Row(name, "RandAugment", f"timm {policy} (posterize to 1 bit at m9, mean-colour fill, bicubic)",
           ("data.auto_augment",), INC1_TEST, "timm's own ops, seeded per sample")
       for name, policy in (("deit_small.yaml", "rand-m9-mstd0.5-inc1"), ("convnext_tiny.yaml", "rand-m9-mstd0.5-inc1"),
-                           ("resnet50_rsb_a3.yaml", "rand-m6-mstd0.5-inc1"))),
+                           ("resnet50_rsb_a3.yaml", "rand-m6-mstd0.5-inc1"), (MAE, "rand-m9-mstd0.5-inc1"))),
     *(Row(name, "training crop resize", "PIL antialiased resized_crop (timm RandomResizedCropAndInterpolation)",
           ("data.scale", "data.ratio"), CROP_TEST, "torch's antialiased resize of the same box")
       for name in ("deit_small.yaml", "convnext_tiny.yaml", "resnet50_rsb_a3.yaml", "resnet50_torchvision.yaml",
-                   "resnet50.yaml")),
+                   "resnet50.yaml", MAE)),
     Row("resnet50_rsb_a3.yaml", "train interpolation", "--train-interpolation random (timm train.py)",
         ("data.train_interpolation",), PIXELS + "test_random_training_interpolation_picks_bilinear_or_bicubic_per_image"),
     Row("deit_small.yaml", "random erasing mode", "--remode pixel", ("data.random_erase", "data.random_erase_mode"),
@@ -142,6 +166,12 @@ PREPROCESSING_ROWS: list[Row] = [
     Row("resnet50_torchvision.yaml", "random erasing value", "0 after Normalize (RandomErasing, value 0)",
         ("data.random_erase", "data.random_erase_mode"),
         PIXELS + "test_const_erasing_is_zero_after_normalize_as_torchvisions"),
+    Row(MAE, "eval resize", "torchvision Resize(int(224 / (224 / 256)) = 256, bicubic), CenterCrop(224) on PIL "
+        "(util/datasets.py)", ("data.img_size", "data.crop_pct", "data.interpolation"),
+        PIXELS + "test_eval_preset_equals_maes_for_its_recipe", "torch's antialiased resize"),
+    Row(MAE, "random erasing mode", "--reprob 0.25 --remode pixel --recount 1",
+        ("data.random_erase", "data.random_erase_mode", "data.random_erase_count"),
+        "tests/test_augment.py::test_erasing_fills_a_box_with_varied_pixels"),
 ]
 
 ROWS = SCHEDULE_ROWS + PREPROCESSING_ROWS

@@ -130,8 +130,17 @@ def test_check_resumable_names_the_mismatch(tmp_path):
         check_resumable(training_checkpoint("resnet10t", ["a", "b", "x"]), tmp_path, cfg, classes, 1)
     mid_epoch = training_checkpoint("resnet10t", classes, epoch_step=3)
     check_resumable(mid_epoch, tmp_path, cfg, classes, 1)
-    with pytest.raises(UserError, match=r"stopped mid-epoch .* \(1, 8, 1\), this run has \(2, 8, 1\)"):
+    # The same global batch of 8 on 2 processes continues it; 16 on 2, or 8 on 3, would split the epoch elsewhere.
+    check_resumable(mid_epoch, tmp_path, Config(model=cfg.model, train=TrainConfig(batch_size=4)), classes, 2)
+    check_resumable(mid_epoch, tmp_path, Config(model=cfg.model, train=TrainConfig(batch_size=2, accum_steps=2)),
+                    classes, 2)
+    with pytest.raises(UserError, match=r"stopped mid-epoch with a global batch of 8 .* this run's is 16: with 2 "
+                                        r"process\(es\) set train.batch_size x train.accum_steps = 4 "):
         check_resumable(mid_epoch, tmp_path, cfg, classes, 2)
+    with pytest.raises(UserError, match=r"this run's is 24: no batch size fits on 3 process\(es\): use a number "
+                                        r"of processes that divides 8"):
+        check_resumable(mid_epoch, tmp_path, cfg, classes, 3)
+    check_resumable(training_checkpoint("resnet10t", classes), tmp_path, cfg, classes, 3)  # epoch boundary: any
     with pytest.raises(UserError, match="not a training checkpoint .*no optimizer"):
         check_resumable({"model": {}}, tmp_path, cfg, classes, 1)
 

@@ -67,6 +67,7 @@ def test_bare_name_is_looked_up_in_configs():
     ("logging.profile_steps=[3, 2]", "config key 'logging.profile_steps' must be [start, end] with 1 <= start"),
     ("logging.profile_steps=[0, 2]", "config key 'logging.profile_steps' must be [start, end] with 1 <= start"),
     ("logging.profile_steps=[5]", "config key 'logging.profile_steps' must be [start, end] with 1 <= start"),
+    ("train.ckpt_format=dcp", "config key 'train.ckpt_format' is 'dcp'; choose one of file, sharded"),
 ])
 def test_errors_name_the_key(override, message):
     with pytest.raises(UserError) as err:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -107,6 +108,24 @@ def test_issue_acceptance_command_one_process_equals_two_ranks(tmp_path):
 def test_gradient_accumulation_equals_one_big_step(run, name):
     """Guarantee 1: 2 micro-batches of B/2 (1 rank), or 2 of B/4 on each of 2 ranks, == 1 step of B."""
     assert_same_model(run("gn_single"), run(name))
+
+
+def test_two_rank_mid_epoch_checkpoint_resumes_on_one_process(run, tmp_path):
+    """Guarantee 8: 2 ranks stopped mid-epoch continue on 1 process with the same global batch (twice the batch,
+    or accum_steps=2): the uninterrupted run's weights, and metrics.jsonl has each epoch once.
+
+    The batch comes from train.global_batch_size, as in an elastic restart: the same command on 2 processes
+    (6 per process) and on 1 (12, or 6 x 2 micro-batches)."""
+    partial, fixed = tmp_path / "partial", [*COMMON, NO_BN_MODEL, f"train.global_batch_size={GLOBAL_BATCH}"]
+    run_script("train.py", *fixed, "train.max_steps=3", f"output_dir={partial}", nproc=2)
+    first = torch.load(partial / "last.pth", weights_only=True)
+    assert (first["epoch_step"], first["config"]["train"]["batch_size"]) == (3, 6)  # 3 of 4 steps: mid-epoch 0
+    for name, overrides in {"batch12": [], "accum2": ["train.accum_steps=2"]}.items():
+        out = tmp_path / name
+        shutil.copytree(partial, out)
+        run_script("train.py", *fixed, *overrides, f"output_dir={out}")
+        assert_same_model(run("gn_single"), out)
+        assert [row["epoch"] for row in read_jsonl(out / "metrics.jsonl")] == list(range(EPOCHS))
 
 
 def test_without_sync_bn_the_model_differs(run):

@@ -44,14 +44,19 @@ def test_worker_killed_under_torchrun_resumes_and_finishes_every_epoch_once(tmp_
            f"train.ckpt_every_steps={every}", "resume=auto", f"output_dir={out}"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
+    straight = tmp_path / "straight"  # the same run, uninterrupted, alongside
+    uninterrupted = subprocess.Popen([*cmd[:-1], f"output_dir={straight}"], cwd=REPO, env=script_env(),
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for_file(out / "last.pth", proc)  # the first step checkpoint: training is under way
         workers = children(proc.pid)
         assert len(workers) == 2
         os.kill(workers[-1], signal.SIGKILL)
         log, _ = proc.communicate(timeout=240)
+        assert uninterrupted.wait(timeout=240) == 0
     finally:
         proc.kill()
+        uninterrupted.kill()
     (tmp_path / "torchrun.log").write_text(log)
     assert proc.returncode == 0, log[-4000:]
     assert re.search(r"failed \(exitcode: -9\)", log)  # torchrun saw the killed worker and restarted the group
@@ -62,6 +67,8 @@ def test_worker_killed_under_torchrun_resumes_and_finishes_every_epoch_once(tmp_
     assert [row["epoch"] for row in read_jsonl(out / "metrics.jsonl")] == [0, 1, 2]
     final = load_checkpoint(out / "last.pth")
     assert (final["epoch"], final["global_step"]) == (3, 48)
+    expected = load_checkpoint(straight / "last.pth")["model"]  # fp32: the restart changed nothing, bit for bit
+    assert [k for k, v in expected.items() if not torch.equal(v, final["model"][k])] == []
 
 
 def corrupt_in_batch(root: Path, rank: int, batch: int, batch_size: int, seed: int = 0) -> Path:

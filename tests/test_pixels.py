@@ -67,6 +67,18 @@ def test_eval_preset_equals_torchvisions_for_its_recipe(size):
         assert_close_photo(eval_transform(cfg)(image=photo)["image"], theirs(Image.fromarray(photo)), photo.shape)
 
 
+def test_eval_preset_equals_maes_for_its_recipe():
+    """MAE's eval transform (util/datasets.py: torchvision Resize(int(224 / (224 / 256)), bicubic), CenterCrop(224),
+    ToTensor on PIL) and the MAE recipe's data section give the same pixels."""
+    from torchvision import transforms
+
+    cfg = load_config("vit_large_mae_finetune").data
+    theirs = transforms.Compose([transforms.Resize(int(224 / (224 / 256)), interpolation=InterpolationMode.BICUBIC),
+                                 transforms.CenterCrop(224), transforms.ToTensor()])
+    for photo in PHOTOS:
+        assert_close_photo(eval_transform(cfg)(image=photo)["image"], theirs(Image.fromarray(photo)), photo.shape)
+
+
 BOXES = [(0, 0, 427, 640), (13, 101, 301, 255), (200, 77, 97, 131), (5, 400, 40, 33)]  # top, left, height, width
 
 

@@ -68,7 +68,8 @@ def test_config_trains_two_steps_on_dummy_data(name, tmp_path):
 # ---- fidelity to the sources: schedule, init, and the table in docs/correctness.md (issue 31) ---------------
 
 SOURCE_BATCH = {"resnet50.yaml": 2048, "convnext_tiny.yaml": 4096, "deit_small.yaml": 1024,
-                "deit_small_distilled.yaml": 1024, "resnet50_rsb_a3.yaml": 2048, "resnet50_torchvision.yaml": 1024}  # the global batch each published
+                "deit_small_distilled.yaml": 1024, "resnet50_rsb_a3.yaml": 2048, "resnet50_torchvision.yaml": 1024,
+                "vit_large_mae_finetune.yaml": 1024}  # the global batch each published
 
 
 def source_lr(cfg, name: str) -> float:
@@ -116,6 +117,23 @@ def convnext_step_lrs(cfg, lr: float, per_epoch: int) -> list[float]:
     return [float(v) for v in np.concatenate((warmup, cosine))]
 
 
+MAE_ARGS = {"epochs": 50, "warmup_epochs": 5, "min_lr": 1e-6}  # main_finetune.py: the ViT-L script and defaults
+
+
+def mae_step_lrs(lr: float, per_epoch: int) -> list[float]:
+    """MAE util/lr_sched.py adjust_learning_rate (formula as the source writes it), called before every iteration
+    with the fractional epoch data_iter_step / len(data_loader) + epoch (engine_finetune.py)."""
+    epochs, warmup, min_lr = MAE_ARGS["epochs"], MAE_ARGS["warmup_epochs"], MAE_ARGS["min_lr"]
+    lrs = []
+    for step in range(epochs * per_epoch):
+        epoch = step % per_epoch / per_epoch + step // per_epoch
+        if epoch < warmup:
+            lrs.append(lr * epoch / warmup)
+        else:
+            lrs.append(min_lr + (lr - min_lr) * 0.5 * (1. + math.cos(math.pi * (epoch - warmup) / (epochs - warmup))))
+    return lrs
+
+
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_schedule_is_its_sources(name):
     """The lr of every step of the recipe (2 steps per epoch) from the config, against the source's own
@@ -138,6 +156,9 @@ def test_recipe_schedule_is_its_sources(name):
         assert got[:warmup_iters] == pytest.approx([v * ramp for v in expected[:warmup_iters]], rel=1e-12)
         assert got[warmup_iters:] == pytest.approx(expected[warmup_iters:], rel=1e-12)
         return
+    if name == "vit_large_mae_finetune.yaml":
+        assert got == pytest.approx(mae_step_lrs(lr, per_epoch), rel=1e-12, abs=1e-18)
+        return
     if name == "resnet50.yaml":
         epochs = [nvidia_cosine_lr(lr, cfg.sched.warmup_epochs, cfg.train.epochs, e) for e in range(cfg.train.epochs)]
     elif name == "resnet50_torchvision.yaml":
@@ -145,6 +166,100 @@ def test_recipe_schedule_is_its_sources(name):
     else:
         epochs = timm_epoch_lrs(cfg, lr)
     assert got == pytest.approx([v for v in epochs for _ in range(per_epoch)], rel=1e-9, abs=1e-15)
+
+
+def mae_param_groups(model: torch.nn.Module, weight_decay: float, layer_decay: float) -> dict[str, tuple]:
+    """MAE util/lr_decay.py param_groups_lrd with get_layer_id_for_vit (as the source writes them):
+    (lr_scale, weight_decay) per parameter name."""
+    num_layers = len(model.blocks) + 1
+    layer_scales = list(layer_decay ** (num_layers - i) for i in range(num_layers + 1))
+    no_weight_decay_list = model.no_weight_decay()
+    groups = {}
+    for name, param in model.named_parameters():
+        if name in ["cls_token", "pos_embed"] or name.startswith("patch_embed"):
+            layer_id = 0
+        elif name.startswith("blocks"):
+            layer_id = int(name.split(".")[1]) + 1
+        else:
+            layer_id = num_layers
+        decay = 0. if param.ndim == 1 or name in no_weight_decay_list else weight_decay
+        groups[name] = (layer_scales[layer_id], decay)
+    return groups
+
+
+def narrow_vit_large() -> tuple:
+    """(the MAE recipe's config, its ViT-L/16 narrowed to 16 wide at 32 px: ViT-L's 24 blocks and tensor names)."""
+    from models.factory import create_model
+
+    cfg = load_config("vit_large_mae_finetune", ["model.init_from=", "model.kwargs.embed_dim=16",
+                                                 "model.kwargs.num_heads=2", "model.kwargs.img_size=32"])
+    return cfg, create_model(cfg.model, 10)
+
+
+def test_global_pool_is_maes_models_vit():
+    """model.kwargs.global_pool=avg: the logits are MAE's models_vit.py forward_features with --global_pool (the mean
+    of the patch tokens without the class token, then fc_norm; no final norm) and head, on the model's own layers."""
+    _, model = narrow_vit_large()
+    model.eval()
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    x = model.patch_embed(images)
+    x = torch.cat((model.cls_token.expand(2, -1, -1), x), dim=1) + model.pos_embed
+    for block in model.blocks:
+        x = block(x)
+    expected = model.head(model.fc_norm(x[:, 1:, :].mean(dim=1)))
+    torch.testing.assert_close(model(images), expected, rtol=0, atol=0)
+
+
+def test_layer_decay_and_weight_decay_are_maes_for_its_vit():
+    """optim.layer_decay (timm's param_groups_layer_decay) gives every tensor of the recipe's ViT (24 blocks, global
+    pooling: fc_norm and no final norm) MAE's lr scale and weight decay. (With the class token's final norm, timm
+    would scale that norm by 0.75 where MAE's --cls_token keeps 1.)"""
+    from engine.optim import build_optimizer
+
+    cfg, model = narrow_vit_large()
+    names = {id(param): name for name, param in model.named_parameters()}
+    ours = {names[id(param)]: (group["lr_scale"], group["weight_decay"])
+            for group in build_optimizer(model, cfg.optim).param_groups for param in group["params"]}
+    theirs = mae_param_groups(model, cfg.optim.weight_decay, cfg.optim.layer_decay)
+    assert len(model.blocks) == 24 and "fc_norm.weight" in theirs and "norm.weight" not in theirs
+    assert ours == theirs
+
+
+def test_mae_weights_converted_as_the_header_says_start_the_recipes_model(tmp_path, capsys):
+    """MAE's pre-trained file ({"model": the class-token encoder, norm.* and no fc_norm}) is refused in one line by the
+    global-pool ViT; the header's conversion, run here as written, makes it fit: every tensor from the file, fc_norm at
+    ones and zeros (main_finetune.py's fresh LayerNorm), the class token's final norm dropped."""
+    import subprocess
+    import sys
+
+    from timm import create_model as timm_create_model
+
+    from engine.weights import check_pretrained, read_pretrained
+    from models.factory import create_model
+
+    name = "vit_large_mae_finetune.yaml"
+    overrides = [*(arg for arg in SMALL if not arg.startswith("model.init_from")), *tiny_model("vit"),
+                 f"output_dir={tmp_path / 'run'}"]
+    encoder = timm_create_model("test_vit", img_size=32, num_classes=0)  # the pre-trained encoder: no head
+    torch.save({"model": encoder.state_dict()}, tmp_path / "mae_pretrain_vit_large.pth")
+    argv = ["--dry-run", "--config", name, *overrides]
+    assert report_errors(train.main, [*argv, f"model.init_from={tmp_path / 'mae_pretrain_vit_large.pth'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "missing: fc_norm.weight, fc_norm.bias; unexpected: norm.weight, norm.bias" in err, err
+
+    command = next(line for line in (CONFIG_DIR / name).read_text().splitlines() if 'python -c "' in line)
+    subprocess.run(command.lstrip("# ").replace("python", sys.executable, 1), shell=True, cwd=tmp_path, check=True)
+    converted = tmp_path / "mae_vit_large_avgpool.pth"
+    assert report_errors(train.main, [*argv, f"model.init_from={converted}"]) == 0
+
+    pretrained = read_pretrained(converted)
+    model = create_model(load_config(name, overrides).model, 4, pretrained.state_dict, pretrained.source)
+    check_pretrained(model, pretrained)
+    state = model.state_dict()
+    assert torch.equal(state["fc_norm.weight"], torch.ones(64)) and torch.equal(state["fc_norm.bias"], torch.zeros(64))
+    for key, tensor in encoder.state_dict().items():
+        if not key.startswith("norm."):
+            assert torch.equal(state[key], tensor), key
 
 
 @pytest.mark.parametrize("name, zero", [("resnet50.yaml", False), ("resnet50_torchvision.yaml", False),

@@ -19,7 +19,8 @@ import torch
 
 import evaluate
 import train
-from engine.checkpoint import load_checkpoint
+from engine import sharded
+from engine.checkpoint import load_checkpoint, read_checkpoint
 from engine.cli import report_errors
 from engine.config_load import load_config
 from engine.errors import UserError
@@ -32,7 +33,7 @@ NOT_COMPARED = {"epoch_seconds", "config"}
 RUN = ["--config", "configs/dummy.yaml", "model.name=test_resnet", "model.drop_rate=0.3", "model.drop_path_rate=0.1",
        "model.ema_decay=0.9", "model.channels_last=false",
        "amp='off'", "data.augment=true", "data.img_size=16", "data.dummy_image_size=20",
-       "data.dummy_train_size=64", "data.dummy_val_size=37", "data.num_workers=0", "train.batch_size=8",
+       "data.dummy_train_size=64", "data.dummy_val_size=37", "data.num_workers=1", "train.batch_size=8",
        "train.epochs=2", "logging.progress=false", "logging.interval=100"]
 
 
@@ -81,7 +82,7 @@ def test_resume_at_epoch_boundary_is_bitwise_identical(straight, tmp_path):
 def test_resume_after_a_kill_mid_epoch_is_bitwise_identical(straight, tmp_path):
     """Step checkpoints every step, a worker process, SIGKILL at a mid-epoch checkpoint, then resume."""
     out = tmp_path / "run"
-    args = [*RUN, f"output_dir={out}", "train.ckpt_every_steps=1", "data.num_workers=1", "train.keep_last_k=1"]
+    args = [*RUN, f"output_dir={out}", "train.ckpt_every_steps=1", "train.keep_last_k=1"]
     proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=REPO, env=script_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -96,6 +97,54 @@ def test_resume_after_a_kill_mid_epoch_is_bitwise_identical(straight, tmp_path):
     assert_same(load_checkpoint(straight / "last.pth"), load_checkpoint(out / "last.pth"))
     assert rows_without_timing(out) == rows_without_timing(straight)
     assert sorted(p.name for p in out.glob("epoch_*.pth")) == ["epoch_0001.pth"]  # keep_last_k=1
+
+
+def as_file_checkpoint(folder: Path) -> dict:
+    """A sharded last.dcp/ as the dict last.pth would hold: its optimizer tensors keyed by parameter index."""
+    ckpt = read_checkpoint(folder)
+    rest, tensors = ckpt.pop("optimizer_rest"), sharded.read_tensors(folder, "optimizer.")
+    names = [name for group in rest["param_groups"] for name in group["params"]]
+    state = {}
+    for index, name in enumerate(names):
+        entry = {**rest["state"].get(name, {}), **{key[len(name) + 1:]: value for key, value in tensors.items()
+                                                    if key.startswith(f"{name}.") and "." not in key[len(name) + 1:]}}
+        if entry:
+            state[index] = entry
+    groups = [{**group, "params": list(range(start, start + len(group["params"])))}
+              for group, start in zip(rest["param_groups"], accumulate(rest["param_groups"]))]
+    del ckpt["format"]
+    return {**ckpt, "optimizer": {"state": state, "param_groups": groups}}
+
+
+def accumulate(groups: list[dict]) -> list[int]:
+    """The index of each parameter group's first parameter."""
+    starts, total = [], 0
+    for group in groups:
+        starts.append(total)
+        total += len(group["params"])
+    return starts
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_killed_mid_epoch_resumes_bitwise_identical(straight, tmp_path):
+    """train.ckpt_format=sharded: last.dcp/ every step, SIGKILL mid-epoch (maybe mid-save), resume=auto; the same
+    weights, EMA, optimizer state, RNG and metrics as the uninterrupted file-format run."""
+    out = tmp_path / "run"
+    args = [*RUN, f"output_dir={out}", "train.ckpt_every_steps=1", "data.num_workers=1", "train.ckpt_format=sharded"]
+    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=REPO, env=script_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_file(out / "last.dcp", proc)
+        proc.send_signal(signal.SIGKILL)  # possibly in the middle of writing the next one
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    interrupted = read_checkpoint(out / "last.dcp")
+    assert 0 < interrupted["epoch_step"] < 8 and interrupted["epoch"] == 0, "the kill should land mid-epoch 0"
+    run_script("train.py", *args)
+    assert not (out / "last.pth").exists() and not list(out.glob(".last.dcp.*"))
+    assert_same(load_checkpoint(straight / "last.pth"), as_file_checkpoint(out / "last.dcp"))
+    assert rows_without_timing(out) == rows_without_timing(straight)
 
 
 @pytest.mark.slow

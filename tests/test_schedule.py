@@ -16,7 +16,7 @@ import train
 from engine.cli import report_errors
 from engine.config_load import load_config
 from engine.errors import UserError
-from engine.optim import build_optimizer, build_scheduler
+from engine.optim import build_optimizer, build_scheduler, with_global_batch
 from tests.helpers import TINY, read_jsonl
 
 
@@ -100,6 +100,37 @@ def test_step_schedule_in_a_run_decays_at_the_configured_epoch(tmp_path):
             f"output_dir={out}"]
     assert report_errors(train.main, argv) == 0
     assert [row["lr"] for row in read_jsonl(out / "metrics.jsonl")] == pytest.approx([0.01, 0.001, 0.001])
+
+
+@pytest.mark.slow
+def test_resume_with_another_global_batch_continues_the_schedule_at_its_epoch(tmp_path):
+    """An end-of-epoch checkpoint at batch 8 resumed at batch 16 (half the updates per epoch): from there the lr
+    is the batch-16 run's at the same epoch (its global step, counted in batch-8 updates, would be an epoch ahead)."""
+    common = [*TINY, "train.epochs=3", "sched.name=cosine", "optim.lr=0.1"]
+    assert report_errors(train.main, [*common, "train.batch_size=16", f"output_dir={tmp_path}/straight"]) == 0
+    resumed = f"output_dir={tmp_path}/resumed"
+    assert report_errors(train.main, [*common, "train.batch_size=8", "train.max_steps=4", resumed]) == 0
+    assert report_errors(train.main, [*common, "train.batch_size=16", resumed]) == 0
+    lrs = [[row["lr"] for row in read_jsonl(tmp_path / name / "metrics.jsonl")] for name in ("straight", "resumed")]
+    assert lrs[1][1:] == pytest.approx(lrs[0][1:]) and lrs[0][1] > 0.01  # cosine, still far from its end
+
+
+@pytest.mark.parametrize("world, accum, expected", [(1, 1, 24), (2, 1, 12), (3, 2, 4)])
+def test_global_batch_size_sets_the_batch_per_process(world, accum, expected):
+    cfg = load_config(None, ["train.global_batch_size=24", f"train.accum_steps={accum}"])
+    assert with_global_batch(cfg, world).train.batch_size == expected
+    assert with_global_batch(load_config(None, ["train.batch_size=5"]), world).train.batch_size == 5  # 0: off
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.global_batch_size=20"], r"is 20, which does not give a whole batch per process on 3 process\(es\) x "
+                                     r"train.accum_steps=1; use a multiple of 3"),
+    (["train.global_batch_size=9", "data.mixup_alpha=0.2"], r"an even number of images per process \(mixing pairs "
+                                                             r"them\) .* use a multiple of 6"),
+])
+def test_global_batch_size_that_does_not_divide_is_one_line(overrides, message):
+    with pytest.raises(UserError, match=message):
+        with_global_batch(load_config(None, overrides), 3)
 
 
 def optimizer_for(overrides: list[str], model: nn.Module | None = None) -> torch.optim.Optimizer:
