@@ -41,8 +41,8 @@ from engine.config import (Config, ModelConfig, best_metric, config_yaml, given_
                            mixing, to_dict)
 from engine.config_load import load_config
 from engine.dist import DistInfo, broadcast_tensors, init_distributed, rank0_decides, read_launch_env
-from engine.errors import UserError
 from engine.distill import build_distillation, check_teacher_needed, freeze_teacher, read_teacher, teacher_sha256
+from engine.errors import UserError
 from engine.hooks import EmaUpdate, IntervalTracking, StepCheckpoint
 from engine.logs import setup_logging
 from engine.losses import build_loss, class_weights
