@@ -6,13 +6,14 @@ from __future__ import annotations
 import copy
 import json
 import math
+from pathlib import Path
 
 import pytest
 import timm
 import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-from engine.checkpoint import load_optimizer_state, optimizer_state_by_index
+from engine.checkpoint import load_optimizer_state, optimizer_state_by_index, read_checkpoint
 from engine.config import OptimConfig
 from engine.config_load import load_config
 from engine.errors import UserError
@@ -37,7 +38,8 @@ TOL = 1e-5
 @pytest.mark.slow
 def test_fsdp_on_two_ranks_trains_the_ddp_and_single_process_model(tmp_path):
     """FSDP (interrupted mid-epoch and resumed: its optimizer state goes through the checkpoint) == DDP == 1 process;
-    the fsdp checkpoint is one file that evaluate.py reads, and its weights give the live model's val_loss."""
+    the fsdp checkpoint is one file that evaluate.py reads, and its weights give the live model's val_loss; with
+    train.ckpt_format=sharded the same run ends with the same weights and EMA."""
     single, ddp, fsdp = tmp_path / "single", tmp_path / "ddp", tmp_path / "fsdp"
     run_script("train.py", *VIT, "train.batch_size=8", f"output_dir={single}")
     run_script("train.py", *VIT, "train.batch_size=4", f"output_dir={ddp}", nproc=2)
@@ -66,6 +68,15 @@ def test_fsdp_on_two_ranks_trains_the_ddp_and_single_process_model(tmp_path):
     result = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert result["n"] == 19 and result["top1"] == row["val_top1"]
     assert math.isclose(result["loss"], row["val_loss"], rel_tol=1e-5)
+    # train.ckpt_format=sharded: last.dcp/ takes the shards as they are, its plain part the sharded EMA gathered;
+    # stopped and resumed the same way, it ends bitwise where the .pth run ended.
+    folder = (*sharded[:-1], "train.ckpt_format=sharded", f"output_dir={tmp_path / 'dcp'}")
+    run_script("train.py", *folder, "train.max_steps=3", nproc=2)
+    run_script("train.py", *folder, nproc=2)
+    dcp = read_checkpoint(tmp_path / "dcp" / "last.dcp")
+    assert dcp["global_step"] == 6
+    for key in ("model", "ema"):
+        assert differing_tensors(runs["fsdp"][key], dcp[key]) == []
 
 
 @pytest.mark.slow
@@ -74,6 +85,43 @@ def test_fsdp_in_one_process_trains_the_plain_model(tiny_run, tmp_path):
     proc = run_script("train.py", *TINY, "dist.strategy=fsdp", f"output_dir={tmp_path / 'run'}")
     assert proc.stderr.count("dist.strategy=fsdp in one process: nothing to shard") == 1
     assert differing_tensors(load_weights(tiny_run), load_weights(tmp_path / "run")) == []
+
+
+def sharded_save_with_ema(rank: int, world: int, out: str) -> dict:
+    """A step checkpoint (not best.pth) in train.ckpt_format=sharded of a sharded model and EMA; the EMA whole."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from engine.checkpoint import Checkpointer
+    from engine.config import Config, SchedConfig, to_dict
+    from engine.dist import DistInfo
+    from engine.optim import build_scheduler
+    from engine.state import TrainState
+
+    torch.manual_seed(0)
+    model = timm.create_model("test_vit", num_classes=3, img_size=16)
+    ema = copy.deepcopy(model).requires_grad_(False)
+    with torch.no_grad():
+        for param in ema.parameters():
+            param.mul_(0.5)  # an EMA unlike the model
+    shard_model(model, None), shard_model(ema, None)
+    optimizer = build_optimizer(model, OptimConfig(name="adamw", lr=0.01), sharded=True)
+    model(torch.randn(2, 3, 16, 16)).sum().backward()
+    optimizer.step()
+    checkpointer = Checkpointer(Path(out), DistInfo(rank, world, rank, world, torch.device("cpu")), 0, model=model,
+                                optimizer=optimizer, scheduler=build_scheduler(optimizer, SchedConfig(), 1, 1),
+                                scaler=None, config=to_dict(Config()), class_names=["a", "b", "c"], ema=ema,
+                                sharded=True)
+    checkpointer.save(TrainState(global_step=1, epoch_step=1))
+    return get_model_state_dict(ema, options=StateDictOptions(full_state_dict=True))
+
+
+@pytest.mark.slow
+def test_sharded_folder_holds_the_sharded_ema_whole(tmp_path):
+    """train.ckpt_format=sharded under fsdp: DCP writes the model and optimizer shards; the EMA, sharded like the
+    model, is gathered into the folder's plain part whole (what resume and evaluate.py --ema read)."""
+    ema = run_ranks(sharded_save_with_ema, 2, tmp_path, str(tmp_path / "run"))[0]
+    saved = read_checkpoint(tmp_path / "run" / "last.dcp")
+    assert saved["global_step"] == 1 and differing_tensors(ema, saved["ema"]) == []
 
 
 def test_fsdp_checkpoint_numbers_the_optimizer_state_as_torch_does():
