@@ -128,13 +128,19 @@ def stop_on_sigterm() -> Iterator[None]:
 
 @contextlib.contextmanager
 def training_steps() -> Iterator[None]:
-    """Inside: SIGTERM asks for a stop at the next step boundary instead of raising."""
+    """Inside: SIGTERM asks for a stop at the next step boundary instead of raising.
+
+    A SIGTERM that came after the last step's check (the ranks agreed to go on) has no boundary left in the block:
+    it is acted on as the block ends, as one that arrives outside training steps.
+    """
     global _in_steps
     _in_steps += 1
     try:
         yield
     finally:
         _in_steps -= 1
+    if not _in_steps and not _stopping and _requested == signal.SIGTERM:
+        raise Terminated()
 
 
 def requested() -> int:

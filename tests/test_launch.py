@@ -127,3 +127,17 @@ def test_workers_stay_quiet_when_their_parent_is_gone(capsys):
     assert capsys.readouterr().err == ""
     _quiet_if_parent_gone(ValueError, ValueError("a real bug"), None)
     assert "ValueError: a real bug" in capsys.readouterr().err
+
+
+def test_sigterm_after_the_last_step_check_stops_as_the_training_steps_end():
+    """A SIGTERM between the last step's stop check and the end of the epoch's steps (its logging, hooks) was only
+    recorded, and the run evaluated and finished with exit 0; it is now acted on as the steps end."""
+    from engine.signals import Terminated, stop_on_sigterm, training_steps
+
+    with stop_on_sigterm(), pytest.raises(Terminated):
+        with training_steps():
+            os.kill(os.getpid(), signal.SIGTERM)  # recorded only: inside the steps a SIGTERM asks for a stop
+        raise AssertionError("not reached: Terminated is raised as the steps end")
+    with stop_on_sigterm():  # a SIGUSR1 there waits for the next step, as documented
+        with training_steps():
+            os.kill(os.getpid(), signal.SIGUSR1)
