@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from engine.startup import cpu_share, import_timm_without_wandb, training_threads, tune_cpu_process
+from engine.startup import cpu_share, import_timm_without_wandb, tune_cpu_process
 
 import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (engine/startup.py)
 
@@ -319,7 +319,7 @@ def main(argv: list[str]) -> int:
     setup_logging(read_launch_env()[0], cfg.logging.level)  # before the rendezvous, which may wait
     info = init_distributed(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.rendezvous_timeout_s)
     if info.device.type == "cpu":
-        tune_cpu_process(training_threads(cpu_share(info.local_world_size), cfg.data.num_workers))
+        tune_cpu_process(cpu_share(info.local_world_size))
     if args.dry_run:
         summary = dry_run(cfg, info)
         if info.is_main:

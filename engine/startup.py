@@ -36,15 +36,6 @@ def tune_cpu_process(threads: int) -> None:
     keep_freed_memory()
 
 
-def training_threads(share: int, workers: int) -> int:
-    """The training process's threads on the CPU: the cores of its share that its DataLoader workers leave.
-
-    With one thread too many, the threads' spin-waits and the workers take the cores from each other: on 2 cores
-    with 1 worker, a strong-recipe epoch took 3.3x the wall time with 2 threads (docs/benchmarks.md 11).
-    """
-    return max(1, share - workers)
-
-
 def cpu_share(processes_per_node: int) -> int:
     """This process's share of the cores it may run on."""
     return max(1, len(os.sched_getaffinity(0)) // processes_per_node)

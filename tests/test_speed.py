@@ -107,17 +107,3 @@ def test_per_rank_values_come_back_as_their_max_in_the_sums_all_reduce(tmp_path)
     for sums, largest in run_ranks(_sums_and_max, 2, tmp_path):
         assert sums == {"loss_sum": 4.5, "count": 8.0}
         assert largest == pytest.approx([0.2, 0.3])
-
-
-@pytest.mark.parametrize("workers, expected", [(0, 3), (1, 2), (5, 1)])
-def test_the_training_process_leaves_its_workers_their_cores(workers, expected, monkeypatch, tmp_path):
-    """On the CPU train.py computes with the cores of its share that its DataLoader workers leave, at least one
-    (one thread too many cost 3.3x the wall time on 2 cores: docs/benchmarks.md 11); here a share of 3 cores."""
-    threads = torch.get_num_threads()
-    monkeypatch.setattr(train, "cpu_share", lambda processes_per_node: 3)
-    try:
-        argv = [*TINY, f"data.num_workers={workers}", f"output_dir={tmp_path / 'run'}", "--dry-run"]
-        assert report_errors(train.main, argv) == 0
-        assert torch.get_num_threads() == expected
-    finally:
-        torch.set_num_threads(threads)
