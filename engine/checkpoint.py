@@ -42,7 +42,7 @@ from engine import sharded
 from engine.dist import DistInfo, all_gather_object, max_over_ranks, rank0_decides
 from engine.errors import UnreadableCheckpoint, UserError
 from engine.signals import sigterm_deferred
-from engine.run_dir import atomic_file
+from engine.run_dir import atomic_file, link_atomic
 from engine.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -358,9 +358,11 @@ class Checkpointer:
             raise self.diverged(broken, fields)
         path = self.last
         try:
-            for name in names:
+            for name in names:  # the first written whole, the others linked to it (a copy where links fail)
                 path = self.out_dir / name
-                save_atomic(ckpt, path)
+                with sigterm_deferred():
+                    if name == names[0] or not link_atomic(self.out_dir / names[0], path):
+                        save_atomic(ckpt, path)
                 if name == "last.pth":
                     self.saved_step = fields["global_step"]
         except OSError as err:

@@ -52,6 +52,22 @@ def atomic_file(path: Path) -> Iterator[BinaryIO]:
         raise
 
 
+def link_atomic(source: Path, path: Path) -> bool:
+    """`path` becomes a hard link to `source` (a file just written whole), replacing it atomically; False where the
+    file system has no hard links (the caller writes a copy). A later os.replace of `source` leaves `path` as it is."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        os.link(source, tmp)
+    except OSError:
+        return False
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return True
+
+
 def check_writable(folder: Path) -> None:
     """Whether the run could create and write `folder`, without creating it (train.py --dry-run)."""
     existing = next(p for p in (folder, *folder.parents) if p.exists())

@@ -90,6 +90,22 @@ def test_divergence_message_says_what_is_on_disk(tmp_path):
         checkpointer.save(TrainState(global_step=4))
 
 
+def test_best_and_epoch_files_are_links_to_last_and_keep_their_step(tmp_path):
+    """A new best and an epoch file are hard links to the last.pth just written (one write, not three); the next
+    last.pth replaces the name only, so best.pth keeps the step it was chosen at."""
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    checkpointer = Checkpointer(tmp_path, DistInfo(0, 1, 0, 1, torch.device("cpu")), 2, model=model,
+                                optimizer=optimizer, scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1),
+                                scaler=None, config={}, class_names=["a", "b"])
+    checkpointer.save(TrainState(epoch=1, global_step=3), val_top1=50.0, best=True, epoch_file=True)
+    inodes = {p.name: p.stat().st_ino for p in tmp_path.glob("*.pth")}
+    assert inodes.keys() == {"last.pth", "best.pth", "epoch_0000.pth"} and len(set(inodes.values())) == 1
+    checkpointer.save(TrainState(epoch=2, global_step=6), val_top1=40.0, best=False, epoch_file=True)
+    steps = {p.name: torch.load(p, weights_only=True)["global_step"] for p in tmp_path.glob("*.pth")}
+    assert steps == {"last.pth": 6, "best.pth": 3, "epoch_0000.pth": 3, "epoch_0001.pth": 6}
+
+
 @pytest.mark.parametrize("umask", [0o022, 0o002])
 def test_checkpoints_get_the_mode_of_other_run_files(umask, tmp_path):
     old = os.umask(umask)
