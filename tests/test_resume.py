@@ -78,19 +78,24 @@ def test_resume_at_epoch_boundary_is_bitwise_identical(straight, tmp_path):
     assert rows_without_timing(out) == rows_without_timing(straight)
 
 
+def kill_once_written(args: list[str], checkpoint: Path) -> None:
+    """Start train.py with `args` and SIGKILL it as soon as its first step checkpoint exists."""
+    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=REPO, env=script_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_file(checkpoint, proc)
+        proc.send_signal(signal.SIGKILL)  # possibly in the middle of writing the next one
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+
+
 @pytest.mark.slow
 def test_resume_after_a_kill_mid_epoch_is_bitwise_identical(straight, tmp_path):
     """Step checkpoints every step, a worker process, SIGKILL at a mid-epoch checkpoint, then resume."""
     out = tmp_path / "run"
     args = [*RUN, f"output_dir={out}", "train.ckpt_every_steps=1", "data.num_workers=1", "train.keep_last_k=1"]
-    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=REPO, env=script_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for_file(out / "last.pth", proc)
-        proc.send_signal(signal.SIGKILL)  # possibly in the middle of writing the next one
-        proc.wait(timeout=30)
-    finally:
-        proc.kill()
+    kill_once_written(args, out / "last.pth")
     interrupted = load_checkpoint(out / "last.pth")
     assert 0 < interrupted["epoch_step"] < 8 and interrupted["epoch"] == 0, "the kill should land mid-epoch 0"
     run_script("train.py", *args)
@@ -131,14 +136,7 @@ def test_sharded_checkpoint_killed_mid_epoch_resumes_bitwise_identical(straight,
     weights, EMA, optimizer state, RNG and metrics as the uninterrupted file-format run."""
     out = tmp_path / "run"
     args = [*RUN, f"output_dir={out}", "train.ckpt_every_steps=1", "data.num_workers=1", "train.ckpt_format=sharded"]
-    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=REPO, env=script_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for_file(out / "last.dcp", proc)
-        proc.send_signal(signal.SIGKILL)  # possibly in the middle of writing the next one
-        proc.wait(timeout=30)
-    finally:
-        proc.kill()
+    kill_once_written(args, out / "last.dcp")
     interrupted = read_checkpoint(out / "last.dcp")
     assert 0 < interrupted["epoch_step"] < 8 and interrupted["epoch"] == 0, "the kill should land mid-epoch 0"
     run_script("train.py", *args)
