@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from engine import sharded
 from engine.dist import DistInfo, all_gather_object, max_over_ranks, rank0_decides
@@ -234,8 +235,10 @@ def load_sharded_training(path: Path, model: nn.Module, optimizer: torch.optim.O
 
 
 def nonfinite_tensors(state_dict: dict[str, torch.Tensor]) -> list[str]:
-    """Names of floating-point tensors with an inf or NaN (a NaN forward pass poisons BatchNorm statistics)."""
-    return [k for k, v in state_dict.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    """Names of floating-point tensors with an inf or NaN (a NaN forward pass poisons BatchNorm statistics); of a
+    sharded model's DTensors, this rank's shards."""
+    local = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state_dict.items()}
+    return [k for k, v in local.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
 
 
 def rng_state() -> dict[str, Any]:
@@ -331,7 +334,7 @@ class Checkpointer:
     def save_sharded(self, fields: dict[str, Any], rng: list[dict[str, Any]], val_top1: float | None,
                      gathered: dict[str, Any] | None = None) -> None:
         """last.dcp/: every rank writes its shards (engine/sharded.py); inf/NaN on any rank refuses it on all."""
-        broken = sharded.local_nonfinite(sharded.trained_module(self.model).state_dict())
+        broken = nonfinite_tensors(sharded.trained_module(self.model).state_dict())
         if max_over_ranks(int(bool(broken)), self.info.device):
             raise self.diverged(broken, fields)
         plain = self.plain_contents(fields, rng, val_top1, gathered) if self.info.is_main else {}  # rank 0 writes it

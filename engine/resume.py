@@ -135,6 +135,12 @@ def global_batch(world_size: int, batch_size: int, accum_steps: int) -> int:
     return world_size * batch_size * accum_steps
 
 
+def saved_global_batch(ckpt: dict[str, Any]) -> int:
+    """The global batch the checkpoint's run trained with."""
+    old = ckpt["config"]["train"]
+    return global_batch(ckpt["world_size"], old["batch_size"], old["accum_steps"])
+
+
 def check_global_batch(ckpt: dict[str, Any], path: Path, cfg: Config, world_size: int) -> None:
     """A mid-epoch checkpoint continues on any number of processes whose global batch is the checkpoint's.
 
@@ -142,15 +148,14 @@ def check_global_batch(ckpt: dict[str, Any], path: Path, cfg: Config, world_size
     [j G, (j + 1) G) (data/loader.EpochSampler), so with the same G the run trains on exactly the samples
     the interrupted one had not reached; with another G the steps would split the epoch elsewhere.
     """
-    old = ckpt["config"]["train"]
-    then = global_batch(ckpt["world_size"], old["batch_size"], old["accum_steps"])
-    now = global_batch(world_size, cfg.train.batch_size, cfg.train.accum_steps)
+    then, now = saved_global_batch(ckpt), global_batch(world_size, cfg.train.batch_size, cfg.train.accum_steps)
     if then == now:
         return
     per_process = then // world_size
     fits = (f"with {world_size} process(es) set train.batch_size x train.accum_steps = {per_process} (e.g. "
             f"train.batch_size={per_process} train.accum_steps=1)" if then % world_size == 0 else
             f"no batch size fits on {world_size} process(es): use a number of processes that divides {then}")
+    old = ckpt["config"]["train"]
     raise UserError(f"checkpoint {path} stopped mid-epoch with a global batch of {then} images ({ckpt['world_size']} "
                     f"process(es) x train.batch_size={old['batch_size']} x train.accum_steps={old['accum_steps']}), "
                     f"this run's is {now}: {fits}, so no sample is skipped or repeated; or resume from an "
@@ -259,8 +264,7 @@ class Resume:
         # state): rebuilt from the config, a resumed run may extend train.epochs, or change the global batch
         # at an epoch boundary (the schedule continues at the same epoch).
         parts.scheduler.step_update(num_updates=state.schedule_position(updates_per_epoch))
-        old = ckpt["config"]["train"]
-        then = global_batch(ckpt["world_size"], old["batch_size"], old["accum_steps"])
+        then = saved_global_batch(ckpt)
         now = global_batch(info.world_size, cfg.train.batch_size, cfg.train.accum_steps)
         if then != now and info.is_main:
             log.info("checkpoint %s trained with a global batch of %d images, this run's is %d: the lr schedule "

@@ -39,7 +39,6 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
-from torch.distributed.tensor import DTensor
 
 from engine.dist import broadcast_object, is_main, rank0_decides
 from engine.errors import UnreadableCheckpoint, UserError
@@ -178,12 +177,6 @@ def split_optimizer(optim_sd: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
     rest = {fqn: {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
             for fqn, state in optim_sd["state"].items()}
     return tensors, {"param_groups": optim_sd["param_groups"], "state": rest}
-
-
-def local_nonfinite(state_dict: dict[str, torch.Tensor]) -> list[str]:
-    """Names of this rank's floating-point tensors (its shards, for DTensors) holding inf or NaN."""
-    local = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state_dict.items()}
-    return [k for k, v in local.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
 
 
 def trained_module(model: nn.Module) -> nn.Module:
