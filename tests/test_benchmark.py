@@ -21,16 +21,15 @@ def test_benchmark_prints_a_table_and_writes_json_with_every_field(monkeypatch, 
     threads = torch.get_num_threads()
     monkeypatch.setattr(benchmark, "cpu_share", lambda processes_per_node: 1)
     out = tmp_path / "bench.json"
-    argv = ["--model", "test_resnet", "--batch-size", "4", "--img-size", "32", "--warmup", "1", "--steps", "2",
+    argv = ["--model", "resnet18", "--batch-size", "8", "--img-size", "32", "--warmup", "1", "--steps", "2",
             "--amp", "off", "--json", str(out)]
     try:
         assert report_errors(benchmark.main, argv) == 0
         printed = capsys.readouterr().out
         result = json.loads(out.read_text())
         assert set(result) == FIELDS and set(result["inference"]) == set(result["train"]) == MODE_FIELDS
-        assert (result["model"], result["batch_size"], result["img_size"], result["amp"]) == ("test_resnet", 4, 32,
-                                                                                           "fp32")
-        expected_params = sum(p.numel() for p in timm.create_model("test_resnet", num_classes=1000).parameters())
+        assert (result["model"], result["batch_size"], result["img_size"], result["amp"]) == ("resnet18", 8, 32, "fp32")
+        expected_params = sum(p.numel() for p in timm.create_model("resnet18", num_classes=1000).parameters())
         assert result["params_m"] == expected_params / 1e6  # timm's own model, counted the same way
         for mode in ("inference", "train"):
             figures = result[mode]
@@ -71,12 +70,12 @@ def test_data_mode_times_the_train_loader_per_worker_count(monkeypatch, tmp_path
     monkeypatch.setattr(benchmark, "cpu_share", lambda processes_per_node: 1)
     out, root = tmp_path / "data.json", f"data.root={tmp_path / 'digits'}"
     try:
-        argv = ["--config", "digits", "--data", "--workers", "0", "1", "--data-batches", "2", "--target-img-s",
+        argv = ["--config", "digits", "--data", "--workers", "1", "2", "--data-batches", "2", "--target-img-s",
                 "1000.5", "--json", str(out), root]
         assert report_errors(benchmark.main, argv) == 0
         result = json.loads(out.read_text())
         assert set(result) == {"benchmark", "device", "data"}  # no model run unless --mode asks for one
-        assert [row["num_workers"] for row in result["data"]["workers"]] == [0, 1]
+        assert [row["num_workers"] for row in result["data"]["workers"]] == [1, 2]
         assert (result["data"]["batch_size"], result["data"]["dataset"]) == (64, "digits")  # the config's
         check_data_rows(result["data"], capsys.readouterr().out, 1000.5)
         # without --target-img-s, the training img/s measured in the same call is the target
