@@ -205,7 +205,8 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
                       normalize, cfg.logging.progress, cfg.train.max_nonfinite,
                       min(total_steps, cfg.train.max_steps or total_steps),
                       BatchMix(data.num_classes, cfg.train.label_smoothing) if mixing(cfg.data) else None,
-                      cfg.optim.clip_mode, multi_label=cfg.data.multi_label)
+                      cfg.optim.clip_mode, multi_label=cfg.data.multi_label,
+                      fsdp_accum_whole=cfg.dist.fsdp_accum_whole and is_sharded(model) and cfg.train.accum_steps > 1)
     global_batch = cfg.train.batch_size * info.world_size * cfg.train.accum_steps
     log.info("model %s (%.1fM params), %d process(es) on %s, %s, global batch %d, %d steps/epoch",
              cfg.model.name, sum(p.numel() for p in model.parameters()) / 1e6, info.world_size,

@@ -115,6 +115,9 @@ def validate(cfg: Config) -> None:
     validate_imbalance(cfg)
     if cfg.dist.strategy == "fsdp":
         validate_fsdp(cfg)
+    elif cfg.dist.fsdp_accum_whole:
+        raise UserError("config key 'dist.fsdp_accum_whole' applies to dist.strategy=fsdp (ddp keeps its gradients "
+                        "whole between micro-steps already); remove it or set dist.strategy=fsdp")
     if cfg.logging.wandb:
         validate_wandb(cfg.logging)
     if not cfg.resume:

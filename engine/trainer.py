@@ -64,6 +64,7 @@ class LoopConfig:
     mix: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # (images, labels, mix) -> images, targets
     clip_mode: str = "norm"  # optim.clip_mode: norm | value | agc
     multi_label: bool = False  # multi-hot targets (data.multi_label): no train_top1, train_loss only
+    fsdp_accum_whole: bool = False  # dist.fsdp_accum_whole: a sharded model keeps weights and gradients whole
 
 
 def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cfg: LoopConfig, info: DistInfo,
@@ -96,8 +97,11 @@ def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cf
             group_start = i - i % cfg.accum_steps
             group_size = min(cfg.accum_steps, num_batches - group_start)
             last_micro_step = i == group_start + group_size - 1
-            # DDP all-reduces gradients only on the micro-step that ends an accumulation group.
+            # DDP all-reduces gradients only on the micro-step that ends an accumulation group (FSDP2 with
+            # dist.fsdp_accum_whole likewise reduce-scatters them only then).
             sync = contextlib.nullcontext() if last_micro_step or not hasattr(model, "no_sync") else model.no_sync()
+            if cfg.fsdp_accum_whole:
+                fsdp_micro_step(model, last_micro_step)
             with sync:
                 with parts.precision.autocast():
                     logits = model(images)
@@ -147,6 +151,14 @@ def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cf
     return {"train_loss": sums["loss_sum"] / count, **top1,
             "train_img_per_s": sums["count"] / seconds, "epoch_time_s": seconds, "train_images": int(sums["count"]),
             "train_input_wait": wait, "train_step_s": step_s}
+
+
+def fsdp_micro_step(model: FSDPModule, last: bool) -> None:
+    """dist.fsdp_accum_whole: a micro-step that does not end its accumulation group skips the gradients'
+    reduce-scatter and keeps the weights whole after its backward (the next forward needs no all-gather); the
+    group's last micro-step reduce-scatters the summed gradients and reshards, as an unaccumulated step does."""
+    model.set_requires_gradient_sync(last)
+    model.set_reshard_after_backward(last)
 
 
 def check_nonfinite(skipped: int, limit: int, step: int, info: DistInfo) -> None:

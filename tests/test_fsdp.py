@@ -14,6 +14,7 @@ import timm
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.tensor import DTensor
 
 import evaluate
 import train
@@ -24,6 +25,7 @@ from engine.config_load import load_config
 from engine.errors import UserError
 from engine.optim import build_optimizer
 from engine.precision import Precision
+from engine.trainer import fsdp_micro_step
 from models.sharding import shard_model, shard_units
 from tests.compare import differing_tensors, load_weights, relative_differences, worst_tensor
 from tests.helpers import TINY, read_jsonl, run_ranks, run_script
@@ -37,7 +39,8 @@ VIT = ("--config", "dummy", "model.name=test_vit", "model.kwargs.img_size=16", "
        "data.augment=false", "train.epochs=2", "train.global_batch_size=12", "logging.progress=false",
        "optim.name=adamw", "optim.lr=0.001", "optim.clip_grad=0.5", "model.ema_decay=0.9")
 # Measured (parameters, relative; the EMA's are smaller): fsdp vs ddp 2.8e-12, fsdp vs one process 3.9e-7, ddp vs
-# one process 3.9e-7; resumed on 3 ranks vs uninterrupted 1.0e-8, on 1 process 3.9e-9, on 2 ranks bitwise. A
+# one process 3.9e-7; resumed on 3 ranks (2 micro-batches kept whole) vs uninterrupted 1.9e-8, on 1 process 3.9e-9,
+# on 2 ranks bitwise. Sharded steps in 2 micro-batches kept whole vs one process 5.5e-7. A
 # deliberate per-rank difference moves sharded steps far past TOL (3.1e-2 and 3.6e-1, while alike they are 1.7e-7):
 # test_sharded_steps_match_one_process_and_catch_a_rank_apart.
 TOL = 1e-5
@@ -47,8 +50,9 @@ TOL = 1e-5
 def test_fsdp_on_two_ranks_trains_the_ddp_and_single_process_model(tmp_path):
     """FSDP on 2 ranks == DDP on 2 ranks == 1 process; the fsdp last.pth is one file that evaluate.py reads and
     whose weights give the live model's val_loss. The same run stopped mid-epoch 1 with train.ckpt_format=sharded
-    (last.dcp/, each rank's shards) resumes on 2 ranks bitwise where the uninterrupted run ends, and on 3 ranks and
-    on 1 process (DCP reshards the folder) within fp32 rounding of it, with every epoch in metrics.jsonl once."""
+    (last.dcp/, each rank's shards) resumes on 2 ranks bitwise where the uninterrupted run ends, and on 3 ranks (with
+    2 micro-batches per step, dist.fsdp_accum_whole) and on 1 process (DCP reshards the folder) within fp32
+    rounding of it, with every epoch in metrics.jsonl once."""
     single, ddp, fsdp, stopped = (tmp_path / name for name in ("single", "ddp", "fsdp", "stopped"))
     assert report_errors(train.main, [*VIT, f"output_dir={single}"]) == 0  # one process: in this one
     run_script("train.py", *VIT, f"output_dir={ddp}", nproc=2)
@@ -79,6 +83,9 @@ def test_fsdp_on_two_ranks_trains_the_ddp_and_single_process_model(tmp_path):
         shutil.copytree(stopped, out)
         if nproc == 1:
             assert report_errors(train.main, [*folder, f"output_dir={out}"]) == 0
+        elif nproc == 3:  # the same global batch as 3 x 2 x 2 micro-batches, whole between micro-steps
+            run_script("train.py", *folder, "train.accum_steps=2", "dist.fsdp_accum_whole=true", f"output_dir={out}",
+                       nproc=3)
         else:
             run_script("train.py", *folder, f"output_dir={out}", nproc=nproc)
         resumed = read_checkpoint(out / "last.dcp")
@@ -171,15 +178,22 @@ def sgd_step_on_shards(rank: int) -> dict:
     return {"fused": optimizer.defaults.get("fused"), "moved": (model.head.weight.full_tensor() - before).abs().max()}
 
 
-def adamw_steps(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, sharded: bool) -> dict:
-    """3 AdamW steps, one per row of `images`, through the loop's step (gradients clipped at 0.5 over every rank's
-    shards); the weights whole after."""
+def adamw_steps(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, sharded: bool,
+                micro: int = 1) -> tuple[dict, list[bool]]:
+    """3 AdamW steps, one per row of `images` (in `micro` micro-batches, dist.fsdp_accum_whole's way when sharded),
+    through the loop's step (gradients clipped at 0.5 over every rank's shards); the weights whole after, and
+    whether a block's weight was whole (not a DTensor shard) after each micro-batch's backward."""
     optimizer = build_optimizer(model, OptimConfig(name="adamw", lr=0.001), sharded=sharded)
+    whole = []
     for step_images, step_labels in zip(images, labels):
-        nn.functional.cross_entropy(model(step_images), step_labels).backward()
+        for i, (part_images, part_labels) in enumerate(zip(step_images.chunk(micro), step_labels.chunk(micro))):
+            if micro > 1:
+                fsdp_micro_step(model, last=i == micro - 1)
+            (nn.functional.cross_entropy(model(part_images), part_labels) / micro).backward()
+            whole.append(not isinstance(model.blocks[0].attn.qkv.weight, DTensor))
         assert Precision("cpu", None).step(optimizer, model, 0.5) == (True, 0)
         optimizer.zero_grad(set_to_none=True)
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)), whole
 
 
 def sharded_steps(rank: int, world: int) -> dict:
@@ -190,21 +204,22 @@ def sharded_steps(rank: int, world: int) -> dict:
     images, labels = torch.randn(3, 8, 3, 16, 16, generator=data), torch.randint(0, 3, (3, 8), generator=data)
     half = slice(4 * rank, 4 * rank + 4)
     results = {"sgd": sgd_step_on_shards(rank)}
-    for name, seed, part in (("alike", 0, half), ("rank 1 from another seed", rank, half),
-                             ("both ranks on the first half", 0, slice(0, 4))):
+    for name, seed, part, micro in (("alike", 0, half, 1), ("2 micro-batches, whole between them", 0, half, 2),
+                                    ("rank 1 from another seed", rank, half, 1),
+                                    ("both ranks on the first half", 0, slice(0, 4), 1)):
         torch.manual_seed(seed)
         model = shard_model(timm.create_model("test_vit", num_classes=3, img_size=16), None)
-        results[name] = adamw_steps(model, images[:, part], labels[:, part], sharded=True)
+        results[name], results[f"{name}: whole"] = adamw_steps(model, images[:, part], labels[:, part], True, micro)
     torch.manual_seed(0)  # on each rank: the loop's step all-reduces its inf/NaN flag
     results["one process"] = adamw_steps(timm.create_model("test_vit", num_classes=3, img_size=16), images, labels,
-                                         sharded=False)
+                                         sharded=False)[0]
     return results
 
 
 @pytest.mark.slow
 def test_sharded_steps_match_one_process_and_catch_a_rank_apart(tmp_path):
-    """FSDP2 on 2 ranks gives one process's AdamW steps within TOL, and the same comparison fails by far when the
-    ranks differ on purpose (another seed for rank 1's shards, or both ranks reading the same images). Also:
+    """FSDP2 on 2 ranks gives one process's AdamW steps within TOL (also in 2 micro-batches per step kept whole
+    between them, dist.fsdp_accum_whole's way), and the same comparison fails by far when the ranks differ on purpose (another seed for rank 1's shards, or both ranks reading the same images). Also:
     train.py's default optimizer is torch's fused SGD, which DTensors refuse (no sharding rule for
     aten._fused_sgd_): on sharded parameters it steps unfused."""
     results = run_ranks(sharded_steps, 2, tmp_path)
@@ -212,10 +227,15 @@ def test_sharded_steps_match_one_process_and_catch_a_rank_apart(tmp_path):
         assert not result["sgd"]["fused"] and result["sgd"]["moved"] > 0
     one_process = results[0]["one process"]
     distances = {name: relative_differences(one_process, results[0][name])["parameters"]
-                 for name in ("alike", "rank 1 from another seed", "both ranks on the first half")}
+                 for name in ("alike", "2 micro-batches, whole between them", "rank 1 from another seed",
+                 "both ranks on the first half")}
     print("one process vs fsdp on 2 ranks:", ", ".join(f"{name} {value:.1e}" for name, value in distances.items()))
-    assert distances.pop("alike") <= TOL
+    assert distances.pop("alike") <= TOL and distances.pop("2 micro-batches, whole between them") <= TOL
     assert all(value > 100 * TOL for value in distances.values())
+    # dist.fsdp_accum_whole: after the first micro-batch's backward the weights stay whole, after the last they are
+    # shards again (as after every backward without it).
+    assert results[0]["2 micro-batches, whole between them: whole"] == [True, False] * 3
+    assert results[0]["alike: whole"] == [False] * 3
 
 
 @pytest.mark.parametrize("name, kwargs, unit", [
@@ -241,6 +261,8 @@ def test_shard_units_are_the_models_blocks(name, kwargs, unit):
     (["model.compile=true"], "dist.strategy=fsdp with model.compile=true"),
     (["optim.clip_mode=agc", "optim.clip_grad=0.01"], "dist.strategy=fsdp with optim.clip_mode=agc"),
     (["dist.strategy=zero3"], "config key 'dist.strategy' is 'zero3'; choose one of ddp, fsdp"),
+    (["dist.strategy=ddp", "dist.fsdp_accum_whole=true"], "config key 'dist.fsdp_accum_whole' applies to "
+     "dist.strategy=fsdp"),
 ])
 def test_what_fsdp_cannot_do_is_refused_in_one_line(overrides, message):
     with pytest.raises(UserError) as err:
