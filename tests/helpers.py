@@ -54,6 +54,15 @@ def wait_for_file(path: Path, proc: subprocess.Popen, timeout: float = HANG) -> 
         time.sleep(0.01)
 
 
+def train_here(*args: str) -> None:
+    """train.py's main in this process: a subprocess's run without its ~5 s of imports (for runs that need no
+    environment, signal or process of their own); a non-zero exit fails the test."""
+    import train
+    from engine.cli import report_errors
+
+    assert report_errors(train.main, list(args)) == 0, args
+
+
 def run_script(script: str, *args: str, nproc: int = 1, timeout: float = HANG, env: dict | None = None,
                check: bool = True) -> subprocess.CompletedProcess:
     """`python script args` for nproc == 1, else `torchrun --standalone --nproc_per_node=nproc script args`.

@@ -26,7 +26,7 @@ from engine.dist import DistInfo
 from engine.errors import UserError
 from engine.losses import build_loss
 from tests import test_correctness as correctness, test_resume as resume
-from tests.helpers import TINY, read_jsonl, run_script
+from tests.helpers import TINY, read_jsonl, run_script, train_here
 
 RECIPE = dict(img_size=16, auto_augment="rand-m9-mstd0.5", random_erase=0.5)
 
@@ -447,7 +447,7 @@ RECIPE_RUN = ("data.augment=true", "data.mixup_alpha=0.2", "data.cutmix_alpha=1.
 def test_recipe_one_process_equals_two_ranks(tmp_path):
     """Guarantee 1 of docs/correctness.md with mixup, cutmix, RandAugment, erasing and repeats on."""
     common = (*correctness.COMMON, correctness.NO_BN_MODEL, *RECIPE_RUN)
-    run_script("train.py", *common, "train.batch_size=12", f"output_dir={tmp_path}/one")
+    train_here(*common, "train.batch_size=12", f"output_dir={tmp_path}/one")
     run_script("train.py", *common, "train.batch_size=6", f"output_dir={tmp_path}/two", nproc=2)
     correctness.assert_same_model(tmp_path / "one", tmp_path / "two")
 

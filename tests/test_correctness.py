@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.compare import differing_tensors, load_weights, model_rows, relative_differences, worst_tensor
-from tests.helpers import REPO, free_port, read_jsonl, run_ranks, run_script, script_env
+from tests.helpers import REPO, free_port, read_jsonl, run_ranks, run_script, script_env, train_here
 
 pytestmark = pytest.mark.slow  # every test trains with real process groups
 
@@ -99,7 +99,7 @@ def test_issue_acceptance_command_one_process_equals_two_ranks(tmp_path):
     """Guarantee 1 as users run it: configs/dummy.yaml as shipped (resnet18, 32 px, fp32, lr 0.01), 5 steps."""
     common = ("--config", "configs/dummy.yaml", "model.sync_bn=true", "data.augment=false", "train.max_steps=5",
               "logging.progress=false")
-    run_script("train.py", *common, "train.batch_size=16", f"output_dir={tmp_path}/one")
+    train_here(*common, "train.batch_size=16", f"output_dir={tmp_path}/one")
     run_script("train.py", *common, "train.batch_size=8", f"output_dir={tmp_path}/two", nproc=2)
     assert_same_model(tmp_path / "one", tmp_path / "two", steps=5)
 
@@ -123,7 +123,7 @@ def test_two_rank_mid_epoch_checkpoint_resumes_on_one_process(run, tmp_path):
     for name, overrides in {"batch12": [], "accum2": ["train.accum_steps=2"]}.items():
         out = tmp_path / name
         shutil.copytree(partial, out)
-        run_script("train.py", *fixed, *overrides, f"output_dir={out}")
+        train_here(*fixed, *overrides, f"output_dir={out}")
         assert_same_model(run("gn_single"), out)
         assert [row["epoch"] for row in read_jsonl(out / "metrics.jsonl")] == list(range(EPOCHS))
 

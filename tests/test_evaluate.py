@@ -12,7 +12,7 @@ import pytest
 import evaluate
 from engine.checkpoint import load_checkpoint
 from engine.cli import report_errors
-from tests.helpers import make_image_folder, run_script, script_env
+from tests.helpers import make_image_folder, run_script, script_env, train_here
 from tests.wandb_reader import find_runs, read_run
 
 pytestmark = pytest.mark.slow  # the module's checkpoint is trained, then evaluated on 1-3 processes
@@ -24,7 +24,7 @@ VAL_SIZE = 101  # divisible by neither 2 nor 3
 def checkpoint(tmp_path_factory) -> Path:
     """A briefly trained model on synthetic data with 101 validation images."""
     out = tmp_path_factory.mktemp("trained") / "run"
-    run_script("train.py", "--config", "configs/dummy.yaml", "model.name=test_resnet", "data.img_size=32",
+    train_here("--config", "configs/dummy.yaml", "model.name=test_resnet", "data.img_size=32",
                "data.dummy_image_size=40", "data.dummy_train_size=96", f"data.dummy_val_size={VAL_SIZE}",
                "train.batch_size=16", "train.max_steps=4", "logging.progress=false", f"output_dir={out}")
     return out / "best.pth"

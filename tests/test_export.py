@@ -13,7 +13,7 @@ import torch
 import export
 import predict
 from engine.cli import report_errors
-from tests.helpers import run_script
+from tests.helpers import train_here
 
 pytestmark = [pytest.mark.slow,  # trains a resnet18 for a few steps, then exports it three ways
               pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning")]
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.slow,  # trains a resnet18 for a few steps, then expor
 @pytest.fixture(scope="module")
 def resnet18_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("export") / "run"
-    run_script("train.py", "--config", "dummy", "model.name=resnet18", "data.img_size=32", "data.dummy_image_size=36",
+    train_here("--config", "dummy", "model.name=resnet18", "data.img_size=32", "data.dummy_image_size=36",
                "data.dummy_train_size=64", "data.dummy_val_size=16", "train.batch_size=16", "train.max_steps=3",
                "logging.progress=false", f"output_dir={out}")
     return out

@@ -15,7 +15,7 @@ from timm.layers import resample_abs_pos_embed
 
 import train
 from engine.cli import report_errors
-from tests.helpers import start_from, TINY, read_jsonl, run_script
+from tests.helpers import TINY, read_jsonl, start_from, train_here
 
 
 @pytest.fixture(autouse=True)
@@ -137,7 +137,7 @@ def test_finetune_from_a_safetensors_file_into_a_5_class_head(tmp_path):
 
     base = tmp_path / "base"
     digits = tmp_path / "digits"
-    run_script("train.py", "--config", "digits", "model.name=test_resnet", "amp=off", f"data.root={digits}",
+    train_here("--config", "digits", "model.name=test_resnet", "amp=off", f"data.root={digits}",
                "data.num_workers=0", "train.epochs=1", "logging.progress=false", f"output_dir={base}")
     trained = torch.load(base / "last.pth", weights_only=True)["model"]
     save_file({k: v.contiguous() for k, v in trained.items()}, tmp_path / "digits.safetensors")  # a plain state dict
@@ -161,7 +161,7 @@ def test_finetune_from_a_safetensors_file_into_a_5_class_head(tmp_path):
     before = evaluate(model.float(), data.val, precision, info, normalize)["val_top1"]
 
     out = tmp_path / "finetuned"
-    run_script("train.py", "--config", "digits", *overrides, f"output_dir={out}")
+    train_here("--config", "digits", *overrides, f"output_dir={out}")
     after = read_jsonl(out / "metrics.jsonl")[-1]["val_top1"]
     assert after > before + 20 and after >= 90, (before, after)
 

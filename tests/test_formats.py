@@ -23,7 +23,7 @@ from engine.cli import report_errors
 from engine.config import DataConfig
 from engine.dist import DistInfo
 from engine.errors import UserError
-from tests.helpers import TINY, make_image_folder, read_jsonl, run_script
+from tests.helpers import TINY, make_image_folder, read_jsonl, run_script, train_here
 from tests.test_bad_input import check_one_line
 from tests.test_resume import RUN, assert_same, rows_without_timing
 
@@ -241,11 +241,11 @@ def test_mid_epoch_resume_from_shards_is_bitwise_identical(shards, tmp_path):
     """test_resume's run (augmentation, dropout, drop-path, EMA; fp32) on shards, stopped mid-epoch, resumed."""
     args = [*RUN, "data.name=wds", f"data.root={shards}", "train.batch_size=4", "data.num_workers=1"]
     straight, out = tmp_path / "straight", tmp_path / "run"
-    run_script("train.py", *args, f"output_dir={straight}")
-    run_script("train.py", *args, f"output_dir={out}", "train.max_steps=6")  # epoch 1, step 2 of 4
+    train_here(*args, f"output_dir={straight}")
+    train_here(*args, f"output_dir={out}", "train.max_steps=6")  # epoch 1, step 2 of 4
     partial = load_checkpoint(out / "last.pth")
     assert (partial["epoch"], partial["epoch_step"]) == (1, 2)
-    run_script("train.py", *args, f"output_dir={out}")
+    train_here(*args, f"output_dir={out}")
     expected, resumed = load_checkpoint(straight / "last.pth"), load_checkpoint(out / "last.pth")
     partial_top1 = read_jsonl(out / "metrics.jsonl")[1][partial["best_metric"]]  # the evaluation at the stop
     assert resumed["best_top1"] == max(expected["best_top1"], partial_top1)

@@ -22,7 +22,7 @@ from engine.errors import UserError
 from engine.losses import build_loss, class_weights
 from engine.metrics import PER_CLASS_RECALL_MAX, class_metrics
 from engine.state import TrainState
-from tests.helpers import TINY, make_image_folder, read_jsonl, run_script
+from tests.helpers import TINY, make_image_folder, read_jsonl, run_script, train_here
 from tests.test_resume import assert_same, rows_without_timing
 
 # 100 : 10 : 5 : 1 images: a class-balanced draw must still give each class a quarter of an epoch.
@@ -225,13 +225,13 @@ def balanced_runs(tmp_path_factory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("balanced")
     one = (*COMMON, NO_BN_MODEL, *BALANCED, "train.batch_size=12")
-    run_script("train.py", *one, f"output_dir={root / 'one'}")
+    train_here(*one, f"output_dir={root / 'one'}")
     run_script("train.py", *COMMON, NO_BN_MODEL, *BALANCED, "train.batch_size=6", f"output_dir={root / 'two'}",
                nproc=2)
-    run_script("train.py", *one, f"output_dir={root / 'resumed'}", "train.max_steps=6")  # stops mid-epoch 1
+    train_here(*one, f"output_dir={root / 'resumed'}", "train.max_steps=6")  # stops mid-epoch 1
     assert load_checkpoint(root / "resumed/last.pth")["epoch_step"] == 2
     partial = read_jsonl(root / "resumed/metrics.jsonl")[-1]["val_top1"]  # the evaluation at the stop
-    run_script("train.py", *one, f"output_dir={root / 'resumed'}")
+    train_here(*one, f"output_dir={root / 'resumed'}")
     return {"one": root / "one", "two": root / "two", "resumed": root / "resumed", "partial_top1": partial}
 
 
@@ -264,22 +264,23 @@ STOPS = [*TINY, "model.name=test_efficientnet_gn", "data.dummy_train_size=16", "
 
 
 @pytest.mark.slow
-def test_early_stopping_stops_at_the_same_epoch_when_resumed(tmp_path):
+def test_early_stopping_stops_at_the_same_epoch_when_resumed(tmp_path, capsys):
     """A run stopped after epoch 1 (one epoch without improvement, kept in last.pth) and resumed stops before
     epoch 3 as the uninterrupted run does; without the kept count it would run epoch 3 too."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    done = run_script("train.py", *STOPS, f"output_dir={straight}")
-    assert "stopping early before epoch 3: val_loss has not improved for 2 epochs" in done.stderr
-    run_script("train.py", *STOPS, f"output_dir={resumed}", "train.max_steps=4")  # the end of epoch 1
+    train_here(*STOPS, f"output_dir={straight}")
+    assert "stopping early before epoch 3: val_loss has not improved for 2 epochs" in capsys.readouterr().err
+    train_here(*STOPS, f"output_dir={resumed}", "train.max_steps=4")  # the end of epoch 1
     assert load_checkpoint(resumed / "last.pth")["epochs_without_best"] == 1
-    run_script("train.py", *STOPS, f"output_dir={resumed}")
+    train_here(*STOPS, f"output_dir={resumed}")
     for run in (straight, resumed):
         ckpt = load_checkpoint(run / "last.pth")
         assert (ckpt["epoch"], ckpt["epochs_without_best"]) == (3, 2)
         assert [r["epoch"] for r in read_jsonl(run / "metrics.jsonl")] == [0, 1, 2]
         assert load_checkpoint(run / "best.pth")["epoch"] == 1  # chosen after epoch 0
-    again = run_script("train.py", *STOPS, f"output_dir={straight}")  # a finished, stopped run stays stopped
-    assert "stopping early before epoch 3" in again.stderr
+    capsys.readouterr()
+    train_here(*STOPS, f"output_dir={straight}")  # a finished, stopped run stays stopped
+    assert "stopping early before epoch 3" in capsys.readouterr().err
     assert len(read_jsonl(straight / "metrics.jsonl")) == 3
 
 

@@ -23,7 +23,7 @@ from engine.errors import UserError
 from engine.config import DataConfig, TrainConfig
 from engine.losses import build_loss
 from engine.multilabel import best_thresholds, multilabel_metrics
-from tests.helpers import TINY, read_jsonl, run_ranks, run_script, script_env
+from tests.helpers import TINY, read_jsonl, run_ranks, run_script, script_env, train_here
 from tests.wandb_reader import find_runs, read_run
 from tests.test_bad_input import check_one_line, last_error
 
@@ -180,7 +180,7 @@ def test_training_on_one_process_equals_two_ranks(lists, tmp_path):
 
     args = (*TINY, *ML, NO_BN_MODEL, f"data.root={lists / 'good'}", "data.mixup_alpha=0.4", "data.cutmix_alpha=1.0",
             "train.label_smoothing=0.1", "train.epochs=2")
-    run_script("train.py", *args, "train.batch_size=8", f"output_dir={tmp_path / 'one'}")
+    train_here(*args, "train.batch_size=8", f"output_dir={tmp_path / 'one'}")
     run_script("train.py", *args, "train.batch_size=4", f"output_dir={tmp_path / 'two'}", nproc=2)
     assert_same_model(tmp_path / "one", tmp_path / "two", steps=6)  # 24 images, global batch 8, 2 epochs
     one, two = (read_jsonl(tmp_path / run / "metrics.jsonl") for run in ("one", "two"))

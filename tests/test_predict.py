@@ -13,10 +13,11 @@ import cv2
 import numpy as np
 import pytest
 
+import evaluate
 import predict
 from data.datasets import list_images
 from engine.cli import report_errors
-from tests.helpers import run_script
+from tests.helpers import run_script, train_here
 
 
 def read_rows(path: Path) -> list[dict[str, str]]:
@@ -134,10 +135,10 @@ def test_predict_on_a_folder_with_a_link_loop_predicts_each_image_once(tiny_run,
 @pytest.mark.slow  # a short digits training, evaluate.py, then predict.py on 1 and 2 processes
 def test_predict_matches_evaluate_on_1_and_2_processes(tmp_path):
     run = tmp_path / "run"
-    run_script("train.py", "--config", "configs/digits.yaml", "model.name=test_resnet", "amp=off",
+    train_here("--config", "configs/digits.yaml", "model.name=test_resnet", "amp=off",
                f"data.root={tmp_path / 'digits'}", "data.num_workers=0", "train.max_steps=8",
                "logging.progress=false", f"output_dir={run}")
-    run_script("evaluate.py", str(run / "best.pth"), "--output-dir", str(tmp_path / "eval"))
+    assert report_errors(evaluate.main, [str(run / "best.pth"), "--output-dir", str(tmp_path / "eval")]) == 0
     evaluated = read_rows(tmp_path / "eval" / "predictions.csv")
     flat = tmp_path / "flat"  # the validation images with no class folders: <class>_<file>
     flat.mkdir()

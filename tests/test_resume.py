@@ -166,13 +166,15 @@ def test_two_ranks_resume_mid_epoch_after_max_steps(tmp_path):
 
 
 @pytest.mark.slow
-def test_checkpoint_of_another_model_is_refused_without_touching_it(straight, tmp_path):
+def test_checkpoint_of_another_model_is_refused_without_touching_it(straight, tmp_path, capsys):
     out = tmp_path / "run"
     shutil.copytree(straight, out)
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
-    proc = run_script("train.py", *RUN, f"output_dir={out}", "model.name=resnet18", check=False)
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    error = proc.stderr.strip().splitlines()[-1]
+    capsys.readouterr()
+    assert report_errors(train.main, [*RUN, f"output_dir={out}", "model.name=resnet18"]) == 2
+    stderr = capsys.readouterr().err
+    assert "Traceback" not in stderr
+    error = stderr.strip().splitlines()[-1]
     assert error.startswith("error: checkpoint ") and "is a test_resnet but model.name is resnet18" in error
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before  # nothing overwritten
 
