@@ -17,7 +17,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 import evaluate
-import train
 from engine.checkpoint import load_optimizer_state, optimizer_state_by_index, read_checkpoint
 from engine.cli import report_errors
 from engine.config import OptimConfig
@@ -28,7 +27,7 @@ from engine.precision import Precision
 from engine.trainer import fsdp_micro_step
 from models.sharding import shard_model, shard_units
 from tests.compare import differing_tensors, load_weights, relative_differences, worst_tensor
-from tests.helpers import TINY, read_jsonl, run_ranks, run_script
+from tests.helpers import TINY, read_jsonl, run_ranks, run_script, train_here
 
 # A ViT (LayerNorm, no BatchNorm) trained with AdamW, gradient clipping and an EMA: 2 epochs of 3 optimizer steps
 # of a global batch of 12 (6 per rank on 2, 4 on 3, 12 in one process). 25 validation images, in batches of the
@@ -54,7 +53,7 @@ def test_fsdp_on_two_ranks_trains_the_ddp_and_single_process_model(tmp_path):
     2 micro-batches per step, dist.fsdp_accum_whole) and on 1 process (DCP reshards the folder) within fp32
     rounding of it, with every epoch in metrics.jsonl once."""
     single, ddp, fsdp, stopped = (tmp_path / name for name in ("single", "ddp", "fsdp", "stopped"))
-    assert report_errors(train.main, [*VIT, f"output_dir={single}"]) == 0  # one process: in this one
+    train_here(*VIT, f"output_dir={single}")  # one process: this one
     run_script("train.py", *VIT, f"output_dir={ddp}", nproc=2)
     run_script("train.py", *VIT, "dist.strategy=fsdp", f"output_dir={fsdp}", nproc=2)
     folder = (*VIT, "dist.strategy=fsdp", "train.ckpt_format=sharded")
@@ -82,7 +81,7 @@ def test_fsdp_on_two_ranks_trains_the_ddp_and_single_process_model(tmp_path):
         out = tmp_path / f"on{nproc}"
         shutil.copytree(stopped, out)
         if nproc == 1:
-            assert report_errors(train.main, [*folder, f"output_dir={out}"]) == 0
+            train_here(*folder, f"output_dir={out}")
         elif nproc == 3:  # the same global batch as 3 x 2 x 2 micro-batches, whole between micro-steps
             run_script("train.py", *folder, "train.accum_steps=2", "dist.fsdp_accum_whole=true", f"output_dir={out}",
                        nproc=3)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.compare import load_weights, relative_differences
-from tests.helpers import REPO, read_jsonl, run_ranks, run_script, script_env
+from tests.helpers import REPO, read_jsonl, run_ranks, run_script, script_env, train_here
 
 CUDA = torch.cuda.is_available()
 GPUS = torch.cuda.device_count() if CUDA else 0
@@ -311,8 +311,6 @@ def test_a_dummy_data_run_keeps_the_gpu_fed(tmp_path, capsys):
     wait share is printed, and must stay under the threshold above which the run would advise more workers."""
     import os
 
-    import train as train_script
-    from engine.cli import report_errors
     from engine.speed import INPUT_BOUND
 
     workers = max(1, min(8, (os.cpu_count() or 2) - 2))
@@ -321,7 +319,7 @@ def test_a_dummy_data_run_keeps_the_gpu_fed(tmp_path, capsys):
             "data.dummy_train_size=3840", "data.dummy_val_size=128", "data.dummy_num_classes=1000",
             f"data.num_workers={workers}", "train.batch_size=128", "train.max_steps=30", "logging.progress=false",
             "logging.wandb=false"]
-    assert report_errors(train_script.main, argv) == 0
+    train_here(*argv)
     row = read_jsonl(out / "metrics.jsonl")[-1]
     with capsys.disabled():
         print(f"\nresnet50 batch 128, {workers} workers, dummy data: input wait {row['train_input_wait']:.3f} of the "
