@@ -218,7 +218,8 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
                                 scheduler=parts.scheduler, scaler=precision.scaler, config=to_dict(cfg),
                                 class_names=data.class_names, ema=ema.module if ema is not None else None,
                                 wandb_id=tracker.run_id or start.wandb_id,  # kept for a resume with tracking on
-                                best_metric=chosen_on, sharded=cfg.train.ckpt_format == "sharded")
+                                best_metric=chosen_on, sharded=cfg.train.ckpt_format == "sharded",
+                                async_save=cfg.train.async_save)
     # Nothing in output_dir changes before the run's first write (record.start): a run that fails to
     # start leaves the previous run's config.yaml, metrics.jsonl and checkpoints as they were.
     record = RunRecord(out, to_dict(cfg), first_epoch=state.epoch)
@@ -234,60 +235,81 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
              step_checkpoint, IntervalTracking(sinks), *([profile] if profile else [])]
     input_advice = InputAdvice(cfg.data, cpu_share(info.local_world_size), info.is_main)
 
-    patience = cfg.train.early_stop_patience
-    while state.epoch < cfg.train.epochs:
-        if cfg.train.max_steps and state.global_step >= cfg.train.max_steps:
-            log.info("stopping at train.max_steps=%d", cfg.train.max_steps)
-            break
-        if patience and state.epochs_without_best >= patience:  # checked here, so a resumed run stops alike
-            log.info("stopping early before epoch %d: %s has not improved for %d epochs (train.early_stop_patience="
-                     "%d); best %s %.4f", state.epoch, chosen_on, state.epochs_without_best, patience, chosen_on,
-                     state.best_top1)
-            tracker.summary({"early_stopped_before_epoch": state.epoch})
-            break
-        data.train.sampler.set_epoch(state.epoch, start=state.samples_done(
-            cfg.train.accum_steps, cfg.train.batch_size, len(data.train)))
-        try:
-            train_stats = train_one_epoch(parts, data.train, state, loop, info, hooks)
-        except Preempted as stopped:  # SIGTERM or SIGUSR1: every rank stopped after the same step
-            step_checkpoint.save(state)  # mid-epoch: resume=auto continues the epoch where it stopped
-            stopped.checkpoint = checkpointer.last
-            raise
-        input_advice.after_epoch(state.epoch, train_stats)
-        if is_sharded(model):  # DDP broadcasts rank 0's buffers (BatchNorm statistics) at each forward; FSDP never
-            broadcast_tensors(replicated_tensors(model))
-        val_stats = validate(parts.model, data.val, precision, info, normalize, cfg)
-        row = {"epoch": state.epoch, **train_stats, **val_stats, "lr": optimizer.param_groups[0]["lr"]}
-        if ema is not None:
-            # BatchNorm buffers differ per rank between DDP's broadcasts, and so do the EMAs of them:
-            # every rank evaluates rank 0's EMA, the one the checkpoint saves.
-            broadcast_tensors(replicated_tensors(ema.module))  # sharded (fsdp): each rank keeps its own shards
-            ema_stats = validate(ema.module, data.val, precision, info, normalize, cfg)
-            row.update({f"ema_{k}": v for k, v in ema_stats.items() if k != "val_count"})
-        is_best = state.update_best(row[chosen_on], lower_is_better(chosen_on))
-        finished = state.epoch_finished(updates_per_epoch)  # else max_steps stopped it: resume continues it
-        if finished and cfg.data.skip_corrupt:
-            row["skipped_images"] = skipped_train_images(data.train, info.world_size, train_stats["train_images"])
-            if row["skipped_images"] and info.is_main:
-                log.warning("epoch %d: %d unreadable training image(s) skipped (data.skip_corrupt=true)",
-                            state.epoch, row["skipped_images"])
-        if finished:
-            state.finish_epoch()
-        record.append(row)
-        if info.is_main:
-            for sink in sinks:
-                sink.log_epoch(state.global_step, row, state.best_top1)
-            log.info(epoch_line(row))
-        checkpointer.save(state, val_top1=row[chosen_on], best=is_best, epoch_file=finished)
-        if is_best:  # a model version per best.pth, so a preempted run keeps its best model in W&B
-            tracker.log_checkpoint(out / "best.pth", {"epoch": row["epoch"], "global_step": state.global_step,
-                                                      "val_top1": state.best_top1, "model": cfg.model.name})
-    if profile is not None:  # the run ended inside the profiled steps: write what it recorded
-        profile.finish(state.global_step)
-    for sink in sinks:
-        sink.finish()
+    try:  # close(): however the run ends, its last checkpoint write (train.async_save) finishes first
+        while state.epoch < cfg.train.epochs and not stop_before_epoch(cfg, state, chosen_on, tracker):
+            data.train.sampler.set_epoch(state.epoch, start=state.samples_done(
+                cfg.train.accum_steps, cfg.train.batch_size, len(data.train)))
+            try:
+                train_stats = train_one_epoch(parts, data.train, state, loop, info, hooks)
+            except Preempted as stopped:  # SIGTERM or SIGUSR1: every rank stopped after the same step
+                step_checkpoint.save(state)  # mid-epoch: resume=auto continues the epoch where it stopped
+                checkpointer.wait()
+                stopped.checkpoint = checkpointer.last
+                raise
+            input_advice.after_epoch(state.epoch, train_stats)
+            row = {"epoch": state.epoch, **train_stats,
+                   **validate_epoch(parts.model, ema.module if ema is not None else None, data.val, precision, info,
+                                    normalize, cfg),
+                   "lr": optimizer.param_groups[0]["lr"]}
+            is_best = state.update_best(row[chosen_on], lower_is_better(chosen_on))
+            finished = state.epoch_finished(updates_per_epoch)  # else max_steps stopped it: resume continues it
+            if finished and cfg.data.skip_corrupt:
+                row["skipped_images"] = skipped_train_images(data.train, info.world_size, train_stats["train_images"])
+                if row["skipped_images"] and info.is_main:
+                    log.warning("epoch %d: %d unreadable training image(s) skipped (data.skip_corrupt=true)",
+                                state.epoch, row["skipped_images"])
+            if finished:
+                state.finish_epoch()
+            record.append(row)
+            if info.is_main:
+                for sink in sinks:
+                    sink.log_epoch(state.global_step, row, state.best_top1)
+                log.info(epoch_line(row))
+            checkpointer.save(state, val_top1=row[chosen_on], best=is_best, epoch_file=finished)
+            if is_best and tracker.logs_checkpoints and checkpointer.written():  # a model version per best.pth,
+                # so a preempted run keeps its best model in W&B
+                tracker.log_checkpoint(out / "best.pth", {"epoch": row["epoch"], "global_step": state.global_step,
+                                                          "val_top1": state.best_top1, "model": cfg.model.name})
+        checkpointer.wait()  # every rank learns that the last write worked
+        if profile is not None:  # the run ended inside the profiled steps: write what it recorded
+            profile.finish(state.global_step)
+        for sink in sinks:
+            sink.finish()
+    finally:
+        checkpointer.close()
     log.info("done: best %s %.2f, outputs in %s", chosen_on, state.best_top1, out)
     return state
+
+
+def stop_before_epoch(cfg: Config, state: TrainState, chosen_on: str, tracker: WandbTracker) -> bool:
+    """train.max_steps reached, or train.early_stop_patience run out (checked before each epoch, so that a resumed
+    run stops alike); says why on rank 0."""
+    if cfg.train.max_steps and state.global_step >= cfg.train.max_steps:
+        log.info("stopping at train.max_steps=%d", cfg.train.max_steps)
+        return True
+    patience = cfg.train.early_stop_patience
+    if patience and state.epochs_without_best >= patience:
+        log.info("stopping early before epoch %d: %s has not improved for %d epochs (train.early_stop_patience="
+                 "%d); best %s %.4f", state.epoch, chosen_on, state.epochs_without_best, patience, chosen_on,
+                 state.best_top1)
+        tracker.summary({"early_stopped_before_epoch": state.epoch})
+        return True
+    return False
+
+
+def validate_epoch(model: nn.Module, ema: nn.Module | None, loader: DataLoader, precision: Precision, info: DistInfo,
+                   normalize: DeviceNormalize, cfg: Config) -> dict[str, float]:
+    """The epoch's validation columns: the model's metrics, and its EMA's prefixed `ema_`."""
+    if is_sharded(model):  # DDP broadcasts rank 0's buffers (BatchNorm statistics) at each forward; FSDP never
+        broadcast_tensors(replicated_tensors(model))
+    row = validate(model, loader, precision, info, normalize, cfg)
+    if ema is not None:
+        # BatchNorm buffers differ per rank between DDP's broadcasts, and so do the EMAs of them:
+        # every rank evaluates rank 0's EMA, the one the checkpoint saves.
+        broadcast_tensors(replicated_tensors(ema))  # sharded (fsdp): each rank keeps its own shards
+        ema_stats = validate(ema, loader, precision, info, normalize, cfg)
+        row.update({f"ema_{k}": v for k, v in ema_stats.items() if k != "val_count"})
+    return row
 
 
 def validate(model: nn.Module, loader: DataLoader, precision: Precision, info: DistInfo, normalize: DeviceNormalize,

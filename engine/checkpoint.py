@@ -28,6 +28,9 @@ import os
 import pickle
 import random
 import re
+import threading
+import weakref
+from copy import deepcopy
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -64,23 +67,23 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
-def cpu_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The unwrapped model's tensors, on the CPU."""
-    return {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
+def cpu_state_dict(model: nn.Module, copy: bool = False) -> dict[str, torch.Tensor]:
+    """The unwrapped model's tensors, on the CPU (`copy`: memory of their own even when the model is on the CPU)."""
+    return {k: v.detach().to("cpu", copy=copy) for k, v in unwrap(model).state_dict().items()}
 
 
-def on_cpu(obj: Any) -> Any:
-    """A copy of a state dict (nested dicts and lists) with every tensor on the CPU.
+def on_cpu(obj: Any, copy: bool = False) -> Any:
+    """A copy of a state dict (nested dicts and lists) with every tensor on the CPU (`copy`: in memory of its own).
 
     Optimizer state lives beside the parameters (on the GPU); saved as is, the file could not be loaded
     on a machine without that device.
     """
     if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
+        return obj.detach().to("cpu", copy=copy)
     if isinstance(obj, dict):
-        return {key: on_cpu(value) for key, value in obj.items()}
+        return {key: on_cpu(value, copy) for key, value in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(on_cpu(value) for value in obj)
+        return type(obj)(on_cpu(value, copy) for value in obj)
     return obj
 
 
@@ -271,14 +274,25 @@ class Checkpointer:
 
     Every rank calls `save` (it gathers all ranks' RNG states); rank 0 writes, then every rank
     learns whether the write worked, so a full disk stops all ranks with one clear message.
+
+    With `async_save` (train.async_save) rank 0 copies the state (host memory for one checkpoint) and a
+    background thread writes the files while training goes on: the epoch no longer waits for the disk. One write
+    is in flight at a time; every rank learns how it went at the next save or at `wait()` (the run's end, a
+    preemption), and `close()` lets no run return before its last write is on disk.
     """
 
     def __init__(self, out_dir: Path, info: DistInfo, keep_last_k: int, *, model: nn.Module,
                  optimizer: torch.optim.Optimizer, scheduler, scaler: torch.amp.GradScaler | None,
                  config: dict[str, Any], class_names: list[str], ema: nn.Module | None = None,
-                 wandb_id: str | None = None, best_metric: str = "val_top1", sharded: bool = False) -> None:
+                 wandb_id: str | None = None, best_metric: str = "val_top1", sharded: bool = False,
+                 async_save: bool = False) -> None:
         self.out_dir, self.info, self.keep_last_k = Path(out_dir), info, keep_last_k
         self.sharded = sharded  # train.ckpt_format=sharded: last.dcp/ written by every rank instead of last.pth
+        self.async_save = async_save and not sharded  # every rank writes a sharded folder, in step: not here
+        self.writer: threading.Thread | None = None  # rank 0's write in flight (async_save)
+        self.write_done = threading.Event()  # set as the writer's body ends; waited on instead of join(): a join
+        # cut by a signal handler's exception (SIGTERM) marks a live thread finished in Python 3.11
+        self.write_error: BaseException | None = None  # how it failed (a UserError for a failed write)
         self.last = self.out_dir / ("last.dcp" if sharded else "last.pth")
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.ema = ema
@@ -288,26 +302,28 @@ class Checkpointer:
         self.saved_step: int | None = None  # global step of the last checkpoint this run wrote
 
     def contents(self, fields: dict[str, Any], rng: list[dict[str, Any]], val_top1: float | None,
-                 gathered: dict[str, Any] | None = None) -> dict[str, Any]:
+                 gathered: dict[str, Any] | None = None, copy: bool = False) -> dict[str, Any]:
         """The checkpoint dict (`fields`: TrainState.state_dict(); `gathered`: a sharded model's gather_sharded):
-        plain tensors, numbers, strings, lists, dicts."""
+        plain tensors, numbers, strings, lists, dicts; `copy`: sharing no memory with the live run."""
         gathered = gathered or {}
-        return {"model": gathered["model"] if "model" in gathered else cpu_state_dict(self.model),
-                "optimizer": gathered["optimizer"] if "optimizer" in gathered else on_cpu(self.optimizer.state_dict()),
-                **self.plain_contents(fields, rng, val_top1, gathered)}
+        return {"model": gathered["model"] if "model" in gathered else cpu_state_dict(self.model, copy),
+                "optimizer": (gathered["optimizer"] if "optimizer" in gathered
+                              else on_cpu(self.optimizer.state_dict(), copy)),
+                **self.plain_contents(fields, rng, val_top1, gathered, copy)}
 
     def plain_contents(self, fields: dict[str, Any], rng: list[dict[str, Any]], val_top1: float | None,
-                       gathered: dict[str, Any] | None = None) -> dict[str, Any]:
+                       gathered: dict[str, Any] | None = None, copy: bool = False) -> dict[str, Any]:
         """Everything but the model and optimizer state (a sharded folder's train_state.pth)."""
         gathered = gathered or {}
         ema = {}
         if self.ema is not None:
-            ema = {"ema": gathered["ema"] if "ema" in gathered else cpu_state_dict(self.ema)}
+            ema = {"ema": gathered["ema"] if "ema" in gathered else cpu_state_dict(self.ema, copy)}
+        own = deepcopy if copy else (lambda obj: obj)  # the scheduler's and the loop's lists and dicts change too
         return {
             **ema,  # the EMA weights, only when the run keeps an EMA
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": on_cpu(self.scaler.state_dict()) if self.scaler else {},
-            **fields,  # epoch, global_step, best_top1, epoch_step, epoch_sums, epoch_seconds
+            "scheduler": own(self.scheduler.state_dict()),
+            "scaler": on_cpu(self.scaler.state_dict(), copy) if self.scaler else {},
+            **own(fields),  # epoch, global_step, best_top1, epoch_step, epoch_sums, epoch_seconds
             "val_top1": val_top1,
             "best_metric": self.best_metric,  # ema_val_top1: best.pth was chosen on its EMA weights (evaluate --ema)
             "world_size": self.info.world_size,
@@ -350,15 +366,37 @@ class Checkpointer:
 
     def write(self, fields: dict[str, Any], rng: list[dict[str, Any]], val_top1: float | None, best: bool,
               epoch_file: bool, gathered: dict[str, Any] | None = None) -> None:
-        """Rank 0's part of save(): refuse inf/NaN weights, write the files, prune old epoch files."""
-        ckpt = self.contents(fields, rng, val_top1, gathered)
-        finished_epoch = fields["epoch"] - 1  # the epoch just finished, as in metrics.jsonl
-        names = ([] if self.sharded else ["last.pth"]) + (["best.pth"] if best else [])
-        if epoch_file and self.keep_last_k > 0 and not self.sharded:
-            names.append(f"epoch_{finished_epoch:04d}.pth")
+        """Rank 0's part of save(): finish the previous write, refuse inf/NaN weights, then write the files
+        (in the background with async_save)."""
+        self.finish_write()
+        ckpt = self.contents(fields, rng, val_top1, gathered, copy=self.async_save)
         broken = nonfinite_tensors(ckpt["model"])
         if broken:
             raise self.diverged(broken, fields)
+        names = ([] if self.sharded else ["last.pth"]) + (["best.pth"] if best else [])
+        prune = epoch_file and self.keep_last_k > 0
+        if prune and not self.sharded:
+            names.append(f"epoch_{fields['epoch'] - 1:04d}.pth")  # the epoch just finished, as in metrics.jsonl
+        if not self.async_save:
+            self.write_files(ckpt, names, fields["global_step"], fields["epoch"] - 1 if prune else None)
+            return
+        self.write_done = threading.Event()
+        self.writer = threading.Thread(target=self.write_in_background, name="checkpoint-writer",
+                                       args=(ckpt, names, fields["global_step"], fields["epoch"] - 1 if prune else None))
+        finish_before_fork(self)
+        self.writer.start()
+
+    def write_in_background(self, *args) -> None:
+        """The writer thread's body: write_files, keeping any error for finish_write to raise in the main thread."""
+        try:
+            self.write_files(*args)
+        except BaseException as err:  # noqa: B036 - a thread's error is otherwise only printed
+            self.write_error = err
+        finally:
+            self.write_done.set()
+
+    def write_files(self, ckpt: dict[str, Any], names: list[str], step: int, prune_to: int | None) -> None:
+        """Write `names` (the first whole, the others linked to it), then prune epoch files up to `prune_to`."""
         path = self.last
         try:
             for name in names:  # the first written whole, the others linked to it (a copy where links fail)
@@ -367,12 +405,41 @@ class Checkpointer:
                     if name == names[0] or not link_atomic(self.out_dir / names[0], path):
                         save_atomic(ckpt, path)
                 if name == "last.pth":
-                    self.saved_step = fields["global_step"]
+                    self.saved_step = step
         except OSError as err:
             raise UserError(f"cannot write checkpoint {path} ({err.strerror or err}); free disk space (or raise "
                             f"the quota or file-size limit) or choose another output_dir; {self.kept_state()}") from None
-        if epoch_file and self.keep_last_k > 0:
-            self.prune_epoch_files(finished_epoch)
+        if prune_to is not None:
+            self.prune_epoch_files(prune_to)
+
+    def finish_write(self) -> None:
+        """Rank 0: wait for the background write in flight; raises its UserError if it failed."""
+        if self.writer is not None:
+            self.write_done.wait()
+            self.writer = None
+        error, self.write_error = self.write_error, None
+        if error is not None:
+            raise error
+
+    def wait(self) -> None:
+        """Every checkpoint so far on disk; a collective: a failed background write stops every rank."""
+        if self.async_save:
+            rank0_decides(self.finish_write)
+
+    def written(self) -> bool:
+        """Rank 0, alone: wait for the write in flight; whether it worked (a failure is reported by the next
+        save or wait)."""
+        if self.writer is not None:
+            self.write_done.wait()
+        return self.write_error is None
+
+    def close(self) -> None:
+        """Rank 0: let the write in flight end, however the run ends (a failed write is only logged here: the
+        run is already ending with an error of its own, or `wait()` reported it)."""
+        try:
+            self.finish_write()
+        except Exception as err:  # noqa: BLE001 - logged, not raised: another error may be on its way
+            log.error("%s", err)
 
     def kept_state(self) -> str:
         """What a stopped run leaves to resume from, as found on disk."""
@@ -389,3 +456,17 @@ class Checkpointer:
                           if (m := EPOCH_FILE.fullmatch(path.name)) and int(m.group(1)) <= current)
         for _, path in numbered[:-self.keep_last_k]:
             path.unlink(missing_ok=True)
+
+
+_writing: weakref.WeakSet[Checkpointer] = weakref.WeakSet()  # checkpointers that have started a background write
+_fork_hook = False
+
+
+def finish_before_fork(checkpointer: Checkpointer) -> None:
+    """A fork (a DataLoader starting its workers) first lets `checkpointer`'s background write end: a child forked
+    while another thread holds a lock (the allocator's, a file's) can deadlock on it."""
+    global _fork_hook
+    _writing.add(checkpointer)
+    if not _fork_hook:
+        os.register_at_fork(before=lambda: [c.write_done.wait() for c in list(_writing) if c.writer is not None])
+        _fork_hook = True

@@ -132,6 +132,7 @@ class TrainConfig:
     ckpt_every_steps: int = 0  # also write last.pth every this many optimizer steps; 0 = only after each epoch
     keep_last_k: int = 0  # keep the newest k epoch_NNNN.pth files; 0 = none
     ckpt_format: str = "file"  # last checkpoint: file (last.pth, rank 0) | sharded (last.dcp/ folder, every rank)
+    async_save: bool = True  # file checkpoints: rank 0 writes a copy of the state in a background thread while training goes on (host memory for one checkpoint); false = training waits for each write
     max_nonfinite: int = 5  # fp32/bf16: stop after this many optimizer steps in a row with inf/NaN gradients
     best_on_ema: bool = True  # with model.ema_decay: best.pth is the epoch with the best ema_val_top1 (as timm)
     class_weights: str | list[float] = "none"  # ce: none | balanced (n / (classes x class count)) | [w0, w1, ...]

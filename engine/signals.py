@@ -30,6 +30,7 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -184,8 +185,15 @@ def worker_signals() -> None:
 
 @contextlib.contextmanager
 def sigterm_deferred() -> Iterator[None]:
-    """Hold a SIGTERM that arrives inside the block; raise Terminated right after it."""
+    """Hold a SIGTERM that arrives inside the block; raise Terminated right after it.
+
+    Python runs signal handlers in the main thread only: another thread (the background checkpoint writer) is
+    never cut by one, so there the block holds nothing (the main thread waits for that thread before exiting).
+    """
     global _held, _pending
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     _held += 1
     try:
         yield

@@ -165,6 +165,11 @@ class WandbTracker(Sink):
             with self._guard("updating the summary"):
                 self.run.summary.update(values)
 
+    @property
+    def logs_checkpoints(self) -> bool:
+        """Whether log_checkpoint uploads anything (it needs the file written first)."""
+        return self.active and self.cfg.wandb_log_checkpoints
+
     def log_checkpoint(self, path: str | os.PathLike, metadata: dict[str, Any]) -> None:
         """A new version of the `model` artifact (with logging.wandb_log_checkpoints), aliases best and latest.
 
@@ -174,7 +179,7 @@ class WandbTracker(Sink):
         until `wandb sync`.
         """
         path = Path(path)
-        if not (self.active and self.cfg.wandb_log_checkpoints and path.is_file()):
+        if not (self.logs_checkpoints and path.is_file()):
             return
         with self._guard("uploading the checkpoint"):
             import wandb

@@ -103,6 +103,36 @@ def test_sigterm_inside_a_checkpoint_write_waits_for_the_write_to_finish(tmp_pat
         raise AssertionError("not reached: Terminated is raised as the block ends")
 
 
+def test_sigterm_during_a_background_write_stops_the_run_and_the_write_finishes(tmp_path):
+    """train.async_save: SIGTERM sent from inside the writer thread's torch.save reaches the main thread (Python
+    runs handlers there), which stops at once (Terminated) while it waits; close() lets the write end, whole."""
+    from engine.checkpoint import Checkpointer
+    from engine.dist import DistInfo
+    from engine.signals import Terminated, stop_on_sigterm
+    from engine.state import TrainState
+
+    class SignalMidWrite:
+        def __reduce__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            return (int, (7,))
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    checkpointer = Checkpointer(tmp_path, DistInfo(0, 1, 0, 1, torch.device("cpu")), 0, model=model,
+                                optimizer=optimizer, scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1),
+                                scaler=None, config={"step": SignalMidWrite()}, class_names=["a", "b"],
+                                async_save=True)
+    with stop_on_sigterm(), pytest.raises(Terminated):
+        try:
+            checkpointer.save(TrainState(epoch=1, global_step=1))
+            checkpointer.wait()
+        finally:
+            checkpointer.close()
+    assert checkpointer.writer is None
+    # written whole (our own test file: safe to unpickle its int(7) call)
+    assert torch.load(tmp_path / "last.pth", weights_only=False)["config"]["step"] == 7
+
+
 class ReportsWorkerHook(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return 2

@@ -13,6 +13,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,91 @@ def test_best_and_epoch_files_are_links_to_last_and_keep_their_step(tmp_path):
     checkpointer.save(TrainState(epoch=2, global_step=6), val_top1=40.0, best=False, epoch_file=True)
     steps = {p.name: torch.load(p, weights_only=True)["global_step"] for p in tmp_path.glob("*.pth")}
     assert steps == {"last.pth": 6, "best.pth": 3, "epoch_0000.pth": 3, "epoch_0001.pth": 6}
+
+
+def sgd_checkpointer(out: Path, async_save: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer, Checkpointer]:
+    """A stepped linear model (momentum in the optimizer state) and the Checkpointer of a 1-process run."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    checkpointer = Checkpointer(out, DistInfo(0, 1, 0, 1, torch.device("cpu")), 0, model=model, optimizer=optimizer,
+                                scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1), scaler=None, config={},
+                                class_names=["a", "b", "c"], async_save=async_save)
+    return model, optimizer, checkpointer
+
+
+def test_a_background_write_holds_the_state_of_its_save_not_of_later_steps(tmp_path, monkeypatch):
+    """train.async_save: the writer thread is held before it writes while the run goes on (weights and momentum
+    changed in place); the file has the state at save(), so the thread wrote a copy, not the live tensors."""
+    model, optimizer, checkpointer = sgd_checkpointer(tmp_path, async_save=True)
+    release = threading.Event()
+
+    def held_save(obj, path):
+        release.wait()
+        save_atomic(obj, path)
+
+    monkeypatch.setattr("engine.checkpoint.save_atomic", held_save)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    momentum = optimizer.state[model.weight]["momentum_buffer"].clone()
+    checkpointer.save(TrainState(epoch=1, global_step=1))
+    assert checkpointer.writer.is_alive() and not (tmp_path / "last.pth").exists()  # save() returned first
+    with torch.no_grad():
+        model.weight.add_(1.0)
+        model.bias.mul_(-1.0)
+        optimizer.state[model.weight]["momentum_buffer"].add_(5.0)
+    release.set()
+    checkpointer.wait()
+    ckpt = load_checkpoint(tmp_path / "last.pth")
+    assert all(torch.equal(ckpt["model"][k], v) for k, v in saved.items())
+    assert torch.equal(ckpt["optimizer"]["state"][0]["momentum_buffer"], momentum)
+    assert ckpt["global_step"] == 1 and checkpointer.writer is None
+
+
+def test_a_fork_waits_for_the_background_write(tmp_path, monkeypatch):
+    """A DataLoader forking its workers while the writer thread runs could deadlock the child on a lock the thread
+    held: os.fork() first lets the write end. A before-fork hook registered after the app's runs first (Python runs
+    them in reverse order), so it knows the fork has begun and only then lets the held write go on."""
+    model, _, checkpointer = sgd_checkpointer(tmp_path, async_save=True)
+    release, forking = threading.Event(), threading.Event()
+
+    def held_save(obj, path):
+        release.wait()
+        save_atomic(obj, path)
+
+    monkeypatch.setattr("engine.checkpoint.save_atomic", held_save)
+    checkpointer.save(TrainState(epoch=1, global_step=1))  # registers the app's hook
+    os.register_at_fork(before=forking.set)  # stays registered: harmless for later forks
+    releaser = threading.Thread(target=lambda: (forking.wait(), release.set()))
+    releaser.start()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    on_disk_at_fork = (tmp_path / "last.pth").exists()  # the parent resumes after the fork, so after the write
+    os.waitpid(pid, 0)
+    releaser.join()
+    assert on_disk_at_fork and checkpointer.write_done.is_set()
+    checkpointer.wait()
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_failed_write_stops_the_run_at_save_or_at_the_next_wait(tmp_path, async_save):
+    """A folder where last.pth goes: the write fails with the one-line error, at save() itself or, written in the
+    background, at the next wait() (or save); the folder is left as it was."""
+    _, _, checkpointer = sgd_checkpointer(tmp_path, async_save=async_save)
+    (tmp_path / "last.pth").mkdir()
+    (tmp_path / "last.pth" / "mine.txt").write_text("mine\n")
+    error = f"cannot write checkpoint {tmp_path}/last.pth \\(Is a directory\\).*last.pth is as it was before this run"
+    if async_save:
+        checkpointer.save(TrainState(epoch=1, global_step=1))
+        with pytest.raises(UserError, match=error):
+            checkpointer.wait()
+        checkpointer.wait()  # reported once
+    else:
+        with pytest.raises(UserError, match=error):
+            checkpointer.save(TrainState(epoch=1, global_step=1))
+    assert [p.name for p in tmp_path.rglob("*")] == ["last.pth", "mine.txt"]
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o002])
