@@ -48,15 +48,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="timed runs of each side (alternating order)")
     parser.add_argument("--root", type=Path, default=REPO / ".cache" / "digits", help="the digits export")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--also", nargs="+", metavar="KEY=VALUE",
+                        help="a third side in the same rounds: ours with these config overrides (an A/B of a setting)")
     return parser.parse_args()
 
 
-def ours_command(args: argparse.Namespace, out: Path) -> list[str]:
+def ours_command(args: argparse.Namespace, out: Path, extra: list[str] | None = None) -> list[str]:
     """train.py with configs/digits.yaml's recipe (sgd lr 0.1, cosine, 1 warm-up epoch, batch 64, 32 px)."""
     return [sys.executable, str(REPO / "train.py"), "--config", "configs/digits.yaml", f"model.name={args.model}",
             f"data.root={args.root}", f"train.epochs={args.epochs}", f"data.num_workers={args.workers}",
             "logging.progress=false", f"output_dir={out}",
-            *(STRONG_OURS if args.recipe == "strong" else [])]
+            *(STRONG_OURS if args.recipe == "strong" else []), *(extra or [])]
 
 
 def timm_command(args: argparse.Namespace, out: Path) -> list[str]:
@@ -87,7 +89,7 @@ def timm_top1(out: Path) -> tuple[float, float]:
 def timed_side(name: str, command, top1, walls: dict, cpus: dict, top1s: dict):
     """One run of a side: the whole command's wall seconds (returned), its CPU seconds and top-1s recorded."""
     def run() -> float:
-        with tempfile.TemporaryDirectory(prefix=f"vs-timm-{name}-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="vs-timm-") as tmp:
             out = Path(tmp) / "out"
             before = resource.getrusage(resource.RUSAGE_CHILDREN)
             start = time.perf_counter()
@@ -108,16 +110,22 @@ def main() -> None:
     if not args.timm_train.is_file():
         raise SystemExit(f"--timm-train {args.timm_train} is not a file: clone timm's repository (see --help)")
     export_digits(args.root)
-    walls: dict[str, list[float]] = {"ours": [], "timm": []}
-    cpus: dict[str, list[float]] = {"ours": [], "timm": []}
-    top1s: dict[str, list[tuple[float, float]]] = {"ours": [], "timm": []}
+    names = ["ours", "timm"] + ([f"ours {' '.join(args.also)}"] if args.also else [])
+    walls: dict[str, list[float]] = {name: [] for name in names}
+    cpus: dict[str, list[float]] = {name: [] for name in names}
+    top1s: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
     sides = {"ours": timed_side("ours", lambda out: ours_command(args, out), ours_top1, walls, cpus, top1s),
              "timm": timed_side("timm", lambda out: timm_command(args, out), timm_top1, walls, cpus, top1s)}
+    if args.also:
+        sides[names[2]] = timed_side(names[2], lambda out: ours_command(args, out, args.also), ours_top1, walls, cpus,
+                                     top1s)
     alternate(sides, args.rounds)
     print(f"{machine_line()}\n{args.model}, 32 px, batch 64, {args.epochs} epochs, {args.workers} worker(s), "
           f"recipe {args.recipe}")
     print_table("whole command, wall seconds", walls, "seconds; lower is faster")
     ratio_line(walls, "timm", "ours", target=1.1)
+    if args.also:
+        ratio_line(walls, names[2], "ours")
     print_table("whole command, CPU seconds (process and its workers)", cpus, "CPU seconds")
     ratio_line(cpus, "timm", "ours")
     for name, values in top1s.items():
