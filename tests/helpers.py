@@ -11,6 +11,7 @@ import gc
 import json
 import os
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -199,6 +200,61 @@ def run_ranks(fn, world: int, tmp_path: Path, *args, backend: str = "gloo") -> l
     mp.start_processes(_rank_entry, args=(world, free_port(), fn, args, str(out_dir), backend), nprocs=world,
                        start_method="forkserver", join=True)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+def _main_entry(rank: int, world: int, port: int, script: str, args: tuple, env: dict, out_dir: str) -> None:
+    """A rank of run_on_ranks: torchrun's launch variables, stdout and stderr into files, the script's main; its
+    exit code."""
+    import importlib
+
+    from engine.cli import report_errors
+
+    for name in LAUNCH_VARIABLES:
+        os.environ.pop(name, None)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "WANDB_MODE": "offline", **env})
+    with open(Path(out_dir) / f"rank{rank}.out", "w") as out, open(Path(out_dir) / f"rank{rank}.err", "w") as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        code = report_errors(importlib.import_module(Path(script).stem).main, list(args))
+        sys.stdout.flush()
+    (Path(out_dir) / f"rank{rank}.code").write_text(str(code))
+
+
+def run_on_ranks(script: str, *args: str, nproc: int, env: dict | None = None,
+                 timeout: float = HANG) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node=nproc script args` for a test that reads only the run's files: each rank runs the
+    script's main with the variables torchrun sets, in a real process joined by a real gloo group, forked from
+    run_ranks' forkserver (no ~7 s of imports per rank, nor torchrun's own 3 s). Tests of the launcher itself
+    (signals, exit codes, torchrun's output) use run_script. A rank that exits non-zero fails the test with its
+    stderr; one still running after `timeout` fails it as hung. Returns the ranks' stdout and stderr, each the
+    ranks' texts in rank order."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    out_dir = tempfile.mkdtemp(prefix="ranks-main-")
+    mp.set_forkserver_preload(RANK_PRELOAD)
+    ranks = mp.start_processes(_main_entry, args=(nproc, free_port(), script, args, env or {}, out_dir),
+                               nprocs=nproc, start_method="forkserver", join=False)
+    try:
+        deadline = time.monotonic() + timeout
+        while not ranks.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for process in ranks.processes:
+                    process.kill()
+                raise AssertionError(f"{script} {' '.join(args)} on {nproc} ranks hung: still running after "
+                                     f"{timeout:.0f} s")
+        for rank in range(nproc):
+            code = Path(out_dir, f"rank{rank}.code").read_text()
+            assert code == "0", (f"{script} {' '.join(args)}: rank {rank} exited {code}\n"
+                                 + Path(out_dir, f"rank{rank}.err").read_text()[-5000:])
+        stdout, stderr = ("".join(Path(out_dir, f"rank{rank}.{kind}").read_text() for rank in range(nproc))
+                          for kind in ("out", "err"))
+        return subprocess.CompletedProcess([script, *args], 0, stdout, stderr)
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
 
 
 def png_header(width: int, height: int) -> bytes:

@@ -26,7 +26,7 @@ from engine.dist import DistInfo
 from engine.errors import UserError
 from engine.losses import build_loss
 from tests import test_correctness as correctness, test_resume as resume
-from tests.helpers import TINY, read_jsonl, run_script, train_here
+from tests.helpers import TINY, read_jsonl, run_on_ranks, train_here
 
 RECIPE = dict(img_size=16, auto_augment="rand-m9-mstd0.5", random_erase=0.5)
 
@@ -448,7 +448,7 @@ def test_recipe_one_process_equals_two_ranks(tmp_path):
     """Guarantee 1 of docs/correctness.md with mixup, cutmix, RandAugment, erasing and repeats on."""
     common = (*correctness.COMMON, correctness.NO_BN_MODEL, *RECIPE_RUN)
     train_here(*common, "train.batch_size=12", f"output_dir={tmp_path}/one")
-    run_script("train.py", *common, "train.batch_size=6", f"output_dir={tmp_path}/two", nproc=2)
+    run_on_ranks("train.py", *common, "train.batch_size=6", f"output_dir={tmp_path}/two", nproc=2)
     correctness.assert_same_model(tmp_path / "one", tmp_path / "two")
 
 
@@ -457,12 +457,12 @@ def test_recipe_resume_mid_epoch_is_bitwise_identical(tmp_path):
     """2 ranks x 4 steps per epoch, stopped at step 6 (mid-epoch 1) and resumed == uninterrupted, every bit."""
     straight, out = tmp_path / "straight", tmp_path / "run"
     args = [*resume.RUN, *RECIPE_RUN, "train.loss=bce", "train.label_smoothing=0.1"]
-    run_script("train.py", *args, f"output_dir={straight}", nproc=2)
-    run_script("train.py", *args, f"output_dir={out}", "train.max_steps=6", nproc=2)
+    run_on_ranks("train.py", *args, f"output_dir={straight}", nproc=2)
+    run_on_ranks("train.py", *args, f"output_dir={out}", "train.max_steps=6", nproc=2)
     partial = load_checkpoint(out / "last.pth")
     assert (partial["epoch"], partial["epoch_step"]) == (1, 2)
     stop_top1 = read_jsonl(out / "metrics.jsonl")[-1][partial["best_metric"]]  # the evaluation at the stop
-    run_script("train.py", *args, f"output_dir={out}", nproc=2)
+    run_on_ranks("train.py", *args, f"output_dir={out}", nproc=2)
     expected, resumed = load_checkpoint(straight / "last.pth"), load_checkpoint(out / "last.pth")
     assert resumed["best_top1"] == max(expected["best_top1"], stop_top1)  # the only allowed difference
     resumed["best_top1"] = expected["best_top1"]

@@ -1,7 +1,8 @@
 """Distributed training computes what single-process training computes (docs/correctness.md).
 
-The training runs are real `python train.py` or `torchrun ... train.py` subprocesses (gloo on CPU); the
-tests compare the last.pth and metrics.jsonl they leave behind. Each configuration is trained once per
+The training runs are train.py's main in this process or on real ranks with torchrun's variables
+(helpers.run_on_ranks; gloo on CPU), and two real torchrun launchers for guarantee 5; the tests compare the
+last.pth and metrics.jsonl they leave behind. Each configuration is trained once per
 session and shared by the tests that need it. The sampling tests call train.py's `fit` on real ranks
 with a spy that records which samples the training loop reads.
 """
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from tests.compare import differing_tensors, load_weights, model_rows, relative_differences, worst_tensor
-from tests.helpers import REPO, free_port, read_jsonl, run_ranks, run_script, script_env, train_here
+from tests.helpers import REPO, free_port, read_jsonl, run_on_ranks, run_ranks, script_env, train_here
 
 pytestmark = pytest.mark.slow  # every test trains with real process groups
 
@@ -64,14 +65,17 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """run(name) trains RUNS[name] once (train.py or torchrun) and returns its output folder."""
+    """run(name) trains RUNS[name] once (in this process, or on its ranks) and returns its output folder."""
     done: dict[str, Path] = {}
 
     def train(name: str) -> Path:
         if name not in done:
             nproc, overrides = RUNS[name]
             out = tmp_path_factory.mktemp(name)
-            run_script("train.py", *COMMON, *overrides, f"output_dir={out}", nproc=nproc)
+            if nproc == 1:
+                train_here(*COMMON, *overrides, f"output_dir={out}")
+            else:
+                run_on_ranks("train.py", *COMMON, *overrides, f"output_dir={out}", nproc=nproc)
             done[name] = out
         return done[name]
 
@@ -100,7 +104,7 @@ def test_issue_acceptance_command_one_process_equals_two_ranks(tmp_path):
     common = ("--config", "configs/dummy.yaml", "model.sync_bn=true", "data.augment=false", "train.max_steps=5",
               "logging.progress=false")
     train_here(*common, "train.batch_size=16", f"output_dir={tmp_path}/one")
-    run_script("train.py", *common, "train.batch_size=8", f"output_dir={tmp_path}/two", nproc=2)
+    run_on_ranks("train.py", *common, "train.batch_size=8", f"output_dir={tmp_path}/two", nproc=2)
     assert_same_model(tmp_path / "one", tmp_path / "two", steps=5)
 
 
@@ -117,7 +121,7 @@ def test_two_rank_mid_epoch_checkpoint_resumes_on_one_process(run, tmp_path):
     The batch comes from train.global_batch_size, as in an elastic restart: the same command on 2 processes
     (6 per process) and on 1 (12, or 6 x 2 micro-batches)."""
     partial, fixed = tmp_path / "partial", [*COMMON, NO_BN_MODEL, f"train.global_batch_size={GLOBAL_BATCH}"]
-    run_script("train.py", *fixed, "train.max_steps=3", f"output_dir={partial}", nproc=2)
+    run_on_ranks("train.py", *fixed, "train.max_steps=3", f"output_dir={partial}", nproc=2)
     first = torch.load(partial / "last.pth", weights_only=True)
     assert (first["epoch_step"], first["config"]["train"]["batch_size"]) == (3, 6)  # 3 of 4 steps: mid-epoch 0
     for name, overrides in {"batch12": [], "accum2": ["train.accum_steps=2"]}.items():

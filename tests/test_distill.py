@@ -29,7 +29,7 @@ from engine.state import TrainState
 from engine.trainer import LoopConfig, TrainParts, train_one_epoch
 from engine.weights import Pretrained
 from tests.compare import load_weights, relative_differences
-from tests.helpers import TINY, read_jsonl, run_script, train_here
+from tests.helpers import TINY, read_jsonl, run_on_ranks, train_here
 
 CPU = torch.device("cpu")
 IMAGENET = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])  # the students' data.mean/std here
@@ -183,7 +183,7 @@ def test_one_process_equals_two_ranks_with_distillation_and_mixup(tmp_path):
               f"distill.teacher_weights={tmp_path / 'teacher.pth'}", "distill.teacher_name=test_resnet",
               "distill.tau=2.0", "train.label_smoothing=0.1"]
     train_here(*common, "train.batch_size=12", f"output_dir={tmp_path / 'one'}")
-    run_script("train.py", *common, "train.batch_size=6", f"output_dir={tmp_path / 'two'}", nproc=2)
+    run_on_ranks("train.py", *common, "train.batch_size=6", f"output_dir={tmp_path / 'two'}", nproc=2)
     diffs = relative_differences(load_weights(tmp_path / "one"), load_weights(tmp_path / "two"))
     print("distillation, 1 process vs 2 ranks:", diffs)
     assert max(diffs.values()) <= TOL, diffs

@@ -12,7 +12,7 @@ import pytest
 import evaluate
 from engine.checkpoint import load_checkpoint
 from engine.cli import report_errors
-from tests.helpers import make_image_folder, run_script, script_env, train_here
+from tests.helpers import make_image_folder, run_on_ranks, train_here
 from tests.wandb_reader import find_runs, read_run
 
 pytestmark = pytest.mark.slow  # the module's checkpoint is trained, then evaluated on 1-3 processes
@@ -42,8 +42,8 @@ def test_evaluate_is_identical_for_1_2_3_processes(checkpoint, tmp_path):
     for nproc in (1, 2, 3):
         out = tmp_path / f"eval{nproc}"
         tracking = ["logging.wandb=true"] if nproc == 2 else []  # one run also goes to W&B (offline)
-        proc = run_script("evaluate.py", str(checkpoint), "--output-dir", str(out), "--batch-size", "8", *tracking,
-                          nproc=nproc, env=script_env(WANDB_DIR=str(wandb_dir)))
+        proc = run_on_ranks("evaluate.py", str(checkpoint), "--output-dir", str(out), "--batch-size", "8", *tracking,
+                            nproc=nproc, env={"WANDB_DIR": str(wandb_dir)})
         assert f"n {VAL_SIZE}" in proc.stdout
         assert sorted(p.name for p in out.iterdir()) == ["confusion_matrix.png", "eval.json", "predictions.csv"]
         outputs[nproc] = ((out / "eval.json").read_text(), (out / "predictions.csv").read_text())

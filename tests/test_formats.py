@@ -23,7 +23,7 @@ from engine.cli import report_errors
 from engine.config import DataConfig
 from engine.dist import DistInfo
 from engine.errors import UserError
-from tests.helpers import TINY, make_image_folder, read_jsonl, run_script, train_here
+from tests.helpers import TINY, make_image_folder, read_jsonl, run_on_ranks, train_here
 from tests.test_bad_input import check_one_line
 from tests.test_resume import RUN, assert_same, rows_without_timing
 
@@ -203,8 +203,8 @@ def test_formats_train_and_evaluate_like_the_folder_on_two_processes(formats, tm
     outputs = {}
     for name, data in ((name, formats[name]) for name in ("imagefolder", "wds")):
         out = tmp_path / name
-        run_script("train.py", *train_args(name, data, out), "data.num_workers=1", nproc=2)
-        run_script("evaluate.py", str(out / "best.pth"), "--output-dir", str(out / "eval"), nproc=2)
+        run_on_ranks("train.py", *train_args(name, data, out), "data.num_workers=1", nproc=2)
+        run_on_ranks("evaluate.py", str(out / "best.pth"), "--output-dir", str(out / "eval"), nproc=2)
         outputs[name] = (rows_without_timing(out), (out / "eval/predictions.csv").read_bytes())
     assert outputs["wds"] == outputs["imagefolder"]
 

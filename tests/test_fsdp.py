@@ -27,7 +27,7 @@ from engine.precision import Precision
 from engine.trainer import fsdp_micro_step
 from models.sharding import shard_model, shard_units
 from tests.compare import differing_tensors, load_weights, relative_differences, worst_tensor
-from tests.helpers import TINY, read_jsonl, run_ranks, run_script, train_here
+from tests.helpers import TINY, read_jsonl, run_on_ranks, run_ranks, run_script, train_here
 
 # A ViT (LayerNorm, no BatchNorm) trained with AdamW, gradient clipping and an EMA: 2 epochs of 3 optimizer steps
 # of a global batch of 12 (6 per rank on 2, 4 on 3, 12 in one process). 25 validation images, in batches of the
@@ -54,10 +54,10 @@ def test_fsdp_on_two_ranks_trains_the_ddp_and_single_process_model(tmp_path):
     rounding of it, with every epoch in metrics.jsonl once."""
     single, ddp, fsdp, stopped = (tmp_path / name for name in ("single", "ddp", "fsdp", "stopped"))
     train_here(*VIT, f"output_dir={single}")  # one process: this one
-    run_script("train.py", *VIT, f"output_dir={ddp}", nproc=2)
-    run_script("train.py", *VIT, "dist.strategy=fsdp", f"output_dir={fsdp}", nproc=2)
+    run_on_ranks("train.py", *VIT, f"output_dir={ddp}", nproc=2)
+    run_on_ranks("train.py", *VIT, "dist.strategy=fsdp", f"output_dir={fsdp}", nproc=2)
     folder = (*VIT, "dist.strategy=fsdp", "train.ckpt_format=sharded")
-    run_script("train.py", *folder, "train.max_steps=4", f"output_dir={stopped}", nproc=2)
+    run_on_ranks("train.py", *folder, "train.max_steps=4", f"output_dir={stopped}", nproc=2)
     assert read_checkpoint(stopped / "last.dcp")["epoch_step"] == 1  # step 4 of 6: mid-epoch 1
     runs = {name: torch.load(out / "last.pth", weights_only=True) for name, out in
             (("single", single), ("ddp", ddp), ("fsdp", fsdp))}
@@ -83,10 +83,10 @@ def test_fsdp_on_two_ranks_trains_the_ddp_and_single_process_model(tmp_path):
         if nproc == 1:
             train_here(*folder, f"output_dir={out}")
         elif nproc == 3:  # the same global batch as 3 x 2 x 2 micro-batches, whole between micro-steps
-            run_script("train.py", *folder, "train.accum_steps=2", "dist.fsdp_accum_whole=true", f"output_dir={out}",
-                       nproc=3)
+            run_on_ranks("train.py", *folder, "train.accum_steps=2", "dist.fsdp_accum_whole=true", f"output_dir={out}",
+                         nproc=3)
         else:
-            run_script("train.py", *folder, f"output_dir={out}", nproc=nproc)
+            run_on_ranks("train.py", *folder, f"output_dir={out}", nproc=nproc)
         resumed = read_checkpoint(out / "last.dcp")
         assert resumed["global_step"] == 6
         assert [r["epoch"] for r in read_jsonl(out / "metrics.jsonl")] == [0, 1]

@@ -22,7 +22,7 @@ from engine.errors import UserError
 from engine.losses import build_loss, class_weights
 from engine.metrics import PER_CLASS_RECALL_MAX, class_metrics
 from engine.state import TrainState
-from tests.helpers import TINY, make_image_folder, read_jsonl, run_script, train_here
+from tests.helpers import TINY, make_image_folder, read_jsonl, run_on_ranks, train_here
 from tests.test_resume import assert_same, rows_without_timing
 
 # 100 : 10 : 5 : 1 images: a class-balanced draw must still give each class a quarter of an epoch.
@@ -226,8 +226,8 @@ def balanced_runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("balanced")
     one = (*COMMON, NO_BN_MODEL, *BALANCED, "train.batch_size=12")
     train_here(*one, f"output_dir={root / 'one'}")
-    run_script("train.py", *COMMON, NO_BN_MODEL, *BALANCED, "train.batch_size=6", f"output_dir={root / 'two'}",
-               nproc=2)
+    run_on_ranks("train.py", *COMMON, NO_BN_MODEL, *BALANCED, "train.batch_size=6", f"output_dir={root / 'two'}",
+                 nproc=2)
     train_here(*one, f"output_dir={root / 'resumed'}", "train.max_steps=6")  # stops mid-epoch 1
     assert load_checkpoint(root / "resumed/last.pth")["epoch_step"] == 2
     partial = read_jsonl(root / "resumed/metrics.jsonl")[-1]["val_top1"]  # the evaluation at the stop

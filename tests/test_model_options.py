@@ -9,7 +9,7 @@ import train
 from engine.cli import report_errors
 from engine.config import ModelConfig
 from models.factory import create_model, prepare_model
-from tests.helpers import TINY, run_script
+from tests.helpers import TINY, run_on_ranks
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(capsys, tmp_path):
@@ -48,8 +48,8 @@ def test_freeze_backbone_leaves_only_the_classifier_trainable_and_batchnorm_in_e
 def test_two_ranks_with_a_frozen_backbone_train_only_the_head(tiny_run, tmp_path):
     start = tiny_run / "best.pth"
     out = tmp_path / "probe"
-    run_script("train.py", *TINY, "model.name=test_resnet", f"model.init_from={start}", "model.freeze=backbone",
-               "train.batch_size=4", "train.epochs=2", f"output_dir={out}", nproc=2)
+    run_on_ranks("train.py", *TINY, "model.name=test_resnet", f"model.init_from={start}", "model.freeze=backbone",
+                 "train.batch_size=4", "train.epochs=2", f"output_dir={out}", nproc=2)
     before = torch.load(start, weights_only=True)["model"]
     ckpt = torch.load(out / "last.pth", weights_only=True)
     after = ckpt["model"]

@@ -23,7 +23,7 @@ from engine.errors import UserError
 from engine.config import DataConfig, TrainConfig
 from engine.losses import build_loss
 from engine.multilabel import best_thresholds, multilabel_metrics
-from tests.helpers import TINY, read_jsonl, run_ranks, run_script, script_env, train_here
+from tests.helpers import TINY, read_jsonl, run_on_ranks, run_ranks, run_script, script_env, train_here
 from tests.wandb_reader import find_runs, read_run
 from tests.test_bad_input import check_one_line, last_error
 
@@ -154,8 +154,8 @@ def test_epoch_evaluation_is_identical_on_1_and_2_ranks(lists, tmp_path):
 
 def evaluate_run(checkpoint: Path, out: Path, nproc: int, *args: str, env: dict | None = None) -> list[str]:
     """evaluate.py with per-class thresholds on nproc processes; the texts of its three files."""
-    run_script("evaluate.py", str(checkpoint), "--output-dir", str(out), "--batch-size", "4", "--tune-thresholds",
-               *args, nproc=nproc, env=env)
+    run_on_ranks("evaluate.py", str(checkpoint), "--output-dir", str(out), "--batch-size", "4", "--tune-thresholds",
+                 *args, nproc=nproc, env=env)
     return [(out / name).read_text() for name in ("eval.json", "predictions.csv", "per_class.csv")]
 
 
@@ -181,7 +181,7 @@ def test_training_on_one_process_equals_two_ranks(lists, tmp_path):
     args = (*TINY, *ML, NO_BN_MODEL, f"data.root={lists / 'good'}", "data.mixup_alpha=0.4", "data.cutmix_alpha=1.0",
             "train.label_smoothing=0.1", "train.epochs=2")
     train_here(*args, "train.batch_size=8", f"output_dir={tmp_path / 'one'}")
-    run_script("train.py", *args, "train.batch_size=4", f"output_dir={tmp_path / 'two'}", nproc=2)
+    run_on_ranks("train.py", *args, "train.batch_size=4", f"output_dir={tmp_path / 'two'}", nproc=2)
     assert_same_model(tmp_path / "one", tmp_path / "two", steps=6)  # 24 images, global batch 8, 2 epochs
     one, two = (read_jsonl(tmp_path / run / "metrics.jsonl") for run in ("one", "two"))
     assert [r["val_map"] for r in one] == pytest.approx([r["val_map"] for r in two], abs=1e-3)

@@ -26,7 +26,7 @@ from engine.config_load import load_config
 from engine.errors import UserError
 from engine.resume import check_resumable
 from tests.compare import model_rows
-from tests.helpers import REPO, read_jsonl, run_script, script_env, wait_for_file
+from tests.helpers import REPO, read_jsonl, run_on_ranks, run_script, script_env, wait_for_file
 
 # Differences the comparison must ignore: wall-clock time, and the config (output_dir, max_steps, workers).
 NOT_COMPARED = {"epoch_seconds", "config"}
@@ -150,13 +150,13 @@ def test_two_ranks_resume_mid_epoch_after_max_steps(tmp_path):
     """2 processes x 4 steps per epoch; stop at step 3 (mid-epoch), resume; per-rank RNG states continue."""
     straight, out = tmp_path / "straight", tmp_path / "run"
     one_epoch = [*RUN, "train.epochs=1"]
-    run_script("train.py", *one_epoch, f"output_dir={straight}", nproc=2)
-    run_script("train.py", *one_epoch, f"output_dir={out}", "train.max_steps=3", nproc=2)
+    run_on_ranks("train.py", *one_epoch, f"output_dir={straight}", nproc=2)
+    run_on_ranks("train.py", *one_epoch, f"output_dir={out}", "train.max_steps=3", nproc=2)
     partial = load_checkpoint(out / "last.pth")
     assert (partial["epoch"], partial["epoch_step"], len(partial["rng"])) == (0, 3, 2)
     assert not torch.equal(partial["rng"][0]["torch"], partial["rng"][1]["torch"])  # dropout differs per rank
     partial_top1 = read_jsonl(out / "metrics.jsonl")[0][partial["best_metric"]]  # the evaluation at the stop
-    run_script("train.py", *one_epoch, f"output_dir={out}", nproc=2)
+    run_on_ranks("train.py", *one_epoch, f"output_dir={out}", nproc=2)
     expected, resumed = load_checkpoint(straight / "last.pth"), load_checkpoint(out / "last.pth")
     # best_top1 also saw the evaluation at the stop: the only allowed difference.
     assert resumed["best_top1"] == max(expected["best_top1"], partial_top1)

@@ -21,7 +21,7 @@ import yaml
 
 from engine.config_load import load_config
 from engine.errors import UserError
-from tests.helpers import REPO, read_jsonl, run_script, script_env
+from tests.helpers import REPO, read_jsonl, run_on_ranks, run_script, script_env
 from tests.wandb_reader import find_runs, read_run
 
 pytestmark = pytest.mark.slow  # real train.py runs with an offline W&B run each
@@ -101,11 +101,11 @@ def tensorboard_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
 def test_two_rank_job_makes_one_run_whose_values_equal_metrics_jsonl(tmp_path):
     wandb_dir, out = tmp_path / "wandb", tmp_path / "run"
     wandb_dir.mkdir()
-    proc = run_script("train.py", *TINY, f"output_dir={out}", "train.epochs=2", "logging.wandb=true",
-                      "logging.wandb_log_checkpoints=true", "logging.wandb_project=tests",
-                      "logging.wandb_group=g1", "logging.wandb_tags=[tiny,ddp]", "logging.wandb_notes=two ranks",
-                      "logging.tensorboard=true",
-                      nproc=2, env=script_env(WANDB_DIR=str(wandb_dir), WANDB_DATA_DIR=str(tmp_path / "data")))
+    proc = run_on_ranks("train.py", *TINY, f"output_dir={out}", "train.epochs=2", "logging.wandb=true",
+                        "logging.wandb_log_checkpoints=true", "logging.wandb_project=tests",
+                        "logging.wandb_group=g1", "logging.wandb_tags=[tiny,ddp]", "logging.wandb_notes=two ranks",
+                        "logging.tensorboard=true",
+                        nproc=2, env={"WANDB_DIR": str(wandb_dir), "WANDB_DATA_DIR": str(tmp_path / "data")})
     assert proc.stderr.count("Tracking run with wandb") == 1  # only rank 0 called wandb.init
     [path] = find_runs(tmp_path)
     run = read_run(path)

@@ -24,7 +24,7 @@ from engine.config_load import config_from_dict
 from engine.weights import load_weights
 from models.factory import create_model
 from models.tta import TTAModel
-from tests.helpers import make_image_folder, read_jsonl, run_script
+from tests.helpers import make_image_folder, read_jsonl, run_on_ranks, run_script
 
 
 def read_rows(path: Path) -> list[dict[str, str]]:
@@ -191,8 +191,8 @@ def test_evaluate_with_tta_is_identical_on_1_and_2_processes(tiny_run, tmp_path)
     outputs = []
     for nproc in (1, 2):
         out = tmp_path / f"eval{nproc}"
-        run_script("evaluate.py", str(tiny_run / "best.pth"), "--output-dir", str(out), "--batch-size", "3",
-                   "--tta-flip", "--tta-crops", "5", "data.val_img_size=14", nproc=nproc)
+        run_on_ranks("evaluate.py", str(tiny_run / "best.pth"), "--output-dir", str(out), "--batch-size", "3",
+                     "--tta-flip", "--tta-crops", "5", "data.val_img_size=14", nproc=nproc)
         outputs.append(((out / "eval.json").read_text(), (out / "predictions.csv").read_text()))
     assert outputs[0] == outputs[1]  # byte for byte
     result = json.loads(outputs[0][0])
