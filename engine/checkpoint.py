@@ -1,7 +1,8 @@
 """Checkpoints are data, not code: tensors, numbers and plain dicts, written atomically.
 
 Writes go to a temp file in the same folder and are moved into place with os.replace, so a
-crash mid-write leaves the previous file intact. Reads use weights_only=True: a checkpoint
+crash mid-write leaves the previous file intact; with train.async_save rank 0 writes a copy of the state
+from a background thread while training goes on (Checkpointer). Reads use weights_only=True: a checkpoint
 cannot run code when it is loaded.
 
 Two on-disk kinds, one owner: this module is the file kind (`last.pth`, `best.pth`, `epoch_NNNN.pth`) and
