@@ -247,6 +247,8 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
                 stopped.checkpoint = checkpointer.last
                 raise
             input_advice.after_epoch(state.epoch, train_stats)
+            if is_sharded(model):  # DDP broadcasts rank 0's buffers (BatchNorm statistics) at each forward; FSDP never
+                broadcast_tensors(replicated_tensors(model))
             row = {"epoch": state.epoch, **train_stats,
                    **validate_epoch(parts.model, ema.module if ema is not None else None, data.val, precision, info,
                                     normalize, cfg),
@@ -300,8 +302,6 @@ def stop_before_epoch(cfg: Config, state: TrainState, chosen_on: str, tracker: W
 def validate_epoch(model: nn.Module, ema: nn.Module | None, loader: DataLoader, precision: Precision, info: DistInfo,
                    normalize: DeviceNormalize, cfg: Config) -> dict[str, float]:
     """The epoch's validation columns: the model's metrics, and its EMA's prefixed `ema_`."""
-    if is_sharded(model):  # DDP broadcasts rank 0's buffers (BatchNorm statistics) at each forward; FSDP never
-        broadcast_tensors(replicated_tensors(model))
     row = validate(model, loader, precision, info, normalize, cfg)
     if ema is not None:
         # BatchNorm buffers differ per rank between DDP's broadcasts, and so do the EMAs of them:

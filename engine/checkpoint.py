@@ -375,15 +375,16 @@ class Checkpointer:
         if broken:
             raise self.diverged(broken, fields)
         names = ([] if self.sharded else ["last.pth"]) + (["best.pth"] if best else [])
-        prune = epoch_file and self.keep_last_k > 0
-        if prune and not self.sharded:
-            names.append(f"epoch_{fields['epoch'] - 1:04d}.pth")  # the epoch just finished, as in metrics.jsonl
+        finished_epoch = fields["epoch"] - 1  # the epoch just finished, as in metrics.jsonl
+        prune_to = finished_epoch if epoch_file and self.keep_last_k > 0 else None
+        if prune_to is not None and not self.sharded:
+            names.append(f"epoch_{finished_epoch:04d}.pth")
         if not self.async_save:
-            self.write_files(ckpt, names, fields["global_step"], fields["epoch"] - 1 if prune else None)
+            self.write_files(ckpt, names, fields["global_step"], prune_to)
             return
         self.write_done = threading.Event()
         self.writer = threading.Thread(target=self.write_in_background, name="checkpoint-writer",
-                                       args=(ckpt, names, fields["global_step"], fields["epoch"] - 1 if prune else None))
+                                       args=(ckpt, names, fields["global_step"], prune_to))
         finish_before_fork(self)
         self.writer.start()
 
