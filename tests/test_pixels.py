@@ -114,7 +114,7 @@ def test_random_training_interpolation_picks_bilinear_or_bicubic_per_image():
     for seed in range(16):
         pipeline.set_random_state(np.random.default_rng(seed), random.Random(seed))
         out = pipeline(image=photo)
-        ours, (name, data) = out["image"], out["applied_transforms"][0]
+        ours, (_, data) = out["image"], out["applied_transforms"][0]
         left, top, right, bottom = data["crop_coords"]
         theirs = F.resized_crop(Image.fromarray(photo), top, left, bottom - top, right - left, [96, 96],
                                 InterpolationMode(data["resample"]))

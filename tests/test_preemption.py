@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine.checkpoint import load_checkpoint
 from tests.compare import TIMING_KEYS
