@@ -120,10 +120,8 @@ def sgd_checkpointer(out: Path, async_save: bool) -> tuple[torch.nn.Module, torc
     return model, optimizer, checkpointer
 
 
-def test_a_background_write_holds_the_state_of_its_save_not_of_later_steps(tmp_path, monkeypatch):
-    """train.async_save: the writer thread is held before it writes while the run goes on (weights and momentum
-    changed in place); the file has the state at save(), so the thread wrote a copy, not the live tensors."""
-    model, optimizer, checkpointer = sgd_checkpointer(tmp_path, async_save=True)
+def hold_writes(monkeypatch) -> threading.Event:
+    """Checkpoint writes wait, before they write, until the returned event is set."""
     release = threading.Event()
 
     def held_save(obj, path):
@@ -131,6 +129,14 @@ def test_a_background_write_holds_the_state_of_its_save_not_of_later_steps(tmp_p
         save_atomic(obj, path)
 
     monkeypatch.setattr("engine.checkpoint.save_atomic", held_save)
+    return release
+
+
+def test_a_background_write_holds_the_state_of_its_save_not_of_later_steps(tmp_path, monkeypatch):
+    """train.async_save: the writer thread is held before it writes while the run goes on (weights and momentum
+    changed in place); the file has the state at save(), so the thread wrote a copy, not the live tensors."""
+    model, optimizer, checkpointer = sgd_checkpointer(tmp_path, async_save=True)
+    release = hold_writes(monkeypatch)
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     momentum = optimizer.state[model.weight]["momentum_buffer"].clone()
     checkpointer.save(TrainState(epoch=1, global_step=1))
@@ -151,14 +157,8 @@ def test_a_fork_waits_for_the_background_write(tmp_path, monkeypatch):
     """A DataLoader forking its workers while the writer thread runs could deadlock the child on a lock the thread
     held: os.fork() first lets the write end. A before-fork hook registered after the app's runs first (Python runs
     them in reverse order), so it knows the fork has begun and only then lets the held write go on."""
-    model, _, checkpointer = sgd_checkpointer(tmp_path, async_save=True)
-    release, forking = threading.Event(), threading.Event()
-
-    def held_save(obj, path):
-        release.wait()
-        save_atomic(obj, path)
-
-    monkeypatch.setattr("engine.checkpoint.save_atomic", held_save)
+    _, _, checkpointer = sgd_checkpointer(tmp_path, async_save=True)
+    release, forking = hold_writes(monkeypatch), threading.Event()
     checkpointer.save(TrainState(epoch=1, global_step=1))  # registers the app's hook
     os.register_at_fork(before=forking.set)  # stays registered: harmless for later forks
     releaser = threading.Thread(target=lambda: (forking.wait(), release.set()))
