@@ -17,7 +17,6 @@ if __name__ == "__main__":  # first: a SIGTERM or SIGUSR1 during the imports bel
     handle_early()
 
 import argparse
-import dataclasses
 import logging
 import random
 from pathlib import Path
@@ -38,7 +37,7 @@ from data.transforms import DeviceNormalize
 from engine.checkpoint import Checkpointer
 from engine.cli import run_main
 from engine.config import (Config, ModelConfig, best_metric, config_yaml, given_keys, keys_help, lower_is_better,
-                           mixing, to_dict)
+                           mixing, replace_section, to_dict)
 from engine.config_load import load_config
 from engine.dist import DistInfo, broadcast_tensors, init_distributed, rank0_decides, read_launch_env
 from engine.distill import build_distillation, check_teacher_needed, freeze_teacher, read_teacher, teacher_sha256
@@ -123,9 +122,7 @@ def load_teacher(cfg: Config, start: Resume, model: nn.Module, num_classes: int)
     check_model_name(name, key="distill.teacher_name")
     teacher = freeze_teacher(create_model(ModelConfig(name=name, kwargs=cfg.distill.teacher_kwargs), num_classes),
                              pretrained, name)
-    resolved = dataclasses.replace(cfg, distill=dataclasses.replace(cfg.distill, teacher_sha256=digest))
-    resolved.given = given_keys(cfg)
-    return resolved, (teacher, pretrained, name)
+    return replace_section(cfg, "distill", teacher_sha256=digest), (teacher, pretrained, name)
 
 
 def dry_run(cfg: Config, info: DistInfo) -> str:

@@ -199,6 +199,14 @@ def given_keys(cfg: Config) -> frozenset[str]:
     return getattr(cfg, "given", frozenset())
 
 
+def replace_section(cfg: Config, section: str, **changes: Any) -> Config:
+    """cfg with fields of one section changed, keeping the keys the user gave: every start-up derivation goes
+    through here, so none of them forgets what was set (`given` is not a field; dataclasses.replace drops it)."""
+    resolved = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **changes)})
+    resolved.given = given_keys(cfg)
+    return resolved
+
+
 def mixing(cfg: DataConfig) -> bool:
     """Whether training mixes pairs of images (mixup or cutmix)."""
     return cfg.mixup_alpha > 0 or cfg.cutmix_alpha > 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 
 import torch
@@ -11,7 +10,7 @@ from timm.scheduler import create_scheduler_v2
 from timm.scheduler.scheduler import Scheduler
 from torch import nn
 
-from engine.config import Config, OptimConfig, SchedConfig, mixing
+from engine.config import Config, OptimConfig, SchedConfig, mixing, replace_section
 from engine.errors import UserError
 
 
@@ -72,7 +71,7 @@ def with_global_batch(cfg: Config, world_size: int) -> Config:
         raise UserError(f"config key 'train.global_batch_size' is {train.global_batch_size}, which does not give "
                         f"{what} on {world_size} process(es) x train.accum_steps={train.accum_steps}; use a multiple "
                         f"of {per_step * (2 if mixing(cfg.data) else 1)}")
-    return dataclasses.replace(cfg, train=dataclasses.replace(train, batch_size=batch))
+    return replace_section(cfg, "train", batch_size=batch)
 
 
 def with_scaled_lr(cfg: Config, world_size: int) -> Config:
@@ -85,7 +84,7 @@ def with_scaled_lr(cfg: Config, world_size: int) -> Config:
         return cfg
     ratio = cfg.train.batch_size * world_size * cfg.train.accum_steps / optim.lr_base_size
     lr = optim.lr_base * (ratio ** 0.5 if optim.lr_base_scale == "sqrt" else ratio)
-    return dataclasses.replace(cfg, optim=dataclasses.replace(optim, lr=lr))
+    return replace_section(cfg, "optim", lr=lr)
 
 
 def scaled_lr_note(cfg: Config, world_size: int) -> str:

@@ -6,7 +6,6 @@ mismatch is a UserError that names the file and the first differing tensors.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -18,7 +17,7 @@ import torch
 from torch import nn
 
 from engine.checkpoint import is_sharded, load_checkpoint, read_checkpoint
-from engine.config import Config, given_keys
+from engine.config import Config, given_keys, replace_section
 from engine.config_checks import CHOICES
 from engine.errors import UserError
 
@@ -214,9 +213,7 @@ def resolve_preprocessing(cfg: Config, pretrained: Pretrained | None, resumed: d
         values[key] = list(value) if isinstance(value, (list, tuple)) else value
         said.append(f"data.{key} {values[key]} ({origin})")
     log.info("preprocessing: %s", ", ".join(said))
-    resolved = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **values))
-    resolved.given = given
-    return resolved
+    return replace_section(cfg, "data", **values)
 
 
 def weights_value(pretrained: Pretrained, model_name: str, key: str) -> tuple[Any, str]:

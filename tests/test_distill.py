@@ -8,6 +8,7 @@ teacher goes through real training steps of the app's loop and must come out bit
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import timm
@@ -103,6 +104,25 @@ def test_teacher_is_frozen_and_bitwise_unchanged_by_training(tmp_path):
     assert held.state_dict().keys() == saved.keys()
     assert all(torch.equal(held.state_dict()[k], saved[k]) for k in saved)  # num_batches_tracked too
     assert any(not torch.equal(before[k], v) for k, v in student.state_dict().items())
+
+
+def test_the_keys_the_user_gave_survive_the_start_up_derivations(tmp_path, capsys):
+    """With optim.lr_base and train.global_batch_size set (optim.lr and train.batch_size derived at start-up), a
+    wrong distill.teacher_sha256 is refused, and after the teacher file changed, the value the resume error
+    suggests is accepted: the derivations once dropped the record of the keys given, and with it this check."""
+    teacher = tmp_path / "teacher.pth"
+    torch.save(tiny_teacher(10).state_dict(), teacher)
+    run = tmp_path / "run"
+    args = [*TINY, f"distill.teacher_weights={teacher}", "distill.teacher_name=test_resnet", "optim.lr_base=0.1",
+            "train.global_batch_size=8", "train.max_steps=1", f"output_dir={run}"]
+    assert report_errors(train.main, [*args, f"distill.teacher_sha256={'a' * 64}", "--dry-run"]) == 2
+    assert f"has sha256 {teacher_sha256(DistillConfig(str(teacher)), False, None)[:12]}..., not aaaaaaaaaaaa" \
+        in capsys.readouterr().err
+    train_here(*args)
+    torch.save(tiny_teacher(10, seed=2).state_dict(), teacher)
+    assert report_errors(train.main, [*args, "--dry-run"]) == 2
+    suggested = re.search(r"set (distill.teacher_sha256=[0-9a-f]{64}) to continue", capsys.readouterr().err)[1]
+    assert report_errors(train.main, [*args, suggested, "--dry-run"]) == 0
 
 
 def test_a_changed_teacher_file_is_refused_on_resume(tmp_path):
