@@ -45,7 +45,8 @@ from engine.config import Config, to_dict
 from engine.config_load import config_from_dict, parse_override, set_dotted
 from engine.dist import DistInfo, barrier, init_distributed, rank0_decides, read_launch_env
 from engine.errors import UserError
-from engine.inference import CSV_OUTPUT, ema_hint, make_output_dir, merge_parts, part_file, write_csv
+from engine.inference import (CSV_OUTPUT, ema_hint, for_inference, make_output_dir, merge_parts, part_file,
+                              precision_line, write_csv)
 from engine.logs import setup_logging
 from engine.metrics import class_metrics
 from engine.outputs import replace_with, starts_with, temp_beside, write_output
@@ -90,7 +91,7 @@ def checkpoint_config(ckpt: dict[str, Any], args: argparse.Namespace) -> Config:
     if absent:
         raise UserError(f"checkpoint {args.checkpoint} was not written by train.py (no {', '.join(absent)}); "
                         "evaluate.py needs the config and class names stored in it")
-    raw = json.loads(json.dumps(ckpt["config"]))  # a private copy
+    raw = for_inference(ckpt["config"])  # fp32 unless amp= is given, as predict.py and export.py
     if args.data_dir:  # always an ImageFolder root (never a digits cache to (re)write, never dummy data)
         set_dotted(raw, "data.name", "imagefolder")
         set_dotted(raw, "data.root", args.data_dir)
@@ -334,6 +335,7 @@ def run(cfg: Config, ckpt: dict[str, Any], args: argparse.Namespace, info: DistI
     log.info("evaluating %s (%s, %s) on %d images at %d px (crop_pct %s), %d view(s) each, %d process(es), batch %d "
              "per process", args.checkpoint, cfg.model.name, "EMA weights" if args.ema else "weights", len(dataset),
              size, crop_pct, tta_views(args), info.world_size, cfg.train.batch_size)
+    log.info(precision_line(cfg.amp, precision))
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
     if cfg.data.multi_label:
         return run_multilabel(cfg, args, info, out, dataset, loader, model, precision, normalize, class_names,
@@ -344,7 +346,8 @@ def run(cfg: Config, ckpt: dict[str, Any], args: argparse.Namespace, info: DistI
     if rows is None:
         return None
     result, confusion = summarize(rows, metrics, class_names, str(args.checkpoint), args.ema)
-    result.update(img_size=size, crop_pct=crop_pct, tta=describe(args.tta_flip, args.tta_crops))
+    result.update(img_size=size, crop_pct=crop_pct, precision=precision.name,
+                  tta=describe(args.tta_flip, args.tta_crops))
     write_output(out / "eval.json", (json.dumps(result, indent=2) + "\n").encode(), OUTPUTS["eval.json"],
                  "an earlier eval.json of evaluate.py", "--output-dir")
     title = f"{cfg.model.name} on {len(rows)} images: top-1 {result['top1']:.2f}%"
@@ -380,7 +383,7 @@ def run_multilabel(cfg: Config, args: argparse.Namespace, info: DistInfo, out: P
     result = summarize_multilabel(rows, metrics, class_names, threshold, args.tune_thresholds, str(args.checkpoint),
                                   args.ema)
     size, crop_pct = eval_size(cfg.data)
-    result.update(img_size=size, crop_pct=crop_pct)
+    result.update(img_size=size, crop_pct=crop_pct, precision=precision.name)
     write_output(out / "eval.json", (json.dumps(result, indent=2) + "\n").encode(), OUTPUTS["eval.json"],
                  "an earlier eval.json of evaluate.py", "--output-dir")
     write_output(out / "per_class.csv", per_class_table(result), OUTPUTS["per_class.csv"],

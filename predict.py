@@ -45,11 +45,11 @@ from engine.config import Config
 from engine.config_load import parse_override
 from engine.dist import DistInfo, barrier, init_distributed, rank0_decides, read_launch_env
 from engine.errors import UserError
-from engine.inference import (CSV_OUTPUT, Trained, check_same_architecture, ema_hint, inference_config,
+from engine.inference import (CSV_OUTPUT, Trained, check_same_architecture, ema_hint, inference_config, precision_line,
                               load_trained, make_output_dir, merge_parts, part_file, write_csv)
 from engine.logs import setup_logging
 from engine.outputs import starts_with, write_output
-from engine.precision import resolve_precision
+from engine.precision import Precision, resolve_precision
 from engine.weights import load_weights
 from models.factory import create_model, prepare_model
 from models.tta import CROPS, TTAModel, describe
@@ -137,10 +137,10 @@ def multi_label_rows(logits: torch.Tensor, indices: list[int], dataset: ImageLis
 
 @torch.no_grad()
 def predict(model: torch.nn.Module, loader, dataset: ImageListDataset, class_names: list[str], k: int,
-            cfg: Config, info: DistInfo, thresholds: torch.Tensor | None = None) -> list[dict[str, Any]]:
+            cfg: Config, info: DistInfo, precision: Precision, thresholds: torch.Tensor | None = None
+            ) -> list[dict[str, Any]]:
     """This rank's rows, in input order: top-k names and probabilities (multi-label, with `thresholds`: the
     classes above them and every probability), or the error of an unreadable file."""
-    precision = resolve_precision(cfg.amp, info.device)
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
     rows: list[dict[str, Any]] = []
     for images, indices, failed in loader:
@@ -199,9 +199,13 @@ def run(trained: Trained, cfg: Config, args: argparse.Namespace, info: DistInfo)
         log.info("predicting %d images with %s (%s, %d classes), %d process(es), batch %d per process",
                  len(paths), trained.source, cfg.model.name, len(trained.class_names), info.world_size,
                  cfg.train.batch_size)
+    precision = resolve_precision(cfg.amp, info.device)
+    if info.is_main:
+        log.info(precision_line(cfg.amp, precision))
     multi = trained.multi_label
     shown = ML_COLUMNS if multi else columns(k)
-    rows = predict(model, loader, dataset, trained.class_names, k, cfg, info, thresholds if multi else None)
+    rows = predict(model, loader, dataset, trained.class_names, k, cfg, info, precision,
+                   thresholds if multi else None)
     write_csv(rows, part_file(out, "predictions", info.rank), [*shown, "error"])
     barrier()  # every part file is complete before rank 0 reads them
     if not info.is_main:
@@ -214,7 +218,7 @@ def run(trained: Trained, cfg: Config, args: argparse.Namespace, info: DistInfo)
     write_csv(good, out / "predictions.csv", shown)
     size, crop_pct = eval_size(cfg.data)
     result = {"checkpoint": str(args.checkpoint), "ema": args.ema, "img_size": size, "crop_pct": crop_pct,
-              "tta": describe(args.tta_flip, args.tta_crops), "n": len(good), "unreadable": unreadable}
+              "precision": precision.name, "tta": describe(args.tta_flip, args.tta_crops), "n": len(good), "unreadable": unreadable}
     if multi:
         result.update(multi_label=True, thresholds=dict(zip(trained.class_names, thresholds.tolist())),
                       predictions=[{"index": int(row["index"]), "path": row["path"],

@@ -3,7 +3,9 @@
 A trained model comes from a checkpoint written by train.py, or from a model folder written by
 `export.py --format safetensors` (config.json + model.safetensors, the layout timm and the Hugging Face
 hub use). Either way the config it was trained with (architecture, eval preprocessing) comes with it,
-so inference uses exactly the training's eval pipeline.
+so inference uses exactly the training's eval pipeline. Inference computes in fp32 whatever precision the run
+trained in (`amp=...` given to the tool chooses another): every route to the same weights then gives the same
+predictions, on any machine.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from engine.checkpoint import is_sharded, read_checkpoint
 from engine.config import Config
 from engine.config_load import config_from_dict, set_dotted
 from engine.errors import UserError
+from engine.precision import Precision
 from engine.outputs import Recognise, check_replaceable, replace_with, starts_with, temp_beside
 
 MODEL_CONFIG = "config.json"  # a model folder's description (timm / Hugging Face layout)
@@ -39,6 +42,24 @@ class Trained:
     best_metric: str = "val_top1"  # what the checkpoint was chosen on: ema_val_top1 with train.best_on_ema
     multi_label: bool = False  # one sigmoid per class (data.multi_label), not a softmax over the classes
     threshold: float = 0.5  # multi-label: a class is predicted at sigmoid >= this (data.multi_label_threshold)
+
+
+INFERENCE_AMP = "off"  # what evaluate.py, predict.py and export.py compute in unless amp= is given to them
+
+
+def for_inference(config: dict[str, Any]) -> dict[str, Any]:
+    """A private copy of a stored training config, set to compute in fp32: the run's `amp` (often `auto`, which is
+    bf16 on some CPUs and not on others) would make a checkpoint and its exported folder predict differently."""
+    raw = json.loads(json.dumps(config))
+    raw["amp"] = INFERENCE_AMP
+    return raw
+
+
+def precision_line(amp: str, precision: Precision) -> str:
+    """The log line that says which precision inference computes in, and how to choose the other."""
+    if precision.dtype is None and amp == INFERENCE_AMP:
+        return "computing in fp32 (the inference default; amp=bf16 or amp=auto computes faster, slightly differently)"
+    return f"computing in {precision.name} (amp={amp}); the default, amp=off, computes in fp32"
 
 
 def ema_hint(source: str, best_metric: str | None, using_ema: bool) -> str | None:
@@ -127,8 +148,8 @@ def preprocessing_from_pretrained_cfg(pretrained: dict[str, Any]) -> dict[str, A
 
 
 def inference_config(trained: Trained, overrides: Sequence[tuple[str, Any]] = ()) -> Config:
-    """The stored config with dotted overrides applied, validated."""
-    raw = json.loads(json.dumps(trained.config))  # a private copy
+    """The stored config, computing in fp32, with dotted overrides applied, validated."""
+    raw = for_inference(trained.config)
     for key, value in overrides:
         set_dotted(raw, key, value)
     try:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import json
 from pathlib import Path
 
@@ -121,7 +120,18 @@ def test_safetensors_folder_loads_in_timm_and_predict(resnet18_run, tmp_path, ca
 
     for i in range(3):
         cv2.imwrite(str(images / f"{i}.png"), np.random.default_rng(i).integers(0, 256, (40, 40, 3), np.uint8))
-    for source, out in ((ckpt, tmp_path / "p-ckpt"), (str(folder), tmp_path / "p-folder")):
-        assert report_errors(predict.main, [source, str(images), "--output-dir", str(out), "amp=off"]) == 0
-    with (tmp_path / "p-ckpt" / "predictions.csv").open() as a, (tmp_path / "p-folder" / "predictions.csv").open() as b:
-        assert list(csv.DictReader(a)) == list(csv.DictReader(b))
+    # By default, byte for byte (issue 42), though the run trained in bf16: both compute in fp32 on any CPU.
+    from engine.checkpoint import save_atomic
+
+    stored = torch.load(ckpt, weights_only=True, map_location="cpu")
+    stored["config"]["amp"] = "bf16"
+    save_atomic(stored, tmp_path / "bf16.pth")
+    capsys.readouterr()
+    for source, out in ((str(tmp_path / "bf16.pth"), tmp_path / "p-ckpt"), (str(folder), tmp_path / "p-folder")):
+        assert report_errors(predict.main, [source, str(images), "--output-dir", str(out)]) == 0
+        assert "computing in fp32 (the inference default" in capsys.readouterr().err
+        assert json.loads((out / "predictions.json").read_text())["precision"] == "fp32"
+    assert (tmp_path / "p-ckpt/predictions.csv").read_bytes() == (tmp_path / "p-folder/predictions.csv").read_bytes()
+    assert report_errors(predict.main, [ckpt, str(images), "--output-dir", str(tmp_path / "p-bf16"), "amp=bf16"]) == 0
+    assert "computing in bf16 (amp=bf16)" in capsys.readouterr().err
+    assert json.loads((tmp_path / "p-bf16/predictions.json").read_text())["precision"] == "bf16"
