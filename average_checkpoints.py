@@ -21,7 +21,7 @@ a file that is not an earlier averaged checkpoint; the write is atomic.
 from __future__ import annotations
 
 if __name__ == "__main__":  # first: a SIGTERM or SIGUSR1 during the imports below (seconds) gets handled
-    from engine.signals import handle_early
+    from core.signals import handle_early
 
     handle_early()
 
@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
-from engine.checkpoint import load_checkpoint, save_atomic
-from engine.cli import run_main
-from engine.errors import UserError
-from engine.outputs import check_folder, check_replaceable, replace_with, temp_beside
+from core.cli import run_main
+from core.errors import UserError
+from core.files import check_folder, check_replaceable, replace_with, save_atomic, temp_beside
+from engine.checkpoint.formats import load_checkpoint
 
 EPOCH_FILE = re.compile(r"epoch_(\d+)\.pth")
 EXPECTED = "an averaged checkpoint written by average_checkpoints.py"

@@ -27,7 +27,7 @@ sweep stops at --max-batch, which it then requires.
 from __future__ import annotations
 
 if __name__ == "__main__":  # first: a SIGTERM or SIGUSR1 during the imports below (seconds) gets handled
-    from engine.signals import handle_early
+    from core.signals import handle_early
 
     handle_early()
 
@@ -44,18 +44,18 @@ from typing import Callable
 import numpy as np
 import torch
 
-from engine.startup import cpu_share, import_timm_without_wandb, tune_cpu_process
+from core.startup import cpu_share, import_timm_without_wandb, tune_cpu_process
 
-import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (engine/startup.py)
+import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (core/startup.py)
 
+from core.cli import run_main
+from core.config import Config, OptimConfig
+from core.config_load import load_config
+from core.dist import DistInfo, init_distributed
+from core.errors import UserError
+from core.files import check_replaceable, starts_with, write_output
 from data.loader import build_data, build_train_loader
-from engine.cli import run_main
-from engine.config import Config, OptimConfig
-from engine.config_load import load_config
-from engine.dist import DistInfo, init_distributed
-from engine.errors import UserError
 from engine.optim import build_optimizer
-from engine.outputs import check_replaceable, starts_with, write_output
 from engine.precision import Precision, resolve_precision
 from models.factory import create_model, prepare_model
 

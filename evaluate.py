@@ -16,7 +16,7 @@ number of processes (on CPU each process uses one thread: launch one per core fo
 from __future__ import annotations
 
 if __name__ == "__main__":  # first: a SIGTERM or SIGUSR1 during the imports below (seconds) gets handled
-    from engine.signals import handle_early
+    from core.signals import handle_early
 
     handle_early()
 
@@ -32,31 +32,30 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.startup import import_timm_without_wandb, tune_cpu_process
+from core.startup import import_timm_without_wandb, tune_cpu_process
 
-import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (engine/startup.py)
+import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (core/startup.py)
 
+from core.cli import run_main
+from core.config import Config, to_dict
+from core.config_load import config_from_dict, parse_override, set_dotted
+from core.dist import DistInfo, barrier, init_distributed, rank0_decides, read_launch_env
+from core.errors import UserError
+from core.files import (CSV_OUTPUT, merge_parts, part_file, replace_with, starts_with, temp_beside, write_csv,
+                        write_output)
+from core.logs import setup_logging
+from data.datasets import AugmentedDataset
 from data.loader import build_eval_loader, build_val_dataset
 from data.transforms import DeviceNormalize, eval_size
-from data.datasets import AugmentedDataset
-from engine.checkpoint import read_checkpoint
-from engine.cli import run_main
-from engine.config import Config, to_dict
-from engine.config_load import config_from_dict, parse_override, set_dotted
-from engine.dist import DistInfo, barrier, init_distributed, rank0_decides, read_launch_env
-from engine.errors import UserError
-from engine.inference import (CSV_OUTPUT, ema_hint, for_inference, make_output_dir, merge_parts, part_file,
-                              precision_line, write_csv)
-from engine.logs import setup_logging
+from engine.checkpoint.formats import read_checkpoint
+from engine.checkpoint.inference import ema_hint, for_inference, make_output_dir, precision_line
+from engine.checkpoint.weights import load_weights
+from engine.evaluation import best_thresholds, evaluate, evaluate_multilabel, multilabel_metrics
 from engine.metrics import class_metrics
-from engine.outputs import replace_with, starts_with, temp_beside, write_output
 from engine.precision import resolve_precision
 from engine.tracking import WandbTracker
-from engine.multilabel import best_thresholds, evaluate_multilabel, multilabel_metrics
-from engine.trainer import evaluate
 from models.factory import create_model, prepare_model
 from models.tta import CROPS, TTAModel, describe
-from engine.weights import load_weights
 
 log = logging.getLogger("evaluate")
 COLUMNS = ("index", "path", "label", "pred", "confidence", "top5", "label_name", "pred_name", "loss")
@@ -335,7 +334,7 @@ def run(cfg: Config, ckpt: dict[str, Any], args: argparse.Namespace, info: DistI
     log.info("evaluating %s (%s, %s) on %d images at %d px (crop_pct %s), %d view(s) each, %d process(es), batch %d "
              "per process", args.checkpoint, cfg.model.name, "EMA weights" if args.ema else "weights", len(dataset),
              size, crop_pct, tta_views(args), info.world_size, cfg.train.batch_size)
-    log.info(precision_line(cfg.amp, precision))
+    log.info(precision_line(cfg.amp, precision.name))
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
     if cfg.data.multi_label:
         return run_multilabel(cfg, args, info, out, dataset, loader, model, precision, normalize, class_names,

@@ -20,7 +20,7 @@ model.init_from; its weights are checked to load back into timm bitwise.
 from __future__ import annotations
 
 if __name__ == "__main__":  # first: a SIGTERM or SIGUSR1 during the imports below (seconds) gets handled
-    from engine.signals import handle_early
+    from core.signals import handle_early
 
     handle_early()
 
@@ -38,20 +38,20 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.startup import import_timm_without_wandb
+from core.startup import import_timm_without_wandb
 
-import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (engine/startup.py)
+import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (core/startup.py)
 
+from core.cli import run_main
+from core.config import Config
+from core.errors import UserError
+from core.files import check_folder, check_replaceable, replace_with, temp_beside, write_new
+from core.logs import setup_logging
 from data.datasets import ImageListDataset, find_images
 from data.loader import build_val_dataset
 from data.transforms import DeviceNormalize, eval_size, eval_transform
-from engine.cli import run_main
-from engine.config import Config
-from engine.errors import UserError
-from engine.inference import MODEL_CONFIG, MODEL_WEIGHTS, Trained, ema_hint, inference_config, load_trained
-from engine.logs import setup_logging
-from engine.outputs import check_folder, check_replaceable, replace_with, temp_beside, write_new
-from engine.weights import load_weights
+from engine.checkpoint.inference import Trained, ema_hint, inference_config, load_trained
+from engine.checkpoint.weights import MODEL_CONFIG, MODEL_WEIGHTS, load_weights
 from models.factory import create_model
 
 log = logging.getLogger("export")

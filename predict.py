@@ -21,7 +21,7 @@ or per class: --thresholds with an eval.json of `evaluate.py --tune-thresholds`)
 from __future__ import annotations
 
 if __name__ == "__main__":  # first: a SIGTERM or SIGUSR1 during the imports below (seconds) gets handled
-    from engine.signals import handle_early
+    from core.signals import handle_early
 
     handle_early()
 
@@ -33,24 +33,24 @@ from typing import Any
 
 import torch
 
-from engine.startup import import_timm_without_wandb, tune_cpu_process
+from core.startup import import_timm_without_wandb, tune_cpu_process
 
-import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (engine/startup.py)
+import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (core/startup.py)
 
+from core.cli import run_main
+from core.config import Config
+from core.config_load import parse_override
+from core.dist import DistInfo, barrier, init_distributed, rank0_decides, read_launch_env
+from core.errors import UserError
+from core.files import CSV_OUTPUT, merge_parts, part_file, starts_with, write_csv, write_output
+from core.logs import setup_logging
 from data.datasets import ImageListDataset, find_images
 from data.loader import build_eval_loader, collate_channels_last
 from data.transforms import DeviceNormalize, eval_size, eval_transform
-from engine.cli import run_main
-from engine.config import Config
-from engine.config_load import parse_override
-from engine.dist import DistInfo, barrier, init_distributed, rank0_decides, read_launch_env
-from engine.errors import UserError
-from engine.inference import (CSV_OUTPUT, Trained, check_same_architecture, ema_hint, inference_config, precision_line,
-                              load_trained, make_output_dir, merge_parts, part_file, write_csv)
-from engine.logs import setup_logging
-from engine.outputs import starts_with, write_output
+from engine.checkpoint.inference import (Trained, check_same_architecture, ema_hint, inference_config, load_trained,
+                                         make_output_dir, precision_line)
+from engine.checkpoint.weights import load_weights
 from engine.precision import Precision, resolve_precision
-from engine.weights import load_weights
 from models.factory import create_model, prepare_model
 from models.tta import CROPS, TTAModel, describe
 
@@ -201,7 +201,7 @@ def run(trained: Trained, cfg: Config, args: argparse.Namespace, info: DistInfo)
                  cfg.train.batch_size)
     precision = resolve_precision(cfg.amp, info.device)
     if info.is_main:
-        log.info(precision_line(cfg.amp, precision))
+        log.info(precision_line(cfg.amp, precision.name))
     multi = trained.multi_label
     shown = ML_COLUMNS if multi else columns(k)
     rows = predict(model, loader, dataset, trained.class_names, k, cfg, info, precision,

@@ -6,13 +6,13 @@
 Everything the run does is in `fit`: find the checkpoint to resume (resume=auto: <output_dir>/last.pth),
 build data, model, optimizer; then per epoch train, evaluate, write metrics.jsonl and checkpoints
 (rank 0 writes, every rank joins the collectives). `main` holds output_dir's lock while `fit` runs, and
-nothing in output_dir changes before the run's first write (engine/run_dir.py).
+nothing in output_dir changes before the run's first write (engine/checkpoint/run_dir.py).
 """
 
 from __future__ import annotations
 
 if __name__ == "__main__":  # first: a SIGTERM or SIGUSR1 during the imports below (seconds) gets handled
-    from engine.signals import handle_early
+    from core.signals import handle_early
 
     handle_early()
 
@@ -24,43 +24,42 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader
 
-from engine.startup import cpu_share, import_timm_without_wandb, tune_cpu_process
+from core.startup import cpu_share, import_timm_without_wandb, tune_cpu_process
 
-import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (engine/startup.py)
+import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (core/startup.py)
 
+from core.cli import run_main
+from core.config import (Config, ModelConfig, best_metric, config_yaml, given_keys, keys_help, lower_is_better, mixing,
+                         replace_section, to_dict)
+from core.config_load import load_config
+from core.dist import (DistInfo, broadcast_tensors, init_distributed, is_fsdp, rank0_decides, read_launch_env,
+                       replicated_tensors)
+from core.errors import UserError
+from core.logs import setup_logging
+from core.signals import Preempted
 from data.loader import DataBundle, build_data, skipped_train_images, steps_per_epoch
 from data.mixing import BatchMix
 from data.transforms import DeviceNormalize
-from engine.checkpoint import Checkpointer
-from engine.cli import run_main
-from engine.config import (Config, ModelConfig, best_metric, config_yaml, given_keys, keys_help, lower_is_better,
-                           mixing, replace_section, to_dict)
-from engine.config_load import load_config
-from engine.dist import DistInfo, broadcast_tensors, init_distributed, rank0_decides, read_launch_env
+from engine.checkpoint.resume import Resume
+from engine.checkpoint.run_dir import RunRecord, check_writable, locked
+from engine.checkpoint.saver import Checkpointer
+from engine.checkpoint.weights import check_pretrained, resolve_preprocessing
 from engine.distill import build_distillation, check_teacher_needed, freeze_teacher, read_teacher, teacher_sha256
-from engine.errors import UserError
+from engine.evaluation import validate_epoch
 from engine.hooks import EmaUpdate, IntervalTracking, StepCheckpoint
-from engine.logs import setup_logging
 from engine.losses import build_loss, class_weights
-from engine.multilabel import evaluate_multilabel
 from engine.optim import (build_optimizer, build_scheduler, check_optimizer, check_scheduler, scaled_lr_note,
                           with_global_batch, with_scaled_lr)
 from engine.precision import Precision, resolve_precision
 from engine.profiling import ProfileSteps
-from engine.resume import Resume
-from engine.run_dir import RunRecord, check_writable, locked
-from engine.signals import Preempted
 from engine.speed import InputAdvice
 from engine.state import TrainState
 from engine.tracking import TensorBoardWriter, WandbTracker
-from engine.weights import check_pretrained, resolve_preprocessing
-from engine.trainer import LoopConfig, TrainParts, evaluate, train_one_epoch
+from engine.trainer import LoopConfig, TrainParts, train_one_epoch
 from models.ema import create_ema
 from models.factory import check_model_name, compile_warning, create_model, prepare_model
-from models.sharding import is_sharded, replicated_tensors, shard_model
+from models.parallel import shard_for_training, wrap_for_training
 
 log = logging.getLogger("train")
 
@@ -97,7 +96,7 @@ def start_up(cfg: Config, info: DistInfo) -> tuple[Config, Resume, DataBundle, P
         if info.is_main:
             log.warning(warning)
     precision = resolve_precision(cfg.amp, info.device)
-    if cfg.dist.strategy == "fsdp" and precision.scaler is not None:  # amp=fp16 itself: engine/config_checks.py
+    if cfg.dist.strategy == "fsdp" and precision.scaler is not None:  # amp=fp16 itself: core/config_checks.py
         raise UserError(f"amp={cfg.amp} chose fp16 on this GPU, which dist.strategy=fsdp cannot use (the GradScaler "
                         "would see only each process's shard of the gradients); use amp=off, or dist.strategy=ddp")
     if pretrained is None:
@@ -145,33 +144,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def shard_for_training(model: nn.Module, ema: nn.Module | None, precision: Precision, info: DistInfo) -> None:
-    """dist.strategy=fsdp: FSDP2 on the model and its EMA, in place (models/sharding.py), before the optimizer
-    takes the sharded parameters; the same units and bf16 policy for both, so the EMA is sharded like the model."""
-    if info.world_size == 1:
-        log.info("dist.strategy=fsdp in one process: nothing to shard, the model trains whole (as with ddp)")
-        return
-    shard_model(model, precision.dtype)
-    if ema is not None:
-        shard_model(ema, precision.dtype)
-    log.info("dist.strategy=fsdp: parameters, gradients and optimizer state sharded across %d processes%s",
-             info.world_size, ", weights gathered in bf16" if precision.dtype == torch.bfloat16 else "")
-
-
-def wrap_for_training(model: nn.Module, cfg: ModelConfig, info: DistInfo) -> nn.Module:
-    """DDP over several processes (unless FSDP2 already shards the model), then torch.compile if asked: the
-    module the loop calls."""
-    train_model = model
-    if info.world_size > 1 and not is_sharded(model):
-        device_ids = [info.device.index] if info.device.type == "cuda" else None  # CPU DDP needs None
-        train_model = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
-    if cfg.compile:
-        if (warning := compile_warning(cfg, info.world_size)) and info.is_main:
-            log.warning(warning)
-        train_model = torch.compile(train_model)
-    return train_model
-
-
 def fit(cfg: Config, info: DistInfo) -> TrainState:
     out = Path(cfg.output_dir)
     cfg, start, data, precision, model = start_up(cfg, info)
@@ -184,26 +156,31 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
     ema = create_ema(model, cfg.model.ema_decay, cfg.model.ema_warmup)
     start.load_ema(ema.module if ema is not None else None)
     if cfg.dist.strategy == "fsdp":
-        shard_for_training(model, ema.module if ema is not None else None, precision, info)
+        shard_for_training(model, ema.module if ema is not None else None, precision.dtype, info.world_size)
     torch.manual_seed(cfg.seed + info.rank)  # dropout / drop-path differ per rank, reproducibly
     if info.device.type == "cuda":
         torch.backends.cudnn.benchmark = True
-    optimizer = build_optimizer(model, cfg.optim, grad_scaler=precision.scaler is not None, sharded=is_sharded(model))
+    optimizer = build_optimizer(model, cfg.optim, grad_scaler=precision.scaler is not None, sharded=is_fsdp(model))
     updates_per_epoch = steps_per_epoch(data.train, cfg.train.accum_steps)
-    parts = TrainParts(wrap_for_training(model, cfg.model, info), optimizer,
+    if (warning := compile_warning(cfg.model, info.world_size)) and info.is_main:
+        log.warning(warning)
+    parts = TrainParts(wrap_for_training(model, info.device, info.world_size, cfg.model.compile), optimizer,
                        build_scheduler(optimizer, cfg.sched, cfg.train.epochs, updates_per_epoch),
                        build_loss(cfg.train, mixing(cfg.data),
                                   class_weights(cfg.train.class_weights, data.class_counts, data.class_names)),
                        precision, distill)
-    state = start.load_training(parts, cfg, info, updates_per_epoch)
+    state = TrainState()
+    start.load_training(state, cfg, info, updates_per_epoch, model=parts.model, optimizer=optimizer,
+                        scheduler=parts.scheduler, scaler=precision.scaler)
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
     total_steps = cfg.train.epochs * updates_per_epoch
-    loop = LoopConfig(cfg.train.accum_steps, cfg.optim.clip_grad, cfg.train.max_steps, cfg.logging.interval,
-                      normalize, cfg.logging.progress, cfg.train.max_nonfinite,
-                      min(total_steps, cfg.train.max_steps or total_steps),
-                      BatchMix(data.num_classes, cfg.train.label_smoothing) if mixing(cfg.data) else None,
-                      cfg.optim.clip_mode, multi_label=cfg.data.multi_label,
-                      fsdp_accum_whole=cfg.dist.fsdp_accum_whole and is_sharded(model) and cfg.train.accum_steps > 1)
+    loop = LoopConfig(normalize=normalize, accum_steps=cfg.train.accum_steps, clip_grad=cfg.optim.clip_grad,
+                      max_steps=cfg.train.max_steps, log_interval=cfg.logging.interval,
+                      show_progress=cfg.logging.progress, max_nonfinite=cfg.train.max_nonfinite,
+                      total_steps=min(total_steps, cfg.train.max_steps or total_steps),
+                      mix=BatchMix(data.num_classes, cfg.train.label_smoothing) if mixing(cfg.data) else None,
+                      clip_mode=cfg.optim.clip_mode, multi_label=cfg.data.multi_label,
+                      fsdp_accum_whole=cfg.dist.fsdp_accum_whole and is_fsdp(model) and cfg.train.accum_steps > 1)
     global_batch = cfg.train.batch_size * info.world_size * cfg.train.accum_steps
     log.info("model %s (%.1fM params), %d process(es) on %s, %s, global batch %d, %d steps/epoch",
              cfg.model.name, sum(p.numel() for p in model.parameters()) / 1e6, info.world_size,
@@ -244,11 +221,11 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
                 stopped.checkpoint = checkpointer.last
                 raise
             input_advice.after_epoch(state.epoch, train_stats)
-            if is_sharded(model):  # DDP broadcasts rank 0's buffers (BatchNorm statistics) at each forward; FSDP never
+            if is_fsdp(model):  # DDP broadcasts rank 0's buffers (BatchNorm statistics) at each forward; FSDP never
                 broadcast_tensors(replicated_tensors(model))
             row = {"epoch": state.epoch, **train_stats,
                    **validate_epoch(parts.model, ema.module if ema is not None else None, data.val, precision, info,
-                                    normalize, cfg),
+                                    normalize, cfg.data),
                    "lr": optimizer.param_groups[0]["lr"]}
             is_best = state.update_best(row[chosen_on], lower_is_better(chosen_on))
             finished = state.epoch_finished(updates_per_epoch)  # else max_steps stopped it: resume continues it
@@ -294,27 +271,6 @@ def stop_before_epoch(cfg: Config, state: TrainState, chosen_on: str, tracker: W
         tracker.summary({"early_stopped_before_epoch": state.epoch})
         return True
     return False
-
-
-def validate_epoch(model: nn.Module, ema: nn.Module | None, loader: DataLoader, precision: Precision, info: DistInfo,
-                   normalize: DeviceNormalize, cfg: Config) -> dict[str, float]:
-    """The epoch's validation columns: the model's metrics, and its EMA's prefixed `ema_`."""
-    row = validate(model, loader, precision, info, normalize, cfg)
-    if ema is not None:
-        # BatchNorm buffers differ per rank between DDP's broadcasts, and so do the EMAs of them:
-        # every rank evaluates rank 0's EMA, the one the checkpoint saves.
-        broadcast_tensors(replicated_tensors(ema))  # sharded (fsdp): each rank keeps its own shards
-        ema_stats = validate(ema, loader, precision, info, normalize, cfg)
-        row.update({f"ema_{k}": v for k, v in ema_stats.items() if k != "val_count"})
-    return row
-
-
-def validate(model: nn.Module, loader: DataLoader, precision: Precision, info: DistInfo, normalize: DeviceNormalize,
-             cfg: Config) -> dict[str, float]:
-    """The epoch's validation metrics: top-1/top-5, or mAP and F1 for multi-label data (engine/multilabel.py)."""
-    if cfg.data.multi_label:
-        return evaluate_multilabel(model, loader, precision, info, normalize, cfg.data.multi_label_threshold)
-    return evaluate(model, loader, precision, info, normalize)
 
 
 def epoch_line(row: dict) -> str:

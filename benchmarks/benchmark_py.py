@@ -35,7 +35,7 @@ def main() -> None:
     import torch
 
     import benchmark
-    from engine.config_load import load_config
+    from core.config_load import load_config
     from engine.precision import resolve_precision
 
     torch.set_num_threads(1)

@@ -148,10 +148,10 @@ def main() -> None:
     from torchvision import transforms as T
     from torchvision.transforms import v2
 
+    from core.config import DataConfig
     from data.datasets import ImageFolderDataset, read_image
     from data.loader import collate_channels_last
     from data.transforms import DeviceNormalize, train_transform
-    from engine.config import DataConfig
 
     torch.set_num_threads(1)  # what a DataLoader worker gets
     cv2.setNumThreads(1)  # what data.loader's worker_init_fn sets
@@ -235,10 +235,10 @@ def randaugment_tables(root: Path, kb: float, args: argparse.Namespace) -> None:
     from torchvision import transforms as T
     from torchvision.transforms import v2
 
+    from core.config import DataConfig
     from data.datasets import ImageFolderDataset
     from data.loader import collate_channels_last
     from data.transforms import DeviceNormalize, tensor_augment, train_transform
-    from engine.config import DataConfig
 
     cfg = DataConfig(img_size=224, mean=list(MEAN), std=list(STD), auto_augment="rand-m9-n2-p1")
     ours = ImageFolderDataset(root / "train", train_transform(cfg), seed=0, tensor_transform=tensor_augment(cfg))

@@ -3,7 +3,7 @@
 Both sides run the same model (eval mode, channels_last, amp=auto i.e. bf16 autocast) over the same
 batches already in memory, in one process with one torch thread by default (CPU-time figures are then
 robust to other jobs on the machine; --threads 2 uses both cores), alternating:
-- ours: engine.trainer.evaluate (exact loss / top-1 / top-5 sums, all-reduced; what train.py and
+- ours: engine.evaluation.evaluate (exact loss / top-1 / top-5 sums, all-reduced; what train.py and
   evaluate.py call per validation pass) on uint8 batches, as the app's loaders deliver them, so it also
   pays for the normalization (data.transforms.DeviceNormalize);
 - bare: `with torch.inference_mode(), autocast: correct += (model(x).argmax(1) == y).sum()` on batches
@@ -11,8 +11,8 @@ robust to other jobs on the machine; --threads 2 uses both cores), alternating:
   its normalization was paid elsewhere;
 - bare + normalize: the same loop on the uint8 batches, normalizing each the textbook way,
   `(x.float() / 255 - mean) / std`: the same input and work as ours.
-Like evaluate.py (engine.startup.tune_cpu_process), the process first raises glibc's malloc thresholds
-(engine.host_memory), which both sides share; set `GLIBC_TUNABLES=` (empty) to measure glibc's defaults.
+Like evaluate.py (core.startup.tune_cpu_process), the process first raises glibc's malloc thresholds
+(core.startup), which both sides share; set `GLIBC_TUNABLES=` (empty) to measure glibc's defaults.
 
     python benchmarks/evaluation.py [--repeats 5]
 """
@@ -40,12 +40,12 @@ def main() -> None:
     args = parse_args()
     import torch
 
+    from core.config import DataConfig, ModelConfig
+    from core.dist import DistInfo
+    from core.startup import keep_freed_memory
     from data.transforms import DeviceNormalize
-    from engine.config import DataConfig, ModelConfig
-    from engine.dist import DistInfo
-    from engine.host_memory import keep_freed_memory
+    from engine.evaluation import evaluate
     from engine.precision import resolve_precision
-    from engine.trainer import evaluate
     from models.factory import create_model, prepare_model
 
     torch.set_num_threads(args.threads)
@@ -87,7 +87,7 @@ def main() -> None:
         correct.item()
         return images
 
-    sides = {"ours (engine.trainer.evaluate)": ours, "bare inference loop": bare,
+    sides = {"ours (engine.evaluation.evaluate)": ours, "bare inference loop": bare,
              "bare inference loop + normalize": bare_normalize}
     names = tuple(sides)
     wall: dict[str, list[float]] = {name: [] for name in names}

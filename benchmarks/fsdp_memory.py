@@ -2,7 +2,7 @@
 
 Each configuration runs in its own real process group (gloo on CPU, one process per rank, spawned here):
 vit_base_patch16_224 (86.6M parameters, random init: nothing is downloaded), fp32, the app's AdamW
-(engine/optim.build_optimizer) and, for fsdp, the app's sharding (models/sharding.shard_model: each block,
+(engine/optim.build_optimizer) and, for fsdp, the app's sharding (models/parallel.shard_model: each block,
 then the root); ddp is torch's DistributedDataParallel as train.py builds it (gradient_as_bucket_view). After
 the last step every rank counts the bytes it holds, before zero_grad: its parameters, its gradients and its
 optimizer state (for fsdp, the local shards of the DTensors). Activations and FSDP's transient all-gathered
@@ -44,14 +44,14 @@ def local_bytes(tensors) -> int:
 
 
 def run_rank(rank: int, world: int, port: int, strategy: str, args: argparse.Namespace, out: str) -> None:
-    from engine.config import OptimConfig
+    from core.config import OptimConfig
+    from core.startup import import_timm_without_wandb
     from engine.optim import build_optimizer
-    from engine.startup import import_timm_without_wandb
 
     import_timm_without_wandb()
     import timm
 
-    from models.sharding import shard_model
+    from models.parallel import shard_model
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

@@ -97,10 +97,10 @@ def run_epoch(size: int, packed: bool, workers: int, batch_size: int) -> dict:
 
     import torch
 
+    from core.config import DataConfig
+    from core.dist import DistInfo
+    from core.startup import keep_freed_memory
     from data.loader import build_train_loader
-    from engine.config import DataConfig
-    from engine.dist import DistInfo
-    from engine.host_memory import keep_freed_memory
 
     keep_freed_memory()  # as tune_cpu_process does on CPU before the app builds its loaders
     dataset = make_dataset(size, packed)

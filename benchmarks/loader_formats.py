@@ -63,8 +63,8 @@ def worker_memory(cfg, batch_size: int) -> tuple[float, float]:
     """Mean USS and RSS (MB) of the train loader's workers after one epoch."""
     import torch
 
+    from core.dist import DistInfo
     from data.loader import build_datasets, build_train_loader
-    from engine.dist import DistInfo
 
     info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
     loader = build_train_loader(build_datasets(cfg, seed=0)[0], cfg, batch_size, seed=0, info=info)
@@ -84,8 +84,8 @@ def main() -> None:
     import numpy as np
     import torch
 
+    from core.config import DataConfig
     from data.loader import build_datasets, collate_channels_last
-    from engine.config import DataConfig
 
     torch.set_num_threads(1)  # what a DataLoader worker gets
     cv2.setNumThreads(1)

@@ -41,10 +41,10 @@ def dummy_data_ms_per_batch(img_size: int, batch_size: int) -> float:
     """CPU ms train.py's training process spends producing one batch of dummy data (num_workers=0)."""
     import cv2
     import torch
+    from core.config import DataConfig
     from data.datasets import DummyDataset
     from data.loader import collate_channels_last
     from data.transforms import train_transform
-    from engine.config import DataConfig
 
     torch.set_num_threads(1)
     cv2.setNumThreads(1)
@@ -63,9 +63,9 @@ def host_syncs_per_step(steps: int = 10, log_interval: int = 5) -> tuple[int, in
     import torch
     from torch.profiler import profile
 
+    from core.config import DataConfig, OptimConfig, SchedConfig
+    from core.dist import DistInfo
     from data.transforms import DeviceNormalize
-    from engine.config import DataConfig, OptimConfig, SchedConfig
-    from engine.dist import DistInfo
     from engine.optim import build_optimizer, build_scheduler
     from engine.precision import resolve_precision
     from engine.state import TrainState
@@ -78,7 +78,7 @@ def host_syncs_per_step(steps: int = 10, log_interval: int = 5) -> tuple[int, in
     batches = [(torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8), torch.randint(0, 10, (8,)))
                for _ in range(steps)]
     data = DataConfig()
-    loop = LoopConfig(1, 0.0, 0, log_interval, DeviceNormalize(data.mean, data.std, info.device, True), False)
+    loop = LoopConfig(log_interval=log_interval, normalize=DeviceNormalize(data.mean, data.std, info.device, True))
     parts = TrainParts(model, optimizer, scheduler, torch.nn.CrossEntropyLoss(), resolve_precision("auto", info.device))
     train_one_epoch(parts, batches, TrainState(), loop, info)
     with profile() as prof:

@@ -34,9 +34,9 @@ def make_side(model_name: str, amp: str, channels_last: bool, batches: list) -> 
     """A function that runs `len(batches)` training steps through the app's loop and returns the image count."""
     import torch
 
+    from core.config import DataConfig, ModelConfig, OptimConfig, SchedConfig
+    from core.dist import DistInfo
     from data.transforms import DeviceNormalize
-    from engine.config import DataConfig, ModelConfig, OptimConfig, SchedConfig
-    from engine.dist import DistInfo
     from engine.optim import build_optimizer, build_scheduler
     from engine.precision import resolve_precision
     from engine.state import TrainState
@@ -51,7 +51,7 @@ def make_side(model_name: str, amp: str, channels_last: bool, batches: list) -> 
     scheduler = build_scheduler(optimizer, SchedConfig(), 1000, len(batches))
     precision = resolve_precision(amp, info.device)
     data = DataConfig()
-    loop = LoopConfig(1, 0.0, 0, 1000, DeviceNormalize(data.mean, data.std, info.device, channels_last), False)
+    loop = LoopConfig(log_interval=1000, normalize=DeviceNormalize(data.mean, data.std, info.device, channels_last))
     parts = TrainParts(model, optimizer, scheduler, torch.nn.CrossEntropyLoss(), precision)
 
     def run() -> int:

@@ -41,7 +41,7 @@ def main() -> None:
     import timm
     import torch
 
-    from engine.config import OptimConfig
+    from core.config import OptimConfig
     from engine.optim import build_optimizer
 
     if args.threads:

@@ -3,7 +3,7 @@
 Two gloo ranks on the CPU, one thread each, a timm model with AdamW state (3 tensors per parameter). Each round
 times, alternating which goes first: the file save as the Checkpointer makes it (rank 0 copies the model and
 optimizer state to the CPU and writes one fsynced file with `save_atomic`; rank 1 waits), and the sharded save
-of the same DDP model (`engine.sharded.save`: both ranks write their share with DCP, rank 0 adds the plain data
+of the same DDP model (`engine.checkpoint.sharded.save`: both ranks write their share with DCP, rank 0 adds the plain data
 and swaps the folder in); then the sharded save of the model sharded with FSDP2 (fully_shard per block, then the
 root). Prints rank 0's medians and the bytes each rank wrote.
 
@@ -57,9 +57,10 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, folder: str, resul
     import torch
     import torch.distributed as dist
 
-    from engine import sharded
-    from engine.checkpoint import cpu_state_dict, on_cpu, save_atomic
-    from engine.dist import rank0_decides
+    from core.dist import rank0_decides
+    from core.files import save_atomic
+    from engine.checkpoint import sharded
+    from engine.checkpoint.saver import cpu_state_dict, on_cpu
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

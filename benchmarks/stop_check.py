@@ -1,6 +1,6 @@
 """What the per-step stop check costs: one all-reduce of one number, against a DDP training step.
 
-Two gloo ranks on the CPU, one thread each. Each round times `--calls` calls of `engine.dist.max_over_ranks`
+Two gloo ranks on the CPU, one thread each. Each round times `--calls` calls of `core.dist.max_over_ranks`
 (the check `train_one_epoch` makes after every optimizer step, so that all ranks stop after the same step
 when one got SIGTERM or SIGUSR1) and `--steps` DDP training steps of the model (forward, backward with the
 gradient all-reduce, fused SGD step). Prints rank 0's medians over the rounds and the check's share of a step.
@@ -35,7 +35,7 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, results) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from engine.dist import max_over_ranks
+    from core.dist import max_over_ranks
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -17,7 +17,7 @@ import time
 
 import harness  # noqa: F401  (puts the repo on sys.path)
 import train
-from engine.cli import report_errors
+from core.cli import report_errors
 
 EPOCHS: list[dict] = []
 

@@ -24,8 +24,8 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
-from engine.config import DataConfig
-from engine.errors import UserError
+from core.config import DataConfig
+from core.errors import UserError
 
 TensorTransform = Callable[[torch.Tensor], torch.Tensor]
 log = logging.getLogger(__name__)

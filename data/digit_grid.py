@@ -21,8 +21,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 
+from core.errors import UserError
 from data.digits import export_digits
-from engine.errors import UserError
 
 SLOT = 16  # side of one digit in the grid
 SIZES = {"train": 3000, "val": 600}

@@ -16,7 +16,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from engine.errors import UserError
+from core.errors import UserError
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ from pathlib import Path
 import albumentations as A
 import numpy as np
 
+from core.config import DataConfig
+from core.errors import UserError
 from data.datasets import AugmentedDataset, decode_image, multi_hot, read_image, shared_labels
-from engine.config import DataConfig
-from engine.errors import UserError
 
 log = logging.getLogger(__name__)
 

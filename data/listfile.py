@@ -20,9 +20,9 @@ from pathlib import Path
 import albumentations as A
 import numpy as np
 
+from core.config import DataConfig
+from core.errors import UserError
 from data.datasets import AugmentedDataset, PackedStrings, multi_hot, read_image, shared_labels
-from engine.config import DataConfig
-from engine.errors import UserError
 
 CLASS_FILE = "classes.txt"
 LABEL_SEPARATOR = "|"  # between the labels of one multi-label row

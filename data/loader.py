@@ -22,6 +22,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Sampler, default_collate
 
+from core.config import DataConfig, mixing
+from core.dist import DistInfo, local_main_first
+from core.errors import UserError
+from core.signals import worker_signals
 from data.datasets import AugmentedDataset, DummyDataset, ImageFolderDataset
 from data.digits import export_digits
 from data.hf import HFDataset
@@ -29,10 +33,6 @@ from data.listfile import ListFileDataset
 from data.mixing import MixCollate
 from data.shards import ShardDataset, split_index
 from data.transforms import eval_transform, tensor_augment, train_transform
-from engine.config import DataConfig, mixing
-from engine.dist import DistInfo, local_main_first
-from engine.errors import UserError
-from engine.signals import worker_signals
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ def build_split(cfg: DataConfig, split: str, transform: A.Compose, seed: int, cl
 
 def _worker_init(worker_id: int) -> None:
     """OpenCV's own thread pool would fight the DataLoader workers for the same cores; a worker whose parent
-    has gone stays quiet; stop signals are the parent's to handle (engine.signals.worker_signals)."""
+    has gone stays quiet; stop signals are the parent's to handle (core.signals.worker_signals)."""
     cv2.setNumThreads(1)
     sys.excepthook = _quiet_if_parent_gone
     worker_signals()
@@ -284,7 +284,7 @@ class OneLineErrorLoader(DataLoader):
     """
 
     def __iter__(self) -> Iterator:
-        # The workers start here, in iter() (engine.signals.workers_shielded relies on it), not at the first batch.
+        # The workers start here, in iter() (core.signals.workers_shielded relies on it), not at the first batch.
         return self.one_line_errors(super().__iter__())
 
     @staticmethod

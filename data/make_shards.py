@@ -33,11 +33,11 @@ from typing import Iterator
 
 import numpy as np
 
+from core.errors import UserError
+from core.logs import setup_logging
 from data.datasets import AugmentedDataset, ImageFolderDataset, find_classes
 from data.listfile import ListFileDataset
 from data.shards import cls_text, label_mismatch, scan_tar
-from engine.errors import UserError
-from engine.logs import setup_logging
 
 log = logging.getLogger("make_shards")
 
@@ -207,7 +207,7 @@ def main(argv: list[str]) -> int:
 
 
 def run(argv: list[str]) -> int:
-    """main with engine.cli's error contract (one `error: ...` line, exit 2); data/ may not import engine.cli."""
+    """main with core.cli's error contract (one `error: ...` line, exit 2); data/ may not import core.cli."""
     try:
         return main(argv)
     except UserError as err:

@@ -21,7 +21,7 @@ import math
 import numpy as np
 import torch
 
-from engine.config import DataConfig
+from core.config import DataConfig
 
 MIX_STREAM = 0x4D4958  # ends a pair's seed sequence, apart from the augmentation's (seed, epoch, index[, repeat])
 NONE, MIXUP, CUTMIX = 0, 1, 2

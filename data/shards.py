@@ -31,9 +31,9 @@ from urllib.parse import quote, urlparse
 import albumentations as A
 import numpy as np
 
-from data.datasets import IMAGE_EXTENSIONS, AugmentedDataset, decode_image, multi_hot, shared_labels
-from engine.config import DataConfig
-from engine.errors import UserError
+from core.config import DataConfig
+from core.errors import UserError
+from data.datasets import AugmentedDataset, IMAGE_EXTENSIONS, decode_image, multi_hot, shared_labels
 
 log = logging.getLogger(__name__)
 OPEN_SHARDS = 64  # file descriptors each process keeps open (least recently used closed first)

@@ -34,8 +34,8 @@ from albumentations.pytorch import ToTensorV2
 from PIL import Image
 from torchvision.transforms import v2
 
-from engine.config import DataConfig
-from engine.config_checks import parse_auto_augment
+from core.config import DataConfig
+from core.config_checks import parse_auto_augment
 
 TensorTransform = Callable[[torch.Tensor], torch.Tensor]  # uint8 CHW -> uint8 CHW
 

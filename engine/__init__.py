@@ -1,1 +1,3 @@
-"""Shared machinery: config, distributed setup, the training loop, metrics, checkpoints, logging."""
+"""The machinery above core/: the loop (trainer), evaluation, optimizer and schedule, losses, precision, tracking,
+and the checkpoint wing (engine/checkpoint/). Imports core/ only; never data/ or models/.
+"""

@@ -38,9 +38,9 @@ from timm.task.distillation import DistillationTeacher
 from torch import nn
 from torch.nn import functional as F
 
-from engine.config import DistillConfig
-from engine.errors import UserError
-from engine.weights import Pretrained, load_weights, read_pretrained, usable, weights_value
+from core.config import DistillConfig
+from core.errors import UserError
+from engine.checkpoint.weights import Pretrained, load_weights, read_pretrained, usable, weights_value
 
 log = logging.getLogger(__name__)
 

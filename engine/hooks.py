@@ -14,8 +14,8 @@ from torch import nn
 from engine.state import TrainState
 
 if TYPE_CHECKING:  # the loop needs only Hook: keep checkpoint/tracking out of its imports
-    from engine.checkpoint import Checkpointer
-    from engine.run_dir import RunRecord
+    from engine.checkpoint.run_dir import RunRecord
+    from engine.checkpoint.saver import Checkpointer
     from engine.tracking import Sink
 
 

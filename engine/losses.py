@@ -19,8 +19,8 @@ import torch
 from timm.loss import BinaryCrossEntropy as TimmBinaryCrossEntropy
 from torch import nn
 
-from engine.config import TrainConfig
-from engine.errors import UserError
+from core.config import TrainConfig
+from core.errors import UserError
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

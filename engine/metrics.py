@@ -11,7 +11,7 @@ import math
 import numpy as np
 import torch
 
-from engine.dist import all_reduce_sum, get_rank, get_world_size
+from core.dist import all_reduce_sum, get_rank, get_world_size
 
 
 def ranked_classes(logits: torch.Tensor, k: int) -> torch.Tensor:

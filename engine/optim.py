@@ -10,8 +10,8 @@ from timm.scheduler import create_scheduler_v2
 from timm.scheduler.scheduler import Scheduler
 from torch import nn
 
-from engine.config import Config, OptimConfig, SchedConfig, mixing, replace_section
-from engine.errors import UserError
+from core.config import Config, OptimConfig, SchedConfig, mixing, replace_section
+from core.errors import UserError
 
 
 # torch optimizers with a fused step on both CPU and CUDA (one kernel per step instead of one per tensor).

@@ -19,8 +19,8 @@ from torch import nn
 from timm.utils import dispatch_clip_grad
 from torch.distributed.tensor import DTensor
 
-from engine.dist import max_over_ranks, step_flags_over_ranks
-from engine.errors import UserError
+from core.dist import max_over_ranks, step_flags_over_ranks
+from core.errors import UserError
 
 log = logging.getLogger(__name__)
 

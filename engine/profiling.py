@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
+from engine.checkpoint.run_dir import RunRecord
 from engine.hooks import Hook
-from engine.run_dir import RunRecord
 from engine.state import TrainState
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ import logging
 import time
 from typing import Iterator, TypeVar
 
-from engine.config import DataConfig
+from core.config import DataConfig
 
 log = logging.getLogger(__name__)
 

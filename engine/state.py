@@ -78,6 +78,10 @@ class TrainState:
             self.best_top1, self.best_in_epoch = value, True
         return better
 
+    def forget_best(self) -> None:
+        """The best value so far measured another metric (train.best_metric changed at a resume): start over."""
+        self.best_top1, self.epochs_without_best = -math.inf, 0
+
     def schedule_position(self, updates_per_epoch: int) -> int:
         """Where the lr schedule stands: epochs done in this run's updates, plus the epoch's own steps.
 

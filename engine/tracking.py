@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import yaml
 
-from engine.config import LoggingConfig
+from core.config import LoggingConfig
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 from timm.scheduler.scheduler import Scheduler
@@ -22,14 +22,14 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader
 
-from engine.dist import DistInfo, max_over_ranks
-from engine.errors import UserError
+from core.dist import DistInfo
+from core.errors import UserError
+from core.logs import Progress
+from core.signals import Preempted, requested, stop, training_steps, workers_shielded
 from engine.hooks import Hook
-from engine.logs import Progress
-from engine.metrics import SumMeter, add_confusion, class_metrics, hits, ranked_classes
+from engine.metrics import hits, ranked_classes
 from engine.precision import Precision
 from engine.prefetch import Normalize, device_batches
-from engine.signals import Preempted, requested, stop, training_steps, workers_shielded
 from engine.speed import LoaderWait
 from engine.state import TrainState
 
@@ -51,14 +51,16 @@ class TrainParts:
     distill: Distillation | None = None  # distill.*: a teacher's logits in the loss (engine/distill.py)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LoopConfig:
-    accum_steps: int
-    clip_grad: float
-    max_steps: int  # 0 = no limit
-    log_interval: int
-    normalize: Normalize
-    show_progress: bool
+    """How train_one_epoch steps, built with keywords (train.py takes them from the config's sections)."""
+
+    normalize: Normalize  # uint8 batches to the model's input, on the device
+    accum_steps: int = 1
+    clip_grad: float = 0.0  # 0 = no clipping
+    max_steps: int = 0  # 0 = no limit
+    log_interval: int = 20  # logging.interval
+    show_progress: bool = False
     max_nonfinite: int = 5  # consecutive skipped (inf/NaN) steps before training stops
     total_steps: int = 0  # optimizer steps of the whole run, for its ETA (0: unknown, the epoch's are shown)
     mix: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # (images, labels, mix) -> images, targets
@@ -172,51 +174,3 @@ def check_nonfinite(skipped: int, limit: int, step: int, info: DistInfo) -> None
         log.warning("step %d: inf or NaN gradients, optimizer step skipped (%d in a row)", step, skipped)
 
 
-def model_logits(model: nn.Module, loader: DataLoader, precision: Precision, info: DistInfo,
-                 normalize: Normalize) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The model in eval mode over the loader: each batch's float32 logits and its targets (for the evaluations).
-
-    A sharded model's forward is a collective (each unit all-gathers its weights), and the ranks' blocks of the
-    validation set may differ by a batch: a rank with fewer batches runs forwards on one image until every rank
-    has run as many (their outputs are dropped).
-    """
-    model.eval()
-    missing = max_over_ranks(len(loader), info.device) - len(loader) if isinstance(model, FSDPModule) else 0
-    with workers_shielded():
-        batches = device_batches(iter(loader), info.device, normalize)
-    for images, targets in batches:
-        with precision.autocast():
-            logits = model(images)
-        yield logits.float(), targets
-    for _ in range(missing):  # every rank has at least one batch (data.loader.build_data checks it)
-        with precision.autocast():
-            model(images[:1])
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, loader: DataLoader, precision: Precision, info: DistInfo,
-             normalize: Normalize,
-             on_batch: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None) -> dict[str, float]:
-    """Exact val_loss / val_top1 / val_top5, and the confusion matrix's metrics (engine.metrics.class_metrics),
-    over the whole (sharded, unpadded) validation set: one all-reduce at the end, no host sync per batch.
-
-    on_batch(logits, targets, ranked) sees each batch with the top-5 classes the metrics counted.
-    """
-    meter = SumMeter(("loss_sum", "top1", "top5", "count"), info.device)
-    confusion = None  # C x C counts (flat), C = the model's outputs
-    for logits, targets in model_logits(model, loader, precision, info, normalize):
-        loss = nn.functional.cross_entropy(logits, targets, reduction="sum")
-        ranked = ranked_classes(logits, 5)
-        meter.add(loss, hits(ranked, targets, 1), hits(ranked, targets, 5), len(targets))
-        if confusion is None:
-            confusion = torch.zeros(logits.shape[1] ** 2, dtype=torch.int64, device=info.device)
-        add_confusion(confusion, targets, ranked[:, 0])
-        if on_batch is not None:
-            on_batch(logits, targets, ranked)
-    if confusion is None:  # a rank without a batch still joins the reduction, with the data's class count
-        confusion = torch.zeros(len(loader.dataset.classes) ** 2, dtype=torch.int64, device=info.device)
-    num_classes = math.isqrt(len(confusion))
-    sums, confusion = meter.global_sums_with(confusion.view(num_classes, num_classes))
-    count = sums["count"]
-    return {"val_loss": sums["loss_sum"] / count, "val_top1": 100.0 * sums["top1"] / count,
-            "val_top5": 100.0 * sums["top5"] / count, "val_count": int(count), **class_metrics(confusion)}

@@ -10,8 +10,8 @@ import timm
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.errors import UserError
+from core.config import ModelConfig
+from core.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def create_model(cfg: ModelConfig, num_classes: int, weights: dict[str, torch.Te
         kwargs["pretrained_cfg_overlay"] = local_pretrained_cfg(cfg.name, weights)
     builder_log = logging.getLogger("timm.models._builder")
     level = builder_log.level
-    builder_log.setLevel(logging.ERROR)  # its per-key lines about the load: engine.weights.check_pretrained reports it
+    builder_log.setLevel(logging.ERROR)  # its per-key lines about the load: engine.checkpoint.weights.check_pretrained reports it
     try:
         model = timm.create_model(cfg.name, pretrained=bool(weights), **kwargs)
     except TypeError as err:  # e.g. drop_path_rate on a model without stochastic depth

@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
+
+from tests.helpers import STEPS, read_jsonl
 
 # Keys of a metrics.jsonl row that measure the machine, not the model.
 TIMING_KEYS = ("epoch_time_s", "train_img_per_s", "train_input_wait", "train_step_s")
 # A state dict's floating-point tensors in three groups of like scale: BatchNorm's running means and
 # running variances, and everything else (the parameters).
 GROUPS = ("parameters", "running_mean", "running_var")
+# Differences the comparison must ignore: wall-clock time, and the config (output_dir, max_steps, workers).
+NOT_COMPARED = {"epoch_seconds", "config"}
+# Runs that must agree differ only in float32 summation order: per-rank partial sums all-reduced by gloo,
+# BatchNorm statistics as per-rank moments combined after one all_reduce, kernels run with 2 threads in one
+# process and 1 per rank. Measured here as ||a - b|| / ||a|| per group (13 seeds x 2 ranks, 10 seeds x 3 ranks):
+# 2e-8 for the parameters, 2e-7 for the running statistics; when rounding flips a discrete decision (a
+# ReLU sign, a max-pool choice: 3 comparisons of 23, seed 0 among them) up to 8.8e-6 and 2.4e-5.
+# TOL is 4x that; dropping SyncBN moves the same groups by 9e-3 and 5e-2 (guarantee 2), 90x TOL or more.
+TOL = 1e-4
 
 
 def load_weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -62,3 +74,44 @@ def differing_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
 def model_rows(rows: list[dict]) -> list[dict]:
     """metrics.jsonl rows without the timing fields, which differ between any two runs."""
     return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in rows]
+
+
+def rows_without_timing(run: Path) -> list[dict]:
+    return model_rows(read_jsonl(run / "metrics.jsonl"))
+
+
+def assert_same(a, b, where: str = "checkpoint") -> None:
+    """Every tensor equal (torch.equal), every other value equal, recursively."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{where} keys differ: {set(a) ^ set(b)}"
+        for key in a:
+            if key not in NOT_COMPARED:
+                assert_same(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where} lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def assert_same_model(a: Path, b: Path, steps: int = STEPS) -> None:
+    """a's and b's last.pth agree within TOL: parameters, BatchNorm running means and variances, counters."""
+    for run_dir in (a, b):
+        assert torch.load(run_dir / "last.pth", weights_only=True)["global_step"] == steps
+    weights_a, weights_b = load_weights(a), load_weights(b)
+    diffs = relative_differences(weights_a, weights_b)  # also asserts equal BatchNorm batch counters
+    print(f"{a.name} vs {b.name}:", ", ".join(f"{g} {v:.1e}" for g, v in diffs.items()),
+          "| worst single tensor %.1e (%s)" % worst_tensor(weights_a, weights_b))
+    assert max(diffs.values()) <= TOL, f"{diffs} (relative), more than {TOL}"
+
+
+def nvidia_cosine_lr(base_lr: float, warmup: int, epochs: int, epoch: int, end_lr: float = 0.0) -> float:
+    """NVIDIA DeepLearningExamples, PyTorch/Classification/ConvNets/image_classification/training.py,
+    lr_cosine_policy's _lr_fn (not installable: the formula, as the source writes it)."""
+    if epoch < warmup:
+        return base_lr * (epoch + 1) / warmup
+    e, es = epoch - warmup, epochs - warmup
+    return end_lr + (0.5 * (1 + math.cos(math.pi * e / es)) * (base_lr - end_lr))

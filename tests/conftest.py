@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from engine.startup import import_timm_without_wandb
+from core.startup import import_timm_without_wandb
 from tests.helpers import TINY, run_script
 
 import_timm_without_wandb()
@@ -21,10 +21,10 @@ import_timm_without_wandb()
 
 @functools.cache
 def gpu_problem() -> str | None:
-    """Why this machine's GPU cannot run the GPU tier, or None (engine.dist.unusable_gpu; asked once)."""
+    """Why this machine's GPU cannot run the GPU tier, or None (core.dist.unusable_gpu; asked once)."""
     import torch
 
-    from engine.dist import nvidia_driver_version, unusable_gpu
+    from core.dist import nvidia_driver_version, unusable_gpu
 
     return unusable_gpu(nvidia_driver_version(), torch.version.cuda, torch.cuda.is_available(),
                         os.environ.get("CUDA_VISIBLE_DEVICES"))

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import yaml
 
-from engine.config import to_dict
-from engine.config_load import load_config
+from core.config import to_dict
+from core.config_load import load_config
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,35 @@ LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MAS
 TINY = ["--config", "dummy", "model.name=test_resnet", "model.channels_last=false", "amp='off'",
         "data.img_size=16", "data.dummy_image_size=20", "data.dummy_train_size=32", "data.dummy_val_size=10",
         "data.num_workers=0", "train.batch_size=8", "train.epochs=1", "logging.progress=false"]
+# A config's recipe cut to two optimizer steps on dummy data, on the CPU (tests/test_recipes.py).
+SMALL = ["data.name=dummy", "data.img_size=32", "data.dummy_image_size=36", "data.dummy_train_size=32",
+         "data.dummy_val_size=8", "data.dummy_num_classes=4", "data.num_workers=0", "train.batch_size=4",
+         "train.max_steps=2", "amp=off", "model.init_from=", "model.sync_bn=false", "model.channels_last=false",
+         "logging.progress=false", "dist.backend=auto"]  # resnet50.yaml asks for nccl; here: the CPU
+# The run that resume must reproduce bit for bit (tests/test_resume.py).
+RUN = ["--config", "configs/dummy.yaml", "model.name=test_resnet", "model.drop_rate=0.3", "model.drop_path_rate=0.1",
+       "model.ema_decay=0.9", "model.channels_last=false",
+       "amp='off'", "data.augment=true", "data.img_size=16", "data.dummy_image_size=20",
+       "data.dummy_train_size=64", "data.dummy_val_size=37", "data.num_workers=0", "train.batch_size=8",
+       "train.epochs=2", "logging.progress=false", "logging.interval=100"]
+
+# The correctness runs (tests/test_correctness.py, docs/correctness.md):
+GLOBAL_BATCH = 12  # divisible by 1, 2 and 3 ranks
+TRAIN_SIZE = 50  # 4 global batches per epoch for every world size here; drop_last leaves 2 images out
+VAL_SIZE = 23  # divisible by neither 2 nor 3
+EPOCHS = 2  # 8 optimizer steps, across an epoch boundary (a reshuffle)
+STEPS = EPOCHS * (TRAIN_SIZE // GLOBAL_BATCH)
+
+# fp32, no augmentation, SGD with momentum and weight decay (timm skips norms and biases). lr=0.01 keeps
+# 8 steps out of the chaotic regime: at lr=0.05 a single rounding-triggered ReLU flip grows to 1e-3 of
+# the weights within a few steps, which no tolerance can tell from a bug (docs/correctness.md).
+COMMON = ("--config", "configs/dummy.yaml", "amp=off", "data.augment=false", "data.img_size=16",
+          "data.dummy_image_size=16", f"data.dummy_train_size={TRAIN_SIZE}", f"data.dummy_val_size={VAL_SIZE}",
+          "data.num_workers=0", "optim.name=sgd", "optim.lr=0.01", "optim.momentum=0.9",
+          "optim.weight_decay=0.01", f"train.epochs={EPOCHS}", "logging.progress=false")
+# No BatchNorm anywhere (GroupNorm): micro-batches are then normalized exactly like the full batch, which
+# is what makes accumulation equal to one big step. A timm test model, 0.1M parameters.
+NO_BN_MODEL = "model.name=test_efficientnet_gn"
 
 
 def free_port() -> int:
@@ -59,7 +88,7 @@ def train_here(*args: str) -> None:
     """train.py's main in this process: a subprocess's run without its ~5 s of imports (for runs that need no
     environment, signal or process of their own); a non-zero exit fails the test."""
     import train
-    from engine.cli import report_errors
+    from core.cli import report_errors
 
     assert report_errors(train.main, list(args)) == 0, args
 
@@ -207,7 +236,7 @@ def _main_entry(rank: int, world: int, port: int, script: str, args: tuple, env:
     exit code."""
     import importlib
 
-    from engine.cli import report_errors
+    from core.cli import report_errors
 
     for name in LAUNCH_VARIABLES:
         os.environ.pop(name, None)
@@ -281,8 +310,8 @@ def write_jpeg(path: Path, size: int = 64, seed: int = 0) -> bytes:
 def start_from(path, name: str, num_classes: int, **kwargs):
     """What train.py's start_up does for model.init_from: read the file, create the model through timm with it,
     check it (imported here: benchmarks/harness.py imports this module and needs none of it)."""
-    from engine.config import ModelConfig
-    from engine.weights import check_architecture, check_pretrained, read_pretrained
+    from core.config import ModelConfig
+    from engine.checkpoint.weights import check_architecture, check_pretrained, read_pretrained
     from models.factory import create_model
 
     pretrained = read_pretrained(path)
@@ -290,3 +319,56 @@ def start_from(path, name: str, num_classes: int, **kwargs):
     model = create_model(ModelConfig(name=name, kwargs=kwargs), num_classes, pretrained.state_dict, pretrained.source)
     check_pretrained(model, pretrained)
     return model
+
+
+def last_error(capsys, code: int) -> str:
+    """The one line the user sees; asserts the exit code and that no traceback was printed."""
+    err = capsys.readouterr().err
+    assert code != 0 and "Traceback" not in err, err
+    return err.strip().splitlines()[-1]
+
+
+def check_one_line(args: list[str], expected: str, root: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    """Run train.py's main on TINY + args from an empty working folder; the last line must hold `expected`."""
+    import train
+    from core.cli import report_errors
+
+    args = [a.format(root=root) for a in args]
+    out = [] if any(a.startswith("output_dir=") for a in args) else [f"output_dir={tmp_path / 'run'}"]
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    line = last_error(capsys, report_errors(train.main, [*TINY, *out, *args]))
+    assert line.startswith("error: ") and expected.format(root=root) in line, line
+    assert not any((tmp_path / "cwd").iterdir())  # nothing lands in the working folder
+
+
+def children(pid: int) -> list[int]:
+    """The child processes of `pid` (Linux /proc; no psutil needed)."""
+    pids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        pids += [int(p) for p in (task / "children").read_text().split()]
+    return pids
+
+
+def corrupt_in_batch(root: Path, rank: int, batch: int, batch_size: int, seed: int = 0) -> Path:
+    """Overwrite the image that `rank` reads in its `batch`-th batch (0-based) of epoch 0 with junk bytes."""
+    from data.loader import EpochSampler
+
+    files = sorted(p for p in (root / "train").rglob("*.png"))  # the dataset's order: class, then file name
+    sampler = EpochSampler(files, num_replicas=2, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    sampler.set_epoch(0)
+    _, index = list(sampler)[batch * batch_size]
+    files[index].write_bytes(b"\x89PNG\r\n\x1a\n not an image")
+    return files[index]
+
+
+def documented_figures(gpu: str, text: str | None = None) -> dict[str, float] | None:
+    """This GPU's row of docs/gpu.md's "Measured on GPUs" table, or None where it is missing or "to measure"."""
+    text = (REPO / "docs" / "gpu.md").read_text() if text is None else text
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0] == gpu:
+            if "to measure" in line:
+                return None
+            return {"img_per_s": float(cells[1].replace(",", "")), "peak_memory_gib": float(cells[2])}
+    return None

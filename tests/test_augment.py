@@ -14,16 +14,16 @@ import torch
 from torchvision.transforms import v2
 
 import train
+from core.cli import report_errors
+from core.config import DataConfig, TrainConfig
+from core.config_load import load_config
+from core.dist import DistInfo
+from core.errors import UserError
 from data.datasets import DummyDataset
 from data.loader import EpochSampler, build_train_loader
-from data.mixing import CUTMIX, MIXUP, BatchMix, MixCollate, cutmix_box
+from data.mixing import BatchMix, CUTMIX, MIXUP, MixCollate, cutmix_box
 from data.transforms import TimmRandAugment, tensor_augment, train_transform
-from engine.checkpoint import load_checkpoint
-from engine.cli import report_errors
-from engine.config import DataConfig, TrainConfig
-from engine.config_load import load_config
-from engine.dist import DistInfo
-from engine.errors import UserError
+from engine.checkpoint.formats import load_checkpoint
 from engine.losses import build_loss
 from tests import test_correctness as correctness, test_resume as resume
 from tests.helpers import TINY, read_jsonl, run_on_ranks, train_here

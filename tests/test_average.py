@@ -11,8 +11,9 @@ import torch
 
 import average_checkpoints
 import evaluate
-from engine.checkpoint import load_checkpoint, save_atomic
-from engine.cli import report_errors
+from core.cli import report_errors
+from core.files import save_atomic
+from engine.checkpoint.formats import load_checkpoint
 
 
 def moved(state: dict[str, torch.Tensor], epoch: int) -> dict[str, torch.Tensor]:

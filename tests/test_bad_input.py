@@ -15,22 +15,14 @@ import torch
 
 import evaluate
 import train
-from data.loader import build_eval_loader
+from core.cli import report_errors
+from core.config import DataConfig
+from core.dist import DistInfo
+from core.errors import UserError
 from data.datasets import DummyDataset
+from data.loader import build_eval_loader
 from data.transforms import eval_transform
-from engine.cli import report_errors
-from engine.config import DataConfig
-from engine.dist import DistInfo
-from engine.errors import UserError
-from tests.helpers import TINY, make_image_folder, png_header, read_jsonl, write_jpeg
-
-
-
-def last_error(capsys, code: int) -> str:
-    """The one line the user sees; asserts the exit code and that no traceback was printed."""
-    err = capsys.readouterr().err
-    assert code != 0 and "Traceback" not in err, err
-    return err.strip().splitlines()[-1]
+from tests.helpers import TINY, check_one_line, last_error, make_image_folder, png_header, read_jsonl, write_jpeg
 
 
 @pytest.fixture(scope="module")
@@ -101,17 +93,6 @@ DATA_CASES = {  # name: (arguments after TINY, text the last line must contain)
     "dangling symlink in train": (["data.root={root}/dangling_train"],
                                   "{root}/dangling_train/train/a/gone.png is a broken symbolic link"),
 }
-
-
-def check_one_line(args: list[str], expected: str, root: Path, tmp_path: Path, capsys, monkeypatch) -> None:
-    """Run train.py's main on TINY + args from an empty working folder; the last line must hold `expected`."""
-    args = [a.format(root=root) for a in args]
-    out = [] if any(a.startswith("output_dir=") for a in args) else [f"output_dir={tmp_path / 'run'}"]
-    (tmp_path / "cwd").mkdir()
-    monkeypatch.chdir(tmp_path / "cwd")
-    line = last_error(capsys, report_errors(train.main, [*TINY, *out, *args]))
-    assert line.startswith("error: ") and expected.format(root=root) in line, line
-    assert not any((tmp_path / "cwd").iterdir())  # nothing lands in the working folder
 
 
 @pytest.mark.parametrize("name", CASES)

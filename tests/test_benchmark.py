@@ -7,7 +7,7 @@ import json
 import pytest
 
 import benchmark
-from engine.cli import report_errors
+from core.cli import report_errors
 
 FIELDS = {"benchmark", "model", "device", "batch_size", "img_size", "amp", "channels_last", "compile", "params_m",
           "warmup_steps", "timed_steps", "inference", "train", "peak_memory_mib", "peak_memory_kind"}

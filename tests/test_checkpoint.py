@@ -14,14 +14,16 @@ import timm
 import torch
 import torchvision
 
+from core.config import Config, ModelConfig, TrainConfig, to_dict
+from core.errors import UserError
+from core.files import save_atomic
+from core.logs import MetricsFile
 from data.loader import EpochSampler, ShardSampler
-from engine.checkpoint import load_checkpoint, rng_state, save_atomic, set_rng_state
-from engine.config import Config, ModelConfig, TrainConfig, to_dict
-from engine.errors import UserError
-from engine.logs import MetricsFile
-from engine.resume import check_resumable
+from engine.checkpoint.formats import load_checkpoint
+from engine.checkpoint.resume import check_resumable, set_rng_state
+from engine.checkpoint.saver import rng_state
+from engine.checkpoint.weights import load_weights, read_pretrained
 from engine.state import TrainState
-from engine.weights import load_weights, read_pretrained
 from tests.helpers import start_from, REPO, script_env
 
 
@@ -46,7 +48,7 @@ def test_process_killed_mid_save_leaves_the_old_file_loadable(tmp_path):
     child = textwrap.dedent(f"""
         import sys, time, torch
         sys.path.insert(0, {str(REPO)!r})
-        from engine.checkpoint import save_atomic
+        from core.files import save_atomic
 
         class Stall:
             def __reduce__(self):

@@ -8,14 +8,14 @@ import typing
 import yaml
 
 import train
-from engine.cli import report_errors
-from engine.config import Config
-from engine.config_load import config_from_dict, load_config
+from core.cli import report_errors
+from core.config import Config
+from core.config_load import config_from_dict, load_config
 from tests.helpers import TINY, make_image_folder
 
 
 def schema_leaves(cls: type = Config, prefix: str = "") -> list[str]:
-    """Every leaf key of the dataclasses, walked independently of engine.config's own listing."""
+    """Every leaf key of the dataclasses, walked independently of core.config's own listing."""
     keys = []
     for f in dataclasses.fields(cls):
         hint = typing.get_type_hints(cls)[f.name]
@@ -71,11 +71,11 @@ def test_dry_run_catches_a_missing_data_folder_and_a_misspelled_model(tmp_path, 
 
 def test_readme_reference_table_is_the_schema():
     """The README's configuration table is generated from the schema: every key, nothing hand-kept beside it."""
-    from engine.config import keys_markdown
+    from core.config import keys_markdown
     from tests.helpers import REPO
 
     readme = (REPO / "README.md").read_text()
     table = readme.split("## Configuration reference", 1)[1].split("\n\n## ", 1)[0]
     assert [line.split("`")[1] for line in table.splitlines() if line.startswith("| `")] == schema_leaves()
     assert keys_markdown() in readme, ("README's configuration table is stale; regenerate it with "
-                                       "python -c 'from engine.config import keys_markdown; print(keys_markdown())'")
+                                       "python -c 'from core.config import keys_markdown; print(keys_markdown())'")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import Config, config_yaml, to_dict
-from engine.config_load import config_from_dict, load_config
-from engine.errors import UserError
+from core.config import Config, config_yaml, to_dict
+from core.config_load import config_from_dict, load_config
+from core.errors import UserError
 
 
 def write(tmp_path, text: str):

@@ -19,28 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.compare import differing_tensors, load_weights, model_rows, relative_differences, worst_tensor
-from tests.helpers import REPO, free_port, read_jsonl, run_on_ranks, run_ranks, script_env, train_here
+from tests.compare import (TOL, assert_same_model, differing_tensors, load_weights, model_rows,
+                           relative_differences, worst_tensor)
+from tests.helpers import (COMMON, EPOCHS, GLOBAL_BATCH, NO_BN_MODEL, REPO, STEPS, TRAIN_SIZE, VAL_SIZE, free_port,
+                           read_jsonl, run_on_ranks, run_ranks, script_env, train_here)
 
 pytestmark = pytest.mark.slow  # every test trains with real process groups
 
-GLOBAL_BATCH = 12  # divisible by 1, 2 and 3 ranks
-TRAIN_SIZE = 50  # 4 global batches per epoch for every world size here; drop_last leaves 2 images out
-VAL_SIZE = 23  # divisible by neither 2 nor 3
-EPOCHS = 2  # 8 optimizer steps, across an epoch boundary (a reshuffle)
-STEPS = EPOCHS * (TRAIN_SIZE // GLOBAL_BATCH)
-
-# fp32, no augmentation, SGD with momentum and weight decay (timm skips norms and biases). lr=0.01 keeps
-# 8 steps out of the chaotic regime: at lr=0.05 a single rounding-triggered ReLU flip grows to 1e-3 of
-# the weights within a few steps, which no tolerance can tell from a bug (docs/correctness.md).
-COMMON = ("--config", "configs/dummy.yaml", "amp=off", "data.augment=false", "data.img_size=16",
-          "data.dummy_image_size=16", f"data.dummy_train_size={TRAIN_SIZE}", f"data.dummy_val_size={VAL_SIZE}",
-          "data.num_workers=0", "optim.name=sgd", "optim.lr=0.01", "optim.momentum=0.9",
-          "optim.weight_decay=0.01", f"train.epochs={EPOCHS}", "logging.progress=false")
 BN_MODEL = "model.name=resnet10t"  # 14 BatchNorm layers
-# No BatchNorm anywhere (GroupNorm): micro-batches are then normalized exactly like the full batch, which
-# is what makes accumulation equal to one big step. A timm test model, 0.1M parameters.
-NO_BN_MODEL = "model.name=test_efficientnet_gn"
 
 # name: (processes, overrides). Per-process batch x processes x accum_steps = GLOBAL_BATCH everywhere.
 RUNS = {
@@ -53,14 +39,6 @@ RUNS = {
     "gn_accum": (1, (NO_BN_MODEL, "train.batch_size=6", "train.accum_steps=2")),
     "gn_ddp_accum": (2, (NO_BN_MODEL, "train.batch_size=3", "train.accum_steps=2")),
 }
-
-# Runs that must agree differ only in float32 summation order: per-rank partial sums all-reduced by gloo,
-# BatchNorm statistics as per-rank moments combined after one all_reduce, kernels run with 2 threads in one
-# process and 1 per rank. Measured here as ||a - b|| / ||a|| per group (13 seeds x 2 ranks, 10 seeds x 3 ranks):
-# 2e-8 for the parameters, 2e-7 for the running statistics; when rounding flips a discrete decision (a
-# ReLU sign, a max-pool choice: 3 comparisons of 23, seed 0 among them) up to 8.8e-6 and 2.4e-5.
-# TOL is 4x that; dropping SyncBN moves the same groups by 9e-3 and 5e-2 (guarantee 2), 90x TOL or more.
-TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -80,17 +58,6 @@ def run(tmp_path_factory):
         return done[name]
 
     return train
-
-
-def assert_same_model(a: Path, b: Path, steps: int = STEPS) -> None:
-    """a's and b's last.pth agree within TOL: parameters, BatchNorm running means and variances, counters."""
-    for run_dir in (a, b):
-        assert torch.load(run_dir / "last.pth", weights_only=True)["global_step"] == steps
-    weights_a, weights_b = load_weights(a), load_weights(b)
-    diffs = relative_differences(weights_a, weights_b)  # also asserts equal BatchNorm batch counters
-    print(f"{a.name} vs {b.name}:", ", ".join(f"{g} {v:.1e}" for g, v in diffs.items()),
-          "| worst single tensor %.1e (%s)" % worst_tensor(weights_a, weights_b))
-    assert max(diffs.values()) <= TOL, f"{diffs} (relative), more than {TOL}"
 
 
 @pytest.mark.parametrize("name", ["sync2", "sync3"])
@@ -211,9 +178,9 @@ def test_same_seed_and_world_size_give_bitwise_identical_weights(run):
 def keys_read_by_fit(rank: int, world: int, runs: list[list[str]]) -> list[list[tuple[int, int]]]:
     """Call train.py's fit once per override list on this rank; return the (epoch, index) keys that each
     call's training loop read, in order."""
+    from core.config_load import load_config
+    from core.dist import DistInfo
     from data.datasets import AugmentedDataset
-    from engine.config_load import load_config
-    from engine.dist import DistInfo
     from train import fit
 
     calls: list[list[tuple[int, int]]] = []

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
+from core.config import DataConfig
+from core.errors import UserError
 from data.datasets import DummyDataset, ImageFolderDataset, PackedStrings, read_image
 from data.digits import VAL_SIZE, export_digits
 from data.loader import EpochSampler, ShardSampler, build_datasets, collate_channels_last
 from data.transforms import DeviceNormalize, eval_transform, train_transform
-from engine.config import DataConfig
-from engine.errors import UserError
 from tests.helpers import make_image_folder, png_header, write_jpeg
 
 

@@ -16,19 +16,19 @@ import torch
 from timm.task import LogitDistillationTask, TokenDistillationTask
 
 import train
+from core.cli import report_errors
+from core.config import DistillConfig, OptimConfig, SchedConfig
+from core.config_load import load_config
+from core.dist import DistInfo
+from core.errors import UserError
 from data.transforms import DeviceNormalize
-from engine.cli import report_errors
-from engine.config import DistillConfig, OptimConfig, SchedConfig
-from engine.config_load import load_config
-from engine.dist import DistInfo
+from engine.checkpoint.resume import Resume
+from engine.checkpoint.weights import Pretrained
 from engine.distill import build_distillation, teacher_sha256
-from engine.errors import UserError
 from engine.optim import build_optimizer, build_scheduler
 from engine.precision import Precision
-from engine.resume import Resume
 from engine.state import TrainState
 from engine.trainer import LoopConfig, TrainParts, train_one_epoch
-from engine.weights import Pretrained
 from tests.compare import load_weights, relative_differences
 from tests.helpers import TINY, read_jsonl, run_on_ranks, train_here
 
@@ -95,7 +95,7 @@ def test_teacher_is_frozen_and_bitwise_unchanged_by_training(tmp_path):
     generator = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 256, (8, 3, 16, 16), dtype=torch.uint8, generator=generator),
                 torch.randint(0, 10, (8,), generator=generator)) for _ in range(2)]
-    loop = LoopConfig(1, 0.0, 0, 1000, DeviceNormalize(*IMAGENET, CPU, False), False)
+    loop = LoopConfig(log_interval=1000, normalize=DeviceNormalize(*IMAGENET, CPU, False))
     train_one_epoch(parts, batches, TrainState(), loop, DistInfo(0, 1, 0, 1, CPU))
     held = distill.teacher.model
     assert not held.training and all(not m.training for m in held.modules())
@@ -180,7 +180,7 @@ def test_dry_run_loads_the_teacher(tmp_path, capsys):
 
 def test_recipe_without_its_teacher_is_one_line(capsys):
     """configs/deit_small_distilled.yaml names its teacher (regnety_160) but cannot ship its weights."""
-    from tests.test_recipes import SMALL
+    from tests.helpers import SMALL
 
     argv = ["--dry-run", "--config", "deit_small_distilled", *SMALL, "model.name=deit_tiny_distilled_patch16_224",
             "model.kwargs.img_size=32", "output_dir=/nonexistent/run"]
@@ -195,8 +195,9 @@ def test_recipe_without_its_teacher_is_one_line(capsys):
 @pytest.mark.slow
 def test_one_process_equals_two_ranks_with_distillation_and_mixup(tmp_path):
     """Guarantee 1 of docs/correctness.md with a teacher: the same global batches (mixed the same way, the teacher
-    seeing the mixed images) give the same weights within float32 rounding (tests/test_correctness.py's TOL)."""
-    from tests.test_correctness import COMMON, TOL
+    seeing the mixed images) give the same weights within float32 rounding (tests/compare.py's TOL)."""
+    from tests.compare import TOL
+    from tests.helpers import COMMON
 
     torch.save(tiny_teacher(10).state_dict(), tmp_path / "teacher.pth")
     common = [*COMMON, "model.name=test_efficientnet_gn", "data.mixup_alpha=0.4", "data.cutmix_alpha=1.0",

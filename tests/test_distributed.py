@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
+from core.config import DataConfig, ModelConfig
+from core.dist import DistInfo
 from data.loader import build_datasets, build_eval_loader
 from data.transforms import DeviceNormalize
-from engine.config import DataConfig, ModelConfig
-from engine.dist import DistInfo
+from engine.evaluation import evaluate
 from engine.precision import Precision
-from engine.trainer import evaluate
 from models.factory import create_model
 from tests.helpers import read_jsonl, run_ranks, run_script
 

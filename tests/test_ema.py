@@ -7,7 +7,7 @@ import torch
 
 import evaluate
 import train
-from engine.cli import report_errors
+from core.cli import report_errors
 from tests.helpers import TINY, read_jsonl
 
 

@@ -10,8 +10,8 @@ import matplotlib.image
 import pytest
 
 import evaluate
-from engine.checkpoint import load_checkpoint
-from engine.cli import report_errors
+from core.cli import report_errors
+from engine.checkpoint.formats import load_checkpoint
 from tests.helpers import make_image_folder, run_on_ranks, train_here
 from tests.wandb_reader import find_runs, read_run
 

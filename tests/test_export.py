@@ -11,7 +11,7 @@ import torch
 
 import export
 import predict
-from engine.cli import report_errors
+from core.cli import report_errors
 from tests.helpers import train_here
 
 pytestmark = [pytest.mark.slow,  # trains a resnet18 for a few steps, then exports it three ways
@@ -45,8 +45,8 @@ def no_hub(monkeypatch):
 
 def trained_model_and_batch(run: Path) -> tuple[torch.nn.Module, torch.Tensor]:
     """The checkpoint's model (fp32, eval) and its 16 preprocessed validation images."""
-    from engine.inference import inference_config, load_trained
-    from engine.weights import load_weights
+    from engine.checkpoint.inference import inference_config, load_trained
+    from engine.checkpoint.weights import load_weights
     from models.factory import create_model
 
     trained = load_trained(run / "best.pth")
@@ -121,7 +121,7 @@ def test_safetensors_folder_loads_in_timm_and_predict(resnet18_run, tmp_path, ca
     for i in range(3):
         cv2.imwrite(str(images / f"{i}.png"), np.random.default_rng(i).integers(0, 256, (40, 40, 3), np.uint8))
     # By default, byte for byte (issue 42), though the run trained in bf16: both compute in fp32 on any CPU.
-    from engine.checkpoint import save_atomic
+    from core.files import save_atomic
 
     stored = torch.load(ckpt, weights_only=True, map_location="cpu")
     stored["config"]["amp"] = "bf16"

@@ -14,11 +14,11 @@ import timm
 import torch
 from torch.utils.data import DataLoader, default_collate
 
+from core.config import DataConfig, OptimConfig
+from core.dist import DistInfo
 from data.datasets import DummyDataset
 from data.loader import build_train_loader
 from data.transforms import train_transform
-from engine.config import DataConfig, OptimConfig
-from engine.dist import DistInfo
 from engine.optim import build_optimizer
 from engine.precision import resolve_precision
 from tests.helpers import REPO, script_env
@@ -71,7 +71,7 @@ def test_train_batches_are_channels_last_with_default_collate_values():
 
 FAULTS_PER_PASS = """
 import resource, sys, torch
-from engine.startup import tune_cpu_process
+from core.startup import tune_cpu_process
 if sys.argv[1] == "init":
     tune_cpu_process(threads=1)
 torch.set_num_threads(1)

@@ -12,27 +12,19 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from data.loader import EpochSampler
-from engine.checkpoint import Checkpointer, load_checkpoint
-from engine.dist import DistInfo
-from engine.errors import UserError
+from core.dist import DistInfo
+from core.errors import UserError
+from engine.checkpoint.formats import load_checkpoint
+from engine.checkpoint.saver import Checkpointer
 from engine.state import TrainState
-from tests.helpers import REPO, TINY as BASE, make_image_folder, read_jsonl, run_script, script_env, wait_for_file
+from tests.helpers import (REPO, TINY as BASE, children, corrupt_in_batch, make_image_folder, read_jsonl, run_script,
+                           script_env, wait_for_file)
 
 TINY = [*BASE, "data.dummy_val_size=20", "logging.interval=100"]  # 2 validation batches per rank
-
-
-def children(pid: int) -> list[int]:
-    """The child processes of `pid` (Linux /proc; no psutil needed)."""
-    pids = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        pids += [int(p) for p in (task / "children").read_text().split()]
-    return pids
 
 
 @pytest.mark.slow
@@ -69,16 +61,6 @@ def test_worker_killed_under_torchrun_resumes_and_finishes_every_epoch_once(tmp_
     assert (final["epoch"], final["global_step"]) == (3, 48)
     expected = load_checkpoint(straight / "last.pth")["model"]  # fp32: the restart changed nothing, bit for bit
     assert [k for k, v in expected.items() if not torch.equal(v, final["model"][k])] == []
-
-
-def corrupt_in_batch(root: Path, rank: int, batch: int, batch_size: int, seed: int = 0) -> Path:
-    """Overwrite the image that `rank` reads in its `batch`-th batch (0-based) of epoch 0 with junk bytes."""
-    files = sorted(p for p in (root / "train").rglob("*.png"))  # the dataset's order: class, then file name
-    sampler = EpochSampler(files, num_replicas=2, rank=rank, shuffle=True, seed=seed, drop_last=True)
-    sampler.set_epoch(0)
-    _, index = list(sampler)[batch * batch_size]
-    files[index].write_bytes(b"\x89PNG\r\n\x1a\n not an image")
-    return files[index]
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from timm.layers import resample_abs_pos_embed
 
 import train
-from engine.cli import report_errors
+from core.cli import report_errors
 from tests.helpers import TINY, read_jsonl, start_from, train_here
 
 
@@ -132,8 +132,8 @@ def digits_subset(source: Path, target: Path, classes: list[str]) -> Path:
 
 @pytest.mark.slow  # a short digits training, then a fine-tuning run on 5 of its classes
 def test_finetune_from_a_safetensors_file_into_a_5_class_head(tmp_path):
-    from engine.dist import DistInfo
-    from engine.config_load import load_config
+    from core.config_load import load_config
+    from core.dist import DistInfo
 
     base = tmp_path / "base"
     digits = tmp_path / "digits"
@@ -155,7 +155,7 @@ def test_finetune_from_a_safetensors_file_into_a_5_class_head(tmp_path):
     assert own["fc.weight"].shape == (5, trained["fc.weight"].shape[1])
     assert not torch.equal(own["fc.weight"], trained["fc.weight"][:5])
     from data.transforms import DeviceNormalize
-    from engine.trainer import evaluate
+    from engine.evaluation import evaluate
 
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, False)
     before = evaluate(model.float(), data.val, precision, info, normalize)["val_top1"]
@@ -206,8 +206,8 @@ def test_interpolation_reaches_both_pipelines():
     import cv2
     import numpy as np
 
+    from core.config import DataConfig
     from data.transforms import eval_transform, train_transform
-    from engine.config import DataConfig
 
     image = np.random.default_rng(0).integers(0, 256, (20, 20, 3), dtype=np.uint8)
     for name, flag in (("nearest", cv2.INTER_NEAREST), ("area", cv2.INTER_AREA)):  # bilinear, bicubic: test_pixels
@@ -220,7 +220,7 @@ def test_interpolation_reaches_both_pipelines():
 
 
 def test_finetune_digits_config_leaves_the_preprocessing_to_the_weights():
-    from engine.config_load import load_config
+    from core.config_load import load_config
 
     cfg = load_config("finetune_digits")
     assert cfg.model.init_from == "runs/digits/best-hf" and cfg.data.name == "imagefolder"

@@ -14,12 +14,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from core.config import DataConfig
+from core.dist import DistInfo
+from core.errors import UserError
 from data.datasets import ImageFolderDataset
 from data.loader import build_datasets, build_eval_loader, build_split
 from data.transforms import eval_transform
-from engine.config import DataConfig
-from engine.dist import DistInfo
-from engine.errors import UserError
 from tests.helpers import make_image_folder
 
 COUNTS = {"train": {"a": 3, "b": 3}, "val": {"a": 2, "b": 2}}

@@ -15,17 +15,16 @@ import torch
 
 import evaluate
 import train
+from core.cli import report_errors
+from core.config import DataConfig
+from core.dist import DistInfo
+from core.errors import UserError
 from data import make_shards
 from data.datasets import ImageFolderDataset
 from data.loader import build_datasets, build_eval_loader
-from engine.checkpoint import load_checkpoint
-from engine.cli import report_errors
-from engine.config import DataConfig
-from engine.dist import DistInfo
-from engine.errors import UserError
-from tests.helpers import TINY, make_image_folder, read_jsonl, run_on_ranks, train_here
-from tests.test_bad_input import check_one_line
-from tests.test_resume import RUN, assert_same, rows_without_timing
+from engine.checkpoint.formats import load_checkpoint
+from tests.compare import assert_same, rows_without_timing
+from tests.helpers import RUN, TINY, check_one_line, make_image_folder, read_jsonl, run_on_ranks, train_here
 
 COUNTS = {"train": {"a": 7, "b": 5, "c": 6}, "val": {"a": 3, "b": 4, "c": 4}}  # 18 train, 11 val images
 

@@ -17,15 +17,17 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 import evaluate
-from engine.checkpoint import load_optimizer_state, optimizer_state_by_index, read_checkpoint
-from engine.cli import report_errors
-from engine.config import OptimConfig
-from engine.config_load import load_config
-from engine.errors import UserError
+from core.cli import report_errors
+from core.config import OptimConfig
+from core.config_load import load_config
+from core.errors import UserError
+from engine.checkpoint.formats import read_checkpoint
+from engine.checkpoint.resume import load_optimizer_state
+from engine.checkpoint.saver import optimizer_state_by_index
 from engine.optim import build_optimizer
 from engine.precision import Precision
 from engine.trainer import fsdp_micro_step
-from models.sharding import shard_model, shard_units
+from models.parallel import shard_model, shard_units
 from tests.compare import differing_tensors, load_weights, relative_differences, worst_tensor
 from tests.helpers import TINY, read_jsonl, run_on_ranks, run_ranks, run_script, train_here
 
@@ -116,9 +118,9 @@ def sharded_save_with_ema(rank: int, world: int, out: str) -> dict:
     """A step checkpoint (not best.pth) in train.ckpt_format=sharded of a sharded model and EMA; the EMA whole."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from engine.checkpoint import Checkpointer
-    from engine.config import Config, SchedConfig, to_dict
-    from engine.dist import DistInfo
+    from core.config import Config, SchedConfig, to_dict
+    from core.dist import DistInfo
+    from engine.checkpoint.saver import Checkpointer
     from engine.optim import build_scheduler
     from engine.state import TrainState
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.compare import load_weights, relative_differences
-from tests.helpers import REPO, read_jsonl, run_ranks, run_script, script_env, train_here
+from tests.helpers import documented_figures, read_jsonl, run_ranks, run_script, script_env, train_here
 
 CUDA = torch.cuda.is_available()
 GPUS = torch.cuda.device_count() if CUDA else 0
@@ -133,7 +133,7 @@ def test_fsdp_bf16_run_saves_resumes_and_evaluates(tmp_path, nproc):
     """dist.strategy=fsdp with amp=bf16 (a ViT, AdamW, clipping, EMA): stopped mid-epoch, resumed, evaluated from
     its single-file best.pth. One GPU has no process group: the model trains whole, the same code path, with
     single-file checkpoints; two save sharded ones (train.ckpt_format=sharded: last.dcp/, each rank its shards)."""
-    from engine.checkpoint import read_checkpoint
+    from engine.checkpoint.formats import read_checkpoint
 
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("bf16 needs compute capability 8.0 (Ampere) or newer; fsdp refuses fp16")
@@ -166,9 +166,9 @@ def host_syncs_per_epoch(rank: int, world: int) -> dict[str, int]:
     """Host syncs of 8 training steps (amp=auto, EMA on, DDP over NCCL when world > 1) after a warm-up epoch."""
     import timm
 
+    from core.config import OptimConfig, SchedConfig
+    from core.dist import DistInfo
     from data.transforms import DeviceNormalize
-    from engine.config import OptimConfig, SchedConfig
-    from engine.dist import DistInfo
     from engine.hooks import EmaUpdate
     from engine.optim import build_optimizer, build_scheduler
     from engine.precision import resolve_precision
@@ -185,7 +185,7 @@ def host_syncs_per_epoch(rank: int, world: int) -> dict[str, int]:
     scheduler = build_scheduler(optimizer, SchedConfig(), 2, 8)
     batches = [(torch.randint(0, 256, (16, 3, 64, 64), dtype=torch.uint8).pin_memory(),
                 torch.randint(0, 10, (16,)).pin_memory()) for _ in range(8)]
-    loop = LoopConfig(1, 0.0, 0, 1000, DeviceNormalize([0.5] * 3, [0.5] * 3, device, True), False)
+    loop = LoopConfig(log_interval=1000, normalize=DeviceNormalize([0.5] * 3, [0.5] * 3, device, True))
     parts = TrainParts(trained, optimizer, scheduler, torch.nn.CrossEntropyLoss(), precision)
     hooks = [EmaUpdate(create_ema(model, 0.99, warmup=True), model)]
     train_one_epoch(parts, batches, TrainState(), loop, info, hooks)  # warm-up
@@ -223,8 +223,8 @@ def test_resnet50_batch_64_memory_and_speed(capsys):
     """Prints peak memory and img/s of a resnet50 training step at batch 64 (amp=auto, channels_last)."""
     import timm
 
+    from core.config import OptimConfig
     from data.transforms import DeviceNormalize
-    from engine.config import OptimConfig
     from engine.optim import build_optimizer
     from engine.precision import resolve_precision
 
@@ -261,22 +261,10 @@ def test_resnet50_batch_64_memory_and_speed(capsys):
     assert report["img_per_s"] > 0
 
 
-def documented_figures(gpu: str, text: str | None = None) -> dict[str, float] | None:
-    """This GPU's row of docs/gpu.md's "Measured on GPUs" table, or None where it is missing or "to measure"."""
-    text = (REPO / "docs" / "gpu.md").read_text() if text is None else text
-    for line in text.splitlines():
-        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if len(cells) == 3 and cells[0] == gpu:
-            if "to measure" in line:
-                return None
-            return {"img_per_s": float(cells[1].replace(",", "")), "peak_memory_gib": float(cells[2])}
-    return None
-
-
 def test_resnet50_recipe_smoke_run_meets_the_documented_figures(tmp_path, capsys):
     """`--config resnet50` as shipped (amp=auto, channels_last, 256 per GPU, 224 px), 20 steps on dummy data."""
     import train as train_script
-    from engine.cli import report_errors
+    from core.cli import report_errors
 
     if torch.cuda.get_device_properties(0).total_memory < 40 * 2**30:
         pytest.skip("the recipe's batch of 256 per GPU needs a GPU with 40 GiB or more")
@@ -333,7 +321,7 @@ def test_benchmark_py_resnet50_training_prints_its_table(batch_size, tmp_path, c
     """benchmark.py for resnet50 as the recipe trains it (amp=auto: bf16 from sm_80, channels_last): the figures
     docs/gpu.md's "benchmark.py on GPUs" table wants; printed, not asserted (no timed asserts)."""
     import benchmark
-    from engine.cli import report_errors
+    from core.cli import report_errors
 
     if batch_size > 128 and torch.cuda.get_device_properties(0).total_memory < 40 * 2**30:
         pytest.skip("batch 256 of resnet50 needs a GPU with 40 GiB or more")
@@ -352,7 +340,7 @@ def test_benchmark_py_sweep_batch_stops_at_running_out_of_memory(tmp_path, capsy
     """--sweep-batch on CUDA doubles the batch until a training step raises torch.cuda.OutOfMemoryError, and
     reports the batch before it (resnet50 at 224 px runs out long before 65536 on any GPU)."""
     import benchmark
-    from engine.cli import report_errors
+    from core.cli import report_errors
 
     out = tmp_path / "sweep.json"
     argv = ["--model", "resnet50", "--img-size", "224", "--amp", "auto", "--channels-last", "true", "--sweep-batch",

@@ -23,26 +23,27 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import evaluate
+from core.cli import collective_failure_line, peer_lost_error
+from core.config import DataConfig, ModelConfig, OptimConfig, SchedConfig, TrainConfig
+from core.dist import DistInfo, cuda_device_index, nccl_watchdog_env, unusable_gpu
+from core.errors import UserError
 from data.datasets import DummyDataset
 from data.loader import build_eval_loader
 from data.mixing import BatchMix, MixCollate
 from data.transforms import DeviceNormalize, eval_transform
-from engine.checkpoint import Checkpointer
-from engine.config import DataConfig, ModelConfig, OptimConfig, SchedConfig, TrainConfig
-from engine.cli import collective_failure_line, peer_lost_error
-from engine.dist import DistInfo, cuda_device_index, nccl_watchdog_env, unusable_gpu
-from engine.errors import UserError
+from engine.checkpoint.saver import Checkpointer
+from engine.evaluation import evaluate as run_evaluation
 from engine.hooks import EmaUpdate
 from engine.losses import build_loss
 from engine.optim import build_optimizer, build_scheduler
 from engine.precision import Precision, gpu_auto_mode
 from engine.prefetch import device_batches
 from engine.state import TrainState
-from engine.trainer import LoopConfig, TrainParts, evaluate as run_evaluation, train_one_epoch
+from engine.trainer import LoopConfig, TrainParts, train_one_epoch
 from models.ema import create_ema
 from models.factory import prepare_model
 from tests.helpers import HANG, REPO, TINY, run_ranks, run_script, script_env
-from train import wrap_for_training
+from models.parallel import wrap_for_training
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 
@@ -188,11 +189,12 @@ def _step_traffic(rank: int, world: int, sync_bn: bool) -> dict[str, int]:
     info = DistInfo(rank, world, rank, world, torch.device("cpu"))
     model_cfg = ModelConfig(name="test_resnet", sync_bn=sync_bn, channels_last=False)
     model = prepare_model(timm.create_model("test_resnet", num_classes=4), model_cfg, info.device, world)
-    trained = wrap_for_training(model, model_cfg, info)  # DDP when world > 1 (its start-up broadcasts not counted)
+    # DDP when world > 1 (its start-up broadcasts not counted)
+    trained = wrap_for_training(model, info.device, info.world_size, model_cfg.compile)
     optimizer = build_optimizer(model, OptimConfig())
     parts = TrainParts(trained, optimizer, build_scheduler(optimizer, SchedConfig(), 1, STEPS),
                        torch.nn.CrossEntropyLoss(), Precision("cpu", None))
-    loop = LoopConfig(1, 0.0, 0, 1000, DeviceNormalize([0.5] * 3, [0.5] * 3, info.device, False), False)
+    loop = LoopConfig(log_interval=1000, normalize=DeviceNormalize([0.5] * 3, [0.5] * 3, info.device, False))
     hooks = [EmaUpdate(create_ema(model, 0.99, warmup=True), model)]
     batches = _batches(STEPS)  # made before recording: in a real run they come from the DataLoader's workers
     with HostTraffic() as traffic:
@@ -238,7 +240,7 @@ def test_mixed_training_steps_make_no_hidden_host_device_traffic(loss):
     optimizer = build_optimizer(model, OptimConfig())
     scheduler = build_scheduler(optimizer, SchedConfig(), 1, 6)
     normalize = DeviceNormalize([0.5] * 3, [0.5] * 3, CPU.device, channels_last=False)
-    loop = LoopConfig(1, 0.0, 0, 1000, normalize, False, mix=BatchMix(4, smoothing=0.1))
+    loop = LoopConfig(log_interval=1000, normalize=normalize, mix=BatchMix(4, smoothing=0.1))
     data = DataConfig(mixup_alpha=0.2, cutmix_alpha=1.0)
     collate = MixCollate(data, seed=0)
     batches = [collate([(images[i], int(labels[i]), (0, step * 2 + i // 2)) for i in range(4)])
@@ -294,7 +296,7 @@ def _tensors(obj) -> list[torch.Tensor]:
 # 7. torch.compile with synchronized BatchNorm ----------------------------------------------------------------
 
 def test_compile_with_sync_bn_on_several_processes_is_warned_about():
-    from engine.config import ModelConfig
+    from core.config import ModelConfig
     from models.factory import compile_warning
 
     assert "pytorch/pytorch#161302" in compile_warning(ModelConfig(compile=True, sync_bn=True), world_size=2)
@@ -310,7 +312,7 @@ CU130_ARCHS = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]  # torch 
 @pytest.mark.parametrize("capability, supported", [((7, 0), False), ((6, 0), False), ((7, 5), True), ((8, 0), True),
                                                    ((8, 9), True), ((9, 0), True), ((10, 0), True), ((12, 0), True)])
 def test_gpu_generations_the_pinned_wheel_runs_on(capability, supported):
-    from engine.dist import gpu_supported
+    from core.dist import gpu_supported
 
     # V100 (7.0) needs another build: docs/gpu.md. The L4/RTX 40xx (8.9) run sm_86 code.
     assert gpu_supported(capability, CU130_ARCHS) is supported
@@ -424,7 +426,7 @@ def test_evaluate_asks_cudnn_for_deterministic_algorithms_on_cuda(device, determ
 
 def test_the_documented_gpu_figures_are_read_by_the_smoke_test():
     """The GPU tier's resnet50 smoke test reads docs/gpu.md's table: a measured row gives numbers, 'to measure' none."""
-    from tests.test_gpu import documented_figures
+    from tests.helpers import documented_figures
 
     assert documented_figures("NVIDIA H100 80GB HBM3") is None  # "to measure" until a GPU run fills it in
     assert documented_figures("no such GPU") is None

@@ -13,17 +13,17 @@ import torch
 
 import evaluate
 import train
+from core.cli import report_errors
+from core.config import TrainConfig, best_metric
+from core.config_load import load_config
+from core.errors import UserError
 from data.loader import EpochSampler
-from engine.checkpoint import load_checkpoint
-from engine.cli import report_errors
-from engine.config import TrainConfig, best_metric
-from engine.config_load import load_config
-from engine.errors import UserError
+from engine.checkpoint.formats import load_checkpoint
 from engine.losses import build_loss, class_weights
 from engine.metrics import PER_CLASS_RECALL_MAX, class_metrics
 from engine.state import TrainState
+from tests.compare import assert_same, rows_without_timing
 from tests.helpers import TINY, make_image_folder, read_jsonl, run_on_ranks, train_here
-from tests.test_resume import assert_same, rows_without_timing
 
 # 100 : 10 : 5 : 1 images: a class-balanced draw must still give each class a quarter of an epoch.
 LABELS = np.repeat(np.arange(4), [100, 10, 5, 1])
@@ -221,7 +221,7 @@ BALANCED = ("data.dummy_num_classes=3", "data.sampler=class_balanced", "train.cl
 
 @pytest.fixture(scope="module")
 def balanced_runs(tmp_path_factory) -> dict[str, Path]:
-    from tests.test_correctness import COMMON, NO_BN_MODEL
+    from tests.helpers import COMMON, NO_BN_MODEL
 
     root = tmp_path_factory.mktemp("balanced")
     one = (*COMMON, NO_BN_MODEL, *BALANCED, "train.batch_size=12")
@@ -238,7 +238,7 @@ def balanced_runs(tmp_path_factory) -> dict[str, Path]:
 @pytest.mark.slow
 def test_class_balanced_sampler_one_process_equals_two_ranks(balanced_runs):
     """The same global batches (and weighted loss) on 1 and 2 processes: the same weights within fp32 rounding."""
-    from tests.test_correctness import assert_same_model
+    from tests.compare import assert_same_model
 
     assert_same_model(balanced_runs["one"], balanced_runs["two"])
     one, two = read_jsonl(balanced_runs["one"] / "metrics.jsonl"), read_jsonl(balanced_runs["two"] / "metrics.jsonl")

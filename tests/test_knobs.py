@@ -14,11 +14,11 @@ from timm.loss import BinaryCrossEntropy as TimmBinaryCrossEntropy
 from timm.utils import dispatch_clip_grad
 from torch import nn
 
+from core.config import TrainConfig
+from core.config_load import load_config
+from core.errors import UserError
 from data.datasets import seeded
 from data.transforms import DeviceNormalize, TimmErasing
-from engine.config import TrainConfig
-from engine.config_load import load_config
-from engine.errors import UserError
 from engine.losses import build_loss
 from engine.precision import Precision
 

@@ -14,9 +14,9 @@ import torch
 
 import evaluate
 import train
-from engine.checkpoint import load_checkpoint
-from engine.cli import report_errors
-from engine.dist import collective_timeout
+from core.cli import report_errors
+from core.dist import collective_timeout
+from engine.checkpoint.formats import load_checkpoint
 from tests.helpers import REPO, TINY, free_port, script_env, wait_for_file
 
 
@@ -85,8 +85,8 @@ def test_sigterm_inside_a_checkpoint_write_waits_for_the_write_to_finish(tmp_pat
     import pytest
     import torch
 
-    from engine.checkpoint import save_atomic
-    from engine.signals import Terminated, sigterm_deferred, stop_on_sigterm
+    from core.files import save_atomic
+    from core.signals import Terminated, sigterm_deferred, stop_on_sigterm
 
     class SignalMidWrite:
         def __reduce__(self):  # runs inside torch.save's C++ writer, the place a raise would abort the process
@@ -106,9 +106,9 @@ def test_sigterm_inside_a_checkpoint_write_waits_for_the_write_to_finish(tmp_pat
 def test_sigterm_during_a_background_write_stops_the_run_and_the_write_finishes(tmp_path):
     """train.async_save: SIGTERM sent from inside the writer thread's torch.save reaches the main thread (Python
     runs handlers there), which stops at once (Terminated) while it waits; close() lets the write end, whole."""
-    from engine.checkpoint import Checkpointer
-    from engine.dist import DistInfo
-    from engine.signals import Terminated, stop_on_sigterm
+    from core.dist import DistInfo
+    from core.signals import Terminated, stop_on_sigterm
+    from engine.checkpoint.saver import Checkpointer
     from engine.state import TrainState
 
     class SignalMidWrite:
@@ -147,8 +147,8 @@ class ReportsWorkerHook(torch.utils.data.Dataset):
 def test_workers_stay_quiet_when_their_parent_is_gone(capsys):
     """multiprocessing's resource-sharing thread in a worker reports a parent that died mid-handshake through
     sys.excepthook; the workers' hook drops exactly those connection errors."""
+    from core.config import DataConfig
     from data.loader import _loader_kwargs, _quiet_if_parent_gone
-    from engine.config import DataConfig
 
     kwargs = _loader_kwargs(DataConfig(num_workers=2, persistent_workers=False), torch.device("cpu"), 0)
     assert all(torch.utils.data.DataLoader(ReportsWorkerHook(), batch_size=None, **kwargs))
@@ -162,7 +162,7 @@ def test_workers_stay_quiet_when_their_parent_is_gone(capsys):
 def test_sigterm_after_the_last_step_check_stops_as_the_training_steps_end():
     """A SIGTERM between the last step's stop check and the end of the epoch's steps (its logging, hooks) was only
     recorded, and the run evaluated and finished with exit 0; it is now acted on as the steps end."""
-    from engine.signals import Terminated, stop_on_sigterm, training_steps
+    from core.signals import Terminated, stop_on_sigterm, training_steps
 
     with stop_on_sigterm(), pytest.raises(Terminated):
         with training_steps():

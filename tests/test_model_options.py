@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import train
-from engine.cli import report_errors
-from engine.config import ModelConfig
+from core.cli import report_errors
+from core.config import ModelConfig
 from models.factory import create_model, prepare_model
 from tests.helpers import TINY, run_on_ranks
 

@@ -16,16 +16,16 @@ from timm.data.mixup import one_hot
 from timm.loss import BinaryCrossEntropy
 
 import evaluate
+from core.cli import report_errors
+from core.config import DataConfig, TrainConfig
+from core.errors import UserError
 from data.loader import build_datasets
-from data.mixing import KIND, LAM, MIXUP, PARTNER, BatchMix, smooth_multi_hot
-from engine.cli import report_errors
-from engine.errors import UserError
-from engine.config import DataConfig, TrainConfig
+from data.mixing import BatchMix, KIND, LAM, MIXUP, PARTNER, smooth_multi_hot
+from engine.evaluation import best_thresholds, multilabel_metrics
 from engine.losses import build_loss
-from engine.multilabel import best_thresholds, multilabel_metrics
-from tests.helpers import TINY, read_jsonl, run_on_ranks, run_ranks, run_script, script_env, train_here
+from tests.helpers import (TINY, check_one_line, last_error, read_jsonl, run_on_ranks, run_ranks, run_script,
+                           script_env, train_here)
 from tests.wandb_reader import find_runs, read_run
-from tests.test_bad_input import check_one_line, last_error
 
 CLASSES = ("cat", "dog", "owl")
 ML = ["data.name=listfile", "data.multi_label=true", "train.loss=bce", "train.batch_size=4"]
@@ -126,11 +126,11 @@ def trained(lists, tmp_path_factory) -> Path:
 
 def evaluate_on_rank(rank: int, world: int, root: str) -> dict[str, float]:
     """The per-epoch multi-label evaluation of a seeded tiny model on this rank's block of the val set."""
+    from core.config import ModelConfig
+    from core.dist import DistInfo
     from data.loader import build_eval_loader, build_val_dataset
     from data.transforms import DeviceNormalize
-    from engine.config import ModelConfig
-    from engine.dist import DistInfo
-    from engine.multilabel import evaluate_multilabel
+    from engine.evaluation import evaluate_multilabel
     from engine.precision import resolve_precision
     from models.factory import create_model
 
@@ -176,7 +176,8 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 def test_training_on_one_process_equals_two_ranks(lists, tmp_path):
     """Multi-hot targets mixed (mixup and cutmix) and smoothed under BCE: 1 process and 2 ranks train on the same
     global batches, so their weights agree within fp32 rounding, and so do their val mAPs."""
-    from tests.test_correctness import NO_BN_MODEL, assert_same_model
+    from tests.compare import assert_same_model
+    from tests.helpers import NO_BN_MODEL
 
     args = (*TINY, *ML, NO_BN_MODEL, f"data.root={lists / 'good'}", "data.mixup_alpha=0.4", "data.cutmix_alpha=1.0",
             "train.label_smoothing=0.1", "train.epochs=2")

@@ -1,7 +1,7 @@
 """What the app writes for the user (exports, predictions, evaluations, shards) never costs the user a file.
 
 An output replaces only an earlier output of the same tool, atomically, through a temp name unique to the
-process; anything else at the path is refused with one line and left byte for byte (engine/outputs.py).
+process; anything else at the path is refused with one line and left byte for byte (core/files.py).
 The checkpoint is the session's tiny run; refusals happen before any export work, so most cases cost no export.
 """
 
@@ -20,8 +20,8 @@ import pytest
 import evaluate
 import export
 import predict
+from core.cli import report_errors
 from data import make_shards
-from engine.cli import report_errors
 from tests.helpers import REPO, make_image_folder, script_env
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning")
@@ -198,7 +198,7 @@ def test_outputs_get_the_mode_of_other_run_files(run_copy, tmp_path, capsys):
 SWAPPER = """
 import json, sys
 from pathlib import Path
-from engine.outputs import replace_with, temp_beside, write_new
+from core.files import replace_with, temp_beside, write_new
 
 out, tag = Path(sys.argv[1]), sys.argv[2]
 def ours(path):
@@ -226,7 +226,7 @@ def test_two_processes_replacing_one_model_folder_leave_one_whole_folder(tmp_pat
 
 def test_a_failed_folder_swap_puts_the_earlier_export_back(tmp_path):
     """The new folder cannot be renamed in (here: it lies on another filesystem): the old one is put back."""
-    from engine.outputs import replace_with
+    from core.files import replace_with
 
     other = Path("/dev/shm")
     if not other.is_dir() or other.stat().st_dev == tmp_path.stat().st_dev:

@@ -22,10 +22,10 @@ from torchvision.transforms import InterpolationMode, v2
 from torchvision.transforms import functional as F
 from torchvision.transforms._presets import ImageClassification
 
+from core.config import DataConfig
+from core.config_load import load_config
 from data.datasets import seeded
 from data.transforms import DeviceNormalize, eval_transform, tensor_augment, train_transform
-from engine.config import DataConfig
-from engine.config_load import load_config
 
 PHOTOS = [np.array(photo) for photo in load_sample_images().images]  # writable copies
 BOUND = 0.1  # mean |difference| per image, in 0-255 levels

@@ -15,8 +15,8 @@ import pytest
 
 import evaluate
 import predict
+from core.cli import report_errors
 from data.datasets import list_images
-from engine.cli import report_errors
 from tests.helpers import run_script, train_here
 
 
@@ -167,7 +167,7 @@ def test_a_checkpoint_chosen_on_its_ema_says_to_use_ema(tiny_run, tmp_path, caps
     """best.pth chosen on ema_val_top1 (train.best_on_ema) holds other weights under "model": predict says so."""
     import torch
 
-    from engine.checkpoint import save_atomic
+    from core.files import save_atomic
 
     ckpt = torch.load(tiny_run / "best.pth", weights_only=True, map_location="cpu")
     ckpt.update(ema=ckpt["model"], best_metric="ema_val_top1")

@@ -22,11 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.checkpoint import load_checkpoint
-from tests.compare import TIMING_KEYS
-from tests.helpers import HANG, REPO, free_port, make_image_folder, read_jsonl, run_script, script_env
-from tests.test_faults import children, corrupt_in_batch
-from tests.test_resume import assert_same
+from engine.checkpoint.formats import load_checkpoint
+from tests.compare import TIMING_KEYS, assert_same
+from tests.helpers import (HANG, REPO, children, corrupt_in_batch, free_port, make_image_folder, read_jsonl,
+                           run_script, script_env)
 
 PREEMPTED = 124
 TINY = ["--config", "configs/dummy.yaml", "model.name=test_resnet", "model.channels_last=false", "amp='off'",
@@ -147,7 +146,7 @@ def test_sigterm_outside_training_steps_still_stops_at_once_with_one_line(tmp_pa
 def test_dataloader_workers_start_shielded_and_a_sigterm_meanwhile_waits_for_the_iterator(tmp_path):
     from torch.utils.data import DataLoader
 
-    from engine.signals import Terminated, stop_on_sigterm, workers_shielded
+    from core.signals import Terminated, stop_on_sigterm, workers_shielded
 
     loader = DataLoader(list(range(64)), batch_size=4, num_workers=1)
     built, before = [], set(children(os.getpid()))

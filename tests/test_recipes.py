@@ -10,18 +10,14 @@ import pytest
 import torch
 
 import train
-from engine.cli import report_errors
-from engine.config_load import CONFIG_DIR, load_config
+from core.cli import report_errors
+from core.config_load import CONFIG_DIR, load_config
 from engine.optim import check_optimizer
-from tests.helpers import REPO
+from tests.helpers import REPO, SMALL
 
 CONFIGS = sorted(path.name for path in CONFIG_DIR.glob("*.yaml"))
 RECIPES = [name for name in CONFIGS  # published ImageNet results
            if name not in ("digits.yaml", "dummy.yaml", "finetune_digits.yaml")]
-SMALL = ["data.name=dummy", "data.img_size=32", "data.dummy_image_size=36", "data.dummy_train_size=32",
-         "data.dummy_val_size=8", "data.dummy_num_classes=4", "data.num_workers=0", "train.batch_size=4",
-         "train.max_steps=2", "amp=off", "model.init_from=", "model.sync_bn=false", "model.channels_last=false",
-         "logging.progress=false", "dist.backend=auto"]  # resnet50.yaml asks for nccl; here: the CPU
 
 
 def tiny_model(name: str) -> list[str]:
@@ -139,7 +135,7 @@ def test_recipe_schedule_is_its_sources(name):
     """The lr of every step of the recipe (2 steps per epoch) from the config, against the source's own
     scheduler (torch's for torchvision, timm's for DeiT and RSB) or its formula (NVIDIA, ConvNeXt)."""
     from engine.optim import build_scheduler
-    from tests.test_schedule import nvidia_cosine_lr
+    from tests.compare import nvidia_cosine_lr
 
     cfg, per_epoch = load_config(name), 2
     lr = source_lr(cfg, name)
@@ -234,7 +230,7 @@ def test_mae_weights_converted_as_the_header_says_start_the_recipes_model(tmp_pa
 
     from timm import create_model as timm_create_model
 
-    from engine.weights import check_pretrained, read_pretrained
+    from engine.checkpoint.weights import check_pretrained, read_pretrained
     from models.factory import create_model
 
     name = "vit_large_mae_finetune.yaml"

@@ -19,44 +19,14 @@ import torch
 
 import evaluate
 import train
-from engine import sharded
-from engine.checkpoint import load_checkpoint, read_checkpoint
-from engine.cli import report_errors
-from engine.config_load import load_config
-from engine.errors import UserError
-from engine.resume import check_resumable
-from tests.compare import model_rows
-from tests.helpers import REPO, read_jsonl, run_on_ranks, run_script, script_env, wait_for_file
-
-# Differences the comparison must ignore: wall-clock time, and the config (output_dir, max_steps, workers).
-NOT_COMPARED = {"epoch_seconds", "config"}
-RUN = ["--config", "configs/dummy.yaml", "model.name=test_resnet", "model.drop_rate=0.3", "model.drop_path_rate=0.1",
-       "model.ema_decay=0.9", "model.channels_last=false",
-       "amp='off'", "data.augment=true", "data.img_size=16", "data.dummy_image_size=20",
-       "data.dummy_train_size=64", "data.dummy_val_size=37", "data.num_workers=0", "train.batch_size=8",
-       "train.epochs=2", "logging.progress=false", "logging.interval=100"]
-
-
-def assert_same(a, b, where: str = "checkpoint") -> None:
-    """Every tensor equal (torch.equal), every other value equal, recursively."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), f"{where} differs"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{where} keys differ: {set(a) ^ set(b)}"
-        for key in a:
-            if key not in NOT_COMPARED:
-                assert_same(a[key], b[key], f"{where}[{key!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where} lengths differ"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
-def rows_without_timing(run: Path) -> list[dict]:
-    return model_rows(read_jsonl(run / "metrics.jsonl"))
-
+from core.cli import report_errors
+from core.config_load import load_config
+from core.errors import UserError
+from engine.checkpoint import formats
+from engine.checkpoint.formats import load_checkpoint, read_checkpoint
+from engine.checkpoint.resume import check_resumable
+from tests.compare import assert_same, rows_without_timing
+from tests.helpers import REPO, RUN, read_jsonl, run_on_ranks, run_script, script_env, wait_for_file
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> Path:
@@ -107,7 +77,7 @@ def test_resume_after_a_kill_mid_epoch_is_bitwise_identical(straight, tmp_path):
 def as_file_checkpoint(folder: Path) -> dict:
     """A sharded last.dcp/ as the dict last.pth would hold: its optimizer tensors keyed by parameter index."""
     ckpt = read_checkpoint(folder)
-    rest, tensors = ckpt.pop("optimizer_rest"), sharded.read_tensors(folder, "optimizer.")
+    rest, tensors = ckpt.pop("optimizer_rest"), formats.read_tensors(folder, "optimizer.")
     names = [name for group in rest["param_groups"] for name in group["params"]]
     state = {}
     for index, name in enumerate(names):

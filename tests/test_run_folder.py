@@ -20,10 +20,12 @@ import pytest
 import torch
 
 import train
-from engine.checkpoint import Checkpointer, load_checkpoint, save_atomic
-from engine.cli import report_errors
-from engine.dist import DistInfo
-from engine.errors import UserError
+from core.cli import report_errors
+from core.dist import DistInfo
+from core.errors import UserError
+from core.files import save_atomic
+from engine.checkpoint.formats import load_checkpoint
+from engine.checkpoint.saver import Checkpointer
 from engine.state import TrainState
 from tests.helpers import REPO, make_image_folder, read_jsonl, script_env, wait_for_file
 
@@ -128,7 +130,7 @@ def hold_writes(monkeypatch) -> threading.Event:
         release.wait()
         save_atomic(obj, path)
 
-    monkeypatch.setattr("engine.checkpoint.save_atomic", held_save)
+    monkeypatch.setattr("engine.checkpoint.saver.save_atomic", held_save)
     return release
 
 
@@ -235,7 +237,7 @@ def test_resume_with_another_optimizer_is_refused_naming_the_key(change, run, da
 
 
 def test_optimizer_state_of_other_parameter_groups_is_refused():
-    from engine.resume import check_optimizer_state
+    from engine.checkpoint.resume import check_optimizer_state
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
     one_group = torch.optim.SGD(model.parameters(), lr=0.1)

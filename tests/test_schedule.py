@@ -6,17 +6,16 @@ The schedules are driven as train.py drives them: built by engine.optim.build_sc
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch import nn
 
 import train
-from engine.cli import report_errors
-from engine.config_load import load_config
-from engine.errors import UserError
+from core.cli import report_errors
+from core.config_load import load_config
+from core.errors import UserError
 from engine.optim import build_optimizer, build_scheduler, with_global_batch
+from tests.compare import nvidia_cosine_lr
 from tests.helpers import TINY, read_jsonl
 
 
@@ -208,7 +207,7 @@ def lr_of_a_run(rank: int, world: int, out: str) -> dict:
     """Train TINY for one step on this rank with optim.lr_base; return the lr the optimizer used and the log."""
     import logging
 
-    from engine.dist import DistInfo
+    from core.dist import DistInfo
     from train import fit
 
     lines: list[str] = []
@@ -292,15 +291,6 @@ def test_step_schedule_stepped_per_epoch_is_timms():
     expected = timm_step_lrs(6, 3, True, sched="step", decay_epochs=2, decay_rate=0.5, warmup_epochs=1,
                              warmup_lr=1e-5, num_epochs=6)
     assert sum(got, []) == pytest.approx(sum(expected, []), rel=1e-12, abs=0)
-
-
-def nvidia_cosine_lr(base_lr: float, warmup: int, epochs: int, epoch: int, end_lr: float = 0.0) -> float:
-    """NVIDIA DeepLearningExamples, PyTorch/Classification/ConvNets/image_classification/training.py,
-    lr_cosine_policy's _lr_fn (not installable: the formula, as the source writes it)."""
-    if epoch < warmup:
-        return base_lr * (epoch + 1) / warmup
-    e, es = epoch - warmup, epochs - warmup
-    return end_lr + (0.5 * (1 + math.cos(math.pi * e / es)) * (base_lr - end_lr))
 
 
 def test_nvidia_warmup_and_cosine_are_deeplearningexamples_policy():

@@ -1,6 +1,6 @@
-"""Sharded checkpoints (engine/sharded.py): real gloo groups, real FSDP2 sharding, real folders on disk.
+"""Sharded checkpoints (engine/checkpoint/sharded.py): real gloo groups, real FSDP2 sharding, real folders on disk.
 
-engine.resume, engine.weights and engine.config_load (which import timm) are imported inside the tests that use
+engine.checkpoint.resume, engine.checkpoint.weights and core.config_load (which import timm) are imported inside the tests that use
 them: every spawned rank imports this module, and timm would cost each several seconds.
 
 A folder written by 2 ranks of an FSDP2-sharded model loads on 3 ranks and on 1 (DCP reshards), a DDP
@@ -26,9 +26,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from engine import sharded
-from engine.checkpoint import read_checkpoint, save_atomic
-from engine.errors import UserError
+from core.errors import UserError
+from core.files import save_atomic
+from engine.checkpoint import formats, sharded
+from engine.checkpoint.formats import read_checkpoint
 from tests.helpers import REPO, free_port, run_ranks, script_env
 
 
@@ -163,7 +164,7 @@ def test_a_folder_the_app_did_not_write_is_never_replaced(tmp_path):
 
 
 def test_model_init_from_and_inference_read_a_folder_whole(tmp_path):
-    from engine.weights import read_pretrained
+    from engine.checkpoint.weights import read_pretrained
 
     single_save(tmp_path / "last.dcp", 0.5, 4)
     weights = read_pretrained(tmp_path / "last.dcp").state_dict
@@ -185,7 +186,7 @@ def test_a_folder_that_is_not_a_whole_checkpoint_is_one_line(tmp_path):
 
 
 def test_resume_of_a_run_whose_last_dcp_is_not_whole_names_it_and_the_way_out(tmp_path):
-    from engine.resume import Resume
+    from engine.checkpoint.resume import Resume
 
     (tmp_path / "config.yaml").write_text("seed: 0\n")
     (tmp_path / "last.dcp").mkdir()  # e.g. made by hand, or copied without its files
@@ -199,7 +200,7 @@ def test_resume_of_a_run_whose_last_dcp_is_not_whole_names_it_and_the_way_out(tm
 
 
 def test_epoch_files_with_sharded_checkpoints_are_refused_in_one_line():
-    from engine.config_load import load_config
+    from core.config_load import load_config
 
     with pytest.raises(UserError, match=r"^config key 'train.keep_last_k' is 2, but with train.ckpt_format=sharded "
                                         r"only last.dcp is kept .*; set train.keep_last_k=0, or "
@@ -209,7 +210,7 @@ def test_epoch_files_with_sharded_checkpoints_are_refused_in_one_line():
 
 def test_resume_auto_takes_the_newer_of_last_pth_and_last_dcp(tmp_path):
     """A run that switched train.ckpt_format leaves both kinds: resume=auto continues the one written last."""
-    from engine.resume import decide_resume
+    from engine.checkpoint.resume import decide_resume
 
     save_atomic({"global_step": 3}, tmp_path / "last.pth")
     single_save(tmp_path / "last.dcp", 1.0, 5)
@@ -244,7 +245,7 @@ def test_an_index_pointing_outside_its_folder_is_refused(tmp_path):
 
     folder = tmp_path / "last.dcp"
     single_save(folder, 1.0, 1)
-    metadata = sharded.read_metadata(folder)
+    metadata = formats.read_metadata(folder)
     for index, info in metadata.storage_data.items():
         metadata.storage_data[index] = _StorageInfo("../../secret.bin", info.offset, info.length)
     (folder / ".metadata").write_bytes(pickle.dumps(metadata))
@@ -261,7 +262,7 @@ SAVING = textwrap.dedent("""
     from torch import nn
     from torch.distributed.fsdp import fully_shard
     sys.path.insert(0, sys.argv[2])
-    from engine import sharded
+    from engine.checkpoint import sharded
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -284,7 +285,7 @@ SAVING = textwrap.dedent("""
 @pytest.mark.slow
 def test_a_rank_killed_while_writing_its_shards_leaves_the_previous_folder_whole(tmp_path):
     """2 FSDP ranks save in a loop; rank 1 is SIGKILLed once its shard file of a new save exists in the temp folder."""
-    from engine.resume import decide_resume
+    from engine.checkpoint.resume import decide_resume
 
     folder, port = tmp_path / "last.dcp", free_port()
     (tmp_path / ".last.dcp.keep").mkdir()  # a user's folder with a similar name: never ours
@@ -330,7 +331,7 @@ def build_wide() -> tuple[nn.Module, torch.optim.Optimizer]:
 def test_a_save_killed_between_its_two_renames_is_put_back(tmp_path):
     """The state a kill between "old aside" and "new in" leaves (made here by hand): resume=auto reads the folder
     set aside, and the next save puts it back before replacing it."""
-    from engine.resume import decide_resume
+    from engine.checkpoint.resume import decide_resume
 
     folder = tmp_path / "last.dcp"
     single_save(folder, 2.0, 7)
@@ -343,8 +344,8 @@ def test_a_save_killed_between_its_two_renames_is_put_back(tmp_path):
 
 
 def test_a_model_with_nan_is_not_saved_and_the_message_says_what_is_on_disk(tmp_path):
-    from engine.checkpoint import Checkpointer
-    from engine.dist import DistInfo
+    from core.dist import DistInfo
+    from engine.checkpoint.saver import Checkpointer
     from engine.state import TrainState
 
     model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))

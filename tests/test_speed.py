@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import train
+from core.cli import report_errors
 from data.datasets import DummyDataset
-from engine.cli import report_errors
 from engine.metrics import SumMeter
 from engine.speed import INPUT_BOUND
 from tests.helpers import REPO, TINY, read_jsonl, run_ranks

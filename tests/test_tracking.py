@@ -19,8 +19,8 @@ import pytest
 import torch
 import yaml
 
-from engine.config_load import load_config
-from engine.errors import UserError
+from core.config_load import load_config
+from core.errors import UserError
 from tests.helpers import REPO, read_jsonl, run_on_ranks, run_script, script_env
 from tests.wandb_reader import find_runs, read_run
 
@@ -205,7 +205,7 @@ import sys
 from pathlib import Path
 import logging
 import cv2, numpy as np
-from engine.config import LoggingConfig
+from core.config import LoggingConfig
 from engine.tracking import WandbTracker
 
 logging.basicConfig(format="%(levelname)s %(message)s")
@@ -309,8 +309,8 @@ def test_every_new_best_is_a_model_version_with_aliases_best_and_latest(tracked)
 def test_sample_table_holds_the_augmented_images_the_model_is_fed(tracked):
     import cv2
 
+    from core.config_load import load_config
     from data.loader import build_datasets
-    from engine.config_load import load_config
 
     out, root = tracked
     [path] = find_runs(root / "wandb")
@@ -367,7 +367,7 @@ def test_tensorboard_holds_the_same_scalars_as_wandb_and_metrics_jsonl(tracked):
 
 def test_a_tensorboard_failure_is_one_warning_and_training_goes_on(tmp_path, capsys):
     import train
-    from engine.cli import report_errors
+    from core.cli import report_errors
 
     out = tmp_path / "run"
     out.mkdir()

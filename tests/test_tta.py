@@ -15,13 +15,13 @@ import torch
 
 import evaluate
 import predict
+from core.cli import report_errors
+from core.config import DataConfig, ModelConfig
+from core.config_load import config_from_dict
 from data.loader import build_datasets, build_val_dataset
 from data.transforms import DeviceNormalize, eval_size, eval_transform, resize, short_side_size, train_transform
-from engine.checkpoint import load_checkpoint
-from engine.cli import report_errors
-from engine.config import DataConfig, ModelConfig
-from engine.config_load import config_from_dict
-from engine.weights import load_weights
+from engine.checkpoint.formats import load_checkpoint
+from engine.checkpoint.weights import load_weights
 from models.factory import create_model
 from models.tta import TTAModel
 from tests.helpers import make_image_folder, read_jsonl, run_on_ranks, run_script
@@ -162,7 +162,7 @@ def test_a_checkpoint_without_the_keys_evaluates_at_its_training_size(tiny_run):
 
 def test_export_metadata_gives_the_test_resolution(tiny_run):
     from export import metadata
-    from engine.inference import inference_config, load_trained
+    from engine.checkpoint.inference import inference_config, load_trained
 
     trained = load_trained(tiny_run / "best.pth")
     cfg = inference_config(trained, [("data.val_img_size", 24), ("data.val_crop_pct", 0.8)])
@@ -176,8 +176,8 @@ def test_export_metadata_gives_the_test_resolution(tiny_run):
     ("data.val_crop_pct", 1.5, "config key 'data.val_crop_pct' must be in (0, 1] (0 = data.crop_pct), got 1.5"),
 ])
 def test_bad_val_keys_are_one_line(key, value, message):
-    from engine.config_load import set_dotted
-    from engine.errors import UserError
+    from core.config_load import set_dotted
+    from core.errors import UserError
 
     raw: dict = {}
     set_dotted(raw, key, value)

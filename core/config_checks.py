@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from engine.config import Config, LoggingConfig, OptimConfig, SchedConfig, TrainConfig, mixing
-from engine.errors import UserError
+from core.config import Config, LoggingConfig, OptimConfig, SchedConfig, TrainConfig, mixing
+from core.errors import UserError
 
 
 CHOICES = {

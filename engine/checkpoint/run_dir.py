@@ -18,54 +18,19 @@ import errno
 import fcntl
 import logging
 import os
-import secrets
 import socket
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import yaml
 
-from engine.dist import rank0_decides
-from engine.errors import UserError
-from engine.logs import MetricsFile
+from core.dist import rank0_decides
+from core.errors import UserError
+from core.files import atomic_file
+from core.logs import MetricsFile
 
 log = logging.getLogger(__name__)
 LOCK = ".lock"
-
-
-@contextlib.contextmanager
-def atomic_file(path: Path) -> Iterator[BinaryIO]:
-    """A new file beside `path`, fsynced and moved over it only if the block succeeds.
-
-    Created with mode 0666 minus the umask, like any other file the run writes (mkstemp would give 0600).
-    """
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def link_atomic(source: Path, path: Path) -> bool:
-    """`path` becomes a hard link to `source` (a file just written whole), replacing it atomically; False where the
-    file system has no hard links (the caller writes a copy). A later os.replace of `source` leaves `path` as it is."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        os.link(source, tmp)
-    except OSError:
-        return False
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return True
 
 
 def check_writable(folder: Path) -> None:

@@ -4,7 +4,7 @@ A UserError becomes one line on stderr and exit code 2; `--debug` shows the trac
 A rank whose peer died (its collective fails with a lost connection or a timeout) says so in one line
 and exits 1: the peer's own error is the one that explains the failure. Any other collective error (CUDA,
 out of memory inside NCCL) is this rank's own: one line saying so, then its traceback. A run stopped by
-SIGTERM or SIGUSR1 during training exits 124 once last.pth holds the step every rank stopped at (engine/signals.py);
+SIGTERM or SIGUSR1 during training exits 124 once last.pth holds the step every rank stopped at (core/signals.py);
 SIGTERM outside training ends the run with one line and exit code 143. DataLoader workers stay quiet.
 
 Under torchrun each of these lines also goes to the rank's error file (TORCHELASTIC_ERROR_FILE), so that
@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import Callable, NoReturn
 
-from engine.errors import UserError
-from engine.signals import PREEMPTED, Preempted, Terminated, stop_on_sigterm
+from core.errors import UserError
+from core.signals import PREEMPTED, Preempted, Terminated, stop_on_sigterm
 
 # What a collective says when another rank is gone or stuck: gloo's TCP errors and timeouts, NCCL's watchdog
 # timeout and remote error. Any other collective error (a CUDA error, an out-of-memory inside NCCL, invalid
@@ -49,7 +49,7 @@ def report_errors(main: Callable[[list[str]], int | None], argv: list[str] | Non
     argv = sys.argv[1:] if argv is None else argv
     import torch.distributed as dist
 
-    from engine.dist import cleanup
+    from core.dist import cleanup
 
     def prefix() -> str:
         return f"[rank {dist.get_rank()}] " if dist.is_initialized() and dist.get_world_size() > 1 else ""

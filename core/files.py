@@ -1,4 +1,8 @@
-"""Files and folders written for the user (exports, predictions, evaluations, shards): nothing else is lost.
+"""Every file the app writes, through one idiom: a temp file beside the target, fsynced, then one rename.
+
+Checkpoints (save_atomic), the run's config.yaml and metrics.jsonl (atomic_file), best.pth linked to last.pth
+(link_atomic), and the user-facing outputs (exports, predictions, evaluations, shards, the CSV part files) all
+go through here. A crash mid-write leaves the previous file whole.
 
 An output replaces only what is recognisably an earlier output of the same kind (the caller's `ours` test),
 atomically: a file by one rename of a temp file beside it; a folder by renaming the old one aside, the new
@@ -10,15 +14,18 @@ one line and left as it is. New files get mode 0666 minus the umask, like the ru
 from __future__ import annotations
 
 import contextlib
+import csv
 import fcntl
 import os
 import secrets
 import shutil
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator, Sequence
 
-from engine.errors import UserError
-from engine.signals import sigterm_deferred
+import torch
+
+from core.errors import UserError
+from core.signals import sigterm_deferred
 
 Recognise = Callable[[Path], bool]  # True when the existing path is an earlier output of this kind
 
@@ -137,3 +144,102 @@ def starts_with(*heads: bytes) -> Recognise:
         with path.open("rb") as f:
             return f.read(max(map(len, heads))).startswith(heads)
     return ours
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[BinaryIO]:
+    """A new file beside `path`, fsynced and moved over it only if the block succeeds.
+
+    Created with mode 0666 minus the umask, like any other file the run writes (mkstemp would give 0600).
+    """
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def link_atomic(source: Path, path: Path) -> bool:
+    """`path` becomes a hard link to `source` (a file just written whole), replacing it atomically; False where the
+    file system has no hard links (the caller writes a copy). A later os.replace of `source` leaves `path` as it is."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        os.link(source, tmp)
+    except OSError:
+        return False
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return True
+
+
+class WriteErrors:
+    """A binary file that keeps the OSError of a failed write: torch.save reports it as a bare RuntimeError."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.error = f, None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def save_atomic(obj: dict[str, Any], path: str | os.PathLike) -> None:
+    """torch.save to a temp file beside `path`, fsync, then os.replace it into place; a failed write is an OSError."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with sigterm_deferred(), atomic_file(path) as f:
+        writer = WriteErrors(f)
+        try:
+            torch.save(obj, writer)
+        except RuntimeError:
+            if writer.error is None:
+                raise
+            raise writer.error from None  # e.g. ENOSPC, EFBIG ("[enforce fail at inline_container.cc] unexpected pos")
+
+
+CSV_OUTPUT = starts_with(b"index,path,")  # the header of every CSV file evaluate.py and predict.py write
+
+
+def write_csv(rows: list[dict[str, Any]], path: Path, columns: Sequence[str]) -> None:
+    """CSV with `columns`, written to a temp file and moved into place (over an earlier one of ours only)."""
+    with temp_beside(path) as tmp:
+        with tmp.open("x", newline="", errors="surrogateescape") as f:  # names that are not UTF-8, byte for byte
+            writer = csv.DictWriter(f, fieldnames=list(columns))
+            writer.writeheader()
+            writer.writerows(rows)
+        replace_with(tmp, path, CSV_OUTPUT, f"an earlier {path.name} of evaluate.py or predict.py", "--output-dir")
+
+
+def part_file(out: Path, stem: str, rank: int) -> Path:
+    """Where `rank` writes its rows before rank 0 merges them."""
+    return out / f"{stem}.part{rank}.csv"
+
+
+def merge_parts(out: Path, stem: str, world_size: int, size: int) -> list[dict[str, str]]:
+    """Rank 0: every rank's part file read back, checked to hold each index 0..size-1 once, sorted; parts removed."""
+    parts = [part_file(out, stem, rank) for rank in range(world_size)]
+    rows: list[dict[str, str]] = []
+    for part in parts:
+        with part.open(newline="", errors="surrogateescape") as f:
+            rows += list(csv.DictReader(f))
+    rows.sort(key=lambda row: int(row["index"]))
+    if [int(row["index"]) for row in rows] != list(range(size)):
+        raise RuntimeError(f"merged {stem} do not cover indices 0..{size - 1} exactly once")
+    for part in parts:
+        part.unlink()
+    return rows

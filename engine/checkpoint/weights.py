@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.checkpoint import is_sharded, load_checkpoint, read_checkpoint
-from engine.config import Config, given_keys, replace_section
-from engine.config_checks import CHOICES
-from engine.errors import UserError
+from core.config import Config, given_keys, replace_section
+from core.config_checks import CHOICES
+from core.errors import UserError
+from engine.checkpoint.formats import is_sharded, load_checkpoint, read_checkpoint
 
 log = logging.getLogger(__name__)
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP / DataParallel and torch.compile
@@ -117,10 +117,12 @@ def read_pretrained(path: str | os.PathLike, key: str = "model.init_from") -> Pr
 
 
 PREPROCESSING = ("mean", "std", "interpolation", "crop_pct")  # the data.* keys pretrained weights come with
+MODEL_CONFIG = "config.json"  # a model folder's description (timm / Hugging Face layout)
+MODEL_WEIGHTS = "model.safetensors"
 
 
 def read_safetensors(path: Path, key: str = "model.init_from") -> dict[str, torch.Tensor]:
-    """A .safetensors file's tensors; a damaged file is a UserError naming it."""
+    """A .safetensors file's tensors; a damaged file is a UserError naming it (as `key`=path)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -128,34 +130,40 @@ def read_safetensors(path: Path, key: str = "model.init_from") -> dict[str, torc
         return load_file(path)
     except (OSError, SafetensorError) as err:
         raise UserError(f"{key}={path} cannot be read as safetensors ({err}); it is damaged or not a "
-                        ".safetensors file") from None
+                        ".safetensors file (export.py --format safetensors writes one again)") from None
 
 
-def read_model_folder(folder: Path, key: str = "model.init_from") -> Pretrained:
-    """A Hugging Face / timm model folder: config.json (architecture, pretrained_cfg) and its weights file."""
-    config_file = folder / "config.json"
+def model_folder_files(folder: Path, key: str) -> tuple[dict[str, Any], dict[str, torch.Tensor], Path]:
+    """The one reader of a Hugging Face / timm model folder (export.py writes one): config.json as a mapping and
+    its weights (model.safetensors, or pytorch_model.bin read as data only), named as `key`=folder in errors."""
+    config_file = folder / MODEL_CONFIG
     if not config_file.is_file():
-        raise UserError(f"{key}={folder} is a folder without config.json; give a checkpoint, a .pth or "
-                        ".safetensors file, or a model folder holding config.json and model.safetensors")
+        raise UserError(f"{key}={folder} is a folder without {MODEL_CONFIG}; give a checkpoint, a .pth or "
+                        f".safetensors file, or a model folder holding {MODEL_CONFIG} and {MODEL_WEIGHTS}")
     try:
         meta = json.loads(config_file.read_text())
     except (OSError, ValueError) as err:
-        raise UserError(f"{key}: cannot read {config_file} ({err})") from None
+        raise UserError(f"{key}: cannot read {config_file} ({err}); it should be the {MODEL_CONFIG} export.py "
+                        "writes") from None
     if not isinstance(meta, dict):
         raise UserError(f"{key}: {config_file} is not a timm/Hugging Face model config (not a mapping)")
-    for name in ("model.safetensors", "pytorch_model.bin"):
+    for name in (MODEL_WEIGHTS, "pytorch_model.bin"):
         if (folder / name).is_file():
             weights = folder / name
             break
     else:
-        raise UserError(f"{key}={folder} holds no model.safetensors (or pytorch_model.bin) beside "
-                        "config.json")
-    source = f"{key}={weights}"
+        raise UserError(f"{key}={folder} holds no {MODEL_WEIGHTS} (or pytorch_model.bin) beside {MODEL_CONFIG}")
     raw = read_safetensors(weights, key) if weights.suffix == ".safetensors" else load_checkpoint(weights)
+    return meta, state_dict_in(raw, f"{key}={weights}"), weights
+
+
+def read_model_folder(folder: Path, key: str = "model.init_from") -> Pretrained:
+    """A model folder as model.init_from's weights, with its architecture and pretrained_cfg preprocessing."""
+    meta, state_dict, _ = model_folder_files(folder, key)
     pretrained_cfg = meta.get("pretrained_cfg") if isinstance(meta.get("pretrained_cfg"), dict) else {}
     preprocessing = {k: pretrained_cfg[k] for k in PREPROCESSING if pretrained_cfg.get(k) is not None}
     architecture = meta.get("architecture") if isinstance(meta.get("architecture"), str) else None
-    return Pretrained(state_dict_in(raw, source), str(folder), architecture, preprocessing, key)
+    return Pretrained(state_dict, str(folder), architecture, preprocessing, key)
 
 
 def check_architecture(pretrained: Pretrained, model_name: str) -> None:

@@ -10,27 +10,42 @@ another optimizer) stops the run before anything in output_dir is touched.
 from __future__ import annotations
 
 import logging
-import math
+import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+import numpy as np
 import torch
+from timm.scheduler.scheduler import Scheduler
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-from engine.checkpoint import (EPOCH_FILE, UnreadableCheckpoint, is_sharded, last_checkpoint, load_optimizer_state,
-                               load_sharded_training, read_checkpoint, set_rng_state)
-from engine.config import Config, best_metric, to_dict
-from engine.dist import DistInfo, rank0_decides
-from engine.errors import UserError
-from engine.state import TrainState
-from engine.trainer import TrainParts
-from engine.config import ModelConfig
-from engine.weights import Pretrained, check_architecture, load_weights, read_pretrained
+from core.config import Config, ModelConfig, best_metric, to_dict
+from core.dist import DistInfo, is_fsdp, rank0_decides
+from core.errors import UnreadableCheckpoint, UserError
+from engine.checkpoint import sharded
+from engine.checkpoint.formats import PLAIN, is_sharded, read_checkpoint, set_aside
+from engine.checkpoint.saver import EPOCH_FILE
+from engine.checkpoint.weights import Pretrained, check_architecture, load_weights, read_pretrained
 
 log = logging.getLogger(__name__)
 TRAINING_KEYS = ("model", "optimizer", "epoch", "global_step", "config", "class_names", "rng")
 RUN_FILES = ("config.yaml", "metrics.jsonl", "last.pth", "last.dcp", "best.pth")  # and epoch_NNNN.pth
 OPTIMIZER_KEYS = ("name", "no_decay_norm_bias", "layer_decay")  # what the optimizer state's layout depends on
+
+
+class LoopState(Protocol):
+    """What a checkpoint's loop state is put back into (engine/state.TrainState, made by fit), through its methods."""
+
+    epoch: int
+    epoch_step: int
+    global_step: int
+
+    def load_state_dict(self, ckpt: dict[str, Any]) -> None: ...
+
+    def forget_best(self) -> None: ...
+
+    def schedule_position(self, updates_per_epoch: int) -> int: ...
 
 
 def find_resume_checkpoint(resume: str, out_dir: Path) -> Path | None:
@@ -238,32 +253,34 @@ class Resume:
         else:
             log.info("checkpoint %s has no EMA weights: the EMA starts from the resumed model", self.path)
 
-    def load_training(self, parts: TrainParts, cfg: Config, info: DistInfo, updates_per_epoch: int) -> TrainState:
-        """The loop state, optimizer, GradScaler and this rank's RNG states (a fresh state for a fresh run)."""
-        state = TrainState()
+    def load_training(self, state: LoopState, cfg: Config, info: DistInfo, updates_per_epoch: int, *,
+                      model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Scheduler,
+                      scaler: torch.amp.GradScaler | None) -> None:
+        """The loop state (into fit's `state`), optimizer, scheduler position, GradScaler and this rank's RNG states
+        (a fresh run: nothing to do). `model` is the module as trained (DDP / compiled / sharded)."""
         if self.ckpt is None:
-            return state
+            return
         ckpt, path = self.ckpt, self.path
         if ckpt.get("format") == "sharded":
             if ckpt["optimizer_rest"]["param_groups"] is not None:  # None: saved before the first optimizer step
-                check_optimizer_state(ckpt["optimizer_rest"], parts.optimizer, path)
-            load_sharded_training(path, parts.model, parts.optimizer, ckpt)  # resharded to this run's processes
+                check_optimizer_state(ckpt["optimizer_rest"], optimizer, path)
+            sharded.load(path, model, optimizer, ckpt["optimizer_rest"])  # resharded to this run's processes
         else:
-            check_optimizer_state(ckpt["optimizer"], parts.optimizer, path)
-            load_optimizer_state(parts.model, parts.optimizer, ckpt["optimizer"])  # sharded (fsdp) or whole
-        if parts.precision.scaler is not None and ckpt.get("scaler"):
-            parts.precision.scaler.load_state_dict(ckpt["scaler"])
+            check_optimizer_state(ckpt["optimizer"], optimizer, path)
+            load_optimizer_state(model, optimizer, ckpt["optimizer"])  # sharded (fsdp) or whole
+        if scaler is not None and ckpt.get("scaler"):
+            scaler.load_state_dict(ckpt["scaler"])
         state.load_state_dict(ckpt)
         then, now = ckpt.get("best_metric", "val_top1"), best_metric(cfg)
         if then != now:  # best_top1 measured another metric: comparing the two would pick best.pth wrongly
-            state.best_top1, state.epochs_without_best = -math.inf, 0
+            state.forget_best()
             if info.is_main:
                 log.info("checkpoint %s chose best.pth on %s; best.pth is now chosen on %s, from the next evaluation "
                          "on", path, then, now)
         # The schedule is a function of the config and the step (timm's schedulers keep no other
         # state): rebuilt from the config, a resumed run may extend train.epochs, or change the global batch
         # at an epoch boundary (the schedule continues at the same epoch).
-        parts.scheduler.step_update(num_updates=state.schedule_position(updates_per_epoch))
+        scheduler.step_update(num_updates=state.schedule_position(updates_per_epoch))
         then = saved_global_batch(ckpt)
         now = global_batch(info.world_size, cfg.train.batch_size, cfg.train.accum_steps)
         if then != now and info.is_main:
@@ -281,4 +298,52 @@ class Resume:
         where = f"epoch {state.epoch}, step {state.epoch_step} of it" if state.epoch_step else f"start of epoch {state.epoch}"
         log.info("resuming from %s (%s, global step %d)%s", path, where, state.global_step,
                  f"; config changes: {', '.join(changes)}" if changes else "")
-        return state
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """A saved (whole, numbered) optimizer state into `optimizer`; for a sharded model each rank keeps its shards.
+
+    Whole: each state tensor is laid out like its parameter. torch's fused Adam/AdamW/SGD step the state in the
+    parameter's memory layout, and load_state_dict keeps the file's: state from contiguous weights (an fsdp run,
+    or model.channels_last=false) resumed into channels-last weights would be stepped scrambled.
+    """
+    if not is_fsdp(model):
+        optimizer.load_state_dict(saved)
+        for param, state in optimizer.state.items():
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.shape == param.shape and value.stride() != param.stride():
+                    state[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)
+        return
+    names = {id(param): name for name, param in model.named_parameters()}
+    numbered = [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
+    by_name = {"state": {numbered[i]: value for i, value in saved["state"].items()},
+               "param_groups": [{**group, "params": [numbered[i] for i in group["params"]]}
+                                for group in saved["param_groups"]]}
+    if saved["state"]:  # else saved before the first step: nothing to put back but the settings
+        set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):  # DCP's copy made tuples lists
+        group.update({key: value for key, value in saved_group.items() if key != "params"})
+
+
+def last_checkpoint(out_dir: Path) -> Path | None:
+    """out_dir's last.pth or last.dcp/ (sharded), the newer by modification time when both exist (a run that
+    switched train.ckpt_format leaves the other behind); None when neither is there. A sharded save killed between
+    its two renames left the previous last.dcp aside under a temp name: that folder is the one to continue."""
+    folder = out_dir / "last.dcp"
+    folder = set_aside(folder) or folder
+    kept = [(mark.stat().st_mtime, path) for path, mark in ((out_dir / "last.pth", out_dir / "last.pth"),
+                                                           (folder, folder / PLAIN)) if mark.is_file()]
+    if folder.is_dir() and not (folder / PLAIN).is_file():
+        kept.append((0.0, folder))  # not a whole folder: named, so that reading it says what is wrong
+    return max(kept)[1] if kept else None
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Put back what rng_state() captured."""
+    torch.set_rng_state(state["torch"])
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = state["numpy"]
+    np.random.set_state((np_name, np_keys.numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss))
+    py_version, py_internal, py_gauss = state["python"]
+    random.setstate((py_version, tuple(py_internal), py_gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

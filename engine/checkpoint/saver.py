@@ -1,60 +1,56 @@
-"""Checkpoints are data, not code: tensors, numbers and plain dicts, written atomically.
+"""Writing training checkpoints: what a checkpoint holds and when it is written (Checkpointer, the one writer).
 
-Writes go to a temp file in the same folder and are moved into place with os.replace, so a
-crash mid-write leaves the previous file intact; with train.async_save rank 0 writes a copy of the state
-from a background thread while training goes on (Checkpointer). Reads use weights_only=True: a checkpoint
-cannot run code when it is loaded.
+A training checkpoint (`Checkpointer.save`) holds everything a resumed run needs to continue bit for bit:
+model, EMA weights (if any), optimizer, scheduler, GradScaler, the loop state (any object with `state_dict()`:
+epoch, global step, steps and train sums of an unfinished epoch, best val_top1), the resolved config, the class
+names, the W&B run id, and every rank's RNG states (`Checkpointer.plain_contents` lists the keys;
+engine/checkpoint/resume.py, beside it, reads them back). The data order needs no state: the sampler is seeded by
+(seed, epoch) and each augmentation by (seed, epoch, index).
 
-Two on-disk kinds, one owner: this module is the file kind (`last.pth`, `best.pth`, `epoch_NNNN.pth`) and
-the Checkpointer every run writes through; engine/sharded.py is the folder kind (`last.dcp/`, written by
-every rank with torch.distributed.checkpoint, train.ckpt_format=sharded). `read_checkpoint` reads either
-and is what resume, evaluate/predict/export and model.init_from ask.
-
-A training checkpoint (`Checkpointer.save`) holds everything a resumed run needs to continue
-bit for bit: model, EMA weights (if any), optimizer, scheduler, GradScaler, the loop state (epoch, global step, steps
-and train sums of an unfinished epoch, best val_top1), the resolved config, the class names,
-the W&B run id, and every rank's RNG states. The data order needs no state: the sampler is
-seeded by (seed, epoch) and each augmentation by (seed, epoch, index).
+Files (`last.pth`, `best.pth`, `epoch_NNNN.pth`) are written through core/files.save_atomic (a temp file moved
+into place: a crash mid-write leaves the previous file intact); with train.async_save rank 0 writes a copy of
+the state from a background thread while training goes on. train.ckpt_format=sharded writes `last.dcp/` from
+every rank instead (engine/checkpoint/sharded.py). engine/checkpoint/formats.py reads either kind back.
 
 Under dist.strategy=fsdp every rank joins the gathering of the sharded model, EMA and optimizer state onto
 rank 0 (torch.distributed.checkpoint's full state dicts), and the files are the same single .pth as a DDP
 run's: evaluate.py, predict.py, export.py and model.init_from read them as they are, and they resume with
-either strategy (the optimizer state is put back shard by shard: load_optimizer_state).
+either strategy (the optimizer state is put back shard by shard: resume.load_optimizer_state).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import pickle
 import random
 import re
 import threading
 import weakref
 from copy import deepcopy
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_optimizer_state_dict)
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
-from engine import sharded
-from engine.dist import DistInfo, all_gather_object, max_over_ranks, rank0_decides
-from engine.errors import UnreadableCheckpoint, UserError
-from engine.signals import sigterm_deferred
-from engine.run_dir import atomic_file, link_atomic
-from engine.state import TrainState
+from core.dist import DistInfo, all_gather_object, is_fsdp, max_over_ranks, rank0_decides
+from core.errors import UserError
+from core.files import link_atomic, save_atomic
+from core.signals import sigterm_deferred
+from engine.checkpoint import sharded
 
 log = logging.getLogger(__name__)
 FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU only
 EPOCH_FILE = re.compile(r"epoch_(\d+)\.pth")
-# torch.save's zip archive, and the legacy format (a protocol-2 pickle of torch's magic number) of old .pth files.
-TORCH_FILE_STARTS = (b"PK\x03\x04", b"\x80\x02\x8a\x0a")
+
+
+class Stateful(Protocol):
+    """The loop state a checkpoint stores (engine/state.TrainState): its fields as plain data."""
+
+    def state_dict(self) -> dict[str, Any]: ...
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -102,140 +98,17 @@ def gather_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, ema: nn.M
     """dist.strategy=fsdp: the whole model, EMA and optimizer state on rank 0's CPU, in the layout DDP runs save
     (a collective: every rank calls it; the others get empty dicts); `whole=False`: the EMA only. {} for a model
     that is not sharded."""
-    if not isinstance(model, FSDPModule):
+    if not is_fsdp(model):
         return {}
     gathered = {}
     if whole:
         gathered["model"] = get_model_state_dict(model, options=FULL_ON_RANK0)
-        # Never stepped: DCP would make the state with a zero step (engine/sharded.py); there is none to gather.
+        # Never stepped: DCP would make the state with a zero step (engine/checkpoint/sharded.py); there is none to gather.
         by_name = get_optimizer_state_dict(model, optimizer, options=FULL_ON_RANK0) if optimizer.state else {}
         gathered["optimizer"] = optimizer_state_by_index(by_name, optimizer) if by_name else optimizer.state_dict()
     if ema is not None:
         gathered["ema"] = get_model_state_dict(ema, options=FULL_ON_RANK0)
     return gathered
-
-
-def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
-    """A saved (whole, numbered) optimizer state into `optimizer`; for a sharded model each rank keeps its shards.
-
-    Whole: each state tensor is laid out like its parameter. torch's fused Adam/AdamW/SGD step the state in the
-    parameter's memory layout, and load_state_dict keeps the file's: state from contiguous weights (an fsdp run,
-    or model.channels_last=false) resumed into channels-last weights would be stepped scrambled.
-    """
-    if not isinstance(model, FSDPModule):
-        optimizer.load_state_dict(saved)
-        for param, state in optimizer.state.items():
-            for key, value in state.items():
-                if torch.is_tensor(value) and value.shape == param.shape and value.stride() != param.stride():
-                    state[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)
-        return
-    names = {id(param): name for name, param in model.named_parameters()}
-    numbered = [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
-    by_name = {"state": {numbered[i]: value for i, value in saved["state"].items()},
-               "param_groups": [{**group, "params": [numbered[i] for i in group["params"]]}
-                                for group in saved["param_groups"]]}
-    if saved["state"]:  # else saved before the first step: nothing to put back but the settings
-        set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
-    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):  # DCP's copy made tuples lists
-        group.update({key: value for key, value in saved_group.items() if key != "params"})
-
-
-class WriteErrors:
-    """A binary file that keeps the OSError of a failed write: torch.save reports it as a bare RuntimeError."""
-
-    def __init__(self, f: BinaryIO) -> None:
-        self.f, self.error = f, None
-
-    def write(self, data: bytes) -> int:
-        try:
-            return self.f.write(data)
-        except OSError as err:
-            self.error = self.error or err
-            raise
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-def save_atomic(obj: dict[str, Any], path: str | os.PathLike) -> None:
-    """torch.save to a temp file beside `path`, fsync, then os.replace it into place; a failed write is an OSError."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with sigterm_deferred(), atomic_file(path) as f:
-        writer = WriteErrors(f)
-        try:
-            torch.save(obj, writer)
-        except RuntimeError:
-            if writer.error is None:
-                raise
-            raise writer.error from None  # e.g. ENOSPC, EFBIG ("[enforce fail at inline_container.cc] unexpected pos")
-
-
-def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Load a checkpoint as data only; a missing, truncated or unsafe file is a UserError."""
-    path = Path(path)
-    if path.is_dir():
-        inside = sorted(p.name for p in path.glob("*.pth"))
-        if not inside:
-            raise UserError(f"checkpoint {path} is a folder that holds no checkpoint (.pth); give the path of a "
-                            ".pth file train.py wrote")
-        raise UserError(f"checkpoint {path} is a folder, not a file (it holds {', '.join(inside[:5])}); give the "
-                        f".pth file itself, e.g. {path / ('best.pth' if 'best.pth' in inside else inside[0])}")
-    if not path.is_file():
-        raise UserError(f"checkpoint {path} does not exist; check the path")
-    with path.open("rb") as f:
-        head = f.read(4)
-    if head not in TORCH_FILE_STARTS:
-        raise UserError(f"checkpoint {path} is not a checkpoint: torch.save files start with a zip header, "
-                        f"this one with {head!r}; check the path") from None
-    try:
-        return torch.load(path, weights_only=True, map_location="cpu")
-    except pickle.UnpicklingError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        if "Unsupported global" not in str(err):
-            raise UnreadableCheckpoint(f"checkpoint {path} cannot be read ({first[:80]}); it is damaged or not a "
-                                       "checkpoint") from None
-        raise UserError(f"checkpoint {path} was refused: it holds objects that are not plain data "
-                        f"and could run code when loaded ({first}); only load files you trust") from None
-    except (RuntimeError, EOFError, OSError, ValueError, KeyError, IndexError, TypeError) as err:
-        raise UnreadableCheckpoint(f"checkpoint {path} cannot be read ({type(err).__name__}: "
-                                   f"{str(err).strip().splitlines()[0] if str(err).strip() else 'truncated?'}); "
-                                   "it is truncated or not a checkpoint") from None
-
-
-def is_sharded(path: str | os.PathLike) -> bool:
-    """Whether `path` names a sharded checkpoint folder (*.dcp) rather than a .pth file."""
-    return sharded.is_sharded(path)
-
-
-def last_checkpoint(out_dir: Path) -> Path | None:
-    """out_dir's last.pth or last.dcp/ (sharded), the newer by modification time when both exist (a run that
-    switched train.ckpt_format leaves the other behind); None when neither is there. A sharded save killed between
-    its two renames left the previous last.dcp aside under a temp name: that folder is the one to continue."""
-    folder = out_dir / "last.dcp"
-    folder = sharded.set_aside(folder) or folder
-    kept = [(mark.stat().st_mtime, path) for path, mark in ((out_dir / "last.pth", out_dir / "last.pth"),
-                                                           (folder, folder / sharded.PLAIN)) if mark.is_file()]
-    if folder.is_dir() and not (folder / sharded.PLAIN).is_file():
-        kept.append((0.0, folder))  # not a whole folder: named, so that reading it says what is wrong
-    return max(kept)[1] if kept else None
-
-
-def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """A checkpoint as plain data, whichever kind: a .pth file as saved; a sharded folder's plain data with its
-    model (and EMA) weights whole, its optimizer tensors left in the folder (`load_sharded_training` reads them)."""
-    path = Path(path)
-    if not sharded.is_sharded(path):
-        return load_checkpoint(path)
-    ckpt = sharded.read_plain(path, load_checkpoint)
-    ckpt["model"] = sharded.read_tensors(path, "model.")
-    return ckpt
-
-
-def load_sharded_training(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                          ckpt: dict[str, Any]) -> None:
-    """A sharded folder's model and optimizer state into this run's, resharded to its processes (a collective)."""
-    sharded.load(path, model, optimizer, ckpt["optimizer_rest"])
 
 
 def nonfinite_tensors(state_dict: dict[str, torch.Tensor]) -> list[str]:
@@ -257,17 +130,6 @@ def rng_state() -> dict[str, Any]:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Put back what rng_state() captured."""
-    torch.set_rng_state(state["torch"])
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = state["numpy"]
-    np.random.set_state((np_name, np_keys.numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss))
-    py_version, py_internal, py_gauss = state["python"]
-    random.setstate((py_version, tuple(py_internal), py_gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 class Checkpointer:
@@ -304,7 +166,7 @@ class Checkpointer:
 
     def contents(self, fields: dict[str, Any], rng: list[dict[str, Any]], val_top1: float | None,
                  gathered: dict[str, Any] | None = None, copy: bool = False) -> dict[str, Any]:
-        """The checkpoint dict (`fields`: TrainState.state_dict(); `gathered`: a sharded model's gather_sharded):
+        """The checkpoint dict (`fields`: the loop state's state_dict(); `gathered`: a sharded model's gather_sharded):
         plain tensors, numbers, strings, lists, dicts; `copy`: sharing no memory with the live run."""
         gathered = gathered or {}
         return {"model": gathered["model"] if "model" in gathered else cpu_state_dict(self.model, copy),
@@ -334,7 +196,7 @@ class Checkpointer:
             "wandb_id": self.wandb_id,
         }
 
-    def save(self, state: TrainState, val_top1: float | None = None, best: bool = False,
+    def save(self, state: Stateful, val_top1: float | None = None, best: bool = False,
              epoch_file: bool = False) -> None:
         """Write last.pth (and best.pth, and an epoch file for a finished epoch); a collective."""
         fields = state.state_dict()  # syncs the epoch's running sums: a collective too
@@ -350,7 +212,7 @@ class Checkpointer:
 
     def save_sharded(self, fields: dict[str, Any], rng: list[dict[str, Any]], val_top1: float | None,
                      gathered: dict[str, Any] | None = None) -> None:
-        """last.dcp/: every rank writes its shards (engine/sharded.py); inf/NaN on any rank refuses it on all."""
+        """last.dcp/: every rank writes its shards (engine/checkpoint/sharded.py); inf/NaN on any rank refuses it on all."""
         broken = nonfinite_tensors(sharded.trained_module(self.model).state_dict())
         if max_over_ranks(int(bool(broken)), self.info.device):
             raise self.diverged(broken, fields)

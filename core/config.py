@@ -1,7 +1,7 @@
 """The typed configuration: one dataclass schema, the one place each key's type, default and meaning live.
 
-engine/config_load.py builds a Config from YAML and `key=value` overrides (an unknown key or a wrong type is a
-one-line UserError naming the key and the closest valid one); engine/config_checks.py refuses the values that
+core/config_load.py builds a Config from YAML and `key=value` overrides (an unknown key or a wrong type is a
+one-line UserError naming the key and the closest valid one); core/config_checks.py refuses the values that
 type-check but cannot work. What is here besides the schema reads it: the keys' reference (--help, README),
 the resolved YAML, and the few answers several modules ask of a Config.
 """

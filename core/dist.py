@@ -18,8 +18,11 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
-from engine.errors import UserError
+from core.errors import UserError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -331,3 +334,13 @@ def local_main_first(local_rank: int) -> Iterator[None]:
     yield
     if local_rank == 0:
         barrier()
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    """The one test for "is this model sharded": FSDP2 shards its parameters (its state dicts then hold DTensors)."""
+    return isinstance(model, FSDPModule)
+
+
+def replicated_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """The state a sharded model keeps whole on every rank (buffers such as BatchNorm's running statistics)."""
+    return [t for t in model.state_dict().values() if not isinstance(t, DTensor)]

@@ -1,4 +1,10 @@
-"""dist.strategy=fsdp: which parts of a timm model FSDP2 shards as units, and the sharding itself.
+"""How the model is spread over processes, applied from outside the model: DDP, FSDP2 and torch.compile.
+
+train.py calls `shard_for_training` (dist.strategy=fsdp) and then `wrap_for_training` (DDP unless sharded, then
+compile); both take a dtype, a device and a world size, not the app's config. core/dist.is_fsdp tells a sharded
+model from a whole one.
+
+dist.strategy=fsdp: which parts of a timm model FSDP2 shards as units, and the sharding itself.
 
 Each unit (a transformer block, a ResNet bottleneck, a ConvNeXt block) is all-gathered just before its forward
 and freed after it, so a rank holds whole weights for one unit at a time; everything outside the units (stem,
@@ -19,8 +25,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from core.dist import is_fsdp
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +70,25 @@ def shard_model(model: nn.Module, param_dtype: torch.dtype | None) -> nn.Module:
     return model
 
 
-def is_sharded(model: nn.Module) -> bool:
-    """Whether FSDP2 shards this module's parameters (its state dicts then hold DTensors)."""
-    return isinstance(model, FSDPModule)
+def shard_for_training(model: nn.Module, ema: nn.Module | None, param_dtype: torch.dtype | None,
+                       world_size: int) -> None:
+    """dist.strategy=fsdp: FSDP2 on the model and its EMA, in place, before the optimizer takes the sharded
+    parameters; the same units and policy for both, so the EMA is sharded like the model."""
+    if world_size == 1:
+        log.info("dist.strategy=fsdp in one process: nothing to shard, the model trains whole (as with ddp)")
+        return
+    shard_model(model, param_dtype)
+    if ema is not None:
+        shard_model(ema, param_dtype)
+    log.info("dist.strategy=fsdp: parameters, gradients and optimizer state sharded across %d processes%s",
+             world_size, ", weights gathered in bf16" if param_dtype == torch.bfloat16 else "")
 
 
-def replicated_tensors(model: nn.Module) -> list[torch.Tensor]:
-    """The state a sharded model keeps whole on every rank (buffers such as BatchNorm's running statistics)."""
-    return [t for t in model.state_dict().values() if not isinstance(t, DTensor)]
+def wrap_for_training(model: nn.Module, device: torch.device, world_size: int, compile: bool) -> nn.Module:
+    """DDP over several processes (unless FSDP2 already shards the model), then torch.compile if asked: the
+    module the loop calls."""
+    train_model = model
+    if world_size > 1 and not is_fsdp(model):
+        device_ids = [device.index] if device.type == "cuda" else None  # CPU DDP needs None
+        train_model = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+    return torch.compile(train_model) if compile else train_model

@@ -1,5 +1,5 @@
 """A Config from a YAML file and `key=value` overrides: YAML 1.2 booleans, duplicate keys refused, every leaf
-coerced to its annotation, an unknown key answered with the closest valid one, then engine.config_checks."""
+coerced to its annotation, an unknown key answered with the closest valid one, then core.config_checks."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from typing import Any
 
 import yaml
 
-from engine.config import Config
-from engine.config_checks import validate
-from engine.errors import UserError
+from core.config import Config
+from core.config_checks import validate
+from core.errors import UserError
 
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"

@@ -10,7 +10,6 @@ predictions, on any machine.
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 from dataclasses import dataclass
@@ -19,16 +18,13 @@ from typing import Any, Sequence
 
 import torch
 
-from engine.checkpoint import is_sharded, read_checkpoint
-from engine.config import Config
-from engine.config_load import config_from_dict, set_dotted
-from engine.errors import UserError
-from engine.precision import Precision
-from engine.outputs import Recognise, check_replaceable, replace_with, starts_with, temp_beside
+from core.config import Config
+from core.config_load import config_from_dict, set_dotted
+from core.errors import UserError
+from core.files import Recognise, check_replaceable
+from engine.checkpoint.formats import is_sharded, read_checkpoint
+from engine.checkpoint.weights import MODEL_CONFIG, MODEL_WEIGHTS, model_folder_files
 
-MODEL_CONFIG = "config.json"  # a model folder's description (timm / Hugging Face layout)
-MODEL_WEIGHTS = "model.safetensors"
-CSV_OUTPUT = starts_with(b"index,path,")  # the header of every CSV file evaluate.py and predict.py write
 
 
 @dataclass
@@ -55,11 +51,12 @@ def for_inference(config: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
-def precision_line(amp: str, precision: Precision) -> str:
-    """The log line that says which precision inference computes in, and how to choose the other."""
-    if precision.dtype is None and amp == INFERENCE_AMP:
+def precision_line(amp: str, computed_in: str) -> str:
+    """The log line that says which precision (`computed_in`: fp32, bf16, fp16) inference computes in, and how to
+    choose the other."""
+    if computed_in == "fp32" and amp == INFERENCE_AMP:
         return "computing in fp32 (the inference default; amp=bf16 or amp=auto computes faster, slightly differently)"
-    return f"computing in {precision.name} (amp={amp}); the default, amp=off, computes in fp32"
+    return f"computing in {computed_in} (amp={amp}); the default, amp=off, computes in fp32"
 
 
 def ema_hint(source: str, best_metric: str | None, using_ema: bool) -> str | None:
@@ -99,15 +96,8 @@ def load_trained(path: str | os.PathLike, ema: bool = False) -> Trained:
 
 def load_model_folder(folder: Path) -> Trained:
     """An exported model folder as a Trained: config.json's pretrained_cfg becomes the eval preprocessing."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    meta = read_model_config(folder)
-    weights_file = folder / MODEL_WEIGHTS
-    try:
-        weights = load_file(weights_file)
-    except (OSError, SafetensorError) as err:
-        raise UserError(f"cannot read {weights_file} ({err}); export the model again") from None
+    meta, weights, _ = model_folder_files(folder, "model folder")
+    check_model_config(meta, folder / MODEL_CONFIG)
     pretrained = meta.get("pretrained_cfg") or {}
     raw: dict[str, Any] = {"model": {"name": meta["architecture"], "kwargs": meta.get("model_args") or {}}}
     raw["model"]["kwargs"].pop("num_classes", None)
@@ -120,18 +110,11 @@ def load_model_folder(folder: Path) -> Trained:
                    threshold=float(meta.get("multi_label_threshold", 0.5)))
 
 
-def read_model_config(folder: Path) -> dict[str, Any]:
-    """config.json of a model folder, with the keys inference needs."""
-    file = folder / MODEL_CONFIG
-    try:
-        meta = json.loads(file.read_text())
-    except (OSError, ValueError) as err:
-        raise UserError(f"cannot read {file} ({err}); it should be the config.json export.py writes") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("architecture"), str) \
-            or not isinstance(meta.get("num_classes"), int):
+def check_model_config(meta: dict[str, Any], file: Path) -> None:
+    """config.json of a model folder holds the keys inference needs."""
+    if not isinstance(meta.get("architecture"), str) or not isinstance(meta.get("num_classes"), int):
         raise UserError(f"{file} names no architecture and num_classes; it should be the config.json export.py "
                         "(or timm's push_to_hf_hub) writes")
-    return meta
 
 
 def preprocessing_from_pretrained_cfg(pretrained: dict[str, Any]) -> dict[str, Any]:
@@ -178,31 +161,3 @@ def make_output_dir(out: Path, outputs: dict[str, Recognise]) -> None:
         check_replaceable(out / name, ours, f"an earlier {name} of evaluate.py or predict.py", "--output-dir")
 
 
-def write_csv(rows: list[dict[str, Any]], path: Path, columns: Sequence[str]) -> None:
-    """CSV with `columns`, written to a temp file and moved into place (over an earlier one of ours only)."""
-    with temp_beside(path) as tmp:
-        with tmp.open("x", newline="", errors="surrogateescape") as f:  # names that are not UTF-8, byte for byte
-            writer = csv.DictWriter(f, fieldnames=list(columns))
-            writer.writeheader()
-            writer.writerows(rows)
-        replace_with(tmp, path, CSV_OUTPUT, f"an earlier {path.name} of evaluate.py or predict.py", "--output-dir")
-
-
-def part_file(out: Path, stem: str, rank: int) -> Path:
-    """Where `rank` writes its rows before rank 0 merges them."""
-    return out / f"{stem}.part{rank}.csv"
-
-
-def merge_parts(out: Path, stem: str, world_size: int, size: int) -> list[dict[str, str]]:
-    """Rank 0: every rank's part file read back, checked to hold each index 0..size-1 once, sorted; parts removed."""
-    parts = [part_file(out, stem, rank) for rank in range(world_size)]
-    rows: list[dict[str, str]] = []
-    for part in parts:
-        with part.open(newline="", errors="surrogateescape") as f:
-            rows += list(csv.DictReader(f))
-    rows.sort(key=lambda row: int(row["index"]))
-    if [int(row["index"]) for row in rows] != list(range(size)):
-        raise RuntimeError(f"merged {stem} do not cover indices 0..{size - 1} exactly once")
-    for part in parts:
-        part.unlink()
-    return rows

@@ -1,0 +1,191 @@
+"""Evaluation, all of it: single-label (loss, top-1/5, the confusion matrix's metrics), multi-label (mAP, F1),
+and the epoch's validation of the model and its EMA. train.py and evaluate.py both call here.
+
+Exact over any number of processes: every rank evaluates its contiguous block of the unpadded validation set
+(data.loader.ShardSampler); single-label sums are all-reduced once at the end, with no host sync per batch.
+
+Multi-label average precision is ranking-based: it needs every image's score of a class, in one place. Each rank
+keeps its images' sigmoid probabilities; they are gathered in the global sample order and every rank computes
+the same numbers from the same arrays, so 1 and N processes report identical metrics. AP is scikit-learn's
+(uninterpolated, ties grouped): sum over thresholds of (R_k - R_{k-1}) P_k. Metrics are in percent, as val_top1 is.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from core.config import DataConfig
+from core.dist import DistInfo, all_gather_object, broadcast_tensors, is_fsdp, max_over_ranks, replicated_tensors
+from core.signals import workers_shielded
+from engine.metrics import SumMeter, add_confusion, class_metrics, hits, ranked_classes
+from engine.precision import Precision
+from engine.prefetch import Normalize, device_batches
+
+
+def model_logits(model: nn.Module, loader: DataLoader, precision: Precision, info: DistInfo,
+                 normalize: Normalize) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The model in eval mode over the loader: each batch's float32 logits and its targets (for the evaluations).
+
+    A sharded model's forward is a collective (each unit all-gathers its weights), and the ranks' blocks of the
+    validation set may differ by a batch: a rank with fewer batches runs forwards on one image until every rank
+    has run as many (their outputs are dropped).
+    """
+    model.eval()
+    missing = max_over_ranks(len(loader), info.device) - len(loader) if is_fsdp(model) else 0
+    with workers_shielded():
+        batches = device_batches(iter(loader), info.device, normalize)
+    for images, targets in batches:
+        with precision.autocast():
+            logits = model(images)
+        yield logits.float(), targets
+    for _ in range(missing):  # every rank has at least one batch (data.loader.build_data checks it)
+        with precision.autocast():
+            model(images[:1])
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: DataLoader, precision: Precision, info: DistInfo,
+             normalize: Normalize,
+             on_batch: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None) -> dict[str, float]:
+    """Exact val_loss / val_top1 / val_top5, and the confusion matrix's metrics (engine.metrics.class_metrics),
+    over the whole (sharded, unpadded) validation set: one all-reduce at the end, no host sync per batch.
+
+    on_batch(logits, targets, ranked) sees each batch with the top-5 classes the metrics counted.
+    """
+    meter = SumMeter(("loss_sum", "top1", "top5", "count"), info.device)
+    confusion = None  # C x C counts (flat), C = the model's outputs
+    for logits, targets in model_logits(model, loader, precision, info, normalize):
+        loss = nn.functional.cross_entropy(logits, targets, reduction="sum")
+        ranked = ranked_classes(logits, 5)
+        meter.add(loss, hits(ranked, targets, 1), hits(ranked, targets, 5), len(targets))
+        if confusion is None:
+            confusion = torch.zeros(logits.shape[1] ** 2, dtype=torch.int64, device=info.device)
+        add_confusion(confusion, targets, ranked[:, 0])
+        if on_batch is not None:
+            on_batch(logits, targets, ranked)
+    if confusion is None:  # a rank without a batch still joins the reduction, with the data's class count
+        confusion = torch.zeros(len(loader.dataset.classes) ** 2, dtype=torch.int64, device=info.device)
+    num_classes = math.isqrt(len(confusion))
+    sums, confusion = meter.global_sums_with(confusion.view(num_classes, num_classes))
+    count = sums["count"]
+    return {"val_loss": sums["loss_sum"] / count, "val_top1": 100.0 * sums["top1"] / count,
+            "val_top5": 100.0 * sums["top5"] / count, "val_count": int(count), **class_metrics(confusion)}
+
+
+def validate_epoch(model: nn.Module, ema: nn.Module | None, loader: DataLoader, precision: Precision, info: DistInfo,
+                   normalize: Normalize, cfg: DataConfig) -> dict[str, float]:
+    """The epoch's validation columns: the model's metrics, and its EMA's prefixed `ema_`."""
+    row = validate(model, loader, precision, info, normalize, cfg)
+    if ema is not None:
+        # BatchNorm buffers differ per rank between DDP's broadcasts, and so do the EMAs of them:
+        # every rank evaluates rank 0's EMA, the one the checkpoint saves.
+        broadcast_tensors(replicated_tensors(ema))  # sharded (fsdp): each rank keeps its own shards
+        ema_stats = validate(ema, loader, precision, info, normalize, cfg)
+        row.update({f"ema_{k}": v for k, v in ema_stats.items() if k != "val_count"})
+    return row
+
+
+def validate(model: nn.Module, loader: DataLoader, precision: Precision, info: DistInfo, normalize: Normalize,
+             cfg: DataConfig) -> dict[str, float]:
+    """The epoch's validation metrics: top-1/top-5, or mAP and F1 for multi-label data (evaluate_multilabel)."""
+    if cfg.multi_label:
+        return evaluate_multilabel(model, loader, precision, info, normalize, cfg.multi_label_threshold)
+    return evaluate(model, loader, precision, info, normalize)
+
+
+
+def average_precision(targets: np.ndarray, scores: np.ndarray) -> float | None:
+    """AP of one class (0/1 targets, scores), as sklearn.metrics.average_precision_score; None without positives."""
+    positives = int(targets.sum())
+    if positives == 0:
+        return None
+    order = np.argsort(-scores, kind="mergesort")
+    sorted_scores, hits = scores[order], targets[order].astype(np.float64)
+    last = np.r_[np.flatnonzero(np.diff(sorted_scores)), len(hits) - 1]  # the last row of each tied score
+    tps = np.cumsum(hits)[last]
+    precision = tps / (last + 1)
+    recall = tps / positives
+    return float(np.sum(np.diff(np.r_[0.0, recall]) * precision))
+
+
+def f1_counts(targets: np.ndarray, predicted: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-class true positives, false positives and false negatives of 0/1 decisions."""
+    truth = targets.astype(bool)
+    return ((predicted & truth).sum(0), (predicted & ~truth).sum(0), (~predicted & truth).sum(0))
+
+
+def f1_score(tp: np.ndarray | int, fp: np.ndarray | int, fn: np.ndarray | int) -> np.ndarray | float:
+    """2 TP / (2 TP + FP + FN); 0 where nothing was predicted and nothing was true."""
+    denominator = 2 * np.asarray(tp) + fp + fn
+    return np.divide(2.0 * np.asarray(tp), denominator, out=np.zeros(np.shape(denominator)), where=denominator > 0)
+
+
+def best_thresholds(targets: np.ndarray, probs: np.ndarray) -> np.ndarray:
+    """Per class, the probability threshold that maximizes that class's F1 on these images (0.5 without positives)."""
+    chosen = np.full(targets.shape[1], 0.5)
+    for c in range(targets.shape[1]):
+        positives = int(targets[:, c].sum())
+        if positives == 0:
+            continue
+        order = np.argsort(-probs[:, c], kind="mergesort")
+        scores, hits = probs[order, c], targets[order, c].astype(np.float64)
+        last = np.r_[np.flatnonzero(np.diff(scores)), len(hits) - 1]
+        tps = np.cumsum(hits)[last]
+        f1 = 2 * tps / (last + 1 + positives)  # predicted: last + 1 images; 2TP / (predicted + positives)
+        chosen[c] = scores[last[int(np.argmax(f1))]]
+    return chosen
+
+
+def multilabel_metrics(targets: np.ndarray, probs: np.ndarray, thresholds: float | np.ndarray) -> dict[str, Any]:
+    """mAP (macro over the classes with a positive image; micro over every image-class pair), F1 and per-class
+    AP/F1 at `thresholds` (one for all classes, or one per class): a class is predicted when prob >= threshold."""
+    per_class_ap = [average_precision(targets[:, c], probs[:, c]) for c in range(targets.shape[1])]
+    present = [ap for ap in per_class_ap if ap is not None]
+    predicted = probs >= np.asarray(thresholds, dtype=probs.dtype)
+    tp, fp, fn = f1_counts(targets, predicted)
+    micro = average_precision(targets.ravel(), probs.ravel())
+    return {"map": 100.0 * float(np.mean(present)) if present else 0.0,
+            "map_micro": 100.0 * (micro or 0.0),
+            "f1": 100.0 * float(f1_score(tp.sum(), fp.sum(), fn.sum())),
+            "f1_macro": 100.0 * float(np.mean(f1_score(tp, fp, fn))),
+            "per_class_ap": [None if ap is None else 100.0 * ap for ap in per_class_ap],
+            "per_class_f1": (100.0 * f1_score(tp, fp, fn)).tolist(),
+            "positives": targets.sum(0).astype(int).tolist(), "tp": tp.tolist(), "fp": fp.tolist(),
+            "fn": fn.tolist()}
+
+
+@torch.no_grad()
+def evaluate_multilabel(model: nn.Module, loader: DataLoader, precision: Precision, info: DistInfo,
+                        normalize: Normalize, threshold: float,
+                        on_batch: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> dict[str, float]:
+    """val_loss (mean over images of the per-class-mean BCE), val_map, val_map_micro and val_f1 (micro, at
+    `threshold`) over the whole validation set, identical on every rank and for any number of ranks.
+
+    on_batch(logits, targets) sees each batch (evaluate.py writes its predictions from it).
+    """
+    batches_out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    for logits, targets in model_logits(model, loader, precision, info, normalize):
+        losses = nn.functional.binary_cross_entropy_with_logits(logits, targets, reduction="none").mean(1)
+        batches_out.append((logits.sigmoid(), targets, losses))
+        if on_batch is not None:
+            on_batch(logits, targets)
+    probs, targets, losses = gathered(batches_out, loader.dataset.labels.shape[1])
+    metrics = multilabel_metrics(targets, probs, threshold)
+    return {"val_loss": math.fsum(losses.tolist()) / len(losses), "val_map": metrics["map"],
+            "val_map_micro": metrics["map_micro"], "val_f1": metrics["f1"], "val_count": len(losses)}
+
+
+def gathered(batches: list[tuple[torch.Tensor, ...]], num_classes: int) -> tuple[np.ndarray, ...]:
+    """(probs, targets, losses) of every rank's images, in the global sample order (one host copy per rank)."""
+    if batches:
+        local = tuple(torch.cat(parts).cpu().numpy() for parts in zip(*batches))
+    else:
+        local = (np.zeros((0, num_classes), np.float32), np.zeros((0, num_classes), np.float32), np.zeros(0))
+    ranks = all_gather_object(local)
+    return tuple(np.concatenate([rank[i] for rank in ranks]) for i in range(3))
