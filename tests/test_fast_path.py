@@ -116,3 +116,20 @@ def test_amp_auto_uses_bf16_on_cpu_only_where_the_cpu_has_bf16_instructions():
     assert resolve_precision("auto", cpu).name == ("bf16" if native else "fp32")
     assert resolve_precision("bf16", cpu).name == "bf16"  # an explicit choice is kept
     assert resolve_precision("off", cpu).name == "fp32"
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_inference_computes_in_fp32_by_default_whatever_the_cpu_and_the_run(native, monkeypatch):
+    """Issue 42 through the decision itself, for both CPU kinds: a run stored with amp=auto (bf16 where the CPU has
+    bf16 instructions) or amp=bf16 is read for inference in fp32, unless amp= is given to the tool."""
+    from engine.checkpoint.inference import Trained, inference_config
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    cpu = torch.device("cpu")
+    assert resolve_precision("auto", cpu).name == ("bf16" if native else "fp32")  # the probe is what decides
+    for stored in ("auto", "bf16", "off"):
+        trained = Trained({"amp": stored, "model": {"name": "test_resnet"}}, {}, ["a", "b"], "checkpoint x.pth")
+        assert resolve_precision(inference_config(trained).amp, cpu).name == "fp32"
+        assert resolve_precision(inference_config(trained, [("amp", "auto")]).amp, cpu).name == \
+            ("bf16" if native else "fp32")
