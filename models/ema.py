@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from timm.utils import ModelEmaV3
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 class CachedEma(ModelEmaV3):
@@ -23,10 +24,12 @@ class CachedEma(ModelEmaV3):
         self._plain = True  # no bf16 EMA tensor (stochastic rounding) and one dtype per pair: one _foreach_lerp_
 
     def _pair(self, model: nn.Module) -> None:
-        """Pair every EMA tensor with the model's, in state_dict order (as ModelEmaV3 does)."""
+        """Pair every EMA tensor with the model's, in state_dict order (as ModelEmaV3 does). Under FSDP2 the EMA is
+        sharded like the model: each rank averages its own shards (DTensors' local tensors, same layout on both
+        sides) and the plain tensors beside them (BatchNorm buffers), so no collective is needed."""
         self._floats, self._others = ([], []), ([], [])
         pairs = zip(self.module.state_dict(keep_vars=True).values(), model.state_dict(keep_vars=True).values())
-        for ema_v, model_v in pairs:
+        for ema_v, model_v in ((local(e), local(m)) for e, m in pairs):
             target = self._floats if ema_v.is_floating_point() else self._others
             target[0].append(ema_v)
             target[1].append(model_v)
@@ -43,6 +46,11 @@ class CachedEma(ModelEmaV3):
             self._foreach_lerp_(self._floats[0], self._floats[1], weight=1.0 - decay)
         if self._others[0]:
             torch._foreach_copy_(self._others[0], self._others[1])
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded (DTensor) parameter, sharing its memory; a plain tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def create_ema(model: nn.Module, decay: float, warmup: bool = False) -> CachedEma | None:

@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from core.dist import is_fsdp
 
 log = logging.getLogger(__name__)
+FP32_POLICY = MixedPrecisionPolicy(cast_forward_inputs=False)  # parameters, gradients and inputs left as they are
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
@@ -64,6 +65,10 @@ def shard_model(model: nn.Module, param_dtype: torch.dtype | None) -> nn.Module:
     # On the model's device (FSDP2's default is the machine's accelerator, wrong for a CPU run on a GPU machine).
     mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    if param_dtype is not None:  # BatchNorm keeps fp32 weights (its running statistics are fp32), as FSDP1 did
+        for norm in [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]:
+            if any(True for _ in norm.parameters(recurse=False)):
+                fully_shard(norm, mesh=mesh, mp_policy=FP32_POLICY)
     for unit in shard_units(model):
         fully_shard(unit, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)

@@ -372,3 +372,15 @@ def documented_figures(gpu: str, text: str | None = None) -> dict[str, float] | 
                 return None
             return {"img_per_s": float(cells[1].replace(",", "")), "peak_memory_gib": float(cells[2])}
     return None
+
+
+def recipe_test_model(name: str) -> list[str]:
+    """timm's test-sized variant of the config's architecture (same family, a fraction of a million weights)."""
+    if name.startswith("deit") and "distilled" in name:  # timm has no test variant: one block, 32 wide
+        return ["model.name=deit_tiny_distilled_patch16_224",
+                "model.kwargs={img_size: 32, patch_size: 8, embed_dim: 32, depth: 1, num_heads: 2}"]
+    if name.startswith(("vit", "deit")):
+        return ["model.name=test_vit", "model.kwargs.img_size=32"]
+    if name.startswith("convnext"):
+        return ["model.name=test_convnext"]
+    return ["model.name=test_resnet"]

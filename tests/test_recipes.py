@@ -13,23 +13,11 @@ import train
 from core.cli import report_errors
 from core.config_load import CONFIG_DIR, load_config
 from engine.optim import check_optimizer
-from tests.helpers import REPO, SMALL
+from tests.helpers import REPO, SMALL, recipe_test_model
 
 CONFIGS = sorted(path.name for path in CONFIG_DIR.glob("*.yaml"))
 RECIPES = [name for name in CONFIGS  # published ImageNet results
            if name not in ("digits.yaml", "dummy.yaml", "finetune_digits.yaml")]
-
-
-def tiny_model(name: str) -> list[str]:
-    """timm's test-sized variant of the config's architecture (same family, a fraction of a million weights)."""
-    if name.startswith("deit") and "distilled" in name:  # timm has no test variant: one block, 32 wide
-        return ["model.name=deit_tiny_distilled_patch16_224",
-                "model.kwargs={img_size: 32, patch_size: 8, embed_dim: 32, depth: 1, num_heads: 2}"]
-    if name.startswith(("vit", "deit")):
-        return ["model.name=test_vit", "model.kwargs.img_size=32"]
-    if name.startswith("convnext"):
-        return ["model.name=test_convnext"]
-    return ["model.name=test_resnet"]
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -51,7 +39,7 @@ def test_recipe_states_source_published_top1_and_global_batch(name):
 @pytest.mark.parametrize("name", CONFIGS)
 def test_config_trains_two_steps_on_dummy_data(name, tmp_path):
     cfg = load_config(name)
-    argv = ["--config", name, *SMALL, *tiny_model(cfg.model.name), f"output_dir={tmp_path / 'run'}"]
+    argv = ["--config", name, *SMALL, *recipe_test_model(cfg.model.name), f"output_dir={tmp_path / 'run'}"]
     if cfg.distill.teacher_name:  # the recipe's teacher is required: a tiny one, made here
         from timm import create_model
 
@@ -234,7 +222,7 @@ def test_mae_weights_converted_as_the_header_says_start_the_recipes_model(tmp_pa
     from models.factory import create_model
 
     name = "vit_large_mae_finetune.yaml"
-    overrides = [*(arg for arg in SMALL if not arg.startswith("model.init_from")), *tiny_model("vit"),
+    overrides = [*(arg for arg in SMALL if not arg.startswith("model.init_from")), *recipe_test_model("vit"),
                  f"output_dir={tmp_path / 'run'}"]
     encoder = timm_create_model("test_vit", img_size=32, num_classes=0)  # the pre-trained encoder: no head
     torch.save({"model": encoder.state_dict()}, tmp_path / "mae_pretrain_vit_large.pth")
