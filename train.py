@@ -42,7 +42,7 @@ from data.loader import DataBundle, build_data, skipped_train_images, steps_per_
 from data.mixing import BatchMix
 from data.transforms import DeviceNormalize
 from engine.checkpoint.resume import Resume
-from engine.checkpoint.run_dir import RunRecord, check_writable, locked
+from engine.checkpoint.run_dir import RunRecord, check_shared, check_writable, locked
 from engine.checkpoint.saver import Checkpointer
 from engine.checkpoint.weights import check_pretrained, resolve_preprocessing
 from engine.distill import build_distillation, check_teacher_needed, freeze_teacher, read_teacher, teacher_sha256
@@ -302,6 +302,7 @@ def main(argv: list[str]) -> int:
             print(summary)
         return 0
     with locked(Path(cfg.output_dir)):  # one live run per output_dir
+        check_shared(Path(cfg.output_dir))  # every process writes into rank 0's folder: one folder for all
         fit(cfg, info)  # report_errors leaves the process group, after reporting any error
     return 0
 

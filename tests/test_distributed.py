@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from data.transforms import DeviceNormalize
 from engine.evaluation import evaluate
 from engine.precision import Precision
 from models.factory import create_model
-from tests.helpers import read_jsonl, run_ranks, run_script
+from tests.helpers import HANG, REPO, TINY, free_port, read_jsonl, run_ranks, run_script, script_env
 
 pytestmark = pytest.mark.slow  # torchrun jobs
 
@@ -88,3 +90,24 @@ def test_user_error_is_one_line(tmp_path, nproc):
         assert f"traceback : {lines[0]}" in proc.stderr
     if nproc == 1:
         assert "Traceback" not in proc.stderr and proc.stderr.strip().splitlines()[-1] == lines[0]
+
+
+@pytest.mark.slow
+def test_ranks_that_see_different_output_dirs_are_refused_before_training(tmp_path):
+    """A relative output_dir on two ranks started in different working directories (as on nodes whose disks are not
+    shared): not one folder for all, so checkpoints and shards would be split between them. Refused at start-up
+    in one line naming rank 1 and its host, exit 2, nothing written in either folder."""
+    port, cwds = free_port(), [tmp_path / "node0", tmp_path / "node1"]
+    procs = []
+    for rank, cwd in enumerate(cwds):
+        cwd.mkdir()
+        env = script_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, str(REPO / "train.py"), *TINY, "output_dir=run"], cwd=cwd,
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = [(proc.wait(timeout=HANG), proc.stderr.read()) for proc in procs]
+    assert [code for code, _ in results] == [2, 2], results
+    lines = [line for line in results[0][1].splitlines() if "error:" in line]
+    assert len(lines) == 1 and "error: output_dir run is not the same folder for every process: rank 1 on " in lines[0]
+    assert "error:" not in results[1][1]  # rank 0 speaks
+    assert [sorted(p.name for p in cwd.iterdir()) for cwd in cwds] == [[], []]

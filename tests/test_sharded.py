@@ -95,6 +95,39 @@ def save_both_then_load(rank: int, world: int, tmp: str) -> dict:
     return {**saved, "fsdp.dcp into ddp": load_fresh("ddp", Path(tmp) / "fsdp.dcp")}
 
 
+def save_where_rank_1_sees_another_folder(rank: int, world: int, tmp: str) -> dict:
+    """2 ranks save last.dcp (a relative path) from one working directory, then again with rank 1 in another one:
+    its shards land in a folder rank 0 cannot see, as on a node-local output_dir. What each rank found."""
+    from core.errors import UserError
+
+    os.chdir(tmp)
+    model, optimizer = build("fsdp", seed=0)
+    folder = Path("run/last.dcp")
+    sharded.save(folder, model, optimizer, {"epoch": 1, "global_step": 3, "rng": []})
+    if rank == 1:
+        os.makedirs("elsewhere/run", exist_ok=True)
+        os.chdir("elsewhere")
+    try:
+        sharded.save(folder, model, optimizer, {"epoch": 2, "global_step": 6, "rng": []})
+        error = None
+    except UserError as err:
+        error = str(err)
+    left = sorted(p.name for p in Path("run").iterdir())  # in this rank's view
+    return {"error": error, "left": left}
+
+
+def test_a_sharded_save_missing_a_ranks_shards_is_never_swapped_in(tmp_path):
+    """Rank 1 writing its shards where rank 0 cannot see them (another working directory for a relative output_dir,
+    as a node-local disk would): the save is refused on both ranks with one line naming rank 1, the previous
+    last.dcp stays whole, and rank 1's stray temp folder is removed (it was kept on its disk at every save)."""
+    results = run_ranks(save_where_rank_1_sees_another_folder, 2, tmp_path, str(tmp_path))
+    for result in results:
+        assert result["error"].startswith("cannot write checkpoint run/last.dcp: the shards of rank(s) 1 (__1_0.distcp)")
+        assert "\n" not in result["error"]
+    assert results[0]["left"] == ["last.dcp"] and results[1]["left"] == []
+    assert read_checkpoint(tmp_path / "run/last.dcp")["global_step"] == 3  # the previous folder, whole
+
+
 def load_both(rank: int, world: int, kind: str, tmp: str) -> dict:
     return {f"{name}.dcp into {kind}": load_fresh(kind, Path(tmp) / f"{name}.dcp") for name in ("fsdp", "ddp")}
 

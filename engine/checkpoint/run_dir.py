@@ -18,13 +18,14 @@ import errno
 import fcntl
 import logging
 import os
+import secrets
 import socket
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import yaml
 
-from core.dist import rank0_decides
+from core.dist import all_gather_object, broadcast_object, get_world_size, is_main, rank0_decides
 from core.errors import UserError
 from core.files import atomic_file
 from core.logs import MetricsFile
@@ -53,6 +54,29 @@ def locked(folder: Path) -> Iterator[None]:
     finally:
         for lock in held:
             lock.release()
+
+
+def check_shared(folder: Path) -> None:
+    """Every process sees rank 0's output_dir: rank 0 writes a probe file there, every rank reads it back. Rank 0
+    writes the checkpoints, metrics and the sharded folder's swap, and every rank writes its shards into it, so
+    output_dir must be one folder for all (a file system every node mounts, at a path that means it on each)."""
+    if get_world_size() == 1:
+        return
+    token = broadcast_object(secrets.token_hex(8) if is_main() else None)
+    probe = folder / f".shared-check.{token}"
+    rank0_decides(lambda: probe.write_text(token))
+    try:
+        seen = probe.read_text() == token
+    except OSError:
+        seen = False
+    found = all_gather_object((socket.gethostname(), seen))
+    rank0_decides(lambda: probe.unlink(missing_ok=True))
+    blind = [f"rank {rank} on {host}" for rank, (host, ok) in enumerate(found) if not ok]
+    if blind:
+        raise UserError(f"output_dir {folder} is not the same folder for every process: {', '.join(blind)} cannot "
+                        f"see the file rank 0 (on {found[0][0]}) wrote there; put output_dir on storage every node "
+                        "shares, at a path that names it on each (an absolute path; README: several nodes)",
+                        all_ranks=True)
 
 
 class FolderLock:

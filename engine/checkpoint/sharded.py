@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +36,11 @@ from core.dist import broadcast_object, is_main, rank0_decides
 from core.errors import UserError
 from core.files import check_replaceable, remove, replace_with, temp_name, write_new
 from core.signals import sigterm_deferred
-from engine.checkpoint.formats import PLAIN, SafeReader, TEMP, first_line, is_ours, quiet_single_process, set_aside
+from engine.checkpoint.formats import (PLAIN, TEMP, SafeReader, first_line, is_ours, quiet_single_process,
+                                       read_metadata, set_aside)
 
 OURS = "a sharded checkpoint train.py wrote"  # what a save may replace, in messages
+SHARD_RANK = re.compile(r"__(\d+)_")  # the rank in DCP's shard file name __<rank>_<n>.distcp
 
 
 def split_optimizer(optim_sd: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -69,14 +72,18 @@ def save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, plain
     tmp = Path(broadcast_object(str(temp_name(folder)) if is_main() else None))
     rank0_decides(lambda: prepare(folder, tmp))
     try:
-        with sigterm_deferred(), quiet_single_process():
-            dcp.save({"model": model_sd, "optimizer": optim_tensors},
-                     storage_writer=FileSystemWriter(tmp, sync_files=True, overwrite=False))
-    except CheckpointException as err:
-        rank0_decides(lambda: remove(tmp))
-        raise UserError(f"cannot write checkpoint {folder} ({write_failure(err)}); free disk space (or raise the "
-                        "quota) or choose another output_dir", all_ranks=True) from None
-    rank0_decides(lambda: finish(folder, tmp, {**plain, "format": "sharded", "optimizer_rest": optim_rest}))
+        try:
+            with sigterm_deferred(), quiet_single_process():
+                dcp.save({"model": model_sd, "optimizer": optim_tensors},
+                         storage_writer=FileSystemWriter(tmp, sync_files=True, overwrite=False))
+        except CheckpointException as err:
+            rank0_decides(lambda: remove(tmp))
+            raise UserError(f"cannot write checkpoint {folder} ({write_failure(err)}); free disk space (or raise the "
+                            "quota) or choose another output_dir", all_ranks=True) from None
+        rank0_decides(lambda: finish(folder, tmp, {**plain, "format": "sharded", "optimizer_rest": optim_rest}))
+    finally:  # rank 0 has swapped or removed its temp folder; one left in another rank's view is node-local
+        if not is_main() and tmp.is_dir():
+            remove(tmp)
 
 
 def write_failure(err: BaseException) -> str:
@@ -107,6 +114,7 @@ def prepare(folder: Path, tmp: Path) -> None:
 def finish(folder: Path, tmp: Path, plain: dict[str, Any]) -> None:
     """Rank 0, after every rank wrote its shards: the plain data, fsync, then the swap into place."""
     try:
+        check_shards(folder, tmp)
         buffer = io.BytesIO()
         torch.save(plain, buffer)  # in memory: a failed write is then a plain OSError (torch.save's is a RuntimeError)
         write_new(tmp / PLAIN, buffer.getvalue())
@@ -120,6 +128,20 @@ def finish(folder: Path, tmp: Path, plain: dict[str, Any]) -> None:
     except BaseException:
         remove(tmp)
         raise
+
+
+def check_shards(folder: Path, tmp: Path) -> None:
+    """Every shard file the new index names is in rank 0's view of the temp folder before the swap: shards another
+    process wrote where rank 0 cannot see them (a node-local output_dir) would make a folder no resume can read."""
+    metadata = read_metadata(tmp)
+    named = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    missing = sorted(name for name in named if not (tmp / name).is_file())
+    if missing:
+        ranks = sorted({int(SHARD_RANK.match(name)[1]) for name in missing})
+        raise UserError(f"cannot write checkpoint {folder}: the shards of rank(s) {', '.join(map(str, ranks))} "
+                        f"({', '.join(missing[:3])}) are not in rank 0's view of it, so output_dir is not one folder "
+                        "for every process; put it on storage every node shares (README: several nodes). The "
+                        "previous checkpoint is kept")
 
 
 def fsync_folder(folder: Path) -> None:
