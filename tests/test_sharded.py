@@ -116,6 +116,7 @@ def save_where_rank_1_sees_another_folder(rank: int, world: int, tmp: str) -> di
     return {"error": error, "left": left}
 
 
+@pytest.mark.slow
 def test_a_sharded_save_missing_a_ranks_shards_is_never_swapped_in(tmp_path):
     """Rank 1 writing its shards where rank 0 cannot see them (another working directory for a relative output_dir,
     as a node-local disk would): the save is refused on both ranks with one line naming rank 1, the previous
