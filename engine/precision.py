@@ -63,9 +63,7 @@ class Precision:
             device = next(model.parameters()).device
             return True, max_over_ranks(stop_signal, device)
         params = [p for p in model.parameters() if p.grad is not None]
-        norm = nn.utils.get_total_norm([p.grad for p in params])
-        if isinstance(norm, DTensor):  # dist.strategy=fsdp: the norm over every rank's shards, the same on each
-            norm = norm.full_tensor()
+        norm = total_grad_norm([p.grad for p in params])
         nonfinite, signum = step_flags_over_ranks(torch.isfinite(norm).logical_not(), stop_signal)
         if nonfinite:
             return False, signum
@@ -74,12 +72,43 @@ class Precision:
         return True, signum
 
 
+def shard(grad: DTensor) -> torch.Tensor:
+    """This rank's part of a sharded gradient, with no op dispatched (to_local() is a view op per tensor: host work
+    that grows with the model); gradients need no autograd through it."""
+    return grad._local_tensor
+
+
+def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm over all gradients, in a number of ops that does not grow with the model: torch's foreach norm;
+    for a sharded model's DTensor gradients, foreach over this rank's shards and one all-reduce of the sum of
+    squares over the mesh dimensions they are sharded on (torch's DTensor path is one op per tensor). The same
+    number on every rank."""
+    sharded = [g for g in grads if isinstance(g, DTensor)]
+    if not sharded:
+        return nn.utils.get_total_norm(grads)
+    squares = torch.stack(torch._foreach_norm([shard(g) for g in sharded])).float().square().sum()
+    mesh, placements = sharded[0].device_mesh, sharded[0].placements
+    for dim, placement in enumerate(placements):
+        if placement.is_shard():
+            torch.distributed.all_reduce(squares, group=mesh.get_group(dim))
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    if plain:  # whole on every rank: counted once
+        squares = squares + nn.utils.get_total_norm(plain).float().square()
+    return squares.sqrt()
+
+
 def clip_gradients(params: list[nn.Parameter], clip_grad: float, mode: str, norm: torch.Tensor | None = None) -> None:
-    """optim.clip_mode through timm's dispatch_clip_grad; norm mode reuses a total norm already computed."""
+    """optim.clip_mode through timm's dispatch_clip_grad; norm mode reuses a total norm already computed (and
+    scales a sharded model's shards in one foreach op, as clip_grads_with_norm_ does for plain tensors)."""
     if clip_grad <= 0:
         return
     if mode == "norm" and norm is not None:  # what clip_grad_norm_ does, without computing the norm again
-        nn.utils.clip_grads_with_norm_(params, clip_grad, norm)
+        grads = [p.grad for p in params]
+        if any(isinstance(g, DTensor) for g in grads):
+            scale = (clip_grad / (norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_([shard(g) if isinstance(g, DTensor) else g for g in grads], scale)
+        else:
+            nn.utils.clip_grads_with_norm_(params, clip_grad, norm)
     else:
         dispatch_clip_grad(params, clip_grad, mode=mode)
 

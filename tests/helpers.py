@@ -384,3 +384,23 @@ def recipe_test_model(name: str) -> list[str]:
     if name.startswith("convnext"):
         return ["model.name=test_convnext"]
     return ["model.name=test_resnet"]
+
+
+def op_counter():
+    """A dispatch-mode recorder of every aten op run inside it, by name (`.ops`, a Counter): among them the ones that
+    move data between host and device on a GPU, a tensor made from host data (lift_fresh: a copy to the device)
+    and a read of a device value (_local_scalar_dense: a sync)."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpCounter(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: collections.Counter[str] = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    return OpCounter()

@@ -7,7 +7,6 @@ a recorder of host<->device traffic, optimizer state held in fake CUDA tensors.
 
 from __future__ import annotations
 
-import collections
 import copy
 import os
 import re
@@ -20,7 +19,6 @@ import torch
 import torch.distributed as dist
 from timm.optim import create_optimizer_v2
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import evaluate
 from core.cli import collective_failure_line, peer_lost_error
@@ -42,7 +40,7 @@ from engine.state import TrainState
 from engine.trainer import LoopConfig, TrainParts, train_one_epoch
 from models.ema import create_ema
 from models.factory import prepare_model
-from tests.helpers import HANG, REPO, TINY, run_ranks, run_script, script_env
+from tests.helpers import HANG, REPO, TINY, op_counter, run_ranks, run_script, script_env
 from models.parallel import wrap_for_training
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
@@ -158,19 +156,6 @@ def test_ranks_that_would_share_or_lack_a_gpu_stop_with_one_line(env, gpus, mess
 
 # 5. host<->device syncs in the hot loop ----------------------------------------------------------------------
 
-class HostTraffic(TorchDispatchMode):
-    """Counts the ops that move data between host and device on a GPU: a tensor made from host data
-    (aten.lift_fresh: a copy to the device) and a read of a device value (aten._local_scalar_dense: a sync)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
 COLLECTIVES = ("allreduce_", "broadcast_", "allgather_", "reduce_scatter_", "_allgather_base_", "alltoall_")
 
 
@@ -197,7 +182,7 @@ def _step_traffic(rank: int, world: int, sync_bn: bool) -> dict[str, int]:
     loop = LoopConfig(log_interval=1000, normalize=DeviceNormalize([0.5] * 3, [0.5] * 3, info.device, False))
     hooks = [EmaUpdate(create_ema(model, 0.99, warmup=True), model)]
     batches = _batches(STEPS)  # made before recording: in a real run they come from the DataLoader's workers
-    with HostTraffic() as traffic:
+    with op_counter() as traffic:
         train_one_epoch(parts, batches, TrainState(), loop, info, hooks)
     counts = {name: traffic.ops[name] for name in ("lift_fresh", "_local_scalar_dense")}
     counts["collectives"] = sum(n for name, n in traffic.ops.items() if name in COLLECTIVES)
@@ -213,7 +198,7 @@ def test_training_and_evaluation_steps_make_no_hidden_host_device_traffic():
     train_traffic = _step_traffic(0, 1, sync_bn=False)
     normalize = DeviceNormalize([0.5] * 3, [0.5] * 3, CPU.device, channels_last=False)
     model, batches = timm.create_model("test_resnet", num_classes=4), _batches(STEPS)
-    with HostTraffic() as eval_traffic:
+    with op_counter() as eval_traffic:
         run_evaluation(model, batches, Precision("cpu", None), CPU, normalize)
     assert train_traffic["lift_fresh"] == 0 and eval_traffic.ops["lift_fresh"] == 0
     # The one documented per-step read: the inf/NaN gradient check fused with the stop flag. None in evaluation.
@@ -246,7 +231,7 @@ def test_mixed_training_steps_make_no_hidden_host_device_traffic(loss):
     batches = [collate([(images[i], int(labels[i]), (0, step * 2 + i // 2)) for i in range(4)])
                for step, (images, labels) in enumerate(_batches(6))]  # made by the workers in a real run
     assert all(batch[2][:, 1].any() for batch in batches)  # every batch mixes something
-    with HostTraffic() as traffic:
+    with op_counter() as traffic:
         parts = TrainParts(model, optimizer, scheduler, build_loss(TrainConfig(loss=loss), mixing=True),
                            Precision("cpu", None))
         train_one_epoch(parts, batches, TrainState(), loop, CPU)

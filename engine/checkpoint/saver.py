@@ -113,9 +113,13 @@ def gather_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, ema: nn.M
 
 def nonfinite_tensors(state_dict: dict[str, torch.Tensor]) -> list[str]:
     """Names of floating-point tensors with an inf or NaN (a NaN forward pass poisons BatchNorm statistics); of a
-    sharded model's DTensors, this rank's shards."""
+    sharded model's DTensors, this rank's shards. One read from the device, whatever the number of tensors."""
     local = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state_dict.items()}
-    return [k for k, v in local.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    floats = [(k, v) for k, v in local.items() if v.is_floating_point()]
+    if not floats:
+        return []
+    finite = torch.stack([torch.isfinite(v).all() for _, v in floats]).tolist()
+    return [k for (k, _), ok in zip(floats, finite) if not ok]
 
 
 def rng_state() -> dict[str, Any]:
