@@ -59,6 +59,7 @@ from models.tta import CROPS, TTAModel, describe
 
 log = logging.getLogger("evaluate")
 COLUMNS = ("index", "path", "label", "pred", "confidence", "top5", "label_name", "pred_name", "loss")
+CONFUSION_MAX = 1000  # classes up to which confusion_matrix.png is drawn (C x C counts on the host: 8 MB at 1000)
 ML_COLUMNS = ("index", "path", "labels", "pred", "label_names", "pred_names", "probs", "loss")  # multi-label
 OUTPUTS = {"eval.json": starts_with(b'{\n  "checkpoint": '), "predictions.csv": CSV_OUTPUT,  # as written here
            "confusion_matrix.png": starts_with(b"\x89PNG\r\n\x1a\n"),
@@ -238,21 +239,25 @@ def per_class_table(result: dict[str, Any]) -> bytes:
 
 
 def summarize(rows: list[dict[str, str]], metrics: dict[str, float], class_names: list[str],
-              checkpoint: str, ema: bool) -> tuple[dict[str, Any], np.ndarray]:
-    """eval.json contents and the confusion matrix (rows: true class, columns: predicted class)."""
+              checkpoint: str, ema: bool) -> tuple[dict[str, Any], np.ndarray | None]:
+    """eval.json contents and the confusion matrix (rows: true class, columns: predicted class), the latter only up
+    to CONFUSION_MAX classes (per-class results come from 3 x C counts at any class count)."""
     labels = np.array([int(row["label"]) for row in rows])
     preds = np.array([int(row["pred"]) for row in rows])
     num_classes = len(class_names)
-    confusion = np.bincount(labels * num_classes + preds, minlength=num_classes ** 2).reshape(num_classes, num_classes)
-    correct = int(np.trace(confusion))
-    if round(metrics["val_top1"] * len(rows) / 100.0) != correct:
+    counts = np.stack([np.bincount(labels[labels == preds], minlength=num_classes),
+                       np.bincount(labels, minlength=num_classes), np.bincount(preds, minlength=num_classes)])
+    if round(metrics["val_top1"] * len(rows) / 100.0) != int(counts[0].sum()):
         raise RuntimeError("predictions.csv disagrees with the all-reduced top-1 count")
-    if any(metrics.get(key) != value for key, value in class_metrics(torch.from_numpy(confusion)).items()):
-        raise RuntimeError("predictions.csv disagrees with the all-reduced confusion matrix")
+    if any(metrics.get(key) != value for key, value in class_metrics(torch.from_numpy(counts)).items()):
+        raise RuntimeError("predictions.csv disagrees with the all-reduced per-class counts")
     per_class = []
     for c, name in enumerate(class_names):
-        n = int(confusion[c].sum())
-        per_class.append({"class": name, "n": n, "top1": 100.0 * int(confusion[c, c]) / n if n else None})
+        n = int(counts[1, c])
+        per_class.append({"class": name, "n": n, "top1": 100.0 * int(counts[0, c]) / n if n else None})
+    confusion = None
+    if num_classes <= CONFUSION_MAX:
+        confusion = np.bincount(labels * num_classes + preds, minlength=num_classes ** 2).reshape(num_classes, -1)
     result = {
         "checkpoint": checkpoint,
         "ema": ema,
@@ -350,7 +355,11 @@ def run(cfg: Config, ckpt: dict[str, Any], args: argparse.Namespace, info: DistI
     write_output(out / "eval.json", (json.dumps(result, indent=2) + "\n").encode(), OUTPUTS["eval.json"],
                  "an earlier eval.json of evaluate.py", "--output-dir")
     title = f"{cfg.model.name} on {len(rows)} images: top-1 {result['top1']:.2f}%"
-    plot_confusion(confusion, class_names, out / "confusion_matrix.png", title)
+    if confusion is not None:
+        plot_confusion(confusion, class_names, out / "confusion_matrix.png", title)
+    else:
+        log.info("%d classes: no confusion_matrix.png (written up to %d classes); eval.json has the per-class "
+                 "results", len(class_names), CONFUSION_MAX)
     log_to_wandb(cfg, args, result, out, rows, ckpt.get("wandb_id"))
     result["output_dir"] = str(out)
     return result
@@ -401,7 +410,8 @@ def log_to_wandb(cfg: Config, args: argparse.Namespace, result: dict[str, Any], 
     multi = bool(result.get("multi_label"))
     tracker.start({**to_dict(cfg), "checkpoint": str(args.checkpoint), "ema": args.ema}, out, job_type="eval")
     per_class = {c["class"]: c["ap"] if multi else c["top1"] for c in result["per_class"]}
-    tracker.log_evaluation({**result, "per_class": per_class}, None if multi else out / "confusion_matrix.png", rows)
+    matrix = out / "confusion_matrix.png" if not multi and len(per_class) <= CONFUSION_MAX else None
+    tracker.log_evaluation({**result, "per_class": per_class}, matrix, rows)
     tracker.use_model(args.checkpoint, trained_run_id)
     tracker.finish()
 
@@ -435,7 +445,8 @@ def main(argv: list[str]) -> int:
         worst = sorted((c for c in result["per_class"] if c["top1"] is not None), key=lambda c: c["top1"])[:3]
         print(f"top1 {result['top1']:.2f}%  top5 {result['top5']:.2f}%  loss {result['loss']:.4f}  n {result['n']}")
         print("lowest per-class top1: " + ", ".join(f"{readable(c['class'])} {c['top1']:.1f}%" for c in worst))
-        print(f"wrote eval.json, predictions.csv, confusion_matrix.png to {result['output_dir']}")
+        matrix = ", confusion_matrix.png" if len(result["per_class"]) <= CONFUSION_MAX else ""
+        print(f"wrote eval.json, predictions.csv{matrix} to {result['output_dir']}")
     return 0
 
 

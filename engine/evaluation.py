@@ -21,9 +21,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from core.config import DataConfig
-from core.dist import DistInfo, all_gather_object, broadcast_tensors, is_fsdp, max_over_ranks, replicated_tensors
+from core.dist import DistInfo, broadcast_tensors, gather_rows, is_fsdp, max_over_ranks, replicated_tensors
 from core.signals import workers_shielded
-from engine.metrics import SumMeter, add_confusion, class_metrics, hits, ranked_classes
+from engine.metrics import SumMeter, add_class_counts, class_metrics, hits, ranked_classes
 from engine.precision import Precision
 from engine.prefetch import Normalize, device_batches
 
@@ -53,29 +53,29 @@ def model_logits(model: nn.Module, loader: DataLoader, precision: Precision, inf
 def evaluate(model: nn.Module, loader: DataLoader, precision: Precision, info: DistInfo,
              normalize: Normalize,
              on_batch: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None) -> dict[str, float]:
-    """Exact val_loss / val_top1 / val_top5, and the confusion matrix's metrics (engine.metrics.class_metrics),
-    over the whole (sharded, unpadded) validation set: one all-reduce at the end, no host sync per batch.
+    """Exact val_loss / val_top1 / val_top5, and the per-class metrics (engine.metrics.class_metrics: 3 x C counts,
+    never a C x C matrix), over the whole (sharded, unpadded) validation set: one all-reduce at the end, no host
+    sync per batch.
 
     on_batch(logits, targets, ranked) sees each batch with the top-5 classes the metrics counted.
     """
     meter = SumMeter(("loss_sum", "top1", "top5", "count"), info.device)
-    confusion = None  # C x C counts (flat), C = the model's outputs
+    counts = None  # 3 x C per-class counts (hits, true, predicted), C = the model's outputs
     for logits, targets in model_logits(model, loader, precision, info, normalize):
         loss = nn.functional.cross_entropy(logits, targets, reduction="sum")
         ranked = ranked_classes(logits, 5)
         meter.add(loss, hits(ranked, targets, 1), hits(ranked, targets, 5), len(targets))
-        if confusion is None:
-            confusion = torch.zeros(logits.shape[1] ** 2, dtype=torch.int64, device=info.device)
-        add_confusion(confusion, targets, ranked[:, 0])
+        if counts is None:
+            counts = torch.zeros((3, logits.shape[1]), dtype=torch.int64, device=info.device)
+        add_class_counts(counts, targets, ranked[:, 0])
         if on_batch is not None:
             on_batch(logits, targets, ranked)
-    if confusion is None:  # a rank without a batch still joins the reduction, with the data's class count
-        confusion = torch.zeros(len(loader.dataset.classes) ** 2, dtype=torch.int64, device=info.device)
-    num_classes = math.isqrt(len(confusion))
-    sums, confusion = meter.global_sums_with(confusion.view(num_classes, num_classes))
+    if counts is None:  # a rank without a batch still joins the reduction, with the data's class count
+        counts = torch.zeros((3, len(loader.dataset.classes)), dtype=torch.int64, device=info.device)
+    sums, counts = meter.global_sums_with(counts)
     count = sums["count"]
     return {"val_loss": sums["loss_sum"] / count, "val_top1": 100.0 * sums["top1"] / count,
-            "val_top5": 100.0 * sums["top5"] / count, "val_count": int(count), **class_metrics(confusion)}
+            "val_top5": 100.0 * sums["top5"] / count, "val_count": int(count), **class_metrics(counts)}
 
 
 def validate_epoch(model: nn.Module, ema: nn.Module | None, loader: DataLoader, precision: Precision, info: DistInfo,
@@ -175,17 +175,29 @@ def evaluate_multilabel(model: nn.Module, loader: DataLoader, precision: Precisi
         batches_out.append((logits.sigmoid(), targets, losses))
         if on_batch is not None:
             on_batch(logits, targets)
-    probs, targets, losses = gathered(batches_out, loader.dataset.labels.shape[1])
-    metrics = multilabel_metrics(targets, probs, threshold)
-    return {"val_loss": math.fsum(losses.tolist()) / len(losses), "val_map": metrics["map"],
-            "val_map_micro": metrics["map_micro"], "val_f1": metrics["f1"], "val_count": len(losses)}
+    values = torch.zeros(len(MULTILABEL_COLUMNS), dtype=torch.float64, device=info.device)
+    found = gathered(batches_out, loader.dataset.labels.shape[1], info.device)
+    if found is not None:  # rank 0: every image's probabilities, in the global sample order
+        probs, targets, losses = found
+        metrics = multilabel_metrics(targets, probs, threshold)
+        values.copy_(torch.tensor([math.fsum(losses.tolist()) / len(losses), metrics["map"], metrics["map_micro"],
+                                   metrics["f1"], len(losses)], dtype=torch.float64))
+    broadcast_tensors([values])  # the same numbers on every rank (best.pth and early stopping read them)
+    row = dict(zip(MULTILABEL_COLUMNS, values.tolist()))
+    return {**row, "val_count": int(row["val_count"])}
 
 
-def gathered(batches: list[tuple[torch.Tensor, ...]], num_classes: int) -> tuple[np.ndarray, ...]:
-    """(probs, targets, losses) of every rank's images, in the global sample order (one host copy per rank)."""
+MULTILABEL_COLUMNS = ("val_loss", "val_map", "val_map_micro", "val_f1", "val_count")
+
+
+def gathered(batches: list[tuple[torch.Tensor, ...]], num_classes: int, device: torch.device
+             ) -> tuple[np.ndarray, ...] | None:
+    """(probs, targets, losses) of every rank's images in the global sample order, on rank 0 (None elsewhere):
+    padded tensors gathered to rank 0 only, one host copy there."""
     if batches:
-        local = tuple(torch.cat(parts).cpu().numpy() for parts in zip(*batches))
+        local = [torch.cat(parts) for parts in zip(*batches)]
     else:
-        local = (np.zeros((0, num_classes), np.float32), np.zeros((0, num_classes), np.float32), np.zeros(0))
-    ranks = all_gather_object(local)
-    return tuple(np.concatenate([rank[i] for rank in ranks]) for i in range(3))
+        local = [torch.zeros((0, num_classes), device=device), torch.zeros((0, num_classes), device=device),
+                 torch.zeros(0, device=device)]
+    whole = [gather_rows(part) for part in local]
+    return None if whole[0] is None else tuple(part.cpu().numpy() for part in whole)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import types
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from core.errors import UserError
 from data.loader import EpochSampler
 from engine.checkpoint.formats import load_checkpoint
 from engine.losses import build_loss, class_weights
-from engine.metrics import PER_CLASS_RECALL_MAX, class_metrics
+from engine.metrics import PER_CLASS_RECALL_MAX, add_class_counts, class_metrics, confusion_counts
 from engine.state import TrainState
 from tests.compare import assert_same, rows_without_timing
 from tests.helpers import TINY, make_image_folder, read_jsonl, run_on_ranks, train_here
@@ -128,7 +129,11 @@ def test_class_metrics_are_scikit_learns():
     y_pred = np.where(rng.random(300) < 0.6, y_true, rng.choice([0, 1, 3], 300))
     y_pred[y_pred == 4] = 0  # class 4 is never predicted, class 3 never true, class 5 neither
     confusion = torch.from_numpy(np.bincount(y_true * 6 + y_pred, minlength=36).reshape(6, 6))
-    metrics = class_metrics(confusion)
+    counts = torch.zeros((3, 6), dtype=torch.int64)  # as evaluation counts them, batch by batch, on the device
+    for part in np.array_split(np.arange(300), 7):
+        add_class_counts(counts, torch.from_numpy(y_true[part]), torch.from_numpy(y_pred[part]))
+    assert torch.equal(counts, confusion_counts(confusion))
+    metrics = class_metrics(counts)
     with pytest.warns(UserWarning):  # sklearn warns that class 3 is predicted but never true
         assert math.isclose(metrics["val_balanced_acc"], 100 * balanced_accuracy_score(y_true, y_pred), rel_tol=1e-12)
     assert math.isclose(metrics["val_macro_f1"], 100 * f1_score(y_true, y_pred, average="macro"), rel_tol=1e-12)
@@ -136,7 +141,51 @@ def test_class_metrics_are_scikit_learns():
     assert [metrics[f"val_recall_{c}"] for c in (0, 1, 2, 4)] == pytest.approx(100 * recalls, rel=1e-12)
     assert "val_recall_3" not in metrics and "val_recall_5" not in metrics  # no true images: no recall
     many = PER_CLASS_RECALL_MAX + 1
-    assert not any(k.startswith("val_recall_") for k in class_metrics(torch.eye(many, dtype=torch.int64)))
+    identity = confusion_counts(torch.eye(many, dtype=torch.int64))
+    assert not any(k.startswith("val_recall_") for k in class_metrics(identity))
+
+
+class Batches(list):
+    """A list of (uint8 images, labels) batches that evaluation takes for a DataLoader."""
+
+    def __init__(self, batches: list, classes: int) -> None:
+        super().__init__(batches)
+        self.dataset = types.SimpleNamespace(classes=list(range(classes)))
+
+
+def refuse_large_allocations(limit: int):
+    """A dispatch mode that fails a factory op (zeros, empty, full) asked for more than `limit` elements, before it
+    allocates: a C x C matrix at 21,841 classes would take 3.8 GB here."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Refuse(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            size = args[1] if name.startswith("new_") else args[0] if name in ("zeros", "empty", "full") else None
+            if isinstance(size, (list, tuple)):
+                assert math.prod(size) <= limit, f"{name} of {math.prod(size):,} elements"
+            return func(*args, **(kwargs or {}))
+
+    return Refuse()
+
+
+def test_evaluation_at_21841_classes_allocates_no_class_by_class_matrix():
+    """ImageNet-21k's class count: the per-class metrics come from 3 x C counts, never a C x C tensor on the device
+    (477M int64, 3.8 GB, ~11 GB transient with its float64 copies, and a 3.8 GB all-reduce per validation)."""
+    from core.dist import DistInfo
+    from data.transforms import DeviceNormalize
+    from engine.evaluation import evaluate
+    from engine.precision import Precision
+
+    classes, cpu = 21_841, torch.device("cpu")
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, classes))
+    generator = torch.Generator().manual_seed(0)
+    loader = Batches([(torch.randint(0, 256, (4, 3, 4, 4), dtype=torch.uint8, generator=generator),
+                       torch.randint(0, classes, (4,), generator=generator)) for _ in range(2)], classes)
+    with refuse_large_allocations(limit=10 * classes):
+        metrics = evaluate(model, loader, Precision("cpu", None), DistInfo(0, 1, 0, 1, cpu),
+                           DeviceNormalize([0.5] * 3, [0.5] * 3, cpu, False))
+    assert metrics["val_count"] == 8 and 0 <= metrics["val_balanced_acc"] <= 100
 
 
 def test_best_metric_direction_and_ema_column():

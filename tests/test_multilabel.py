@@ -320,3 +320,40 @@ def test_single_label_list_with_separators_gets_a_hint(tmp_path, caplog):
     (tmp_path / "train.csv").write_text("path,label\na.png,cat|dog\nb.png,owl\n")
     ListFileDataset(tmp_path, "train", transform=None, seed=0)
     assert "set data.multi_label=true" in caplog.text
+
+
+def multilabel_evaluation_on_ranks(rank: int, world: int) -> dict:
+    """evaluate_multilabel of one tiny model on this rank's block of 10 images (5 classes; rank 0 has more), with the
+    collectives it ran; one process evaluates all 10."""
+    import types
+
+    from core.dist import DistInfo
+    from data.transforms import DeviceNormalize
+    from engine.evaluation import evaluate_multilabel
+    from engine.precision import Precision
+    from tests.helpers import op_counter
+
+    cpu, generator = torch.device("cpu"), torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 5))
+    images = torch.randint(0, 256, (10, 3, 4, 4), dtype=torch.uint8, generator=generator)
+    labels = (torch.rand(10, 5, generator=generator) < 0.4).float()
+    blocks = [range(0, 6), range(6, 10)] if world == 2 else [range(10)]
+    batches = [(images[list(block)], labels[list(block)]) for block in blocks[rank:rank + 1]]
+    loader = type("Batches", (list,), {})(batches)
+    loader.dataset = types.SimpleNamespace(labels=labels.numpy())
+    with op_counter() as counter:
+        metrics = evaluate_multilabel(model, loader, Precision("cpu", None), DistInfo(rank, world, rank, world, cpu),
+                                      DeviceNormalize([0.5] * 3, [0.5] * 3, cpu, False), 0.5)
+    return {"metrics": metrics, "ops": dict(counter.ops)}
+
+
+@pytest.mark.slow
+def test_multilabel_evaluation_gathers_tensors_to_rank_0_with_no_object_collective(tmp_path):
+    """The probabilities of every image reach rank 0 as padded tensors (gather, not all_gather_object: pickled
+    arrays sent to every rank, ~10 GB per rank per epoch at 10k classes x 125k images); rank 0's metrics reach the
+    others as one float64 tensor; 2 ranks with uneven blocks give one process's numbers exactly."""
+    single = multilabel_evaluation_on_ranks(0, 1)["metrics"]
+    for found in run_ranks(multilabel_evaluation_on_ranks, 2, tmp_path):
+        assert found["metrics"] == single
+        assert found["ops"].get("allgather_", 0) == 0 and found["ops"]["gather_"] == 3, found["ops"]
