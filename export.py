@@ -2,7 +2,7 @@
 
     python export.py runs/digits/best.pth --format onnx            # runs/digits/best.onnx
     python export.py runs/digits/best.pth --format torchscript     # runs/digits/best.torchscript.pt
-    python export.py runs/digits/best.pth --format safetensors     # runs/digits/best-hf/{config.json,model.safetensors}
+    python export.py runs/digits/best.pth --format safetensors     # runs/digits/best-hf/ (config.json, weights, card)
     python export.py runs/digits/best.pth --format onnx --ema --output model.onnx
 
 ONNX and TorchScript take a float32 NCHW batch of any size, already resized, centre-cropped and normalized as
@@ -11,7 +11,7 @@ file's config.json); they return logits. Before it reports success the command r
 the PyTorch model on real images (--images, else the checkpoint's validation set; random pixels if neither
 can be read) in batches of 1 and --check-batch, prints the largest absolute difference of the logits, and
 fails above --atol. The model folder (config.json: architecture, num_classes, label_names, pretrained_cfg with
-the preprocessing; model.safetensors) loads with
+the preprocessing; model.safetensors; README.md, the model card the Hugging Face Hub shows) loads with
 `timm.create_model("local-dir:FOLDER")`, with `timm.create_model(arch, pretrained=True, num_classes=N,
 pretrained_cfg_overlay=dict(file="FOLDER/model.safetensors", num_classes=N))`, with predict.py and as
 model.init_from; its weights are checked to load back into timm bitwise.
@@ -29,6 +29,7 @@ import errno
 import io
 import json
 import logging
+import math
 import os
 import zipfile
 from pathlib import Path
@@ -57,8 +58,12 @@ from models.factory import create_model
 log = logging.getLogger("export")
 NOT_OURS = ("tag", "license", "hf_hub_id", "url", "origin_url", "paper_ids", "paper_name", "notes", "source", "file")
 SUFFIXES = {"onnx": ".onnx", "torchscript": ".torchscript.pt", "safetensors": "-hf"}
+MODEL_CARD = "README.md"  # a model folder's card: what the Hugging Face Hub shows for it
+CARD_MARK = "<!-- model card written by export.py"  # how a later export knows the card is its own
+CLASSES_SHOWN = 100  # class names listed in the card (all of them are in config.json)
 EXPECTED = {"onnx": "an ONNX file export.py wrote", "torchscript": "a TorchScript file export.py wrote",
-            "safetensors": f"a model folder export.py wrote (only {MODEL_CONFIG} and {MODEL_WEIGHTS})"}
+            "safetensors": f"a model folder export.py wrote (only {MODEL_CONFIG}, {MODEL_WEIGHTS} and its "
+                           f"{MODEL_CARD})"}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -176,10 +181,10 @@ def export_torchscript(model: nn.Module, example: torch.Tensor, out: Path, meta:
     return run
 
 
-def export_model_folder(model: nn.Module, cfg: Config, trained: Trained, folder: Path
+def export_model_folder(model: nn.Module, cfg: Config, trained: Trained, folder: Path, name: str
                         ) -> Callable[[torch.Tensor], np.ndarray]:
-    """config.json (timm's own writer, save_config_for_hf) + model.safetensors; returns a runner of the model
-    timm builds back from the folder (local-dir:, never the hub)."""
+    """config.json (timm's own writer, save_config_for_hf) + model.safetensors + README.md (the model card, named
+    `name`); returns a runner of the model timm builds back from the folder (local-dir:, never the hub)."""
     import timm
     from safetensors.torch import save
     from timm.models._hub import save_config_for_hf
@@ -200,12 +205,60 @@ def export_model_folder(model: nn.Module, cfg: Config, trained: Trained, folder:
     config_file.write_text(json.dumps(written, indent=2) + "\n")
     tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     write_new(folder / MODEL_WEIGHTS, save(tensors))  # save_file: mode 0600 and a SafetensorError on EFBIG
+    write_new(folder / MODEL_CARD, model_card(cfg, trained, model, name).encode())
     loaded = timm.create_model(f"local-dir:{folder.resolve()}", pretrained=True).eval()
 
     def run(x: torch.Tensor) -> np.ndarray:
         with torch.no_grad():
             return loaded(x).numpy()
     return run
+
+
+def model_card(cfg: Config, trained: Trained, model: nn.Module, name: str) -> str:
+    """The folder's README.md by timm's own card writer (generate_readme, as its push_to_hf_hub uses): the Hub's
+    header, the model, its classes, the metrics its checkpoint records, its preprocessing and usage; then the
+    training config. So a folder uploaded to the Hub says what it is."""
+    import yaml
+    from timm.models._hub import generate_readme
+
+    size, crop_pct = eval_size(cfg.data)
+    arch = model.pretrained_cfg.get("architecture") or cfg.model.name
+    classes = trained.class_names
+    more = f", ... ({len(classes)} in all, config.json lists them)" if len(classes) > CLASSES_SHOWN else ""
+    kind = (f"multi-label image classification (one sigmoid per class, present at >= {trained.threshold})"
+            if trained.multi_label else "image classification")
+    details = {
+        "Model Type": kind,
+        "Architecture": f"timm {arch}",
+        "Params (M)": round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
+        "Started from": start_of(trained.config),
+        "Classes": f"{len(classes)}: {', '.join(classes[:CLASSES_SHOWN])}{more}",
+        "Metrics (validation, as the checkpoint records them)": trained.metrics or "none recorded",
+        "Preprocessing": {"resize": f"short side to {math.floor(size / crop_pct)} px ({cfg.data.interpolation}), "
+                                    f"centre crop {size} x {size} (crop_pct {crop_pct})",
+                          "normalize": f"mean {list(cfg.data.mean)}, std {list(cfg.data.std)} (RGB, 0-1)"},
+    }
+    scores = "sigmoid()" if trained.multi_label else "softmax(-1)"
+    usage = ("```python\nimport timm\nfrom PIL import Image\n\n"
+             f'model = timm.create_model("hf-hub:<user>/{name}", pretrained=True).eval()  # or "local-dir:{name}"\n'
+             "transform = timm.data.create_transform(**timm.data.resolve_data_config({}, model=model))\n"
+             f'scores = model(transform(Image.open("photo.jpg").convert("RGB")).unsqueeze(0)).{scores}\n'
+             'labels = model.pretrained_cfg["label_names"]\n```\n')
+    card = {"tags": ["image-classification", "timm"], "license": "other", "details": details, "usage": usage,
+            "description": f"A timm {arch} trained with the image classification reference "
+                           "trainer (export.py wrote this folder). `license: other` above is a placeholder: set the "
+                           "license of these weights (and of any weights they started from) before publishing."}
+    config = yaml.safe_dump(trained.config, sort_keys=False) if trained.config else "{}\n"
+    return (f"{generate_readme(card, name)}\n## Training config\n\nThe run's resolved config (its config.yaml):\n\n"
+            f"```yaml\n{config}```\n\n{CARD_MARK} from {trained.source}; export again to rewrite it -->\n")
+
+
+def start_of(config: dict[str, Any]) -> str:
+    """The weights a training run started from, for the model card."""
+    model = config.get("model", {})
+    if model.get("pretrained"):
+        return f"timm's pretrained weights {model.get('name')}"
+    return "local weights (model.init_from)" if model.get("init_from") else "random initialisation"
 
 
 def is_onnx_export(path: Path) -> bool:
@@ -240,11 +293,17 @@ def is_torchscript_export(path: Path) -> bool:
 
 
 def is_model_folder_export(path: Path) -> bool:
-    """A model folder this tool wrote: exactly config.json (naming the architecture) and model.safetensors."""
-    if not path.is_dir() or path.is_symlink() or sorted(p.name for p in path.iterdir()) != [MODEL_CONFIG,
-                                                                                             MODEL_WEIGHTS]:
+    """A model folder this tool wrote: config.json (naming the architecture), model.safetensors and its own model card
+    (a folder written before the card came holds the first two only), and nothing else."""
+    if not path.is_dir() or path.is_symlink():
+        return False
+    names = sorted(p.name for p in path.iterdir())
+    if names not in ([MODEL_CONFIG, MODEL_WEIGHTS], sorted([MODEL_CONFIG, MODEL_WEIGHTS, MODEL_CARD])):
         return False
     try:
+        card = path / MODEL_CARD
+        if MODEL_CARD in names and (card.is_symlink() or CARD_MARK not in card.read_text(errors="replace")):
+            return False
         return "architecture" in json.loads((path / MODEL_CONFIG).read_text())
     except (OSError, ValueError, TypeError):
         return False
@@ -262,14 +321,15 @@ def check_output(out: Path, checkpoint: Path, fmt: str) -> None:
 
 
 def write_export(args: argparse.Namespace, model: nn.Module, cfg: Config, trained: Trained, example: torch.Tensor,
-                 meta: dict[str, Any], out: Path) -> Callable[[torch.Tensor], np.ndarray]:
-    """The --format export written to `out` (a new path); the exporter's own failures become one line."""
+                 meta: dict[str, Any], out: Path, name: str) -> Callable[[torch.Tensor], np.ndarray]:
+    """The --format export written to `out` (a new path; `name`: the one it will have); the exporter's own failures
+    become one line."""
     try:
         if args.format == "onnx":
             return export_onnx(model, example, out, meta, args.opset)
         if args.format == "torchscript":
             return export_torchscript(model, example, out, meta)
-        return export_model_folder(model, cfg, trained, out)
+        return export_model_folder(model, cfg, trained, out, name)
     except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:  # the exporter's, not a bug here
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
         raise UserError(f"{args.format} export of {cfg.model.name} failed ({type(err).__name__}: {first}); "
@@ -298,7 +358,7 @@ def main(argv: list[str]) -> int:
     meta = metadata(cfg, trained)
     try:
         with temp_beside(out) as tmp:
-            runner = write_export(args, model, cfg, trained, example, meta, tmp)
+            runner = write_export(args, model, cfg, trained, example, meta, tmp, out.name)
             difference = max_difference(runner, model, batch, (1, args.check_batch))
             print(f"max abs difference of the logits, {args.format} vs PyTorch, batches of 1 and "
                   f"{args.check_batch} ({where}): {difference:.3g}")

@@ -33,8 +33,8 @@ from core.cli import run_main
 from core.config import (Config, ModelConfig, best_metric, config_yaml, given_keys, keys_help, lower_is_better, mixing,
                          replace_section, to_dict)
 from core.config_load import load_config
-from core.dist import (DistInfo, broadcast_tensors, init_distributed, is_fsdp, rank0_decides, read_launch_env,
-                       replicated_tensors)
+from core.dist import (DistInfo, broadcast_tensors, init_distributed, is_fsdp, main_first, rank0_decides,
+                       read_launch_env, replicated_tensors)
 from core.errors import UserError
 from core.logs import setup_logging
 from core.signals import Preempted
@@ -58,7 +58,7 @@ from engine.state import TrainState
 from engine.tracking import TensorBoardWriter, WandbTracker
 from engine.trainer import LoopConfig, TrainParts, train_one_epoch
 from models.ema import create_ema
-from models.factory import check_model_name, compile_warning, create_model, prepare_model
+from models.factory import check_model_name, compile_warning, create_model, prepare_model, pretrained_cfg_of
 from models.parallel import shard_for_training, wrap_for_training
 
 log = logging.getLogger("train")
@@ -87,7 +87,8 @@ def start_up(cfg: Config, info: DistInfo) -> tuple[Config, Resume, DataBundle, P
     check_optimizer(cfg.optim)
     start = Resume.find(cfg.resume, Path(cfg.output_dir))
     pretrained = start.pretrained(cfg.model)
-    cfg = resolve_preprocessing(cfg, pretrained, start.ckpt["config"] if start.ckpt else None)
+    hub_cfg = None if start.ckpt else rank0_decides(lambda: pretrained_cfg_of(cfg.model))  # model.pretrained=true
+    cfg = resolve_preprocessing(cfg, pretrained, start.ckpt["config"] if start.ckpt else None, hub_cfg)
     cfg = with_global_batch(cfg, info.world_size)
     cfg = with_scaled_lr(cfg, info.world_size)  # after resolve_preprocessing, which reads the keys the user set
     seed_everything(cfg.seed)
@@ -99,7 +100,12 @@ def start_up(cfg: Config, info: DistInfo) -> tuple[Config, Resume, DataBundle, P
     if cfg.dist.strategy == "fsdp" and precision.scaler is not None:  # amp=fp16 itself: core/config_checks.py
         raise UserError(f"amp={cfg.amp} chose fp16 on this GPU, which dist.strategy=fsdp cannot use (the GradScaler "
                         "would see only each process's shard of the gradients); use amp=off, or dist.strategy=ddp")
-    if pretrained is None:
+    if hub_cfg is not None:  # rank 0 fills the Hugging Face cache, the others read it
+        model = main_first(lambda: create_model(cfg.model, data.num_classes, from_hub=True))
+        log.info("model.pretrained: the weights of %s (%s) from the Hugging Face cache%s", cfg.model.name,
+                 hub_cfg.get("hf_hub_id") or hub_cfg.get("url"), "" if hub_cfg.get("num_classes") == data.num_classes
+                 else f"; classifier freshly initialised for {data.num_classes} classes")
+    elif pretrained is None:
         model = create_model(cfg.model, data.num_classes)
     else:
         model = create_model(cfg.model, data.num_classes, pretrained.state_dict, pretrained.source)

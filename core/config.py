@@ -27,6 +27,7 @@ class ModelConfig:
     sync_bn: bool = False  # convert BatchNorm to a synchronized one when world size > 1
     channels_last: bool = True  # NHWC memory format (faster convolutions with AMP)
     compile: bool = False  # torch.compile the model
+    pretrained: bool = False  # start from timm's weights of model.name (resnet50.a1_in1k, hf-hub:<id>) via the HF cache
     init_from: str = ""  # weights to start from: checkpoint, .pth, .safetensors or model folder; "" = random init
     ema_decay: float = 0.0  # keep an EMA of the weights (timm ModelEmaV3), e.g. 0.9998; 0 = off
     ema_warmup: bool = False  # EMA decay rises from 0 to ema_decay (timm ModelEmaV3 use_warmup), by global step

@@ -120,6 +120,10 @@ def validate(cfg: Config) -> None:
                         "whole between micro-steps already); remove it or set dist.strategy=fsdp")
     if cfg.logging.wandb:
         validate_wandb(cfg.logging)
+    if cfg.model.pretrained and cfg.model.init_from:
+        raise UserError(f"model.pretrained=true and model.init_from={cfg.model.init_from} both name the weights to "
+                        "start from; keep model.init_from for a local file, or model.pretrained for timm's weights of "
+                        "model.name")
     if not cfg.resume:
         raise UserError("config key 'resume' is empty; use auto, none or the path of a checkpoint")
     if len(cfg.data.mean) != 3 or len(cfg.data.std) != 3 or min(cfg.data.std) <= 0:

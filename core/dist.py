@@ -326,6 +326,21 @@ def rank0_decides(decide: Callable[[], T]) -> T:
     return result
 
 
+def main_first(run: Callable[[], T]) -> T:
+    """Rank 0 runs run() first (a download into a shared cache), the other ranks after it succeeded (they find
+    its work done: no N simultaneous downloads); a UserError of rank 0's is every rank's, reported once."""
+    result, problem = None, None
+    if is_main():
+        try:
+            result = run()
+        except UserError as err:
+            problem = str(err)
+    problem = broadcast_object(problem)  # also the barrier the others wait at
+    if problem is not None:
+        raise UserError(problem, all_ranks=True)
+    return result if is_main() else run()
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank `src`'s Python object, on every rank."""
     if not dist.is_initialized():

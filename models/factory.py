@@ -1,13 +1,21 @@
-"""Build the network: any timm model, never downloading weights, optionally with synchronized BN."""
+"""Build the network: any timm model, optionally with synchronized BN.
+
+Weights come from a state dict the caller read (model.init_from, a checkpoint) or, for a fresh run with
+model.pretrained=true only, from timm's own pretrained loading through the Hugging Face cache (HF_HOME,
+HF_HUB_OFFLINE honoured); every other build (evaluate, predict, export, resume) asks for no weights at all.
+"""
 
 from __future__ import annotations
 
 import difflib
 import logging
 import re
+from typing import Any
 
 import timm
 import torch
+from huggingface_hub import constants as hub_constants
+from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 from torch import nn
 
 from core.config import ModelConfig
@@ -16,8 +24,15 @@ from core.errors import UserError
 log = logging.getLogger(__name__)
 
 
+HUB_PREFIX = "hf-hub:"  # timm's prefix for a Hugging Face Hub repository id
+
+
 def check_model_name(name: str, key: str = "model.name") -> None:
     """Fail fast, with close timm names, instead of timm's long traceback."""
+    if name.startswith(HUB_PREFIX):
+        return  # timm reads the architecture from the repository's config.json
+    if "/" in name:  # timm's own rule: a repository id needs its prefix
+        raise UserError(f"{key} {name!r} looks like a Hugging Face Hub id; write {key}={HUB_PREFIX}{name}")
     arch = name.split(".")[0]  # "resnet50.a1_in1k" names a pretrained tag of "resnet50"
     known = timm.list_models()
     if arch in known:
@@ -28,9 +43,10 @@ def check_model_name(name: str, key: str = "model.name") -> None:
 
 
 def create_model(cfg: ModelConfig, num_classes: int, weights: dict[str, torch.Tensor] | None = None,
-                 source: str = "") -> nn.Module:
-    """A timm model with `num_classes` outputs: fresh, or started from `weights` (a state dict read from `source`)
-    by timm's own pretrained loading. Nothing is ever downloaded."""
+                 source: str = "", from_hub: bool = False) -> nn.Module:
+    """A timm model with `num_classes` outputs: fresh, started from `weights` (a state dict read from `source`), or
+    (from_hub) from timm's pretrained weights of cfg.name, by timm's own pretrained loading. Only from_hub may
+    download; train.py asks for it on a fresh run with model.pretrained=true, rank 0 first."""
     check_model_name(cfg.name)
     kwargs = dict(num_classes=num_classes, drop_rate=cfg.drop_rate)
     if cfg.drop_path_rate > 0:
@@ -38,18 +54,24 @@ def create_model(cfg: ModelConfig, num_classes: int, weights: dict[str, torch.Te
     kwargs.update(cfg.kwargs)
     if weights:  # never empty: timm would fall back to its hub or URL
         kwargs["pretrained_cfg_overlay"] = local_pretrained_cfg(cfg.name, weights)
-    builder_log = logging.getLogger("timm.models._builder")
-    level = builder_log.level
-    builder_log.setLevel(logging.ERROR)  # its per-key lines about the load: engine.checkpoint.weights.check_pretrained reports it
+    # timm's per-key lines about the load and its hub's file choice: check_pretrained / train.py report the load
+    quieted = {name: logging.getLogger(name).level for name in ("timm.models._builder", "timm.models._hub")}
+    for name in quieted:
+        logging.getLogger(name).setLevel(logging.ERROR)
     try:
-        model = timm.create_model(cfg.name, pretrained=bool(weights), **kwargs)
+        model = timm.create_model(cfg.name, pretrained=bool(weights) or from_hub, **kwargs)
     except TypeError as err:  # e.g. drop_path_rate on a model without stochastic depth
         raise UserError(f"model {cfg.name!r} rejected its options ({err}); remove them from the model section") from None
+    except (OSError, EntryNotFoundError) as err:  # the Hub or its cache: from_hub, or an hf-hub: name's config.json
+        if not (from_hub or cfg.name.startswith(HUB_PREFIX)):
+            raise
+        raise hub_error(cfg.name, err) from None
     except RuntimeError as err:  # load_state_dict: a tensor timm cannot adapt (another architecture's)
         raise UserError(f"{source} does not fit model {cfg.name} ({load_error_summary(str(err))}); is it a "
                         "checkpoint of model.name?") from None
     finally:
-        builder_log.setLevel(level)
+        for name, level in quieted.items():
+            logging.getLogger(name).setLevel(level)
     for name in ("pretrained_cfg", "default_cfg"):  # timm keeps the overlay: drop its reference to the weights
         if isinstance(getattr(model, name, None), dict):
             getattr(model, name).pop("state_dict", None)
@@ -60,6 +82,56 @@ def create_model(cfg: ModelConfig, num_classes: int, weights: dict[str, torch.Te
             raise UserError(f"model {cfg.name!r} does not support gradient checkpointing ({err or 'timm says no'}); "
                             "set model.grad_checkpointing=false") from None
     return model
+
+
+def names_weights(name: str) -> bool:
+    """Whether model.name names pretrained weights itself: a tag (resnet50.a1_in1k) or a Hub id (hf-hub:...)."""
+    return name.startswith(HUB_PREFIX) or "." in name
+
+
+def pretrained_cfg_of(cfg: ModelConfig) -> dict[str, Any] | None:
+    """For a fresh run: timm's pretrained_cfg of the weights model.pretrained=true starts from (their preprocessing
+    and where they live), None for a random start. A name that names weights without model.pretrained (or
+    model.init_from) is refused: the run would start from random weights under a pretrained name."""
+    if not cfg.pretrained:
+        if names_weights(cfg.name) and not cfg.init_from:
+            bare = "a bare timm name" if cfg.name.startswith(HUB_PREFIX) else f"model.name={cfg.name.split('.')[0]}"
+            raise UserError(f"model.name={cfg.name} names pretrained weights but model.pretrained is false, so the run "
+                            f"would start from random weights; set model.pretrained=true to start from them, or "
+                            f"{bare} for a random start")
+        return None
+    check_model_name(cfg.name)
+    if cfg.name.startswith(HUB_PREFIX):
+        try:  # the repository's config.json, through the cache: what timm.create_model reads too
+            pretrained_cfg, _, _ = timm.models.load_model_config_from_hf(cfg.name[len(HUB_PREFIX):])
+        except (OSError, EntryNotFoundError, ValueError) as err:
+            raise hub_error(cfg.name, err) from None
+        return dict(pretrained_cfg)
+    arch = cfg.name.split(".")[0]
+    try:
+        found = timm.models.get_pretrained_cfg(cfg.name)
+    except RuntimeError as err:  # "Invalid pretrained tag (x) for resnet50."
+        raise UserError(f"model.name={cfg.name}: {err} timm.list_pretrained('{arch}.*') lists its weights") from None
+    if found is None or not (found.hf_hub_id or found.url):
+        raise UserError(f"model.pretrained=true but timm has no pretrained weights for {cfg.name}; choose a model "
+                        f"timm.list_pretrained() lists, or set model.pretrained=false")
+    return found.to_dict()
+
+
+def hub_error(name: str, err: Exception) -> UserError:
+    """timm could not get the files of `name` (weights, an hf-hub: config.json) from the Hub or its cache: one line
+    naming them, the cache folder and what to do."""
+    default = None if name.startswith(HUB_PREFIX) else timm.models.get_pretrained_cfg(name)
+    where = name[len(HUB_PREFIX):] if default is None else (default.hf_hub_id or default.url)
+    cache = f"the Hugging Face cache {hub_constants.HF_HUB_CACHE}"
+    if isinstance(err, LocalEntryNotFoundError):
+        why = "HF_HUB_OFFLINE=1 forbids downloading them" if hub_constants.HF_HUB_OFFLINE else "the Hub is unreachable"
+        return UserError(f"model.name={name}: its pretrained files ({where}) are not in {cache} and {why}; run once "
+                         "where the Hub can be reached to fill the cache, or point HF_HOME at a cache that holds them "
+                         "(model.init_from takes local weights, with model.pretrained=false)")
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return UserError(f"model.name={name}: cannot get its pretrained files ({where}) into {cache}: {first}; check "
+                     "model.name (model.init_from takes local weights, with model.pretrained=false)")
 
 
 def load_error_summary(message: str) -> str:

@@ -10,6 +10,13 @@ from pathlib import Path
 
 import functools
 import os
+import tempfile
+
+# Every process of the session (pytest, the forkserver of tests.helpers.run_ranks, subprocesses) sees one Hugging
+# Face cache of its own, offline: set before timm imports huggingface_hub, which reads them once. Tests never reach
+# the network nor the user's cache; those that need pretrained weights write them into it (tests/helpers.py).
+os.environ["HF_HUB_CACHE"] = tempfile.mkdtemp(prefix="test-hf-hub-")
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest
 
@@ -42,6 +49,13 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         pytest.fail(problem, pytrace=False)
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU: run `python -m pytest -m gpu -s` on one")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The session's Hugging Face cache goes with it."""
+    import shutil
+
+    shutil.rmtree(os.environ["HF_HUB_CACHE"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

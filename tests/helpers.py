@@ -321,6 +321,28 @@ def start_from(path, name: str, num_classes: int, **kwargs):
     return model
 
 
+def cache_hub_weights(name: str, seed: int = 0) -> tuple[dict, Path]:
+    """Made-up (seeded) pretrained weights for timm's tag `name`, written into the session's Hugging Face cache
+    (tests/conftest.py) in the Hub's own layout, as a download leaves them: refs/main naming a snapshot that holds
+    timm's config.json and model.safetensors (timm's save_for_hf). Returns their state dict and the cache folder of
+    the repository (remove it to empty the cache again)."""
+    import timm
+    import torch
+    from huggingface_hub import constants
+    from timm.models import get_pretrained_cfg
+    from timm.models._hub import save_for_hf
+
+    repo_id = get_pretrained_cfg(name).hf_hub_id
+    repo = Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}"
+    revision = f"{seed:040x}"
+    torch.manual_seed(seed)
+    model = timm.create_model(name)
+    save_for_hf(model, repo / "snapshots" / revision, safe_serialization=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    return {k: v.clone() for k, v in model.state_dict().items()}, repo
+
+
 def last_error(capsys, code: int) -> str:
     """The one line the user sees; asserts the exit code and that no traceback was printed."""
     err = capsys.readouterr().err

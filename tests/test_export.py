@@ -98,7 +98,7 @@ def test_safetensors_folder_loads_in_timm_and_predict(resnet18_run, tmp_path, ca
     folder = tmp_path / "hf"
     ckpt = str(resnet18_run / "best.pth")
     assert report_errors(export.main, [ckpt, "--format", "safetensors", "--output", str(folder)]) == 0
-    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     config = json.loads((folder / "config.json").read_text())
     assert config["architecture"] == "resnet18" and config["num_classes"] == 10
     assert config["label_names"] == [f"class_{i}" for i in range(10)]
@@ -135,3 +135,47 @@ def test_safetensors_folder_loads_in_timm_and_predict(resnet18_run, tmp_path, ca
     assert report_errors(predict.main, [ckpt, str(images), "--output-dir", str(tmp_path / "p-bf16"), "amp=bf16"]) == 0
     assert "computing in bf16 (amp=bf16)" in capsys.readouterr().err
     assert json.loads((tmp_path / "p-bf16/predictions.json").read_text())["precision"] == "bf16"
+
+
+def test_the_model_folder_holds_a_model_card_by_timms_writer(resnet18_run, tmp_path, capsys, monkeypatch, no_hub):
+    """README.md (timm's generate_readme): the model, its classes, the metrics its checkpoint records, the training
+    config and preprocessing, and usage code that runs; an export written before the card is replaced, a README.md
+    of the user's is refused and kept."""
+    import re
+
+    import cv2
+    import yaml
+
+    ckpt_file = resnet18_run / "best.pth"
+    ckpt = torch.load(ckpt_file, weights_only=True, map_location="cpu")
+    folder = tmp_path / "my-model"
+    folder.mkdir()  # what export.py wrote before it wrote a card: replaced
+    (folder / "config.json").write_text(json.dumps({"architecture": "resnet18", "num_classes": 10}))
+    (folder / "model.safetensors").write_bytes(b"earlier weights")
+    assert report_errors(export.main, [str(ckpt_file), "--format", "safetensors", "--output", str(folder)]) == 0
+    card = (folder / "README.md").read_text()
+    header = yaml.safe_load(card.split("---\n")[1])
+    assert header["library_name"] == "timm" and header["pipeline_tag"] == "image-classification", header
+    assert header["license"] == "other" and "set the license of these weights" in card  # not a claimed license
+    assert "# Model card for my-model" in card and "**Architecture:** timm resnet18" in card
+    assert f"**Classes:** 10: {', '.join(ckpt['class_names'])}" in card
+    assert f"  - {ckpt['best_metric']}: {round(ckpt['val_top1'], 4)}\n" in card
+    assert f"  - optimizer steps: {ckpt['global_step']}\n" in card
+    data = ckpt["config"]["data"]
+    assert f"normalize: mean {data['mean']}, std {data['std']}" in card and f"({data['interpolation']})" in card
+    assert yaml.safe_load(card.split("```yaml\n")[1].split("```")[0]) == ckpt["config"]
+
+    monkeypatch.chdir(tmp_path)  # the card's usage code, on the folder (local-dir: where the Hub id would be)
+    cv2.imwrite("photo.jpg", np.random.default_rng(0).integers(0, 256, (40, 40, 3), np.uint8))
+    code = re.search(r"```python\n(.*?)```", card, re.S).group(1)
+    scope: dict = {}
+    exec(code.replace('"hf-hub:<user>/my-model"', '"local-dir:my-model"'), scope)
+    assert scope["labels"] == ckpt["class_names"] and scope["scores"].shape == (1, 10)
+
+    (folder / "README.md").write_text("my own card\n")  # edited away from export.py's: no longer its output
+    capsys.readouterr()
+    assert report_errors(export.main, [str(ckpt_file), "--format", "safetensors", "--output", str(folder)]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith(f"error: {folder} is a folder (README.md, config.json, model.safetensors), not a model "
+                           "folder export.py wrote") and "choose another --output" in line, line
+    assert (folder / "README.md").read_text() == "my own card\n"

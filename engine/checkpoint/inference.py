@@ -11,8 +11,9 @@ predictions, on any machine.
 from __future__ import annotations
 
 import json
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -38,6 +39,7 @@ class Trained:
     best_metric: str = "val_top1"  # what the checkpoint was chosen on: ema_val_top1 with train.best_on_ema
     multi_label: bool = False  # one sigmoid per class (data.multi_label), not a softmax over the classes
     threshold: float = 0.5  # multi-label: a class is predicted at sigmoid >= this (data.multi_label_threshold)
+    metrics: dict[str, Any] = field(default_factory=dict)  # what a checkpoint records of its evaluation (model card)
 
 
 INFERENCE_AMP = "off"  # what evaluate.py, predict.py and export.py compute in unless amp= is given to them
@@ -91,7 +93,24 @@ def load_trained(path: str | os.PathLike, ema: bool = False) -> Trained:
     data = ckpt["config"].get("data", {})
     return Trained(json.loads(json.dumps(ckpt["config"])), ckpt[key], list(ckpt["class_names"]),
                    f"checkpoint {path}", ckpt.get("best_metric", "val_top1"), bool(data.get("multi_label", False)),
-                   float(data.get("multi_label_threshold", 0.5)))
+                   float(data.get("multi_label_threshold", 0.5)), recorded_metrics(ckpt))
+
+
+def recorded_metrics(ckpt: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint says of its own evaluation: the value of the metric best.pth follows (stored as "val_top1"
+    whatever the metric) at its last evaluation, the run's best value of it, and how far it trained."""
+    name = ckpt.get("best_metric", "val_top1")
+    metrics: dict[str, Any] = {}
+    if isinstance(ckpt.get("val_top1"), (int, float)):
+        metrics[name] = round(float(ckpt["val_top1"]), 4)
+    best = ckpt.get("best_top1")
+    if isinstance(best, (int, float)) and math.isfinite(best):
+        metrics[f"best {name} of the run"] = round(float(best), 4)
+    for key, label in (("epoch", "finished epochs"), ("epoch_step", "steps into the next epoch"),
+                       ("global_step", "optimizer steps")):
+        if isinstance(ckpt.get(key), int) and (ckpt[key] or key != "epoch_step"):
+            metrics[label] = ckpt[key]
+    return metrics
 
 
 def load_model_folder(folder: Path) -> Trained:

@@ -197,10 +197,12 @@ def check_pretrained(model: nn.Module, pretrained: Pretrained) -> None:
              if reset else "")
 
 
-def resolve_preprocessing(cfg: Config, pretrained: Pretrained | None, resumed: dict[str, Any] | None) -> Config:
+def resolve_preprocessing(cfg: Config, pretrained: Pretrained | None, resumed: dict[str, Any] | None,
+                          pretrained_cfg: dict[str, Any] | None = None) -> Config:
     """data.mean/std/interpolation/crop_pct the config leaves unset, decided once at start-up: a resumed run keeps
     its checkpoint's, a run from model.init_from takes the weights' own (the file's config, else timm's
-    pretrained_cfg for model.name), any other run the defaults. The values go into the run's stored config, so
+    pretrained_cfg for model.name), a run with model.pretrained=true those of its weights' `pretrained_cfg`, any
+    other run the defaults. The values go into the run's stored config, so
     evaluate.py, predict.py and export.py use exactly them; one log line says each value and where it came from."""
     given = given_keys(cfg)
     values: dict[str, Any] = {}
@@ -211,13 +213,13 @@ def resolve_preprocessing(cfg: Config, pretrained: Pretrained | None, resumed: d
             origin = "config"
         elif resumed is not None and key in resumed.get("data", {}):
             value, origin = resumed["data"][key], "the resumed checkpoint"
-        elif pretrained is not None:
-            found, where = weights_value(pretrained, cfg.model.name, key)
+        elif pretrained is not None or pretrained_cfg is not None:
+            found, where = (weights_value(pretrained, cfg.model.name, key) if pretrained is not None else
+                            (pretrained_cfg.get(key), f"the pretrained_cfg of timm's weights {cfg.model.name}"))
             if found is not None and usable(key, found):
                 value, origin = found, where
             elif found is not None:
-                log.warning("model.init_from: the weights' %s %r is not usable here; data.%s stays %r", key, found,
-                            key, value)
+                log.warning("the weights' %s %r is not usable here; data.%s stays %r", key, found, key, value)
         values[key] = list(value) if isinstance(value, (list, tuple)) else value
         said.append(f"data.{key} {values[key]} ({origin})")
     log.info("preprocessing: %s", ", ".join(said))

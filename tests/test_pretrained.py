@@ -1,0 +1,85 @@
+"""model.pretrained=true: timm's pretrained weights of model.name through timm's own loading and a real Hugging Face
+cache (the session's, offline: tests/conftest.py), on 1 and 2 ranks; the one-line refusals."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import constants
+
+import evaluate
+import train
+from core.cli import report_errors
+from tests.helpers import TINY, cache_hub_weights, check_one_line, last_error, run_on_ranks, train_here
+
+TAG = "test_resnet.r160_in1k"  # timm's tiny test model; its pretrained_cfg: timm/test_resnet.r160_in1k, mean/std 0.5
+# model.freeze=backbone keeps every tensor but the classifier (BatchNorm statistics too) as the run started it.
+PRETRAINED = [*TINY, f"model.name={TAG}", "model.pretrained=true", "model.freeze=backbone"]
+
+
+@pytest.fixture
+def cached() -> tuple[dict[str, torch.Tensor], Path]:
+    """TAG's weights in the Hugging Face cache for one test, and their folder there; the cache is empty after it."""
+    weights, repo = cache_hub_weights(TAG)
+    yield weights, repo
+    shutil.rmtree(repo, ignore_errors=True)
+
+
+def check_started_from(out: Path, weights: dict[str, torch.Tensor]) -> None:
+    """The run's model is the cached weights, bitwise, but for a classifier made for the data's 10 classes, and its
+    config holds their mean/std and interpolation (dummy.yaml gives crop_pct itself)."""
+    ckpt = torch.load(out / "last.pth", weights_only=True, map_location="cpu")
+    model = ckpt["model"]
+    assert model.keys() == weights.keys()
+    assert all(torch.equal(model[k], v) for k, v in weights.items() if not k.startswith("fc.")), "not the cache's"
+    assert weights["fc.weight"].shape[0] == 1000 and model["fc.weight"].shape[0] == 10
+    data = ckpt["config"]["data"]
+    assert (data["mean"], data["std"], data["interpolation"], data["crop_pct"]) == ([0.5] * 3, [0.5] * 3,
+                                                                                      "bilinear", 1.0)
+    assert ckpt["config"]["model"]["pretrained"] is True
+
+
+def test_one_process_starts_from_the_cached_weights_and_later_tools_never_ask(cached, tmp_path):
+    weights, repo = cached
+    train_here(*PRETRAINED, f"output_dir={tmp_path / 'run'}")
+    check_started_from(tmp_path / "run", weights)
+    shutil.rmtree(repo)  # the cache is empty again: evaluate and resume find the weights in last.pth
+    assert report_errors(evaluate.main, [str(tmp_path / "run" / "last.pth"), "--output-dir", str(tmp_path / "ev")]) == 0
+    train_here(*PRETRAINED, "train.epochs=2", f"output_dir={tmp_path / 'run'}")  # resumes: the weights are in last.pth
+    assert torch.load(tmp_path / "run" / "last.pth", weights_only=True)["epoch"] == 2
+
+
+@pytest.mark.slow  # two ranks: ~6 s
+def test_two_ranks_start_from_the_cached_weights_rank0_first(cached, tmp_path):
+    run_on_ranks("train.py", *PRETRAINED, f"output_dir={tmp_path / 'run'}", nproc=2)
+    check_started_from(tmp_path / "run", cached[0])
+
+
+def test_weights_missing_from_the_cache_offline_are_one_line(tmp_path, capsys):
+    argv = [*TINY, "model.name=test_efficientnet.r160_in1k", "model.pretrained=true", f"output_dir={tmp_path / 'r'}"]
+    code = report_errors(train.main, argv)
+    line = last_error(capsys, code)
+    assert code == 2, line
+    assert (f"model.name=test_efficientnet.r160_in1k: its pretrained files (timm/test_efficientnet.r160_in1k) are "
+            f"not in the Hugging Face cache {constants.HF_HUB_CACHE} and HF_HUB_OFFLINE=1 forbids downloading them; "
+            "run once where the Hub can be reached") in line, line
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("args, expected", [
+    ([f"model.name={TAG}"], f"model.name={TAG} names pretrained weights but model.pretrained is false, so the run "
+                            "would start from random weights; set model.pretrained=true to start from them, or "
+                            "model.name=test_resnet for a random start"),
+    (["model.name=hf-hub:timm/test_resnet.r160_in1k"], "names pretrained weights but model.pretrained is false"),
+    (["model.name=timm/test_resnet.r160_in1k", "model.pretrained=true"],
+     "model.name 'timm/test_resnet.r160_in1k' looks like a Hugging Face Hub id; write "
+     "model.name=hf-hub:timm/test_resnet.r160_in1k"),
+    ([f"model.name={TAG}", "model.pretrained=true", "model.init_from=w.pth"],
+     "model.pretrained=true and model.init_from=w.pth both name the weights to start from"),
+    (["model.name=test_resnet.nope", "model.pretrained=true"], "Invalid pretrained tag (nope) for test_resnet"),
+])
+def test_a_pretrained_name_without_model_pretrained_is_one_line(args, expected, tmp_path, capsys, monkeypatch):
+    check_one_line(args, expected, tmp_path, tmp_path, capsys, monkeypatch)
