@@ -162,7 +162,8 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
     ema = create_ema(model, cfg.model.ema_decay, cfg.model.ema_warmup)
     start.load_ema(ema.module if ema is not None else None)
     if cfg.dist.strategy == "fsdp":
-        shard_for_training(model, ema.module if ema is not None else None, precision.dtype, info.world_size)
+        shard_for_training(model, ema.module if ema is not None else None, precision.dtype, info.world_size,
+                           cfg.dist.fsdp_shard_size)
     torch.manual_seed(cfg.seed + info.rank)  # dropout / drop-path differ per rank, reproducibly
     if info.device.type == "cuda":
         torch.backends.cudnn.benchmark = True

@@ -165,6 +165,7 @@ class DistConfig:
     timeout_s: int = 0  # collective timeout before a hung job is aborted; 0 = 1800 under torchrun, 600 without it
     rendezvous_timeout_s: int = 300  # how long the processes may take to meet at start-up
     strategy: str = "ddp"  # ddp: every process holds the whole model | fsdp: parameters, gradients, optimizer sharded
+    fsdp_shard_size: int = 0  # fsdp: shard within groups of this many processes (a node's: HSDP), replicate across groups; 0 = shard across all processes
     fsdp_accum_whole: bool = False  # fsdp with train.accum_steps > 1: keep whole weights and gradients between micro-steps (one all-gather and reduce-scatter per step, ddp's memory for them); false = reshard after each
 
 

@@ -118,6 +118,12 @@ def validate(cfg: Config) -> None:
     elif cfg.dist.fsdp_accum_whole:
         raise UserError("config key 'dist.fsdp_accum_whole' applies to dist.strategy=fsdp (ddp keeps its gradients "
                         "whole between micro-steps already); remove it or set dist.strategy=fsdp")
+    elif cfg.dist.fsdp_shard_size:
+        raise UserError("config key 'dist.fsdp_shard_size' applies to dist.strategy=fsdp (ddp holds the whole model on "
+                        "every process); remove it or set dist.strategy=fsdp")
+    if cfg.dist.fsdp_shard_size < 0:
+        raise UserError(f"config key 'dist.fsdp_shard_size' must be >= 0 (0 = all processes), got "
+                        f"{cfg.dist.fsdp_shard_size}")
     if cfg.logging.wandb:
         validate_wandb(cfg.logging)
     if cfg.model.pretrained and cfg.model.init_from:

@@ -24,11 +24,12 @@ import logging
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from core.dist import is_fsdp
+from core.errors import UserError
 
 log = logging.getLogger(__name__)
 FP32_POLICY = MixedPrecisionPolicy(cast_forward_inputs=False)  # parameters, gradients and inputs left as they are
@@ -51,11 +52,14 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
     return [child for child in model.children() if any(True for _ in child.parameters())]
 
 
-def shard_model(model: nn.Module, param_dtype: torch.dtype | None) -> nn.Module:
+def shard_model(model: nn.Module, param_dtype: torch.dtype | None, shard_size: int = 0) -> nn.Module:
     """FSDP2 in place: fully_shard each unit, then the root; the same module object comes back.
 
     `param_dtype` (amp=bf16): the weights are all-gathered and computed in it; master weights, gradients'
     reduction and optimizer state stay float32. Without a process group (one process) nothing changes.
+    `shard_size` (dist.fsdp_shard_size, HSDP): shard within groups of that many consecutive ranks (a node's) and
+    replicate across the groups, so each unit's all-gather and reduce-scatter stay inside a node and only the
+    gradients' all-reduce between replicas crosses nodes; 0 or the world size: one group of all ranks.
     model.channels_last applies to the inputs only: FSDP2 refuses non-contiguous parameters, so 4-d weights are
     made contiguous again (a convolution takes channels-last inputs with them).
     """
@@ -63,7 +67,7 @@ def shard_model(model: nn.Module, param_dtype: torch.dtype | None) -> nn.Module:
         return model
     model.to(memory_format=torch.contiguous_format)  # FSDP2 shards contiguous tensors only; inputs stay channels-last
     # On the model's device (FSDP2's default is the machine's accelerator, wrong for a CPU run on a GPU machine).
-    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
+    mesh = device_mesh(next(model.parameters()).device.type, dist.get_world_size(), shard_size)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     if param_dtype is not None:  # BatchNorm keeps fp32 weights (its running statistics are fp32), as FSDP1 did
         for norm in [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]:
@@ -75,18 +79,32 @@ def shard_model(model: nn.Module, param_dtype: torch.dtype | None) -> nn.Module:
     return model
 
 
+def device_mesh(device_type: str, world_size: int, shard_size: int) -> DeviceMesh:
+    """The ranks as FSDP2 sees them: one dimension of all of them, or (replicas, shard_size) for HSDP; a
+    shard_size that does not divide the world size is one line."""
+    if not shard_size or shard_size == world_size:
+        return init_device_mesh(device_type, (world_size,))
+    if world_size % shard_size:
+        raise UserError(f"dist.fsdp_shard_size={shard_size} does not divide the {world_size} processes into equal "
+                        "groups; use a divisor of the number of processes (the processes per node, usually)",
+                        all_ranks=True)
+    return init_device_mesh(device_type, (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+
+
 def shard_for_training(model: nn.Module, ema: nn.Module | None, param_dtype: torch.dtype | None,
-                       world_size: int) -> None:
+                       world_size: int, shard_size: int = 0) -> None:
     """dist.strategy=fsdp: FSDP2 on the model and its EMA, in place, before the optimizer takes the sharded
-    parameters; the same units and policy for both, so the EMA is sharded like the model."""
+    parameters; the same units, mesh and policy for both, so the EMA is sharded like the model."""
     if world_size == 1:
         log.info("dist.strategy=fsdp in one process: nothing to shard, the model trains whole (as with ddp)")
         return
-    shard_model(model, param_dtype)
+    shard_model(model, param_dtype, shard_size)
     if ema is not None:
-        shard_model(ema, param_dtype)
-    log.info("dist.strategy=fsdp: parameters, gradients and optimizer state sharded across %d processes%s",
-             world_size, ", weights gathered in bf16" if param_dtype == torch.bfloat16 else "")
+        shard_model(ema, param_dtype, shard_size)
+    across = (f"across {world_size} processes" if not shard_size or shard_size == world_size else
+              f"within groups of {shard_size} processes, replicated across {world_size // shard_size} groups (HSDP)")
+    log.info("dist.strategy=fsdp: parameters, gradients and optimizer state sharded %s%s", across,
+             ", weights gathered in bf16" if param_dtype == torch.bfloat16 else "")
 
 
 def wrap_for_training(model: nn.Module, device: torch.device, world_size: int, compile: bool) -> nn.Module:

@@ -253,6 +253,34 @@ def test_every_batchnorm_config_runs_two_fsdp_steps_in_bf16_with_its_ema(tmp_pat
         assert torch.load(tmp_path / name / "last.pth", weights_only=True)["global_step"] == 2, name
 
 
+@pytest.mark.slow
+def test_hsdp_on_4_ranks_as_2_by_2_trains_the_single_process_model_and_resumes_on_2(tmp_path):
+    """dist.fsdp_shard_size=2 on 4 ranks: shards within pairs of ranks, replicated across the 2 pairs (HSDP, FSDP2's
+    2-D mesh). Its weights and EMA are one process's within fp32 rounding; stopped mid-epoch with sharded
+    checkpoints (last.dcp/) it resumes on 2 ranks of plain fsdp and ends where the uninterrupted run does."""
+    single, hsdp, stopped = (tmp_path / name for name in ("single", "hsdp", "stopped"))
+    train_here(*VIT, f"output_dir={single}")
+    layout = (*VIT, "dist.strategy=fsdp", "dist.fsdp_shard_size=2", "train.ckpt_format=sharded")
+    proc = run_on_ranks("train.py", *layout, f"output_dir={hsdp}", nproc=4)
+    assert "sharded within groups of 2 processes, replicated across 2 groups (HSDP)" in proc.stderr
+    run_on_ranks("train.py", *layout, "train.max_steps=4", f"output_dir={stopped}", nproc=4)
+    assert read_checkpoint(stopped / "last.dcp")["epoch_step"] == 1
+    run_on_ranks("train.py", *VIT, "dist.strategy=fsdp", "train.ckpt_format=sharded", f"output_dir={stopped}", nproc=2)
+    runs = {"single": torch.load(single / "last.pth", weights_only=True), "hsdp": read_checkpoint(hsdp / "last.dcp"),
+            "resumed": read_checkpoint(stopped / "last.dcp")}
+    assert runs["hsdp"]["global_step"] == runs["resumed"]["global_step"] == 6
+    for key in ("model", "ema"):
+        report("single", "hsdp", key, runs["single"][key], runs["hsdp"][key])
+        report("hsdp", "resumed on 2", key, runs["hsdp"][key], runs["resumed"][key])
+
+
+def test_an_hsdp_group_size_that_does_not_divide_the_processes_is_one_line():
+    from models.parallel import device_mesh
+
+    with pytest.raises(UserError, match=r"^dist.fsdp_shard_size=2 does not divide the 3 processes into equal groups"):
+        device_mesh("cpu", 3, 2)
+
+
 def report(a: str, b: str, key: str, first: dict, second: dict, tol: float = TOL) -> None:
     """Print how far two runs' weights are apart and assert it is within `tol`."""
     diffs = relative_differences(first, second)
@@ -418,6 +446,9 @@ def test_shard_units_are_the_models_blocks(name, kwargs, unit):
     (["dist.strategy=zero3"], "config key 'dist.strategy' is 'zero3'; choose one of ddp, fsdp"),
     (["dist.strategy=ddp", "dist.fsdp_accum_whole=true"], "config key 'dist.fsdp_accum_whole' applies to "
      "dist.strategy=fsdp"),
+    (["dist.strategy=ddp", "dist.fsdp_shard_size=2"], "config key 'dist.fsdp_shard_size' applies to "
+     "dist.strategy=fsdp"),
+    (["dist.fsdp_shard_size=-1"], "config key 'dist.fsdp_shard_size' must be >= 0"),
 ])
 def test_what_fsdp_cannot_do_is_refused_in_one_line(overrides, message):
     with pytest.raises(UserError) as err:
