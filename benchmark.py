@@ -44,7 +44,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from core.startup import cpu_share, import_timm_without_wandb, tune_cpu_process
+from core.startup import cpu_share, import_timm_without_wandb, training_kernels, tune_cpu_process
 
 import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (core/startup.py)
 
@@ -155,6 +155,12 @@ def summary(seconds: list[float], batch_size: int) -> dict[str, float]:
     return result
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Each mode's peak its own on CUDA (inference's was counted into training's); the CPU's peak RSS cannot reset."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
@@ -179,13 +185,17 @@ def benchmark(cfg: Config, device: torch.device, precision: Precision, mode: str
             with precision.autocast():
                 run(images)
 
+        reset_peak_memory(device)
         result["inference"] = summary(timed_steps(infer, device, warmup, steps), batch)
+        result["inference"]["peak_memory_mib"] = peak_memory_bytes(device) / 2**20
     if mode in ("both", "train"):
         model.train()
         optimizer = build_optimizer(model, OptimConfig(), grad_scaler=precision.scaler is not None)
         train_step = make_train_step(model, run, optimizer, precision, images, labels)
+        reset_peak_memory(device)
         result["train"] = summary(timed_steps(train_step, device, warmup, steps), batch)
-    result["peak_memory_mib"] = peak_memory_bytes(device) / 2**20
+        result["train"]["peak_memory_mib"] = peak_memory_bytes(device) / 2**20
+    result["peak_memory_mib"] = max(result[mode]["peak_memory_mib"] for mode in ("inference", "train") if mode in result)
     result["peak_memory_kind"] = "max_memory_allocated" if device.type == "cuda" else "process peak RSS"
     return result
 
@@ -335,6 +345,7 @@ def main(argv: list[str]) -> int:
     device = info.device  # the device train.py would pick
     if device.type == "cpu":
         tune_cpu_process(cpu_share(1))
+    training_kernels(device.type)  # the backend settings train.py makes (cuDNN's autotuning on CUDA)
     precision = resolve_precision(cfg.amp, device)
     if args.sweep_batch and args.max_batch is None and device.type == "cpu":
         raise UserError("--sweep-batch on the CPU needs --max-batch (host RAM is not probed for running out)")

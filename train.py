@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from core.startup import cpu_share, import_timm_without_wandb, tune_cpu_process
+from core.startup import cpu_share, import_timm_without_wandb, training_kernels, tune_cpu_process
 
 import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (core/startup.py)
 
@@ -165,8 +165,7 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
         shard_for_training(model, ema.module if ema is not None else None, precision.dtype, info.world_size,
                            cfg.dist.fsdp_shard_size)
     torch.manual_seed(cfg.seed + info.rank)  # dropout / drop-path differ per rank, reproducibly
-    if info.device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
+    training_kernels(info.device.type)  # cuDNN's autotuning on CUDA, as benchmark.py times it
     optimizer = build_optimizer(model, cfg.optim, grad_scaler=precision.scaler is not None, sharded=is_fsdp(model))
     updates_per_epoch = steps_per_epoch(data.train, cfg.train.accum_steps)
     if (warning := compile_warning(cfg.model, info.world_size)) and info.is_main:

@@ -47,6 +47,15 @@ def tune_cpu_process(threads: int) -> None:
     keep_freed_memory()
 
 
+def training_kernels(device_type: str) -> None:
+    """On CUDA, cuDNN picks each convolution's fastest algorithm by timing it at its first call (cudnn.benchmark):
+    train.py and benchmark.py both set it here, so benchmark.py times the algorithms a run uses."""
+    if device_type == "cuda":
+        import torch
+
+        torch.backends.cudnn.benchmark = True
+
+
 def cpu_share(processes_per_node: int) -> int:
     """This process's share of the cores it may run on."""
     return max(1, len(os.sched_getaffinity(0)) // processes_per_node)

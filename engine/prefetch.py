@@ -16,11 +16,31 @@ Normalize = Callable[[torch.Tensor], torch.Tensor]  # uint8 batch on the device 
 Batch = tuple[torch.Tensor, ...]  # (images, targets), or (images, targets, mix) with mixup/cutmix (data.mixing)
 
 
-def device_batches(loader: Iterable[Batch], device: torch.device, normalize: Normalize) -> Iterator[Batch]:
-    """Yield the loader's (uint8 images, targets, ...) as (normalized images, targets, ...) on `device`."""
-    if device.type != "cuda":  # nothing to overlap: no read-ahead either
+def reads_ahead(device: torch.device) -> bool:
+    """Whether device_batches fetches batch i+1 from the loader before it yields batch i (CUDA: to overlap)."""
+    return device.type == "cuda"
+
+
+def device_batches(loader: Iterable[Batch], device: torch.device, normalize: Normalize,
+                   read_ahead: bool | None = None) -> Iterator[Batch]:
+    """Yield the loader's (uint8 images, targets, ...) as (normalized images, targets, ...) on `device`.
+
+    `read_ahead` (default: reads_ahead(device)) is settable so that the CPU tests drive the CUDA path's order of
+    loader calls (on the CPU with no stream: there is nothing to overlap)."""
+    ahead = reads_ahead(device) if read_ahead is None else read_ahead
+    if not ahead:
         for images, *rest in loader:
             yield normalize(images.to(device)), *(tensor.to(device) for tensor in rest)
+        return
+    if device.type != "cuda":
+        ready = None
+        for images, *rest in loader:
+            upcoming = (normalize(images.to(device)), *(tensor.to(device) for tensor in rest))
+            if ready is not None:
+                yield ready
+            ready = upcoming
+        if ready is not None:
+            yield ready
         return
     side = torch.cuda.Stream(device)
     ready: Batch | None = None

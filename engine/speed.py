@@ -1,8 +1,9 @@
 """Is the run input-bound? The host time the training process spends blocked waiting for its next batch.
 
 `LoaderWait` wraps the loader's iterator and times each `next` with the host clock: no device sync, nothing
-added to a step but two clock reads. The epoch's first step (workers starting up, warm-up, compilation) is
-left out of both the wait and the wall time it is a share of. The loop reads the share every `logging.interval` steps and at
+added to a step but two clock reads. The epoch's first optimizer step (workers starting up, warm-up, cuDNN's
+autotuning, compilation) is left out of both the wait and the wall time it is a share of, also where the
+batches are read one ahead (CUDA: the loader's next for batch i+1 comes before step i runs). The loop reads the share every `logging.interval` steps and at
 the epoch's end, reduced to the largest over ranks in the all-reduce it already makes there (SumMeter).
 Above INPUT_BOUND over an epoch, `InputAdvice` says once, on rank 0, what to change.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Iterator, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 from core.config import DataConfig
 
@@ -21,45 +22,52 @@ INPUT_BOUND = 0.10  # an epoch whose input wait is above this share of its time 
 T = TypeVar("T")
 
 
+def clock_start(accum_steps: int, read_ahead: bool) -> int:
+    """The loader's next() call made when the epoch's second optimizer step asks for its first batch: the
+    (accum_steps + 1)-th, one later when the batches are read one ahead."""
+    return accum_steps + 1 + int(read_ahead)
+
+
 class LoaderWait:
-    """An iterator over `batches` that adds up the host seconds each `next` blocked, from the second batch on.
+    """An iterator over `batches` that adds up the host seconds each `next` blocked, from the `start_at`-th call on.
 
     The epoch's first step is start-up (workers starting, the first step's warm-up or compilation) and is left
-    out of both the wait and the time it is a share of: the clock starts when the second batch is asked for.
+    out of both the wait and the time it is a share of: the clock starts at the call clock_start() names.
+    `clock` is the host clock (settable for the tests).
     """
 
-    def __init__(self, batches: Iterator[T]) -> None:
-        self.batches = batches
+    def __init__(self, batches: Iterator[T], start_at: int = 2, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.batches, self.start_at, self.clock = batches, start_at, clock
         self.asked = 0  # next() calls so far
-        self.waited = 0.0  # seconds blocked in next(), from the second batch on
-        self.since: float | None = None  # host clock when the second batch was asked for
+        self.waited = 0.0  # seconds blocked in next(), from the start_at-th call on
+        self.since: float | None = None  # host clock at the start_at-th call
         self.mark = (0.0, 0.0)  # (waited, clock) at the previous interval() call
 
     def __iter__(self) -> LoaderWait:
         return self
 
     def __next__(self) -> T:
-        asked = time.perf_counter()
+        asked = self.clock()
         self.asked += 1
-        if self.asked == 2:
+        if self.asked == self.start_at:
             self.since, self.mark = asked, (0.0, asked)
         batch = next(self.batches)
-        if self.asked >= 2:
-            self.waited += time.perf_counter() - asked
+        if self.asked >= self.start_at:
+            self.waited += self.clock() - asked
         return batch
 
     def interval(self) -> float:
         """The share of the time since the previous call (or the clock's start) spent waiting; starts a new one."""
         if self.since is None:
             return 0.0
-        now = time.perf_counter()
+        now = self.clock()
         waited, since = self.mark
         self.mark = (self.waited, now)
         return share(self.waited - waited, now - since)
 
     def epoch(self) -> float:
         """The share of the time since the clock's start spent waiting."""
-        return share(self.waited, time.perf_counter() - self.since) if self.since is not None else 0.0
+        return share(self.waited, self.clock() - self.since) if self.since is not None else 0.0
 
 
 def share(waited: float, wall: float) -> float:

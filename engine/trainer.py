@@ -29,8 +29,8 @@ from core.signals import Preempted, requested, stop, training_steps, workers_shi
 from engine.hooks import Hook
 from engine.metrics import hits, ranked_classes
 from engine.precision import Precision
-from engine.prefetch import Normalize, device_batches
-from engine.speed import LoaderWait
+from engine.prefetch import Normalize, device_batches, reads_ahead
+from engine.speed import LoaderWait, clock_start
 from engine.state import TrainState
 
 if TYPE_CHECKING:  # the loop only calls it: keep the teacher's and weights' modules out of its imports
@@ -67,6 +67,8 @@ class LoopConfig:
     clip_mode: str = "norm"  # optim.clip_mode: norm | value | agc
     multi_label: bool = False  # multi-hot targets (data.multi_label): no train_top1, train_loss only
     fsdp_accum_whole: bool = False  # dist.fsdp_accum_whole: a sharded model keeps weights and gradients whole
+    read_ahead: bool | None = None  # batches fetched one ahead (None: as device_batches does on the device)
+    clock: Callable[[], float] = time.perf_counter  # the host clock of the timings (settable for the tests)
 
 
 def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cfg: LoopConfig, info: DistInfo,
@@ -83,13 +85,17 @@ def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cf
     meter = state.start_epoch(info.device, info.is_main)
     num_batches = len(loader)
     steps = state.epoch_step + math.ceil(num_batches / cfg.accum_steps)  # the whole epoch's, also when resumed
+    clock = cfg.clock
+    ahead = reads_ahead(info.device) if cfg.read_ahead is None else cfg.read_ahead
     with workers_shielded():  # DataLoader workers start here; a SIGTERM to the process group must not kill them
-        waits = LoaderWait(iter(loader))  # host time blocked in the loader's next(): is the run input-bound?
-        batches = device_batches(waits, info.device, cfg.normalize)
+        # Host time blocked in the loader's next(), from the second optimizer step on: is the run input-bound?
+        waits = LoaderWait(iter(loader), clock_start(cfg.accum_steps, ahead), clock)
+        batches = device_batches(waits, info.device, cfg.normalize, ahead)
     shown = Progress(batches, num_batches, state.epoch, steps, cfg.show_progress and info.is_main)
-    start = time.perf_counter() - state.epoch_seconds
-    last_sums, last_time = dict(state.epoch_sums) or dict.fromkeys(meter.names, 0.0), time.perf_counter()
-    last_step, first_step, began = state.epoch_step, state.epoch_step, time.perf_counter()  # this process's part
+    start = clock() - state.epoch_seconds
+    last_sums, last_time = dict(state.epoch_sums) or dict.fromkeys(meter.names, 0.0), clock()
+    first_step, began = state.epoch_step, clock()  # this process's part
+    timed = StepClock(first_step, began)  # step time from the end of this process's first step (start-up) on
     optimizer.zero_grad(set_to_none=True)
     skipped = 0  # optimizer steps in a row skipped for inf/NaN gradients
     with training_steps():  # from here SIGTERM, like SIGUSR1, only asks for a stop at the next step boundary
@@ -119,16 +125,17 @@ def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cf
             stepped, signum = parts.precision.step(optimizer, model, cfg.clip_grad, requested(), cfg.clip_mode)
             skipped = 0 if stepped else skipped + 1
             optimizer.zero_grad(set_to_none=True)
-            state.step_done(time.perf_counter() - start)
+            state.step_done(clock() - start)
+            timed.step_done(state.epoch_step, clock())
             if skipped:
                 check_nonfinite(skipped, cfg.max_nonfinite, state.global_step, info)
             parts.scheduler.step_update(num_updates=state.schedule_position(steps))
             for hook in hooks:
                 hook.after_step(state)
             if state.global_step % cfg.log_interval == 0:
-                now = time.perf_counter()
+                now = clock()
                 # The input wait share and step time of this rank, the largest over ranks in the sums' all-reduce.
-                local = (waits.interval(), (now - last_time) / (state.epoch_step - last_step))
+                local = (waits.interval(), timed.interval(state.epoch_step, now))
                 sums, (wait, step_s) = state.sync_sums_and_max(local)
                 count = sums["count"] - last_sums["count"]
                 stats = {"train_loss": (sums["loss_sum"] - last_sums["loss_sum"]) / count,
@@ -139,20 +146,46 @@ def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cf
                 shown.show(state.epoch_step, stats, pace * (steps - state.epoch_step), pace * run_left)
                 for hook in hooks:
                     hook.after_interval(state, stats)
-                last_sums, last_time, last_step = sums, now, state.epoch_step
+                last_sums, last_time = sums, now
             if signum:  # every rank got the same answer: all stop after this step
                 stop(signum)
                 raise Preempted(signum, state.global_step)
             if cfg.max_steps and state.global_step >= cfg.max_steps:
                 break
-    step_s = (time.perf_counter() - began) / max(state.epoch_step - first_step, 1)
-    sums, (wait, step_s) = state.sync_sums_and_max((waits.epoch(), step_s))
-    seconds = state.epoch_seconds = time.perf_counter() - start
+    sums, (wait, step_s) = state.sync_sums_and_max((waits.epoch(), timed.epoch(state.epoch_step, clock())))
+    seconds = state.epoch_seconds = clock() - start
     count = max(sums["count"], 1.0)
     top1 = {} if cfg.multi_label else {"train_top1": 100.0 * sums["correct"] / count}
     return {"train_loss": sums["loss_sum"] / count, **top1,
             "train_img_per_s": sums["count"] / seconds, "epoch_time_s": seconds, "train_images": int(sums["count"]),
             "train_input_wait": wait, "train_step_s": step_s}
+
+
+class StepClock:
+    """Seconds per optimizer step of this process, leaving out its first step of the epoch (workers starting, the
+    first step's warm-up, cuDNN's autotuning, compilation), as the input wait does; an epoch of one step is timed
+    whole."""
+
+    def __init__(self, first_step: int, began: float) -> None:
+        self.first_step, self.began = first_step, began
+        self.origin: tuple[float, int] | None = None  # (clock, step) at the end of the first step
+        self.mark: tuple[float, int] = (began, first_step)  # (clock, step) at the previous interval
+
+    def step_done(self, step: int, now: float) -> None:
+        if step == self.first_step + 1:
+            self.origin = self.mark = (now, step)
+
+    def interval(self, step: int, now: float) -> float:
+        """Seconds per step since the previous interval (from the first step's end on, once there is a step after it)."""
+        since, at = self.mark
+        self.mark = (now, step)
+        return (now - since) / (step - at) if step > at else (now - self.began) / max(step - self.first_step, 1)
+
+    def epoch(self, step: int, now: float) -> float:
+        """Seconds per step over the epoch's steps after the first."""
+        if self.origin is not None and step > self.origin[1]:
+            return (now - self.origin[0]) / (step - self.origin[1])
+        return (now - self.began) / max(step - self.first_step, 1)
 
 
 def fsdp_micro_step(model: FSDPModule, last: bool) -> None:

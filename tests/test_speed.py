@@ -17,9 +17,16 @@ import torch
 
 import train
 from core.cli import report_errors
+from core.config import OptimConfig, SchedConfig
+from core.dist import DistInfo
 from data.datasets import DummyDataset
+from data.transforms import DeviceNormalize
 from engine.metrics import SumMeter
+from engine.optim import build_optimizer, build_scheduler
+from engine.precision import Precision
 from engine.speed import INPUT_BOUND
+from engine.state import TrainState
+from engine.trainer import LoopConfig, TrainParts, train_one_epoch
 from tests.helpers import REPO, TINY, read_jsonl, run_ranks
 
 SLOW_IMAGE_S = 0.1  # per image: 0.2 s per batch of 2, many times a tiny step
@@ -107,3 +114,54 @@ def test_per_rank_values_come_back_as_their_max_in_the_sums_all_reduce(tmp_path)
     for sums, largest in run_ranks(_sums_and_max, 2, tmp_path):
         assert sums == {"loss_sum": 4.5, "count": 8.0}
         assert largest == pytest.approx([0.2, 0.3])
+
+
+class FakeClock:
+    """A host clock that moves only when told: the loader's waits and the steps' compute, in known seconds."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class WaitingBatches:
+    """`count` batches, each costing `wait` seconds of the fake clock to fetch (the host blocked in next())."""
+
+    def __init__(self, clock: FakeClock, count: int, wait: float) -> None:
+        self.clock, self.count, self.wait = clock, count, wait
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self):
+        for i in range(self.count):
+            self.clock.now += self.wait
+            yield torch.full((2, 3, 4, 4), i, dtype=torch.uint8), torch.tensor([0, 1])
+
+
+@pytest.mark.parametrize("read_ahead", [False, True])
+def test_the_first_step_counts_in_neither_the_input_wait_nor_the_step_time(read_ahead):
+    """train_one_epoch on a fake clock: 5 steps, each fetch 0.25 s, each step's compute 0.5 s but the first's 8 s
+    (cuDNN's autotuning, compilation). With the batches read one ahead (the CUDA path's order of loader calls)
+    and without: input wait 0.75 / 2.75 s and 0.6875 s per step, over steps 1-4. The CUDA path started its clock
+    before step 0 (its second loader call comes first) and both clocks counted step 0 in train_step_s."""
+    clock, cpu = FakeClock(), torch.device("cpu")
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 2))
+    forwards = []
+
+    def compute(module, args):  # the step's device time, as the host sees it
+        clock.now += 8.0 if not forwards else 0.5
+        forwards.append(1)
+
+    model.register_forward_pre_hook(compute)
+    optimizer = build_optimizer(model, OptimConfig())
+    parts = TrainParts(model, optimizer, build_scheduler(optimizer, SchedConfig(), 1, 5), torch.nn.CrossEntropyLoss(),
+                       Precision("cpu", None))
+    loop = LoopConfig(normalize=DeviceNormalize([0.5] * 3, [0.5] * 3, cpu, False), read_ahead=read_ahead, clock=clock)
+    stats = train_one_epoch(parts, WaitingBatches(clock, 5, 0.25), TrainState(), loop, DistInfo(0, 1, 0, 1, cpu))
+    if read_ahead:  # batches 2-4 fetched after step 0 (batch 1 came with batch 0): 3 waits over steps 1-4
+        assert stats["train_input_wait"] == 0.75 / (0.75 + 4 * 0.5) and stats["train_step_s"] == 2.75 / 4
+    else:  # batches 1-4 fetched after step 0: 4 waits over steps 1-4
+        assert stats["train_input_wait"] == 1.0 / (1.0 + 4 * 0.5) and stats["train_step_s"] == 3.0 / 4
