@@ -185,6 +185,18 @@ def test_a_folder_that_is_not_a_whole_checkpoint_is_one_line(tmp_path):
         read_checkpoint(tmp_path / "good.dcp")
 
 
+def test_a_file_named_dcp_is_read_as_a_file(tmp_path):
+    """Only a folder is a sharded checkpoint: a .pth file renamed *.dcp loads as one, and a file that is not a
+    checkpoint is named as such (both were 'does not exist')."""
+    save_atomic({"model": {"w": torch.arange(3.0)}}, tmp_path / "model.dcp")
+    assert torch.equal(read_checkpoint(tmp_path / "model.dcp")["model"]["w"], torch.arange(3.0))
+    (tmp_path / "notes.dcp").write_text("my notes\n")
+    with pytest.raises(UserError, match=r"^checkpoint .*notes.dcp is not a checkpoint: torch.save files start"):
+        read_checkpoint(tmp_path / "notes.dcp")
+    with pytest.raises(UserError, match=r"^checkpoint .*gone.dcp does not exist; check the path$"):
+        read_checkpoint(tmp_path / "gone.dcp")
+
+
 def test_resume_of_a_run_whose_last_dcp_is_not_whole_names_it_and_the_way_out(tmp_path):
     from engine.checkpoint.resume import Resume
 

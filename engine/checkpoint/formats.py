@@ -53,9 +53,10 @@ METADATA_CLASSES = {
 
 
 def is_sharded(path: str | os.PathLike) -> bool:
-    """A sharded checkpoint's path: a folder named *.dcp, or any folder holding DCP's index."""
+    """A sharded checkpoint's path: a folder named *.dcp, or any folder holding DCP's index (a file is read as a
+    .pth file whatever its name; a missing path, as a missing file)."""
     path = Path(path)
-    return path.suffix == SUFFIX or (path.is_dir() and (path / METADATA).is_file())
+    return path.is_dir() and (path.suffix == SUFFIX or (path / METADATA).is_file())
 
 
 def is_ours(path: Path) -> bool:
