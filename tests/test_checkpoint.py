@@ -147,6 +147,22 @@ def test_check_resumable_names_the_mismatch(tmp_path):
         check_resumable({"model": {}}, tmp_path, cfg, classes, 1)
 
 
+def test_a_sharded_mid_epoch_checkpoint_is_not_sent_to_epoch_files(tmp_path):
+    """train.ckpt_format=sharded writes no epoch_NNNN.pth: the way out of a global batch that does not fit its
+    mid-epoch last.dcp is the end of that epoch (a file-format checkpoint still names its epoch files)."""
+    cfg = Config(model=ModelConfig(name="resnet10t"), train=TrainConfig(batch_size=8))
+    folder = {**training_checkpoint("resnet10t", ["a"], epoch_step=3), "format": "sharded", "optimizer_rest": {}}
+    del folder["optimizer"]
+    with pytest.raises(UserError) as caught:
+        check_resumable(folder, tmp_path / "last.dcp", cfg, ["a"], 2)
+    assert "resume from an end-of-epoch checkpoint" not in str(caught.value)
+    assert str(caught.value).endswith("; or let the run reach the end of epoch 1 with that global batch first "
+                                      "(train.ckpt_format=sharded writes no epoch_NNNN.pth; a last.dcp from an "
+                                      "epoch's end resumes with any global batch)")
+    with pytest.raises(UserError, match=r"; or resume from an end-of-epoch checkpoint \(epoch_NNNN.pth\)"):
+        check_resumable(training_checkpoint("resnet10t", ["a"], epoch_step=3), tmp_path / "last.pth", cfg, ["a"], 2)
+
+
 def test_epoch_sampler_start_skips_exactly_the_consumed_samples():
     full = EpochSampler(range(103), num_replicas=2, rank=1, shuffle=True, seed=5, drop_last=True)
     full.set_epoch(4)
