@@ -190,10 +190,13 @@ def check_global_batch(ckpt: dict[str, Any], path: Path, cfg: Config, world_size
             f"train.batch_size={per_process} train.accum_steps=1)" if then % world_size == 0 else
             f"no batch size fits on {world_size} process(es): use a number of processes that divides {then}")
     old = ckpt["config"]["train"]
+    boundary = (f"let the run reach the end of epoch {ckpt['epoch']} with that global batch first "
+                "(train.ckpt_format=sharded writes no epoch_NNNN.pth; a last.dcp from an epoch's end resumes with any "
+                "global batch)" if ckpt.get("format") == "sharded" else
+                "resume from an end-of-epoch checkpoint (epoch_NNNN.pth), where the global batch may change")
     raise UserError(f"checkpoint {path} stopped mid-epoch with a global batch of {then} images ({ckpt['world_size']} "
                     f"process(es) x train.batch_size={old['batch_size']} x train.accum_steps={old['accum_steps']}), "
-                    f"this run's is {now}: {fits}, so no sample is skipped or repeated; or resume from an "
-                    "end-of-epoch checkpoint (epoch_NNNN.pth), where the global batch may change")
+                    f"this run's is {now}: {fits}, so no sample is skipped or repeated; or {boundary}")
 
 
 def yaml_value(value: Any) -> str:
