@@ -213,7 +213,7 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
 
     try:  # close(): however the run ends, its last checkpoint write (train.async_save) finishes first
         while state.epoch < cfg.train.epochs and not stop_before_epoch(cfg, state, chosen_on, tracker):
-            state.start_epoch(data.train, cfg.train.accum_steps)  # mid-epoch: past this rank's batches done
+            state.set_loader_epoch(data.train, cfg.train.accum_steps)  # mid-epoch: past this rank's batches done
             try:
                 train_stats = train_one_epoch(parts, data.train, state, loop, info, hooks)
             except Preempted as stopped:  # SIGTERM or SIGUSR1: every rank stopped after the same step

@@ -95,7 +95,7 @@ class TrainState:
         """How many of its samples this rank already trained on in `epoch` (a mid-epoch resume skips them)."""
         return min(self.epoch_step * accum_steps, batches_per_epoch) * batch_size
 
-    def start_epoch(self, loader: DataLoader, accum_steps: int) -> None:
+    def set_loader_epoch(self, loader: DataLoader, accum_steps: int) -> None:
         """Point the training loader at `epoch`, past the batches this rank already trained on in it: the one place
         a resume position is counted, in this rank's samples, as its sampler (data.loader.EpochSampler) counts."""
         loader.sampler.set_epoch(self.epoch, start=self.samples_done(accum_steps, loader.batch_size, len(loader)))

@@ -177,7 +177,7 @@ def test_epoch_sampler_start_skips_exactly_the_consumed_samples():
 
 def test_a_mid_epoch_resume_continues_each_ranks_own_batches():
     """The training loaders of 2 ranks (dealt as on 2 processes; no group needed), 3 optimizer steps of 2
-    micro-batches done: TrainState.start_epoch points each at exactly the batches that rank had not reached, so
+    micro-batches done: TrainState.set_loader_epoch points each at exactly the batches that rank had not reached, so
     the position counts this rank's samples, not the global batch's."""
     from core.config import DataConfig
     from core.dist import DistInfo
@@ -188,9 +188,9 @@ def test_a_mid_epoch_resume_continues_each_ranks_own_batches():
     train, _ = build_datasets(cfg, seed=0)
     for rank in (0, 1):
         loader = build_train_loader(train, cfg, 4, seed=0, info=DistInfo(rank, 2, rank, 2, torch.device("cpu")))
-        TrainState(epoch=2).start_epoch(loader, accum_steps=2)
+        TrainState(epoch=2).set_loader_epoch(loader, accum_steps=2)
         whole = list(loader.batch_sampler)  # (epoch, index) keys of each batch: what the DataLoader loads
-        TrainState(epoch=2, epoch_step=3).start_epoch(loader, accum_steps=2)
+        TrainState(epoch=2, epoch_step=3).set_loader_epoch(loader, accum_steps=2)
         assert len(whole) == 8 and list(loader.batch_sampler) == whole[6:]
 
 
