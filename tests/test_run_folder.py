@@ -6,6 +6,7 @@ image folder; the lock and the file-size limit need real processes.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -192,6 +193,19 @@ def test_a_failed_write_stops_the_run_at_save_or_at_the_next_wait(tmp_path, asyn
         with pytest.raises(UserError, match=error):
             checkpointer.save(TrainState(epoch=1, global_step=1))
     assert [p.name for p in tmp_path.rglob("*")] == ["last.pth", "mine.txt"]
+
+
+def test_a_run_whose_last_background_write_fails_exits_2(data, tmp_path, monkeypatch, capsys):
+    """train.async_save: the run's last checkpoint is written while the run ends; a failure of that write is the
+    run's (one line, exit 2), not a line logged under exit 0. The disk is full for every checkpoint write."""
+    def full_disk(obj, path):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr("engine.checkpoint.saver.save_atomic", full_disk)
+    code = report_errors(train.main, [*TINY, f"data.root={data[0]}", "train.async_save=true", "train.max_steps=1",
+                                      f"output_dir={tmp_path / 'run'}"])
+    line = last_error(capsys, code)
+    assert code == 2 and line.startswith(f"error: cannot write checkpoint {tmp_path}/run/last.pth (No space left "), line
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o002])
