@@ -205,7 +205,7 @@ def test_a_run_whose_last_background_write_fails_exits_2(data, tmp_path, monkeyp
     code = report_errors(train.main, [*TINY, f"data.root={data[0]}", "train.async_save=true", "train.max_steps=1",
                                       f"output_dir={tmp_path / 'run'}"])
     line = last_error(capsys, code)
-    assert code == 2 and line.startswith(f"error: cannot write checkpoint {tmp_path}/run/last.pth (No space left "), line
+    assert code == 2 and line.startswith(f"error: cannot write checkpoint {tmp_path}/run/last.pth (No space left"), line
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o002])
