@@ -52,7 +52,7 @@ from engine.losses import build_loss, class_weights
 from engine.optim import (build_optimizer, build_scheduler, check_optimizer, check_scheduler, scaled_lr_note,
                           with_global_batch, with_scaled_lr)
 from engine.precision import Precision, resolve_precision
-from engine.profiling import ProfileSteps
+from engine.profiling import FOLDER as PROFILE_FOLDER, ProfileSteps, check_trace_folder
 from engine.speed import InputAdvice
 from engine.state import TrainState
 from engine.tracking import TensorBoardWriter, WandbTracker
@@ -85,6 +85,8 @@ def start_up(cfg: Config, info: DistInfo) -> tuple[Config, Resume, DataBundle, P
     the precision, the model with its starting weights (resumed, or model.init_from's through timm's loading).
     --dry-run stops after it."""
     check_optimizer(cfg.optim)
+    if cfg.logging.profile_steps:
+        rank0_decides(lambda: check_trace_folder(Path(cfg.output_dir)))
     start = Resume.find(cfg.resume, Path(cfg.output_dir))
     pretrained = start.pretrained(cfg.model)
     hub_cfg = None if start.ckpt else rank0_decides(lambda: pretrained_cfg_of(cfg.model))  # model.pretrained=true
@@ -209,7 +211,7 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
     if state.global_step == 0:
         tracker.log_samples(data.train.dataset, cfg.logging.wandb_samples)
     step_checkpoint = StepCheckpoint(record, checkpointer, cfg.train.ckpt_every_steps)
-    profile = (ProfileSteps(cfg.logging.profile_steps, out / "profile", info.device, record, info.is_main, state)
+    profile = (ProfileSteps(cfg.logging.profile_steps, out / PROFILE_FOLDER, info.device, record, info.is_main, state)
                if cfg.logging.profile_steps else None)  # off: no hook, torch.profiler never starts
     hooks = [*([EmaUpdate(ema, model)] if ema is not None else []),  # before the checkpoint that saves it
              step_checkpoint, IntervalTracking(sinks), *([profile] if profile else [])]
@@ -217,8 +219,7 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
 
     try:  # close(): however the run ends, its last checkpoint write (train.async_save) finishes first
         while state.epoch < cfg.train.epochs and not stop_before_epoch(cfg, state, chosen_on, tracker):
-            data.train.sampler.set_epoch(state.epoch, start=state.samples_done(
-                cfg.train.accum_steps, cfg.train.batch_size, len(data.train)))
+            state.set_loader_epoch(data.train, cfg.train.accum_steps)  # mid-epoch: past this rank's batches done
             try:
                 train_stats = train_one_epoch(parts, data.train, state, loop, info, hooks)
             except Preempted as stopped:  # SIGTERM or SIGUSR1: every rank stopped after the same step

@@ -56,7 +56,10 @@ def read_rows(file: Path, split: str, multi_label: bool = False) -> list[tuple[i
     for number, row in enumerate(lines, 2):
         if not row:
             continue
-        if len(row) != 2 or not row[0].strip() or not (row[1].strip() or multi_label):
+        if len(row) == 2 and row[0].strip() and not row[1].strip() and not multi_label:
+            raise UserError(f"{file} line {number}: the label of {row[0].strip()!r} is empty; an image without labels "
+                            "is a row of a multi-label list: set data.multi_label=true, or give the image its class")
+        if len(row) != 2 or not row[0].strip():
             raise UserError(f"{file} line {number}: expected two fields, path{delimiter}label, got {row!r}")
         rows.append((number, row[0].strip(), row[1].strip()))
     if not rows:

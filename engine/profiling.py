@@ -18,11 +18,22 @@ from typing import Any
 
 import torch
 
+from core.errors import UserError
 from engine.checkpoint.run_dir import RunRecord
 from engine.hooks import Hook
 from engine.state import TrainState
 
 log = logging.getLogger(__name__)
+FOLDER = "profile"  # <output_dir>/profile/: the traces
+
+
+def check_trace_folder(out_dir: Path) -> None:
+    """Refuse, at start-up, a file of the user's where the trace folder goes: met only when the trace is written
+    (after training up to the profiled steps), it stopped the run as a failed write."""
+    folder = out_dir / FOLDER
+    if (folder.exists() or folder.is_symlink()) and not folder.is_dir():
+        raise UserError(f"logging.profile_steps: {folder} is a file, not a folder; the profile trace is written into "
+                        f"{folder}/: move the file away, choose another output_dir, or set logging.profile_steps=[]")
 
 
 class ProfileSteps(Hook):

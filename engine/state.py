@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader
 
 from engine.metrics import SumMeter
 
@@ -93,6 +94,11 @@ class TrainState:
     def samples_done(self, accum_steps: int, batch_size: int, batches_per_epoch: int) -> int:
         """How many of its samples this rank already trained on in `epoch` (a mid-epoch resume skips them)."""
         return min(self.epoch_step * accum_steps, batches_per_epoch) * batch_size
+
+    def set_loader_epoch(self, loader: DataLoader, accum_steps: int) -> None:
+        """Point the training loader at `epoch`, past the batches this rank already trained on in it: the one place
+        a resume position is counted, in this rank's samples, as its sampler (data.loader.EpochSampler) counts."""
+        loader.sampler.set_epoch(self.epoch, start=self.samples_done(accum_steps, loader.batch_size, len(loader)))
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpointed fields, with the running sums synced first (a collective: every rank calls it)."""

@@ -8,6 +8,7 @@ and torchrun processes.
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 
 import pytest
@@ -196,7 +197,7 @@ def test_more_processes_than_validation_images():
 
 
 class Payload:
-    """A pickle that runs code when loaded: Path.touch(marker)."""
+    """A pickle that runs code when loaded: Path.touch(marker) (torch: "Unsupported global")."""
 
     def __init__(self, marker: Path) -> None:
         self.marker = marker
@@ -205,12 +206,19 @@ class Payload:
         return Path.touch, (self.marker,)
 
 
-@pytest.fixture
-def booby_trapped(tmp_path) -> tuple[Path, Path]:
+class ShellCommand(Payload):
+    """A pickle that runs a shell command when loaded: os.system (torch 2.14: "... whose module posix is blocked")."""
+
+    def __reduce__(self):
+        return os.system, (f"touch {shlex.quote(str(self.marker))}",)
+
+
+@pytest.fixture(params=[Payload, ShellCommand], ids=["Path.touch", "os.system"])
+def booby_trapped(request, tmp_path) -> tuple[Path, Path]:
     marker = tmp_path / "code-ran"
     path = tmp_path / "evil" / "last.pth"
     path.parent.mkdir()
-    torch.save({"model": {}, "payload": Payload(marker)}, path)
+    torch.save({"model": {}, "payload": request.param(marker)}, path)
     # Sanity check that the payload is live: the unsafe loader would run it.
     torch.load(path, weights_only=False)
     assert marker.exists()
@@ -218,20 +226,41 @@ def booby_trapped(tmp_path) -> tuple[Path, Path]:
     return path, marker
 
 
-@pytest.mark.parametrize("entry", ["evaluate.py", "resume=<path>", "model.init_from"])
+def sharded_folder_around(plain: Path) -> Path:
+    """A last.dcp folder whose train_state.pth is `plain` (its DCP index and shard real, from dcp.save)."""
+    import torch.distributed.checkpoint as dcp
+
+    from engine.checkpoint.formats import quiet_single_process
+
+    folder = plain.parent / "last.dcp"
+    with quiet_single_process():
+        dcp.save({"model.w": torch.zeros(2)}, checkpoint_id=folder, no_dist=True)
+    plain.rename(folder / "train_state.pth")
+    return folder
+
+
+@pytest.mark.parametrize("entry", ["evaluate.py", "resume=<path>", "model.init_from", "distill.teacher_weights",
+                                   "resume=<last.dcp>"])
 def test_checkpoint_that_would_run_code_is_refused(entry, booby_trapped, tmp_path, capsys):
+    """The three readers of pickles (a checkpoint file, a teacher file, a sharded folder's train_state.pth) refuse
+    every global torch refuses, in either of its wordings, as code; the code does not run."""
     path, marker = booby_trapped
-    if entry == "evaluate.py":
+    if entry == "resume=<last.dcp>":
+        folder = sharded_folder_around(path)
+        path = folder / "train_state.pth"
+        code = report_errors(train.main, [*TINY, f"output_dir={tmp_path / 'run'}", f"resume={folder}"])
+    elif entry == "evaluate.py":
         code = report_errors(evaluate.main, [str(path), "--output-dir", str(tmp_path / "eval")])
     else:
-        arg = f"resume={path}" if entry == "resume=<path>" else f"model.init_from={path}"
-        code = report_errors(train.main, [*TINY, f"output_dir={tmp_path / 'run'}", arg])
+        arg = {"resume=<path>": "resume", "model.init_from": "model.init_from"}.get(entry, entry)
+        code = report_errors(train.main, [*TINY, f"output_dir={tmp_path / 'run'}", f"{arg}={path}"])
     line = last_error(capsys, code)
-    assert f"checkpoint {path} was refused" in line and "could run code" in line, line
+    assert f"checkpoint {path} was refused: it would run code when loaded" in line, line
+    assert "\x1b" not in line and "only load files you trust" in line
     assert not marker.exists()
 
 
-def test_truncated_checkpoint(booby_trapped, tmp_path, capsys):
+def test_truncated_checkpoint(tmp_path, capsys):
     path = tmp_path / "half.pth"
     torch.save({"model": {"w": torch.zeros(10000)}}, path)
     path.write_bytes(path.read_bytes()[:5000])

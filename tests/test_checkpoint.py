@@ -147,6 +147,22 @@ def test_check_resumable_names_the_mismatch(tmp_path):
         check_resumable({"model": {}}, tmp_path, cfg, classes, 1)
 
 
+def test_a_sharded_mid_epoch_checkpoint_is_not_sent_to_epoch_files(tmp_path):
+    """train.ckpt_format=sharded writes no epoch_NNNN.pth: the way out of a global batch that does not fit its
+    mid-epoch last.dcp is the end of that epoch (a file-format checkpoint still names its epoch files)."""
+    cfg = Config(model=ModelConfig(name="resnet10t"), train=TrainConfig(batch_size=8))
+    folder = {**training_checkpoint("resnet10t", ["a"], epoch_step=3), "format": "sharded", "optimizer_rest": {}}
+    del folder["optimizer"]
+    with pytest.raises(UserError) as caught:
+        check_resumable(folder, tmp_path / "last.dcp", cfg, ["a"], 2)
+    assert "resume from an end-of-epoch checkpoint" not in str(caught.value)
+    assert str(caught.value).endswith("; or let the run reach the end of epoch 1 with that global batch first "
+                                      "(train.ckpt_format=sharded writes no epoch_NNNN.pth; a last.dcp from an "
+                                      "epoch's end resumes with any global batch)")
+    with pytest.raises(UserError, match=r"; or resume from an end-of-epoch checkpoint \(epoch_NNNN.pth\)"):
+        check_resumable(training_checkpoint("resnet10t", ["a"], epoch_step=3), tmp_path / "last.pth", cfg, ["a"], 2)
+
+
 def test_epoch_sampler_start_skips_exactly_the_consumed_samples():
     full = EpochSampler(range(103), num_replicas=2, rank=1, shuffle=True, seed=5, drop_last=True)
     full.set_epoch(4)
@@ -157,6 +173,25 @@ def test_epoch_sampler_start_skips_exactly_the_consumed_samples():
     assert len(resumed) == len(order) - 24 and list(resumed) == order[24:]
     resumed.set_epoch(5)  # the next epoch starts from the beginning again
     assert len(list(resumed)) == len(order)
+
+
+def test_a_mid_epoch_resume_continues_each_ranks_own_batches():
+    """The training loaders of 2 ranks (dealt as on 2 processes; no group needed), 3 optimizer steps of 2
+    micro-batches done: TrainState.set_loader_epoch points each at exactly the batches that rank had not reached, so
+    the position counts this rank's samples, not the global batch's."""
+    from core.config import DataConfig
+    from core.dist import DistInfo
+    from data.loader import build_datasets, build_train_loader
+
+    cfg = DataConfig(name="dummy", img_size=16, dummy_image_size=16, dummy_train_size=64, dummy_val_size=2,
+                     num_workers=0)
+    train, _ = build_datasets(cfg, seed=0)
+    for rank in (0, 1):
+        loader = build_train_loader(train, cfg, 4, seed=0, info=DistInfo(rank, 2, rank, 2, torch.device("cpu")))
+        TrainState(epoch=2).set_loader_epoch(loader, accum_steps=2)
+        whole = list(loader.batch_sampler)  # (epoch, index) keys of each batch: what the DataLoader loads
+        TrainState(epoch=2, epoch_step=3).set_loader_epoch(loader, accum_steps=2)
+        assert len(whole) == 8 and list(loader.batch_sampler) == whole[6:]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

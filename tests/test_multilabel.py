@@ -220,6 +220,10 @@ BAD = {  # name: (arguments after TINY + ML, text the last line must contain)
     "unknown label in a row": (["data.root={root}/unknown"],
                                "{root}/unknown/val.csv line 4: label 'emu' is not one of the 3 training classes"),
     "malformed row": (["data.root={root}/malformed"], "{root}/malformed/train.csv line 6: expected two fields"),
+    "an empty label cell without data.multi_label": (["data.root={root}/good", "data.multi_label=false",
+                                                      "train.loss=ce"],
+                                                     "is empty; an image without labels is a row of a multi-label "
+                                                     "list: set data.multi_label=true"),
     "ImageFolder cannot hold label sets": (["data.root={root}/good", "data.name=imagefolder"],
                                            "data.multi_label=true needs data.name listfile, hf, wds"),
     "cross-entropy on multi-label data": (["data.root={root}/good", "train.loss=ce"],

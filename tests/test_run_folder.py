@@ -6,6 +6,7 @@ image folder; the lock and the file-size limit need real processes.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -194,6 +195,19 @@ def test_a_failed_write_stops_the_run_at_save_or_at_the_next_wait(tmp_path, asyn
     assert [p.name for p in tmp_path.rglob("*")] == ["last.pth", "mine.txt"]
 
 
+def test_a_run_whose_last_background_write_fails_exits_2(data, tmp_path, monkeypatch, capsys):
+    """train.async_save: the run's last checkpoint is written while the run ends; a failure of that write is the
+    run's (one line, exit 2), not a line logged under exit 0. The disk is full for every checkpoint write."""
+    def full_disk(obj, path):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr("engine.checkpoint.saver.save_atomic", full_disk)
+    code = report_errors(train.main, [*TINY, f"data.root={data[0]}", "train.async_save=true", "train.max_steps=1",
+                                      f"output_dir={tmp_path / 'run'}"])
+    line = last_error(capsys, code)
+    assert code == 2 and line.startswith(f"error: cannot write checkpoint {tmp_path}/run/last.pth (No space left"), line
+
+
 @pytest.mark.parametrize("umask", [0o022, 0o002])
 def test_checkpoints_get_the_mode_of_other_run_files(umask, tmp_path):
     old = os.umask(umask)
@@ -319,7 +333,8 @@ def test_truncated_last_pth_names_the_newest_readable_epoch_file(run, data, caps
     before = snapshot(run)
     line = last_error(capsys, report_errors(train.main, [*TINY, f"data.root={data[0]}", f"output_dir={run}"]))
     assert f"checkpoint {run}/last.pth cannot be read" in line
-    assert f"resume={run}/epoch_0002.pth continues from the newest readable epoch file" in line
+    assert f"to continue from another checkpoint of this run: " in line and f"resume={run}/best.pth" in line
+    assert f"resume={run}/epoch_0002.pth (global step 12)" in line  # the newest readable epoch file
     line = last_error(capsys, report_errors(train.main, [*TINY, f"data.root={data[0]}", f"output_dir={run}",
                                                          "resume=none"]))
     assert "resume=auto" not in line and f"{run}/last.pth cannot be read" in line

@@ -219,6 +219,18 @@ def test_a_folder_that_is_not_a_whole_checkpoint_is_one_line(tmp_path):
         read_checkpoint(tmp_path / "good.dcp")
 
 
+def test_a_file_named_dcp_is_read_as_a_file(tmp_path):
+    """Only a folder is a sharded checkpoint: a .pth file renamed *.dcp loads as one, and a file that is not a
+    checkpoint is named as such (both were 'does not exist')."""
+    save_atomic({"model": {"w": torch.arange(3.0)}}, tmp_path / "model.dcp")
+    assert torch.equal(read_checkpoint(tmp_path / "model.dcp")["model"]["w"], torch.arange(3.0))
+    (tmp_path / "notes.dcp").write_text("my notes\n")
+    with pytest.raises(UserError, match=r"^checkpoint .*notes.dcp is not a checkpoint: torch.save files start"):
+        read_checkpoint(tmp_path / "notes.dcp")
+    with pytest.raises(UserError, match=r"^checkpoint .*gone.dcp does not exist; check the path$"):
+        read_checkpoint(tmp_path / "gone.dcp")
+
+
 def test_resume_of_a_run_whose_last_dcp_is_not_whole_names_it_and_the_way_out(tmp_path):
     from engine.checkpoint.resume import Resume
 
@@ -229,8 +241,8 @@ def test_resume_of_a_run_whose_last_dcp_is_not_whole_names_it_and_the_way_out(tm
     assert str(caught.value) == (f"checkpoint {tmp_path}/last.dcp is not a whole sharded checkpoint (no .metadata, "
                                  "train_state.pth): train.py swaps in only finished folders, so it was cut short or "
                                  "made by something else; give a whole one (a last.dcp or .pth file train.py wrote); "
-                                 "no readable epoch_NNNN.pth is left to continue from: choose another output_dir to "
-                                 "start over")
+                                 "no other readable checkpoint (last.pth, last.dcp, best.pth, epoch_NNNN.pth) is left "
+                                 "to continue from: choose another output_dir to start over")
 
 
 def test_epoch_files_with_sharded_checkpoints_are_refused_in_one_line():
@@ -253,6 +265,30 @@ def test_resume_auto_takes_the_newer_of_last_pth_and_last_dcp(tmp_path):
     os.utime(tmp_path / "last.pth")  # now
     os.utime(tmp_path / "last.dcp" / "train_state.pth", (1, 1))
     assert decide_resume("auto", tmp_path) == str(tmp_path / "last.pth")
+
+
+@pytest.mark.parametrize("damaged", ["last.dcp", "last.pth"])
+def test_a_damaged_newer_last_checkpoint_names_the_older_one_and_best_pth(damaged, tmp_path):
+    """Both last.pth and last.dcp (a switched train.ckpt_format), the newer one damaged: the way out is the older
+    one and best.pth, newest first (it was 'no readable epoch_NNNN.pth is left ...: start over')."""
+    from engine.checkpoint.resume import Resume
+
+    save_atomic({"global_step": 3}, tmp_path / "last.pth")
+    save_atomic({"global_step": 2}, tmp_path / "best.pth")
+    single_save(tmp_path / "last.dcp", 1.0, 5)
+    older = "last.pth" if damaged == "last.dcp" else "last.dcp"
+    os.utime(tmp_path / "last.dcp" / "train_state.pth" if older == "last.dcp" else tmp_path / "last.pth", (1, 1))
+    if damaged == "last.dcp":
+        (tmp_path / "last.dcp" / "__0_0.distcp").write_bytes(b"cut")
+    else:
+        (tmp_path / "last.pth").write_bytes((tmp_path / "last.pth").read_bytes()[:100])
+    with pytest.raises(UserError) as caught:
+        Resume.find("auto", tmp_path)
+    steps = {"last.pth": 3, "last.dcp": 5}
+    assert str(caught.value).startswith(f"checkpoint {tmp_path}/{damaged} cannot be read")
+    assert str(caught.value).endswith(
+        f"; to continue from another checkpoint of this run: resume={tmp_path}/{older} (global step {steps[older]}), "
+        f"resume={tmp_path}/best.pth (global step 2); or choose another output_dir to start over")
 
 
 def test_an_index_that_would_run_code_is_refused_and_the_code_does_not_run(tmp_path):

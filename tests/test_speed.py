@@ -27,7 +27,7 @@ from engine.precision import Precision
 from engine.speed import INPUT_BOUND
 from engine.state import TrainState
 from engine.trainer import LoopConfig, TrainParts, train_one_epoch
-from tests.helpers import REPO, TINY, read_jsonl, run_ranks
+from tests.helpers import REPO, TINY, last_error, read_jsonl, run_ranks
 
 SLOW_IMAGE_S = 0.1  # per image: 0.2 s per batch of 2, many times a tiny step
 
@@ -91,6 +91,21 @@ def test_profile_steps_write_a_chrome_trace_with_shapes(one_thread, tmp_path):
     # A range past the run's end: the trace holds the steps that ran, and its name says which.
     assert report_errors(train.main, [*TINY, "logging.profile_steps=[3, 100]", f"output_dir={tmp_path / 'end'}"]) == 0
     assert [p.name for p in (tmp_path / "end" / "profile").iterdir()] == ["rank0.steps3-4.pt.trace.json"]
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_a_file_named_profile_in_output_dir_is_refused_before_anything_is_written(dry_run, tmp_path, capsys):
+    """The trace folder's place taken by a user's file: one line at start-up (it was met only when the trace was
+    written, blamed on disk space, after config.yaml had made the folder a run that resume=auto refused)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "profile").write_text("my notes\n")
+    args = [*TINY, "logging.profile_steps=[2, 3]", f"output_dir={out}", *(["--dry-run"] if dry_run else [])]
+    line = last_error(capsys, report_errors(train.main, args))
+    assert line == (f"error: logging.profile_steps: {out}/profile is a file, not a folder; the profile trace is "
+                    f"written into {out}/profile/: move the file away, choose another output_dir, or set "
+                    "logging.profile_steps=[]")
+    assert [p.name for p in out.iterdir()] == ["profile"] and (out / "profile").read_text() == "my notes\n"
 
 
 def test_no_module_imports_the_profiler_at_import_time():

@@ -38,6 +38,11 @@ SHARD = re.compile(r"__\d+_\d+\.distcp")  # DCP's shard files: __<rank>_<n>.dist
 TEMP = re.compile(r"\.(?P<name>.+\.dcp)\.\d+\.[0-9a-f]+\.(?P<tag>tmp|old)")  # outputs.temp_name of a folder here
 # torch.save's zip archive, and the legacy format (a protocol-2 pickle of torch's magic number) of old .pth files.
 TORCH_FILE_STARTS = (b"PK\x03\x04", b"\x80\x02\x8a\x0a")
+# A global torch's weights_only unpickler refuses, in either wording: "Unsupported global: GLOBAL a.b was not an allowed
+# global" (any callable or class outside its allowlist) or "unsupported GLOBAL posix.system whose module posix is
+# blocked" (torch's blocklist: os, sys, posix, nt). Either way the pickle would call it: code, not data.
+CODE_GLOBAL = re.compile(r"GLOBAL (?P<name>\S+) (?:was not an allowed global|whose module \S+ is blocked)")
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # torch's messages carry terminal bold (ESC[1m ... ESC[0m)
 # What a DCP .metadata pickle may name: its dataclasses, torch.Size, a tensor layout, the checkpoint's path.
 METADATA_CLASSES = {
     ("torch.distributed.checkpoint.metadata", name) for name in
@@ -48,9 +53,10 @@ METADATA_CLASSES = {
 
 
 def is_sharded(path: str | os.PathLike) -> bool:
-    """A sharded checkpoint's path: a folder named *.dcp, or any folder holding DCP's index."""
+    """A sharded checkpoint's path: a folder named *.dcp, or any folder holding DCP's index (a file is read as a
+    .pth file whatever its name; a missing path, as a missing file)."""
     path = Path(path)
-    return path.suffix == SUFFIX or (path.is_dir() and (path / METADATA).is_file())
+    return path.is_dir() and (path.suffix == SUFFIX or (path / METADATA).is_file())
 
 
 def is_ours(path: Path) -> bool:
@@ -188,15 +194,17 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        if "Unsupported global" not in str(err):
-            raise UnreadableCheckpoint(f"checkpoint {path} cannot be read ({first[:80]}); it is damaged or not a "
-                                       "checkpoint") from None
-        raise UserError(f"checkpoint {path} was refused: it holds objects that are not plain data "
-                        f"and could run code when loaded ({first}); only load files you trust") from None
+        text = ANSI_ESCAPE.sub("", str(err))
+        if named := CODE_GLOBAL.search(text):
+            raise UserError(f"checkpoint {path} was refused: it would run code when loaded (its pickle calls "
+                            f"{named['name']}, which is not plain data); only load files you trust") from None
+        first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+        raise UnreadableCheckpoint(f"checkpoint {path} cannot be read ({first[:80]}); it is damaged or not a "
+                                   "checkpoint") from None
     except (RuntimeError, EOFError, OSError, ValueError, KeyError, IndexError, TypeError) as err:
+        text = ANSI_ESCAPE.sub("", str(err)).strip()
         raise UnreadableCheckpoint(f"checkpoint {path} cannot be read ({type(err).__name__}: "
-                                   f"{str(err).strip().splitlines()[0] if str(err).strip() else 'truncated?'}); "
+                                   f"{text.splitlines()[0] if text else 'truncated?'}); "
                                    "it is truncated or not a checkpoint") from None
 
 

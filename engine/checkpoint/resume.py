@@ -74,7 +74,7 @@ def decide_resume(resume: str, out_dir: Path) -> str | None:
         try:
             read_checkpoint(last)
         except UserError:
-            raise UserError(f"{problem}; {last} cannot be read: {way_out(out_dir)}") from None
+            raise UserError(f"{problem}; {last} cannot be read: {way_out(out_dir, last)}") from None
         raise UserError(f"{problem}; use resume=auto to continue it, or another output_dir to start over")
     if not Path(resume).is_file() and not (is_sharded(resume) and Path(resume).is_dir()):
         raise UserError(f"resume={resume}: no such checkpoint file; use auto, none or an existing .pth path (or "
@@ -92,17 +92,36 @@ def run_files(out_dir: Path) -> list[str]:
     return sorted(p.name for p in out_dir.iterdir() if p.name in RUN_FILES or EPOCH_FILE.fullmatch(p.name))
 
 
-def way_out(out_dir: Path) -> str:
-    """What to do when out_dir's run cannot be continued from last.pth: its newest readable epoch file, if any."""
+def way_out(out_dir: Path, unreadable: Path | None = None) -> str:
+    """What to do when out_dir's run cannot be continued from `unreadable` (its last checkpoint, or none): the run's
+    other checkpoints that read, newest first, else start over."""
+    options = readable_checkpoints(out_dir, unreadable)
+    if not options:
+        return ("no other readable checkpoint (last.pth, last.dcp, best.pth, epoch_NNNN.pth) is left to continue "
+                "from: choose another output_dir to start over")
+    named = ", ".join(f"resume={path} (global step {step})" for path, step in options)
+    return f"to continue from another checkpoint of this run: {named}; or choose another output_dir to start over"
+
+
+def readable_checkpoints(out_dir: Path, unreadable: Path | None) -> list[tuple[Path, int]]:
+    """(path, global step) of each training checkpoint in out_dir that reads, newest first: last.pth, last.dcp,
+    best.pth and the newest readable epoch file; `unreadable` is left out."""
     numbered = sorted((int(m.group(1)), p) for p in out_dir.glob("epoch_*.pth") if (m := EPOCH_FILE.fullmatch(p.name)))
-    for _, path in reversed(numbered):
-        try:
-            read_checkpoint(path)
-        except UserError:
+    candidates = [out_dir / "last.pth", set_aside(out_dir / "last.dcp") or out_dir / "last.dcp", out_dir / "best.pth",
+                  *(path for _, path in reversed(numbered))]
+    found = []
+    for path in candidates:
+        if path == unreadable or not path.exists():
             continue
-        return (f"resume={path} continues from the newest readable epoch file, or choose another output_dir "
-                "to start over")
-    return "no readable epoch_NNNN.pth is left to continue from: choose another output_dir to start over"
+        try:
+            step = read_checkpoint(path).get("global_step")
+        except (UserError, AttributeError):  # AttributeError: a file that holds no dict
+            continue
+        if isinstance(step, int):
+            found.append((path, step))
+            if EPOCH_FILE.fullmatch(path.name):
+                break  # the newest readable epoch file is enough
+    return sorted(found, key=lambda option: -option[1])
 
 
 def load_resume_checkpoint(path: Path) -> dict[str, Any]:
@@ -110,7 +129,7 @@ def load_resume_checkpoint(path: Path) -> dict[str, Any]:
     try:
         return read_checkpoint(path)
     except UnreadableCheckpoint as err:
-        raise UserError(f"{err}; {way_out(path.parent)}") from None
+        raise UserError(f"{err}; {way_out(path.parent, path)}") from None
 
 
 def check_resumable(ckpt: dict[str, Any], path: Path, cfg: Config, class_names: list[str],
@@ -171,10 +190,13 @@ def check_global_batch(ckpt: dict[str, Any], path: Path, cfg: Config, world_size
             f"train.batch_size={per_process} train.accum_steps=1)" if then % world_size == 0 else
             f"no batch size fits on {world_size} process(es): use a number of processes that divides {then}")
     old = ckpt["config"]["train"]
+    boundary = (f"let the run reach the end of epoch {ckpt['epoch']} with that global batch first "
+                "(train.ckpt_format=sharded writes no epoch_NNNN.pth; a last.dcp from an epoch's end resumes with any "
+                "global batch)" if ckpt.get("format") == "sharded" else
+                "resume from an end-of-epoch checkpoint (epoch_NNNN.pth), where the global batch may change")
     raise UserError(f"checkpoint {path} stopped mid-epoch with a global batch of {then} images ({ckpt['world_size']} "
                     f"process(es) x train.batch_size={old['batch_size']} x train.accum_steps={old['accum_steps']}), "
-                    f"this run's is {now}: {fits}, so no sample is skipped or repeated; or resume from an "
-                    "end-of-epoch checkpoint (epoch_NNNN.pth), where the global batch may change")
+                    f"this run's is {now}: {fits}, so no sample is skipped or repeated; or {boundary}")
 
 
 def yaml_value(value: Any) -> str:

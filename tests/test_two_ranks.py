@@ -1,0 +1,188 @@
+"""The fast tier's checks of what only a process group shows, on two real gloo ranks forked once for the module.
+
+The slow runs prove these end to end (tests/test_fsdp.py, test_ema.py, test_multilabel.py, test_sync_bn.py); here
+each mechanism is checked directly, small, so that a bug in it fails the fast tier too: the fsdp clipping norm, the
+EMA sharded like the model, the EMA's buffers broadcast before its evaluation, multi-label probabilities gathered in
+rank order, SyncBN's variance on a large-mean channel. `measured` runs every check on both ranks in one spawn
+(about 3 s: the rank server's imports) and keeps each check's error apart, so one broken mechanism fails its own test.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
+
+from tests.helpers import run_ranks
+
+CLIP = 0.05  # optim.clip_grad of the clipping check; SGD at lr 1: one clipped step moves the weights by CLIP
+FULL = StateDictOptions(full_state_dict=True)
+
+
+def clipped_sgd_step(rank: int) -> float:
+    """The norm of one clipped SGD step (lr 1, no momentum, the loop's Precision.step) of a model sharded over the
+    ranks, each on its own batch: CLIP when the clip factor uses the norm over every rank's shards (per rank: each
+    shard's gradient clipped to CLIP alone, sqrt(2) x CLIP over both)."""
+    from core.config import OptimConfig
+    from engine.optim import build_optimizer
+    from engine.precision import Precision
+    from models.parallel import shard_model
+
+    torch.manual_seed(0)
+    model = shard_model(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)), None)
+    optimizer = build_optimizer(model, OptimConfig(name="sgd", lr=1.0, nesterov=False, weight_decay=0.0),
+                                sharded=True)
+    torch.manual_seed(1 + rank)
+    model(torch.randn(4, 8)).square().sum().backward()
+    before = [p.full_tensor().clone() for p in model.parameters()]
+    assert Precision("cpu", None).step(optimizer, model, CLIP) == (True, 0)
+    return torch.cat([(p.full_tensor() - b).flatten() for p, b in zip(model.parameters(), before)]).norm().item()
+
+
+def ema_of_a_sharded_model(rank: int) -> dict[str, Any]:
+    """dist.strategy=fsdp's shard_for_training with an EMA, then one EMA update (decay 0.5) after the weights
+    moved: whether the EMA is sharded like the model, and how far its whole weights are from the plain average."""
+    from models.ema import create_ema
+    from models.parallel import shard_for_training
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    ema = create_ema(model, 0.5)
+    shard_for_training(model, ema.module, None, 2)
+    before = get_model_state_dict(model, options=FULL)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)
+    ema.update(model, step=10)  # past timm's first steps, whose decay is 0
+    after = get_model_state_dict(model, options=FULL)
+    got = get_model_state_dict(ema.module, options=FULL)
+    return {"sharded": all(isinstance(p, DTensor) for p in ema.module.parameters()),
+            "error": max((got[k] - (before[k] + after[k]) / 2).abs().max().item() for k in got)}
+
+
+def ema_evaluated_as_rank0s(rank: int) -> dict[str, Any]:
+    """validate_epoch with an EMA whose BatchNorm statistics differ per rank (as DDP leaves them): rank 0's EMA is
+    the model itself, rank 1's has 4 x its running variances. Its ema_ metrics must be rank 0's EMA's (the one the
+    checkpoint saves), so the model's own."""
+    import copy
+
+    from core.config import DataConfig, ModelConfig
+    from core.dist import DistInfo
+    from data.loader import build_datasets, build_eval_loader
+    from data.transforms import DeviceNormalize
+    from engine.evaluation import validate_epoch
+    from engine.precision import Precision
+    from models.factory import create_model
+
+    cfg = DataConfig(name="dummy", img_size=16, crop_pct=1.0, dummy_image_size=16, dummy_train_size=8,
+                     dummy_val_size=12, num_workers=0)
+    _, val = build_datasets(cfg, seed=0)
+    info = DistInfo(rank, 2, rank, 2, torch.device("cpu"))
+    loader, normalize = build_eval_loader(val, cfg, 4, info), DeviceNormalize(cfg.mean, cfg.std, info.device, False)
+    torch.manual_seed(0)
+    model = create_model(ModelConfig(name="test_resnet"), num_classes=10)
+    with torch.no_grad():
+        model.get_classifier().weight.mul_(50.0)  # logits far from uniform: the loss follows the features
+    ema = copy.deepcopy(model)
+    for name, buffer in ema.named_buffers():
+        if name.endswith("running_var"):
+            buffer.mul_(4.0 if rank == 1 else 1.0)
+    row = validate_epoch(model, ema, loader, Precision("cpu", None), info, normalize, cfg)
+    return {"ema_val_loss": row["ema_val_loss"], "val_loss": row["val_loss"]}
+
+
+def gathered_probabilities(rank: int) -> list[list]:
+    """engine.evaluation.gathered over rank 0's 3 images (in 2 batches) and rank 1's 2 (probabilities, targets and
+    losses numbered by image)."""
+    from engine.evaluation import gathered
+
+    first, count = (0, 3) if rank == 0 else (3, 2)
+    images = torch.arange(first, first + count, dtype=torch.float32)
+    batches = [(images[part, None].repeat(1, 4) / 10, images[part, None].repeat(1, 4), images[part])
+               for part in (slice(0, 2), slice(2, None)) if len(images[part])]
+    return [array.tolist() for array in gathered(batches, num_classes=4)]  # run_ranks' files hold plain data
+
+
+def sync_bn_of_a_large_mean(rank: int) -> dict[str, float]:
+    """AllReduceBatchNorm's training forward over a global batch split 7/5 over the ranks, channels with mean 1000 x
+    their std, against torch's BatchNorm2d in float64 on the whole batch: the largest output and running-variance
+    differences (E[x^2] - E[x]^2 in float32 loses the variance there)."""
+    from models.sync_bn import AllReduceBatchNorm
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 3, 4, 4, generator=generator, dtype=torch.float64) * 0.5 + 500.0
+    reference = nn.BatchNorm2d(3, momentum=1.0).double()
+    expected = reference(x)
+    rows = slice(0, 7) if rank == 0 else slice(7, 12)
+    bn = AllReduceBatchNorm(3, momentum=1.0)
+    got = bn(x[rows].float())
+    running_var = (bn.running_var.double() - reference.running_var) / reference.running_var
+    return {"output": (got.double() - expected[rows]).abs().max().item(), "running_var": running_var.abs().max().item()}
+
+
+CHECKS: dict[str, Callable[[int], Any]] = {
+    "clip": clipped_sgd_step, "ema sharded": ema_of_a_sharded_model, "ema buffers": ema_evaluated_as_rank0s,
+    "gathered": gathered_probabilities, "sync bn": sync_bn_of_a_large_mean}
+
+
+def every_check(rank: int, world: int) -> dict[str, Any]:
+    """Each check's result on this rank, or {"failed": its traceback}; the other checks still run (each check is
+    symmetric: where it fails, it fails on both ranks at the same point, so the ranks stay in step)."""
+    results: dict[str, Any] = {}
+    for name, check in CHECKS.items():
+        try:
+            results[name] = check(rank)
+        except Exception:  # noqa: BLE001 - reported by that check's test
+            results[name] = {"failed": traceback.format_exc()}
+    return results
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> list[dict[str, Any]]:
+    """every_check on 2 ranks, one spawn for the module."""
+    return run_ranks(every_check, 2, tmp_path_factory.mktemp("two-ranks"))
+
+
+def result(measured: list[dict[str, Any]], name: str) -> list[Any]:
+    """One check's result on each rank; its traceback fails the test."""
+    for per_rank in measured:
+        outcome = per_rank[name]
+        if isinstance(outcome, dict) and "failed" in outcome:
+            pytest.fail(f"{name} raised on a rank:\n{outcome['failed']}")
+    return [per_rank[name] for per_rank in measured]
+
+
+def test_fsdp_clips_by_the_norm_over_every_ranks_shards(measured):
+    """One clipped SGD step moves the weights by exactly optim.clip_grad (a per-rank norm: sqrt(2) x as far)."""
+    for norm in result(measured, "clip"):
+        assert norm == pytest.approx(CLIP, rel=1e-5)
+
+
+def test_fsdp_shards_the_ema_like_the_model_and_averages_it(measured):
+    for outcome in result(measured, "ema sharded"):
+        assert outcome["sharded"] and outcome["error"] < 1e-6
+
+
+def test_every_rank_evaluates_rank0s_ema(measured):
+    """The EMA's ema_val_loss is rank 0's EMA's (the checkpoint's), though rank 1's BatchNorm statistics differed."""
+    for outcome in result(measured, "ema buffers"):
+        assert outcome["ema_val_loss"] == pytest.approx(outcome["val_loss"], rel=1e-6)
+
+
+def test_multi_label_probabilities_are_gathered_in_rank_order(measured):
+    for probs, targets, losses in (map(np.array, arrays) for arrays in result(measured, "gathered")):
+        assert np.array_equal(losses, np.arange(5.0))
+        assert np.array_equal(targets, np.arange(5.0)[:, None].repeat(4, 1))
+        assert np.allclose(probs, targets / 10)  # each image's probabilities beside its own targets
+
+
+def test_sync_bn_variance_holds_at_a_mean_of_1000_stds(measured):
+    for difference in result(measured, "sync bn"):
+        assert difference["output"] < 1e-3 and difference["running_var"] < 1e-3
+
