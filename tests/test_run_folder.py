@@ -333,7 +333,7 @@ def test_truncated_last_pth_names_the_newest_readable_epoch_file(run, data, caps
     before = snapshot(run)
     line = last_error(capsys, report_errors(train.main, [*TINY, f"data.root={data[0]}", f"output_dir={run}"]))
     assert f"checkpoint {run}/last.pth cannot be read" in line
-    assert f"to continue from another checkpoint of this run: " in line and f"resume={run}/best.pth" in line
+    assert "to continue from another checkpoint of this run: " in line and f"resume={run}/best.pth" in line
     assert f"resume={run}/epoch_0002.pth (global step 12)" in line  # the newest readable epoch file
     line = last_error(capsys, report_errors(train.main, [*TINY, f"data.root={data[0]}", f"output_dir={run}",
                                                          "resume=none"]))
