@@ -247,13 +247,20 @@ JPEG_FRAME_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # SOF0-S
 
 
 def jpeg_header(data: bytes) -> tuple[int, int, bool]:
-    """(width, height, complete): the frame header's size, and whether an end marker follows the first scan.
+    """(width, height, complete): the frame header's size, and whether an end marker follows the first scan."""
+    width, height, _, complete = jpeg_frame(data)
+    return width, height, complete
+
+
+def jpeg_frame(data: bytes) -> tuple[int, int, int, bool]:
+    """(width, height, components, complete): the frame header's size and colour components (4: CMYK or YCCK),
+    and whether an end marker follows the first scan.
 
     Scan data never holds FF D9 (an FF in it is followed by 00 or a restart marker), so a file cut
     anywhere after its headers has no end marker after its first scan; padding or data appended after
     the end marker is fine, and an FF D9 inside an EXIF thumbnail comes before the scan.
     """
-    width = height = 0
+    width = height = components = 0
     i = 2
     while i + 4 <= len(data):
         marker = data[i + 1]
@@ -269,10 +276,11 @@ def jpeg_header(data: bytes) -> tuple[int, int, bool]:
             length = int.from_bytes(data[i + 2:i + 4], "big")
             if marker in JPEG_FRAME_MARKERS and i + 9 <= len(data):
                 height, width = int.from_bytes(data[i + 5:i + 7], "big"), int.from_bytes(data[i + 7:i + 9], "big")
+                components = data[i + 9] if i + 10 <= len(data) else 0
             elif marker == 0xDA:  # start of scan
-                return width, height, data.rfind(b"\xff\xd9", i + 2 + length) >= 0
+                return width, height, components, data.rfind(b"\xff\xd9", i + 2 + length) >= 0
             i += 2 + length
-    return width, height, False
+    return width, height, components, False
 
 
 def image_header(data: bytes) -> tuple[int, int, bool]:
@@ -322,14 +330,29 @@ def decode_image(data: bytes, name: str, max_pixels: int = DataConfig.max_image_
     if width * height > max_pixels:
         raise UserError(f"image {name} is {width}x{height} pixels, more than data.max_image_pixels={max_pixels}; "
                         "shrink or remove it, or raise data.max_image_pixels")
+    if data.startswith(b"\xff\xd8") and complete and jpeg_frame(data)[2] == 4:
+        return cmyk_jpeg_as_pils(data, name)
     try:
-        image = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR_RGB) if data and complete else None
+        # As PIL reads it (timm's and torchvision's loaders): EXIF orientation ignored, where OpenCV would apply it.
+        flags = cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION
+        image = cv2.imdecode(np.frombuffer(data, np.uint8), flags) if data and complete else None
     except cv2.error as err:  # OpenCV's own size limit, or out of memory
         raise UserError(f"cannot decode image {name} (OpenCV: {getattr(err, 'err', err)}); remove or replace it") \
             from None
     if image is None:
         raise UserError(f"cannot read image {name} (corrupt, truncated or not an image); remove or replace it")
     return image
+
+
+def cmyk_jpeg_as_pils(data: bytes, name: str) -> np.ndarray:
+    """A CMYK (or YCCK) JPEG through PIL's convert("RGB"), as timm's and torchvision's loaders read it: OpenCV's own
+    conversion is one level off on nearly every pixel. Rare (print workflows), so the slower path costs little."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return np.asarray(image.convert("RGB"))
+    except (OSError, ValueError, SyntaxError) as err:
+        raise UserError(f"cannot read image {name} (corrupt, truncated or not an image: {err}); remove or replace "
+                        "it") from None
 
 
 class ImageFolderDataset(AugmentedDataset):

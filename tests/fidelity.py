@@ -174,7 +174,16 @@ PREPROCESSING_ROWS: list[Row] = [
         "tests/test_augment.py::test_erasing_fills_a_box_with_varied_pixels"),
 ]
 
-ROWS = SCHEDULE_ROWS + PREPROCESSING_ROWS
+# Decoding (issue 40 item 9): every source reads images with PIL (torchvision's pil_loader: convert("RGB")).
+DECODE_TEST = PIXELS + "test_exif_rotated_and_cmyk_jpegs_decode_as_pils_loader"
+DECODING_ROWS = [
+    Row(name, "decoding", "PIL: EXIF orientation ignored, CMYK through convert('RGB') (torchvision pil_loader)", (),
+        DECODE_TEST, "OpenCV with EXIF ignored; CMYK/YCCK JPEGs through PIL")
+    for name in ("deit_small.yaml", "deit_small_distilled.yaml", "convnext_tiny.yaml", "resnet50_rsb_a3.yaml",
+                 "resnet50_torchvision.yaml", MAE)
+]
+
+ROWS = SCHEDULE_ROWS + PREPROCESSING_ROWS + DECODING_ROWS
 
 
 def app_value(config: dict, key: str) -> str:

@@ -214,3 +214,27 @@ def test_const_erasing_is_zero_after_normalize_as_torchvisions():
         ours = normalize(erased[None])[0]
         expected = seeded(theirs, image, seed)
         torch.testing.assert_close(ours, expected, atol=tolerance, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["exif_rotated", "cmyk"])
+def test_exif_rotated_and_cmyk_jpegs_decode_as_pils_loader(kind, tmp_path):
+    """The app's decoder gives the pixels of torchvision's pil_loader (what timm's and torchvision's datasets read,
+    in every source recipe) for the two JPEGs where OpenCV differs: a photo with EXIF Orientation=6, which OpenCV
+    turned (517x333 where PIL gives 333x517, as stored), and a CMYK JPEG, which OpenCV converted one level off on
+    nearly every pixel. Training, evaluation and predict.py all decode through it (data.datasets.read_image)."""
+    from torchvision.datasets.folder import pil_loader
+
+    from data.datasets import read_image
+
+    photo = np.asarray(load_sample_images().images[0])[:333, :517]
+    path = tmp_path / f"{kind}.jpg"
+    if kind == "exif_rotated":
+        exif = Image.Exif()
+        exif[0x0112] = 6  # Orientation: rotate 90 degrees clockwise to display
+        Image.fromarray(photo).save(path, "JPEG", quality=90, exif=exif)
+    else:
+        Image.fromarray(photo).convert("CMYK").save(path, "JPEG", quality=90)
+    theirs = np.asarray(pil_loader(str(path)))
+    ours = read_image(str(path))
+    assert ours.shape == theirs.shape == (333, 517, 3)
+    assert np.array_equal(ours, theirs)
