@@ -83,3 +83,32 @@ def test_weights_missing_from_the_cache_offline_are_one_line(tmp_path, capsys):
 ])
 def test_a_pretrained_name_without_model_pretrained_is_one_line(args, expected, tmp_path, capsys, monkeypatch):
     check_one_line(args, expected, tmp_path, tmp_path, capsys, monkeypatch)
+
+
+@pytest.mark.slow  # 224 px, a real training epoch and predict.py: ~3 s
+def test_the_first_pages_own_photos_commands_train_and_predict(cached, tmp_path):
+    """README's "Train on your own photos": `--config finetune data.root=<folder>` (a pretrained timm model, here
+    timm's tiny test tag from the session's cache) on a folder of JPEG photos in class folders, then predict.py on
+    new photos. Only what a test must shrink is overridden: the model tag, epochs, batch, workers and log."""
+    import cv2
+    import numpy as np
+
+    import predict
+
+    rng = np.random.default_rng(0)
+    root = tmp_path / "photos"
+    for split, count in (("train", 6), ("val", 2)):
+        for c, name in enumerate(("cat", "dog")):
+            (root / split / name).mkdir(parents=True)
+            for i in range(count):
+                photo = np.clip(rng.normal(80 + 90 * c, 40, (60, 80, 3)), 0, 255).astype(np.uint8)
+                cv2.imwrite(str(root / split / name / f"{i}.jpg"), photo)
+    out = tmp_path / "run"
+    train_here("--config", "finetune", f"data.root={root}", f"model.name={TAG}", "train.epochs=1",
+               "train.batch_size=4", "data.num_workers=0", "logging.progress=false", f"output_dir={out}")
+    ckpt = torch.load(out / "best.pth", weights_only=True, map_location="cpu")
+    assert ckpt["class_names"] == ["cat", "dog"] and ckpt["config"]["model"]["pretrained"] is True
+    assert ckpt["config"]["data"]["mean"] == [0.5] * 3  # the weights' pretrained_cfg, not ImageNet's defaults
+    assert report_errors(predict.main, [str(out / "best.pth"), str(root / "val"), "--output-dir",
+                                        str(tmp_path / "pred")]) == 0
+    assert len((tmp_path / "pred" / "predictions.csv").read_text().splitlines()) == 1 + 4
