@@ -8,7 +8,7 @@
 The model is timm's (random weights, nothing downloaded), placed and stepped as train.py does it
 (prepare_model, the app's Precision and optimizer; torch.compile with --compile). Inputs are random batches
 already on the device: this times the model, not the data pipeline (a run's own input wait says whether the
-loader keeps up: README, "Speed"). Each mode runs --warmup untimed steps, then --steps timed ones, each
+loader keeps up: docs/performance.md, "Speed"). Each mode runs --warmup untimed steps, then --steps timed ones, each
 ended by a device synchronize; img/s is batch / the median step time, with min and max from the slowest and
 fastest step; step-time percentiles interpolate linearly between steps (numpy.percentile).
 Peak memory: CUDA's max_memory_allocated, or on CPU the process's peak RSS (which includes the interpreter

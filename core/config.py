@@ -2,7 +2,7 @@
 
 core/config_load.py builds a Config from YAML and `key=value` overrides (an unknown key or a wrong type is a
 one-line UserError naming the key and the closest valid one); core/config_checks.py refuses the values that
-type-check but cannot work. What is here besides the schema reads it: the keys' reference (--help, README),
+type-check but cannot work. What is here besides the schema reads it: the keys' reference (--help, docs/configuration.md),
 the resolved YAML, and the few answers several modules ask of a Config.
 """
 
@@ -87,7 +87,7 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     name: str = "sgd"  # any timm optimizer name (sgd, momentum, adamw, lamb, ...)
-    lr: float = 0.1  # for the global batch; see README for the scaling rule
+    lr: float = 0.1  # for the global batch; docs/recipes.md has the scaling rule
     momentum: float = 0.9  # SGD momentum (timm passes it where the optimizer takes one)
     weight_decay: float = 1e-4  # L2 penalty / decoupled decay (adamw)
     no_decay_norm_bias: bool = True  # no weight decay on norm layers and biases
@@ -251,7 +251,7 @@ def keys_help() -> str:
 
 
 def keys_markdown() -> str:
-    """The config keys as the README's reference table (generated from the schema; tests/test_cli.py compares)."""
+    """The config keys as docs/configuration.md's reference table (generated from the schema; tests/test_cli.py compares)."""
     lines = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
     for key, kind, default, note in config_keys():
         shown = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()

@@ -28,11 +28,11 @@ def test_config_loads_and_its_optimizer_options_fit(name):
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_states_source_published_top1_and_global_batch(name):
-    """The header says where the recipe comes from and what it reached, and the README's table lists it."""
+    """The header says where the recipe comes from and what it reached, and docs/recipes.md's table lists it."""
     header = "".join(line for line in (CONFIG_DIR / name).read_text().splitlines(True) if line.startswith("#"))
     assert re.search(r"https://\S+", header) and re.search(r"\d+(\.\d+)?% top-1", header), header
     assert "global batch" in header and "Rescaling" in header, header
-    assert f"[`{name}`](configs/{name})" in (REPO / "README.md").read_text()
+    assert f"[`{name}`](../configs/{name})" in (REPO / "docs" / "recipes.md").read_text()
 
 
 @pytest.mark.slow

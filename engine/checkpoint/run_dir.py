@@ -75,7 +75,7 @@ def check_shared(folder: Path) -> None:
     if blind:
         raise UserError(f"output_dir {folder} is not the same folder for every process: {', '.join(blind)} cannot "
                         f"see the file rank 0 (on {found[0][0]}) wrote there; put output_dir on storage every node "
-                        "shares, at a path that names it on each (an absolute path; README: several nodes)",
+                        "shares, at a path that names it on each (an absolute path; docs/clusters.md)",
                         all_ranks=True)
 
 

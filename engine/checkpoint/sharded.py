@@ -140,7 +140,7 @@ def check_shards(folder: Path, tmp: Path) -> None:
         ranks = sorted({int(SHARD_RANK.match(name)[1]) for name in missing})
         raise UserError(f"cannot write checkpoint {folder}: the shards of rank(s) {', '.join(map(str, ranks))} "
                         f"({', '.join(missing[:3])}) are not in rank 0's view of it, so output_dir is not one folder "
-                        "for every process; put it on storage every node shares (README: several nodes). The "
+                        "for every process; put it on storage every node shares (docs/clusters.md). The "
                         "previous checkpoint is kept")
 
 
