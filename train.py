@@ -29,7 +29,7 @@ from core.startup import cpu_share, import_timm_without_wandb, tune_cpu_process
 
 import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (core/startup.py)
 
-from core.cli import run_main
+from core.cli import parse_with_overrides, run_main
 from core.config import (Config, ModelConfig, best_metric, config_yaml, given_keys, keys_help, lower_is_better, mixing,
                          replace_section, to_dict)
 from core.config_load import load_config
@@ -75,8 +75,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="make every check a run makes before training (config, resume checkpoint, data folders "
                              "and classes, model, output_dir writable), write nothing, and exit")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks for user errors")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. optim.lr=0.2 train.epochs=3")
-    return parser.parse_args(argv)
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. optim.lr=0.2 train.epochs=3 (or --optim.lr=0.2, --optim.lr 0.2), anywhere among the flags")
+    return parse_with_overrides(parser, argv)
 
 
 def start_up(cfg: Config, info: DistInfo) -> tuple[Config, Resume, DataBundle, Precision, nn.Module]:
