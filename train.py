@@ -44,7 +44,7 @@ from data.transforms import DeviceNormalize
 from engine.checkpoint.resume import Resume
 from engine.checkpoint.run_dir import RunRecord, check_writable, locked
 from engine.checkpoint.saver import Checkpointer
-from engine.checkpoint.weights import check_pretrained, resolve_preprocessing
+from engine.checkpoint.weights import Pretrained, check_pretrained, resolve_preprocessing
 from engine.distill import build_distillation, check_teacher_needed, freeze_teacher, read_teacher, teacher_sha256
 from engine.evaluation import validate_epoch
 from engine.hooks import EmaUpdate, IntervalTracking, StepCheckpoint
@@ -75,21 +75,37 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="make every check a run makes before training (config, resume checkpoint, data folders "
                              "and classes, model, output_dir writable), write nothing, and exit")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks for user errors")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. optim.lr=0.2 train.epochs=3 (or --optim.lr=0.2, --optim.lr 0.2), anywhere among the flags")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="e.g. optim.lr=0.2 train.epochs=3 (or --optim.lr=0.2, --optim.lr 0.2), anywhere among the "
+                             "flags")
     return parse_with_overrides(parser, argv)
 
 
 def start_up(cfg: Config, info: DistInfo) -> tuple[Config, Resume, DataBundle, Precision, nn.Module]:
-    """What fit() checks and builds before anything is placed on the device: the checkpoint to resume, the
-    preprocessing (unset keys resolved: resumed, the weights', or defaults), optim.lr from optim.lr_base, the data,
-    the precision, the model with its starting weights (resumed, or model.init_from's through timm's loading).
-    --dry-run stops after it."""
+    """What fit() checks and builds before anything is placed on the device: the checkpoint to resume and the config
+    resolved against it (resolve_start), then the data, the precision, the model with its starting weights (resumed,
+    or model.init_from's through timm's loading). --dry-run stops after it."""
+    cfg, start, pretrained = resolve_start(cfg, info)
+    return (cfg, start, *build_start(cfg, start, pretrained, info))
+
+
+def resolve_start(cfg: Config, info: DistInfo) -> tuple[Config, Resume, Pretrained | None]:
+    """The checkpoint to resume (resume=auto: only the folder's own run, Resume.check_continuation), model.init_from's
+    weights, and the config with the preprocessing (unset keys: resumed, the weights', or defaults), the batch per
+    process from train.global_batch_size and optim.lr from optim.lr_base resolved."""
     check_optimizer(cfg.optim)
     start = Resume.find(cfg.resume, Path(cfg.output_dir))
     pretrained = start.pretrained(cfg.model)
     cfg = resolve_preprocessing(cfg, pretrained, start.ckpt["config"] if start.ckpt else None)
     cfg = with_global_batch(cfg, info.world_size)
     cfg = with_scaled_lr(cfg, info.world_size)  # after resolve_preprocessing, which reads the keys the user set
+    start.check_continuation(cfg)
+    return cfg, start, pretrained
+
+
+def build_start(cfg: Config, start: Resume, pretrained: Pretrained | None,
+                info: DistInfo) -> tuple[DataBundle, Precision, nn.Module]:
+    """The data, the precision and the model with its starting weights, checked against the resumed checkpoint."""
     seed_everything(cfg.seed)
     data = build_data(cfg.data, cfg.train.batch_size, cfg.seed, info)
     for warning in check_scheduler(cfg.sched, cfg.train.epochs, steps_per_epoch(data.train, cfg.train.accum_steps)):
@@ -106,7 +122,7 @@ def start_up(cfg: Config, info: DistInfo) -> tuple[Config, Resume, DataBundle, P
         check_pretrained(model, pretrained)
     start.load_model(model, cfg, data.class_names, info.world_size)
     class_weights(cfg.train.class_weights, data.class_counts, data.class_names)  # checked before anything is written
-    return cfg, start, data, precision, model
+    return data, precision, model
 
 
 def load_teacher(cfg: Config, start: Resume, model: nn.Module, num_classes: int) -> tuple[Config, tuple | None]:
@@ -144,9 +160,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def fit(cfg: Config, info: DistInfo) -> TrainState:
+def fit(cfg: Config, info: DistInfo) -> TrainState | None:
     out = Path(cfg.output_dir)
-    cfg, start, data, precision, model = start_up(cfg, info)
+    cfg, start, pretrained = resolve_start(cfg, info)
+    if (reason := finished_reason(cfg, start.ckpt)) is not None:
+        log.info("the run in %s is finished (%s): nothing was trained or written; raise train.epochs (or "
+                 "train.max_steps, train.early_stop_patience) to continue it, or use another output_dir for a new run",
+                 out, reason)
+        return None
+    data, precision, model = build_start(cfg, start, pretrained, info)
     cfg, teacher = load_teacher(cfg, start, model, data.num_classes)
     if cfg.optim.lr_base and info.is_main:
         log.info(scaled_lr_note(cfg, info.world_size))
@@ -258,19 +280,42 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
 
 
 def stop_before_epoch(cfg: Config, state: TrainState, chosen_on: str, tracker: WandbTracker) -> bool:
+    """Whether the run stops before its next epoch (stop_reason); says why on rank 0, and keeps an early stop in
+    the W&B summary."""
+    reason = stop_reason(cfg, state, chosen_on)
+    if reason is None:
+        return False
+    log.info(reason)
+    if reason.startswith("stopping early"):
+        tracker.summary({"early_stopped_before_epoch": state.epoch})
+    return True
+
+
+def stop_reason(cfg: Config, state: TrainState, chosen_on: str) -> str | None:
     """train.max_steps reached, or train.early_stop_patience run out (checked before each epoch, so that a resumed
-    run stops alike); says why on rank 0."""
+    run stops alike); None: the run goes on."""
     if cfg.train.max_steps and state.global_step >= cfg.train.max_steps:
-        log.info("stopping at train.max_steps=%d", cfg.train.max_steps)
-        return True
+        return f"stopping at train.max_steps={cfg.train.max_steps}"
     patience = cfg.train.early_stop_patience
     if patience and state.epochs_without_best >= patience:
-        log.info("stopping early before epoch %d: %s has not improved for %d epochs (train.early_stop_patience="
-                 "%d); best %s %.4f", state.epoch, chosen_on, state.epochs_without_best, patience, chosen_on,
-                 state.best_top1)
-        tracker.summary({"early_stopped_before_epoch": state.epoch})
-        return True
-    return False
+        return (f"stopping early before epoch {state.epoch}: {chosen_on} has not improved for "
+                f"{state.epochs_without_best} epochs (train.early_stop_patience={patience}); best {chosen_on} "
+                f"{state.best_top1:.4f}")
+    return None
+
+
+def finished_reason(cfg: Config, ckpt: dict | None) -> str | None:
+    """Why the resumed checkpoint's run has nothing left to train under cfg, so that starting a finished run again
+    trains and writes nothing; None for a fresh run or one with work left."""
+    if ckpt is None:
+        return None
+    state, chosen_on = TrainState(), best_metric(cfg)
+    state.load_state_dict(ckpt)
+    if ckpt.get("best_metric", "val_top1") != chosen_on:
+        state.forget_best()  # as Resume.load_training does: the best (and the epochs without it) start again
+    if state.epoch >= cfg.train.epochs:
+        return f"all {cfg.train.epochs} epochs of train.epochs done"
+    return stop_reason(cfg, state, chosen_on)
 
 
 def epoch_line(row: dict) -> str:
