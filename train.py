@@ -31,18 +31,18 @@ import_timm_without_wandb()  # first: the imports below reach timm, which would 
 
 from core.cli import parse_with_overrides, run_main
 from core.config import (Config, ModelConfig, best_metric, config_yaml, given_keys, keys_help, lower_is_better, mixing,
-                         replace_section, to_dict)
+                         replace_keys, replace_section, to_dict)
 from core.config_load import load_config
-from core.dist import (DistInfo, broadcast_tensors, init_distributed, is_fsdp, rank0_decides, read_launch_env,
-                       replicated_tensors)
+from core.dist import (DistInfo, all_gather_object, broadcast_tensors, init_distributed, is_fsdp, rank0_decides,
+                       read_launch_env, replicated_tensors)
 from core.errors import UserError
 from core.logs import setup_logging
 from core.signals import Preempted
 from data.loader import DataBundle, build_data, skipped_train_images, steps_per_epoch
 from data.mixing import BatchMix
 from data.transforms import DeviceNormalize
-from engine.checkpoint.resume import Resume
-from engine.checkpoint.run_dir import RunRecord, check_writable, locked
+from engine.checkpoint.resume import Resume, config_changes
+from engine.checkpoint.run_dir import RunRecord, check_writable, locked, resolve_output_dir
 from engine.checkpoint.saver import Checkpointer
 from engine.checkpoint.weights import Pretrained, check_pretrained, resolve_preprocessing
 from engine.distill import build_distillation, check_teacher_needed, freeze_teacher, read_teacher, teacher_sha256
@@ -330,6 +330,27 @@ def epoch_line(row: dict) -> str:
     return f"epoch {row['epoch']}: {shown} | {row['train_img_per_s']:.0f} img/s, {row['epoch_time_s']:.1f}s"
 
 
+def with_run_folder(cfg: Config) -> Config:
+    """cfg with output_dir's placeholders resolved once for every rank (run_dir.resolve_output_dir), said on rank 0;
+    config.yaml and the checkpoints keep the folder, so the run resumes there."""
+    folder = resolve_output_dir(cfg.output_dir, cfg.model.name, cfg.resume)
+    if folder != cfg.output_dir:
+        log.info("output_dir %s: %s", cfg.output_dir, folder)
+    return replace_keys(cfg, output_dir=folder)
+
+
+def check_same_config(cfg: Config) -> None:
+    """Every process trains the same resolved config: processes launched with other arguments or environment (a
+    sweep agent per node, a script that varies by rank) would otherwise train a mix of runs as one."""
+    configs = all_gather_object(to_dict(cfg))
+    for rank, other in enumerate(configs):
+        if other != configs[0]:
+            differ = ", ".join(config_changes(configs[0], other))
+            raise UserError(f"process {rank} has another config than process 0 ({differ}); launch every process with "
+                            "the same arguments and environment (one W&B sweep agent per job, which starts torchrun)",
+                            all_ranks=True)
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
@@ -341,6 +362,8 @@ def main(argv: list[str]) -> int:
     info = init_distributed(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.rendezvous_timeout_s)
     if info.device.type == "cpu":
         tune_cpu_process(cpu_share(info.local_world_size))
+    cfg = with_run_folder(cfg)
+    check_same_config(cfg)
     if args.dry_run:
         summary = dry_run(cfg, info)
         if info.is_main:

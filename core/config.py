@@ -207,6 +207,13 @@ def replace_section(cfg: Config, section: str, **changes: Any) -> Config:
     return resolved
 
 
+def replace_keys(cfg: Config, **changes: Any) -> Config:
+    """cfg with top-level keys changed (output_dir resolved), keeping the keys the user gave, as replace_section."""
+    resolved = dataclasses.replace(cfg, **changes)
+    resolved.given = given_keys(cfg)
+    return resolved
+
+
 def mixing(cfg: DataConfig) -> bool:
     """Whether training mixes pairs of images (mixup or cutmix)."""
     return cfg.mixup_alpha > 0 or cfg.cutmix_alpha > 0

@@ -271,6 +271,48 @@ def test_resume_auto_continues_only_the_folders_own_run(run, data, capsys):
     assert snapshot(run) == before  # a continuation with the keys it may change: test_a_resumed_run_rewrites_...
 
 
+@pytest.mark.slow
+def test_output_dir_placeholders_give_a_folder_per_launch_and_resume_finds_its_own(data, tmp_path, capsys):
+    """output_dir=<...>/{model.name}/{run_id}: two launches, two folders, each config.yaml naming its own; resume=<its
+    last.pth> with the same template continues that run in its folder (issue 38 item 2)."""
+    import yaml
+
+    base = [*TINY, f"data.root={data[0]}", "train.epochs=1", f"output_dir={tmp_path}/runs/{{model.name}}/{{run_id}}"]
+    for _ in range(2):
+        assert report_errors(train.main, base) == 0
+    first, second = folders = sorted((tmp_path / "runs" / "test_resnet").iterdir())
+    for folder in folders:
+        assert yaml.safe_load((folder / "config.yaml").read_text())["output_dir"] == str(folder)
+    before = snapshot(second)
+    assert report_errors(train.main, [*base, "train.epochs=2", f"resume={first}/last.pth"]) == 0
+    assert [row["epoch"] for row in read_jsonl(first / "metrics.jsonl")] == [0, 1]
+    assert sorted((tmp_path / "runs" / "test_resnet").iterdir()) == folders and snapshot(second) == before
+    line = last_error(capsys, report_errors(train.main, [*TINY, f"output_dir={tmp_path}/{{name}}"]))
+    assert line == (f"error: output_dir '{tmp_path}/{{name}}' has the unknown placeholder {{name}}; use "
+                    "{model.name}, {timestamp}, {run_id}, or a folder name without braces")
+
+
+def rank_config_check(rank: int, world: int) -> str:
+    """train.py's check that every process trains one config, on a real gloo group whose ranks got other seeds."""
+    from core.config_load import load_config
+
+    try:
+        train.check_same_config(load_config("dummy", [f"seed={rank}"]))
+    except UserError as err:
+        return str(err)
+    return ""
+
+
+def test_processes_launched_with_other_configs_are_refused(tmp_path):
+    """A launcher that gives ranks other arguments or environment (a sweep agent per node) is one line on every
+    rank, not a mix of runs trained as one (issue 38 item 3: every rank trains the same resolved config)."""
+    from tests.helpers import run_ranks
+
+    assert run_ranks(rank_config_check, 2, tmp_path) == [
+        "process 1 has another config than process 0 (seed 0 -> 1); launch every process with the same arguments and "
+        "environment (one W&B sweep agent per job, which starts torchrun)"] * 2
+
+
 def test_continuation_changes_leave_out_what_a_continuation_may_change():
     """Keys the checkpoint's app did not have count at their default; optim.lr derived from optim.lr_base is not
     the user's change."""
@@ -280,8 +322,9 @@ def test_continuation_changes_leave_out_what_a_continuation_may_change():
 
     saved = to_dict(load_config("dummy", ["optim.lr_base=0.1", "optim.lr=0.4"]))
     del saved["data"]["mix_mode"], saved["train"]["best_metric"]
-    allowed = ["optim.lr_base=0.1", "optim.lr=0.2", "train.epochs=9", "train.global_batch_size=64", "dist.strategy=fsdp",
-               "logging.wandb=true", "logging.wandb_tags=[a]", "train.ckpt_format=sharded", "output_dir=elsewhere"]
+    allowed = ["optim.lr_base=0.1", "optim.lr=0.2", "train.epochs=9", "train.global_batch_size=64",
+               "dist.strategy=fsdp", "logging.wandb=true", "logging.wandb_tags=[a]", "train.ckpt_format=sharded",
+               "output_dir=elsewhere"]
     assert continuation_changes(saved, load_config("dummy", allowed)) == []
     changed = ["optim.lr=0.2", "data.mix_mode=batch", "model.kwargs.img_size=24", "data.mean=[0.5,0.5,0.5]"]
     assert continuation_changes(saved, load_config("dummy", changed)) == [
