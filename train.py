@@ -166,7 +166,7 @@ def fit(cfg: Config, info: DistInfo) -> TrainState | None:
     if (reason := finished_reason(cfg, start.ckpt)) is not None:
         log.info("the run in %s is finished (%s): nothing was trained or written; raise train.epochs (or "
                  "train.max_steps, train.early_stop_patience) to continue it, or use another output_dir for a new run",
-                 out, reason)
+                 start.path.parent, reason)  # the checkpoint's folder: output_dir, unless resume=<path> names another
         return None
     data, precision, model = build_start(cfg, start, pretrained, info)
     cfg, teacher = load_teacher(cfg, start, model, data.num_classes)

@@ -248,7 +248,7 @@ def keys_help() -> str:
     """The config keys as `--help` lists them (generated from the schema)."""
     keys = config_keys()
     width = max(len(key) for key, *_ in keys)
-    lines = ["config keys (override any with key=value; the default is the schema's, before --config):"]
+    lines = ["config keys (override any with key=value or --key=value; the default is the schema's, before --config):"]
     for key, kind, default, note in keys:
         shown = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()
         lines.append(f"  {key:<{width}}  {kind:<11} {shown or repr(default):<14} {note}")
