@@ -36,7 +36,7 @@ from core.startup import import_timm_without_wandb, tune_cpu_process
 
 import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (core/startup.py)
 
-from core.cli import run_main
+from core.cli import parse_with_overrides, run_main
 from core.config import Config, to_dict
 from core.config_load import config_from_dict, parse_override, set_dotted
 from core.dist import DistInfo, barrier, init_distributed, rank0_decides, read_launch_env
@@ -82,7 +82,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "threshold maximizing its F1 on this set (eval.json per_class; predict.py --thresholds)")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks for user errors")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data.val_img_size=224 amp=bf16")
-    return parser.parse_intermixed_args(argv)  # overrides may follow the options
+    return parse_with_overrides(parser, argv)
 
 
 def checkpoint_config(ckpt: dict[str, Any], args: argparse.Namespace) -> Config:

@@ -37,7 +37,7 @@ from core.startup import import_timm_without_wandb, tune_cpu_process
 
 import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (core/startup.py)
 
-from core.cli import run_main
+from core.cli import parse_with_overrides, run_main
 from core.config import Config
 from core.config_load import parse_override
 from core.dist import DistInfo, barrier, init_distributed, rank0_decides, read_launch_env
@@ -78,7 +78,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "evaluate.py --tune-thresholds")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks for user errors")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data.num_workers=0 amp=off")
-    return parser.parse_intermixed_args(argv)
+    return parse_with_overrides(parser, argv)
 
 
 def collate_predictions(samples: list[tuple[torch.Tensor | None, int, str]]

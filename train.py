@@ -17,6 +17,7 @@ if __name__ == "__main__":  # first: a SIGTERM or SIGUSR1 during the imports bel
     handle_early()
 
 import argparse
+import dataclasses
 import logging
 import random
 from pathlib import Path
@@ -29,22 +30,22 @@ from core.startup import cpu_share, import_timm_without_wandb, training_kernels,
 
 import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (core/startup.py)
 
-from core.cli import run_main
+from core.cli import parse_with_overrides, run_main
 from core.config import (Config, ModelConfig, best_metric, config_yaml, given_keys, keys_help, lower_is_better, mixing,
-                         replace_section, to_dict)
+                         replace_keys, replace_section, to_dict)
 from core.config_load import load_config
-from core.dist import (DistInfo, broadcast_tensors, init_distributed, is_fsdp, main_first, rank0_decides,
-                       read_launch_env, replicated_tensors)
+from core.dist import (DistInfo, all_gather_object, broadcast_tensors, init_distributed, is_fsdp, main_first,
+                       rank0_decides, read_launch_env, replicated_tensors)
 from core.errors import UserError
 from core.logs import setup_logging
 from core.signals import Preempted
 from data.loader import DataBundle, build_data, skipped_train_images, steps_per_epoch
 from data.mixing import BatchMix
 from data.transforms import DeviceNormalize
-from engine.checkpoint.resume import Resume
-from engine.checkpoint.run_dir import RunRecord, check_shared, check_writable, locked
+from engine.checkpoint.resume import Resume, config_changes
+from engine.checkpoint.run_dir import RunRecord, check_shared, check_writable, locked, resolve_output_dir
 from engine.checkpoint.saver import Checkpointer
-from engine.checkpoint.weights import check_pretrained, resolve_preprocessing
+from engine.checkpoint.weights import Pretrained, check_pretrained, resolve_preprocessing
 from engine.distill import build_distillation, check_teacher_needed, freeze_teacher, read_teacher, teacher_sha256
 from engine.evaluation import validate_epoch
 from engine.hooks import EmaUpdate, IntervalTracking, StepCheckpoint
@@ -75,15 +76,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="make every check a run makes before training (config, resume checkpoint, data folders "
                              "and classes, model, output_dir writable), write nothing, and exit")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks for user errors")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. optim.lr=0.2 train.epochs=3")
-    return parser.parse_args(argv)
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="e.g. optim.lr=0.2 train.epochs=3 (or --optim.lr=0.2, --optim.lr 0.2), anywhere among the "
+                             "flags")
+    return parse_with_overrides(parser, argv)
 
 
 def start_up(cfg: Config, info: DistInfo) -> tuple[Config, Resume, DataBundle, Precision, nn.Module]:
-    """What fit() checks and builds before anything is placed on the device: the checkpoint to resume, the
-    preprocessing (unset keys resolved: resumed, the weights', or defaults), optim.lr from optim.lr_base, the data,
-    the precision, the model with its starting weights (resumed, or model.init_from's through timm's loading).
-    --dry-run stops after it."""
+    """What fit() checks and builds before anything is placed on the device: the checkpoint to resume and the config
+    resolved against it (resolve_start), then the data, the precision, the model with its starting weights (resumed,
+    or model.init_from's through timm's loading). --dry-run stops after it."""
+    cfg, start, weights = resolve_start(cfg, info)
+    return (cfg, start, *build_start(cfg, start, weights, info))
+
+
+def resolve_start(cfg: Config, info: DistInfo) -> tuple[Config, Resume, StartingWeights]:
+    """The checkpoint to resume (resume=auto: only the folder's own run, Resume.check_continuation), model.init_from's
+    weights, and the config with the preprocessing (unset keys: resumed, the weights', or defaults), the batch per
+    process from train.global_batch_size and optim.lr from optim.lr_base resolved."""
     check_optimizer(cfg.optim)
     if cfg.logging.profile_steps:
         rank0_decides(lambda: check_trace_folder(Path(cfg.output_dir)))
@@ -93,6 +103,22 @@ def start_up(cfg: Config, info: DistInfo) -> tuple[Config, Resume, DataBundle, P
     cfg = resolve_preprocessing(cfg, pretrained, start.ckpt["config"] if start.ckpt else None, hub_cfg)
     cfg = with_global_batch(cfg, info.world_size)
     cfg = with_scaled_lr(cfg, info.world_size)  # after resolve_preprocessing, which reads the keys the user set
+    start.check_continuation(cfg)
+    return cfg, start, StartingWeights(pretrained, hub_cfg)
+
+
+@dataclasses.dataclass
+class StartingWeights:
+    """Where a fresh run's weights come from: model.init_from's file, or (model.pretrained) timm's weights' config."""
+
+    pretrained: Pretrained | None = None
+    hub_cfg: dict | None = None
+
+
+def build_start(cfg: Config, start: Resume, weights: StartingWeights,
+                info: DistInfo) -> tuple[DataBundle, Precision, nn.Module]:
+    """The data, the precision and the model with its starting weights, checked against the resumed checkpoint."""
+    pretrained, hub_cfg = weights.pretrained, weights.hub_cfg
     seed_everything(cfg.seed)
     data = build_data(cfg.data, cfg.train.batch_size, cfg.seed, info)
     for warning in check_scheduler(cfg.sched, cfg.train.epochs, steps_per_epoch(data.train, cfg.train.accum_steps)):
@@ -114,7 +140,7 @@ def start_up(cfg: Config, info: DistInfo) -> tuple[Config, Resume, DataBundle, P
         check_pretrained(model, pretrained)
     start.load_model(model, cfg, data.class_names, info.world_size)
     class_weights(cfg.train.class_weights, data.class_counts, data.class_names)  # checked before anything is written
-    return cfg, start, data, precision, model
+    return data, precision, model
 
 
 def load_teacher(cfg: Config, start: Resume, model: nn.Module, num_classes: int) -> tuple[Config, tuple | None]:
@@ -152,9 +178,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def fit(cfg: Config, info: DistInfo) -> TrainState:
+def fit(cfg: Config, info: DistInfo) -> TrainState | None:
     out = Path(cfg.output_dir)
-    cfg, start, data, precision, model = start_up(cfg, info)
+    cfg, start, weights = resolve_start(cfg, info)
+    if (reason := finished_reason(cfg, start.ckpt)) is not None:
+        log.info("the run in %s is finished (%s): nothing was trained or written; raise train.epochs (or "
+                 "train.max_steps, train.early_stop_patience) to continue it, or use another output_dir for a new run",
+                 start.path.parent, reason)  # the checkpoint's folder: output_dir, unless resume=<path> names another
+        return None
+    data, precision, model = build_start(cfg, start, weights, info)
     cfg, teacher = load_teacher(cfg, start, model, data.num_classes)
     if cfg.optim.lr_base and info.is_main:
         log.info(scaled_lr_note(cfg, info.world_size))
@@ -265,19 +297,42 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
 
 
 def stop_before_epoch(cfg: Config, state: TrainState, chosen_on: str, tracker: WandbTracker) -> bool:
+    """Whether the run stops before its next epoch (stop_reason); says why on rank 0, and keeps an early stop in
+    the W&B summary."""
+    reason = stop_reason(cfg, state, chosen_on)
+    if reason is None:
+        return False
+    log.info(reason)
+    if reason.startswith("stopping early"):
+        tracker.summary({"early_stopped_before_epoch": state.epoch})
+    return True
+
+
+def stop_reason(cfg: Config, state: TrainState, chosen_on: str) -> str | None:
     """train.max_steps reached, or train.early_stop_patience run out (checked before each epoch, so that a resumed
-    run stops alike); says why on rank 0."""
+    run stops alike); None: the run goes on."""
     if cfg.train.max_steps and state.global_step >= cfg.train.max_steps:
-        log.info("stopping at train.max_steps=%d", cfg.train.max_steps)
-        return True
+        return f"stopping at train.max_steps={cfg.train.max_steps}"
     patience = cfg.train.early_stop_patience
     if patience and state.epochs_without_best >= patience:
-        log.info("stopping early before epoch %d: %s has not improved for %d epochs (train.early_stop_patience="
-                 "%d); best %s %.4f", state.epoch, chosen_on, state.epochs_without_best, patience, chosen_on,
-                 state.best_top1)
-        tracker.summary({"early_stopped_before_epoch": state.epoch})
-        return True
-    return False
+        return (f"stopping early before epoch {state.epoch}: {chosen_on} has not improved for "
+                f"{state.epochs_without_best} epochs (train.early_stop_patience={patience}); best {chosen_on} "
+                f"{state.best_top1:.4f}")
+    return None
+
+
+def finished_reason(cfg: Config, ckpt: dict | None) -> str | None:
+    """Why the resumed checkpoint's run has nothing left to train under cfg, so that starting a finished run again
+    trains and writes nothing; None for a fresh run or one with work left."""
+    if ckpt is None:
+        return None
+    state, chosen_on = TrainState(), best_metric(cfg)
+    state.load_state_dict(ckpt)
+    if ckpt.get("best_metric", "val_top1") != chosen_on:
+        state.forget_best()  # as Resume.load_training does: the best (and the epochs without it) start again
+    if state.epoch >= cfg.train.epochs:
+        return f"all {cfg.train.epochs} epochs of train.epochs done"
+    return stop_reason(cfg, state, chosen_on)
 
 
 def epoch_line(row: dict) -> str:
@@ -292,6 +347,27 @@ def epoch_line(row: dict) -> str:
     return f"epoch {row['epoch']}: {shown} | {row['train_img_per_s']:.0f} img/s, {row['epoch_time_s']:.1f}s"
 
 
+def with_run_folder(cfg: Config) -> Config:
+    """cfg with output_dir's placeholders resolved once for every rank (run_dir.resolve_output_dir), said on rank 0;
+    config.yaml and the checkpoints keep the folder, so the run resumes there."""
+    folder = resolve_output_dir(cfg.output_dir, cfg.model.name, cfg.resume)
+    if folder != cfg.output_dir:
+        log.info("output_dir %s: %s", cfg.output_dir, folder)
+    return replace_keys(cfg, output_dir=folder)
+
+
+def check_same_config(cfg: Config) -> None:
+    """Every process trains the same resolved config: processes launched with other arguments or environment (a
+    sweep agent per node, a script that varies by rank) would otherwise train a mix of runs as one."""
+    configs = all_gather_object(to_dict(cfg))
+    for rank, other in enumerate(configs):
+        if other != configs[0]:
+            differ = ", ".join(config_changes(configs[0], other))
+            raise UserError(f"process {rank} has another config than process 0 ({differ}); launch every process with "
+                            "the same arguments and environment (one W&B sweep agent per job, which starts torchrun)",
+                            all_ranks=True)
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
@@ -303,6 +379,8 @@ def main(argv: list[str]) -> int:
     info = init_distributed(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.rendezvous_timeout_s)
     if info.device.type == "cpu":
         tune_cpu_process(cpu_share(info.local_world_size))
+    cfg = with_run_folder(cfg)
+    check_same_config(cfg)
     if args.dry_run:
         summary = dry_run(cfg, info)
         if info.is_main:

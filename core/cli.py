@@ -1,4 +1,7 @@
-"""Entry-point plumbing: error reporting and exit codes shared by train.py and evaluate.py.
+"""Entry-point plumbing shared by train.py, evaluate.py and predict.py: reading argv, error reporting and exit codes.
+
+Config overrides may come anywhere among a tool's flags, as `key=value`, `--key=value` or `--key value`
+(`parse_with_overrides`); they all become `key=value` for core/config_load.py.
 
 A UserError becomes one line on stderr and exit code 2; `--debug` shows the traceback instead.
 A rank whose peer died (its collective fails with a lost connection or a timeout) says so in one line
@@ -14,6 +17,8 @@ traceback of anything else (a bug) there.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import math
 import os
@@ -23,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Callable, NoReturn
 
+from core.config import Config
 from core.errors import UserError
 from core.signals import PREEMPTED, Preempted, Terminated, stop_on_sigterm
 
@@ -32,6 +38,32 @@ from core.signals import PREEMPTED, Preempted, Terminated, stop_on_sigterm
 PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Connection refused", "Broken pipe",
              "Timed out", "timed out", "Socket Timeout", "Watchdog caught collective operation timeout",
              "ncclRemoteError", "remote process exit")
+
+
+def parse_with_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """The tool's flags and its config overrides in any order, each override as `key=value`, `--key=value` or
+    `--key value` (a W&B sweep agent's form): one reading of argv for train.py, evaluate.py and predict.py."""
+    flags = {flag for action in parser._actions for flag in action.option_strings}
+    return parser.parse_intermixed_args(as_overrides(argv, flags))
+
+
+def as_overrides(argv: list[str], flags: set[str]) -> list[str]:
+    """argv with `--key=value` and `--key value` rewritten as `key=value` where key is a config key's form (dotted,
+    or a top-level key such as seed), not one of the tool's `flags`; anything else is left to argparse."""
+    top_level = {f.name for f in dataclasses.fields(Config)}
+    out, rest = [], list(argv)
+    while rest:
+        item = rest.pop(0)
+        name, eq, value = item[2:].partition("=")
+        if not item.startswith("--") or f"--{name}" in flags or not ("." in name or name in top_level):
+            out.append(item)
+            continue
+        if not eq:
+            if not rest or rest[0].startswith("--"):
+                raise UserError(f"{item} needs a value: {item}=VALUE or {name}=VALUE")
+            value = rest.pop(0)
+        out.append(f"{name}={value}")
+    return out
 
 
 def run_main(main: Callable[[list[str]], int | None], after_sigterm: str) -> NoReturn:

@@ -209,6 +209,13 @@ def replace_section(cfg: Config, section: str, **changes: Any) -> Config:
     return resolved
 
 
+def replace_keys(cfg: Config, **changes: Any) -> Config:
+    """cfg with top-level keys changed (output_dir resolved), keeping the keys the user gave, as replace_section."""
+    resolved = dataclasses.replace(cfg, **changes)
+    resolved.given = given_keys(cfg)
+    return resolved
+
+
 def mixing(cfg: DataConfig) -> bool:
     """Whether training mixes pairs of images (mixup or cutmix)."""
     return cfg.mixup_alpha > 0 or cfg.cutmix_alpha > 0
@@ -243,7 +250,7 @@ def keys_help() -> str:
     """The config keys as `--help` lists them (generated from the schema)."""
     keys = config_keys()
     width = max(len(key) for key, *_ in keys)
-    lines = ["config keys (override any with key=value; the default is the schema's, before --config):"]
+    lines = ["config keys (override any with key=value or --key=value; the default is the schema's, before --config):"]
     for key, kind, default, note in keys:
         shown = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()
         lines.append(f"  {key:<{width}}  {kind:<11} {shown or repr(default):<14} {note}")

@@ -83,3 +83,10 @@ def keep_freed_memory() -> bool:
     done = mallopt(M_MMAP_THRESHOLD, KEEP_BYTES) == 1 and mallopt(M_TRIM_THRESHOLD, KEEP_BYTES) == 1
     log.debug("glibc malloc thresholds raised to %d bytes: %s", KEEP_BYTES, done)
     return done
+
+
+def sweep_run_id(env: dict[str, str] | None = None) -> str | None:
+    """The W&B run a sweep agent launched this process for (the agent sets WANDB_SWEEP_ID and WANDB_RUN_ID in the
+    environment of its command, torchrun passes them to every rank), else None."""
+    env = os.environ if env is None else env
+    return env.get("WANDB_RUN_ID") or None if env.get("WANDB_SWEEP_ID") else None

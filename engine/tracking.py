@@ -29,6 +29,7 @@ import numpy as np
 import yaml
 
 from core.config import LoggingConfig
+from core.startup import sweep_run_id
 
 log = logging.getLogger(__name__)
 
@@ -77,24 +78,32 @@ class WandbTracker(Sink):
     def __init__(self, cfg: LoggingConfig, is_main: bool) -> None:
         super().__init__(cfg.wandb, is_main)
         self.cfg = cfg
+        if is_main and not cfg.wandb and sweep_run_id():
+            log.warning("a W&B sweep agent started this run (WANDB_SWEEP_ID) but logging.wandb is false, so the sweep "
+                        "gets no metrics; add logging.wandb=true to the sweep's command")
         self.run: Any = None
         self.run_id: str | None = None  # stored in checkpoints, so a resumed training continues this run
         self.defined: set[str] = set()  # metrics given their axis and summary (define_metric) in this process
 
     def start(self, config: dict[str, Any], output_dir: str | os.PathLike, resume_id: str | None = None,
               job_type: str = "train") -> None:
-        """wandb.init with the resolved config; `resume_id` continues that run instead of starting one."""
+        """wandb.init with the resolved config; `resume_id` continues that run instead of starting one. Under a sweep
+        agent the run is the agent's (WANDB_RUN_ID), whatever run a checkpoint names: its trials are its runs."""
         if not self.active:
             return
         with self._guard("wandb.init"):
             import wandb
 
+            agent_run = sweep_run_id()
+            if agent_run and resume_id not in (None, agent_run):
+                log.info("W&B: run %s of the sweep agent, not the checkpoint's run %s", agent_run, resume_id)
+            resume_id = resume_id if agent_run in (None, resume_id) else None
             mode = None if has_credentials_or_mode(wandb) else "offline"
             self.run = wandb.init(
                 project=self.cfg.wandb_project, entity=self.cfg.wandb_entity or None,
                 name=self.cfg.wandb_name or Path(output_dir).resolve().name, group=self.cfg.wandb_group or None,
                 tags=list(self.cfg.wandb_tags) or None, notes=self.cfg.wandb_notes or None, job_type=job_type,
-                config=config, id=resume_id, resume="allow" if resume_id else None, mode=mode,
+                config=config, id=resume_id or agent_run, resume="allow" if resume_id else None, mode=mode,
                 dir=None if "WANDB_DIR" in os.environ else str(output_dir), settings=wandb.Settings(**timeouts()))
             self.run_id = None if self.run.disabled else self.run.id
             run_dir = Path(self.run.dir).parent

@@ -79,3 +79,27 @@ def test_readme_reference_table_is_the_schema():
     assert [line.split("`")[1] for line in table.splitlines() if line.startswith("| `")] == schema_leaves()
     assert keys_markdown() in readme, ("docs/configuration.md's table is stale; regenerate it with "
                                        "python -c 'from core.config import keys_markdown; print(keys_markdown())'")
+
+
+def test_overrides_in_any_form_and_place_give_one_config(capsys):
+    """`key=value`, `--key=value` (a W&B sweep agent's form) and `--key value`, before, between or after the flags,
+    give the same config (issue 38 item 3, issue 41 item 15); a misspelt key in either form is today's one line."""
+    import evaluate
+    import predict
+
+    forms = [["--config", "dummy", "optim.lr=0.1", "--dry-run", "train.epochs=1", "seed=3"],
+             ["--optim.lr=0.1", "--config", "dummy", "--train.epochs", "1", "--dry-run", "--seed=3"],
+             ["--config", "dummy", "--dry-run", "--optim.lr", "0.1", "train.epochs=1", "--seed", "3"]]
+    parsed = [train.parse_args(argv) for argv in forms]
+    assert all(args.dry_run for args in parsed)
+    configs = [load_config(args.config, args.overrides) for args in parsed]
+    assert configs[0] == configs[1] == configs[2] and (configs[0].optim.lr, configs[0].seed) == (0.1, 3)
+    for tool in (evaluate, predict):  # their own --output-dir stays theirs
+        inputs = ["images"] if tool is predict else []
+        args = tool.parse_args(["last.pth", *inputs, "--amp=bf16", "--output-dir", "out", "--data.num_workers", "0"])
+        assert (args.overrides, args.output_dir) == (["amp=bf16", "data.num_workers=0"], "out"), args
+    cases = [(["--optim.lrr=0.1"], "error: unknown config key 'optim.lrr'; did you mean 'optim.lr'?"),
+             (["--optim.lr"], "error: --optim.lr needs a value: --optim.lr=VALUE or optim.lr=VALUE")]
+    for args, line in cases:
+        assert report_errors(train.main, ["--config", "dummy", "--print-config", *args]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [line]

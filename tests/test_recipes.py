@@ -15,7 +15,8 @@ from core.config_load import CONFIG_DIR, load_config
 from engine.optim import check_optimizer
 from tests.helpers import REPO, SMALL, recipe_test_model
 
-CONFIGS = sorted(path.name for path in CONFIG_DIR.glob("*.yaml"))
+CONFIGS = sorted(path.name for path in CONFIG_DIR.glob("*.yaml") if not path.name.startswith("sweep_"))
+SWEEPS = sorted(path.name for path in CONFIG_DIR.glob("sweep_*.yaml"))  # W&B sweep files (docs/sweeps.md)
 RECIPES = [name for name in CONFIGS  # published ImageNet results
            if name not in ("digits.yaml", "dummy.yaml", "finetune.yaml", "finetune_digits.yaml")]
 
@@ -24,6 +25,23 @@ RECIPES = [name for name in CONFIGS  # published ImageNet results
 def test_config_loads_and_its_optimizer_options_fit(name):
     cfg = load_config(name)
     check_optimizer(cfg.optim)
+
+
+@pytest.mark.parametrize("name", SWEEPS)
+def test_sweep_file_runs_train_py_under_torchrun_with_config_keys(name):
+    """Every parameter the sweep varies is a config key that takes each of its values, on top of the command's
+    --config; the agent's arguments (${args}) follow train.py under torchrun."""
+    import yaml
+
+    sweep = yaml.safe_load((CONFIG_DIR / name).read_text())
+    command = sweep["command"]
+    assert command[0] == "torchrun" and sweep["program"] == "train.py" and command[-1] == "${args}"
+    base = command[command.index("--config") + 1]
+    for key, spec in sweep["parameters"].items():
+        section, leaf = key.split(".")
+        for value in spec.get("values") or [spec["min"], spec["max"]]:
+            assert getattr(getattr(load_config(base, [f"{key}={value}"]), section), leaf) == value
+    assert sweep["metric"]["name"] == "best_val_top1"  # what the run summary holds (docs/sweeps.md)
 
 
 @pytest.mark.parametrize("name", RECIPES)

@@ -141,7 +141,8 @@ def test_checkpoint_of_another_model_is_refused_without_touching_it(straight, tm
     shutil.copytree(straight, out)
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     capsys.readouterr()
-    assert report_errors(train.main, [*RUN, f"output_dir={out}", "model.name=resnet18"]) == 2
+    # resume=<path>: a continuation on purpose (resume=auto refuses any other model.name before reading the data)
+    assert report_errors(train.main, [*RUN, f"output_dir={out}", "model.name=resnet18", f"resume={out}/last.pth"]) == 2
     stderr = capsys.readouterr().err
     assert "Traceback" not in stderr
     error = stderr.strip().splitlines()[-1]

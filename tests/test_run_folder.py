@@ -243,8 +243,9 @@ def test_checkpoint_over_the_file_size_limit_is_one_line_and_keeps_the_old_file(
 
 @pytest.mark.parametrize("change", ["optim.name=adamw", "optim.no_decay_norm_bias=false"])
 def test_resume_with_another_optimizer_is_refused_naming_the_key(change, run, data, capsys):
+    """resume=<path> continues a run with changes on purpose, but not with an optimizer its state does not fit."""
     line = last_error(capsys, report_errors(train.main, [*TINY, f"data.root={data[0]}", f"output_dir={run}",
-                                                         "train.epochs=5", change]))
+                                                         "train.epochs=5", change, f"resume={run}/last.pth"]))
     key = change.split("=")[0]
     assert f"checkpoint {run}/last.pth was trained with {key}=" in line and f"this run has {key}=" in line
     assert "model.init_from" in line
@@ -261,6 +262,88 @@ def test_optimizer_state_of_other_parameter_groups_is_refused():
     with pytest.raises(UserError, match=r"checkpoint x.pth holds optimizer state for 1 parameter group\(s\) of "
                                         r"\[4\] tensors, this run's optimizer has 2 of \[1, 3\]"):
         check_optimizer_state(one_group.state_dict(), two_groups, Path("x.pth"))
+
+
+# resume=auto continues the folder's own run only
+
+def test_resume_auto_continues_only_the_folders_own_run(run, data, capsys):
+    """Started again unchanged, a finished run says so and writes nothing; with another optim.lr it is refused in one
+    line naming the change and the ways out (issue 38 item 2)."""
+    base = [*TINY, f"data.root={data[0]}", f"output_dir={run}", "train.epochs=4", "train.keep_last_k=4"]
+    before = snapshot(run)
+    assert report_errors(train.main, base) == 0
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        f"the run in {run} is finished (all 4 epochs of train.epochs done): nothing was trained or written; raise "
+        "train.epochs (or train.max_steps, train.early_stop_patience) to continue it, or use another output_dir for "
+        "a new run")
+    assert snapshot(run) == before
+    line = last_error(capsys, report_errors(train.main, [*base, "optim.lr=0.05", "seed=1"]))
+    assert line == (f"error: output_dir {run} holds a run made with another config (optim.lr 0.01 -> 0.05, seed 0 -> "
+                    "1), which resume=auto does not continue; use another output_dir for a new run, or "
+                    f"resume={run}/last.pth to continue that run with these changes (with another output_dir: a "
+                    "branch of it in a new folder)")
+    assert snapshot(run) == before  # a continuation with the keys it may change: test_a_resumed_run_rewrites_...
+
+
+@pytest.mark.slow
+def test_output_dir_placeholders_give_a_folder_per_launch_and_resume_finds_its_own(data, tmp_path, capsys):
+    """output_dir=<...>/{model.name}/{run_id}: two launches, two folders, each config.yaml naming its own; resume=<its
+    last.pth> with the same template continues that run in its folder (issue 38 item 2)."""
+    import yaml
+
+    base = [*TINY, f"data.root={data[0]}", "train.epochs=1", f"output_dir={tmp_path}/runs/{{model.name}}/{{run_id}}"]
+    for _ in range(2):
+        assert report_errors(train.main, base) == 0
+    first, second = folders = sorted((tmp_path / "runs" / "test_resnet").iterdir())
+    for folder in folders:
+        assert yaml.safe_load((folder / "config.yaml").read_text())["output_dir"] == str(folder)
+    before = snapshot(second)
+    assert report_errors(train.main, [*base, "train.epochs=2", f"resume={first}/last.pth"]) == 0
+    assert [row["epoch"] for row in read_jsonl(first / "metrics.jsonl")] == [0, 1]
+    assert sorted((tmp_path / "runs" / "test_resnet").iterdir()) == folders and snapshot(second) == before
+    line = last_error(capsys, report_errors(train.main, [*TINY, f"output_dir={tmp_path}/{{name}}"]))
+    assert line == (f"error: output_dir '{tmp_path}/{{name}}' has the unknown placeholder {{name}}; use "
+                    "{model.name}, {timestamp}, {run_id}, or a folder name without braces")
+
+
+def rank_config_check(rank: int, world: int) -> str:
+    """train.py's check that every process trains one config, on a real gloo group whose ranks got other seeds."""
+    from core.config_load import load_config
+
+    try:
+        train.check_same_config(load_config("dummy", [f"seed={rank}"]))
+    except UserError as err:
+        return str(err)
+    return ""
+
+
+def test_processes_launched_with_other_configs_are_refused(tmp_path):
+    """A launcher that gives ranks other arguments or environment (a sweep agent per node) is one line on every
+    rank, not a mix of runs trained as one (issue 38 item 3: every rank trains the same resolved config)."""
+    from tests.helpers import run_ranks
+
+    assert run_ranks(rank_config_check, 2, tmp_path) == [
+        "process 1 has another config than process 0 (seed 0 -> 1); launch every process with the same arguments and "
+        "environment (one W&B sweep agent per job, which starts torchrun)"] * 2
+
+
+def test_continuation_changes_leave_out_what_a_continuation_may_change():
+    """Keys the checkpoint's app did not have count at their default; optim.lr derived from optim.lr_base is not
+    the user's change."""
+    from core.config import to_dict
+    from core.config_load import load_config
+    from engine.checkpoint.resume import continuation_changes
+
+    saved = to_dict(load_config("dummy", ["optim.lr_base=0.1", "optim.lr=0.4"]))
+    del saved["data"]["mix_mode"], saved["train"]["best_metric"]
+    allowed = ["optim.lr_base=0.1", "optim.lr=0.2", "train.epochs=9", "train.global_batch_size=64",
+               "dist.strategy=fsdp", "logging.wandb=true", "logging.wandb_tags=[a]", "train.ckpt_format=sharded",
+               "output_dir=elsewhere"]
+    assert continuation_changes(saved, load_config("dummy", allowed)) == []
+    changed = ["optim.lr=0.2", "data.mix_mode=batch", "model.kwargs.img_size=24", "data.mean=[0.5,0.5,0.5]"]
+    assert continuation_changes(saved, load_config("dummy", changed)) == [
+        "data.mean [0.485, 0.456, 0.406] -> [0.5, 0.5, 0.5]", "data.mix_mode pair -> batch",
+        "model.kwargs.img_size None -> 24", "optim.lr 0.4 -> 0.2", "optim.lr_base 0.1 -> 0.0"]
 
 
 # Nothing in the folder changes until the run starts (its first write)
@@ -298,7 +381,8 @@ def test_resume_from_elsewhere_refuses_a_folder_holding_a_run_record(run, finish
 
 
 FAILING_STARTS = {  # name: (overrides, text of the error line)
-    "every image unreadable": (["train.epochs=5", "optim.lr=0.05"], "cannot read image"),
+    "every image unreadable": (["train.epochs=5", "optim.lr=0.05", "resume={run}/last.pth"], "cannot read image"),
+    "another config under resume=auto": (["train.epochs=5", "optim.lr=0.05"], "optim.lr 0.01 -> 0.05"),
     "resume from an earlier epoch file": (["resume={run}/epoch_0000.pth"], "cannot read image"),
     "another optimizer": (["train.epochs=5", "optim.name=adamw"], "optim.name"),
 }

@@ -200,6 +200,54 @@ def test_resumed_training_continues_the_run_id_stored_in_the_checkpoint(tmp_path
     assert last_step_of_first < second.values("val_top1")[0][0]  # the curve continues where it stopped
 
 
+def agent_command(sweep_file: Path, params: dict[str, float]) -> list[str]:
+    """The command `wandb agent` starts for a trial of the sweep file with these parameter values, built by wandb's
+    own functions (wandb_agent.Agent._run_job's substitution): `--key=value` arguments."""
+    from wandb.sdk.launch.sweeps import utils as sweep_utils
+
+    sweep = yaml.safe_load(sweep_file.read_text())
+    variables = sweep_utils.create_sweep_command_args({"args": {k: {"value": v} for k, v in params.items()}})
+    variables["program"] = [sweep["program"]]
+    command = []
+    for part in sweep_utils.create_sweep_command(sweep["command"]):
+        command += variables.get(part[2:-1], []) if part.startswith("${") and part.endswith("}") else [part]
+    return command
+
+
+def test_sweep_agent_trials_under_torchrun_are_the_agents_runs_each_in_its_own_folder(tmp_path):
+    """configs/sweep_digits.yaml's command as `wandb agent` starts it (its environment: WANDB_SWEEP_ID, WANDB_RUN_ID,
+    WANDB_SWEEP_PARAM_PATH; its argv: --optim.lr=...) on 2 gloo ranks, cut to a tiny run into one output_dir: each
+    trial is the agent's W&B run, in its own folder with the trial's config; a trial that resumes another trial's
+    checkpoint is still the agent's run, a branch in its own folder (issue 38 item 3)."""
+    from tests.helpers import TINY as SMALLEST
+
+    wandb_dir, sweep = tmp_path / "wandb", tmp_path / "sweep"
+    trials = {"trial1": {"optim.lr": 0.05, "train.epochs": 1}, "trial2": {"optim.lr": 0.2, "train.epochs": 1},
+              "trial3": {"optim.lr": 0.1, "train.epochs": 2, "resume": f"{sweep}/trial1/last.pth"}}
+    for run_id, params in trials.items():
+        command = agent_command(REPO / "configs" / "sweep_digits.yaml", params)
+        assert command[:4] == ["torchrun", "--standalone", "--nproc_per_node=2", "train.py"]
+        assert f"--optim.lr={params['optim.lr']}" in command
+        param_file = tmp_path / f"config-{run_id}.yaml"  # what the agent writes for wandb.init to read
+        param_file.write_text(yaml.safe_dump({k: {"value": v} for k, v in params.items()}))
+        env = {"WANDB_SWEEP_ID": "sweep1", "WANDB_RUN_ID": run_id, "WANDB_SWEEP_PARAM_PATH": str(param_file),
+               "WANDB_DIR": str(wandb_dir)}
+        tiny = [a for a in SMALLEST if not a.startswith("train.epochs=")]  # a sweep parameter here
+        run_on_ranks("train.py", *command[4:], *tiny, f"output_dir={sweep}", nproc=2, env=env)
+    runs = {run.run_id: run for run in map(read_run, find_runs(wandb_dir))}
+    assert sorted(runs) == sorted(trials) and {run.run.sweep_id for run in runs.values()} == {"sweep1"}
+    assert sorted(p.name for p in sweep.iterdir()) == sorted(trials)
+    for run_id, params in trials.items():
+        folder, run = sweep / run_id, runs[run_id]
+        resolved = yaml.safe_load((folder / "config.yaml").read_text())
+        assert (resolved["output_dir"], resolved["optim"]["lr"]) == (str(folder), params["optim.lr"])
+        flat = [key for key in params if "." in key]  # the sweep's own keys, which wandb.init adds to the config
+        assert {k: v for k, v in run.config.items() if k not in ("_wandb", *flat)} == {**resolved, "world_size": 2}
+        assert checkpoint(folder / "last.pth")["wandb_id"] == run_id and not run.run.resume
+    assert [row["epoch"] for row in read_jsonl(sweep / "trial3" / "metrics.jsonl")] == [1]  # after trial 1's epoch 0
+    assert [row["epoch"] for row in read_jsonl(sweep / "trial1" / "metrics.jsonl")] == [0]  # trial 1 untouched
+
+
 EVALUATE = """
 import sys
 from pathlib import Path

@@ -1,9 +1,10 @@
 """Resuming a run: which checkpoint to continue, whether it fits this run, and putting its state back.
 
 `resume=auto` continues from <output_dir>/last.pth or last.dcp/ (train.ckpt_format=sharded; the newer of the two
-when both exist), `resume=<path>` from that file or folder,
-`resume=none` never. A fresh run (resume=none, or auto without last.pth) refuses an output_dir that holds
-another run's record, naming its files. A checkpoint that does not fit (another model, other classes,
+when both exist), `resume=<path>` from that file or folder, `resume=none` never. resume=auto continues the folder's
+run only with its config, but for the keys a continuation may change (CONTINUATION_KEYS: train.epochs, logging,
+checkpoint writing, processes, ...). A fresh run (resume=none, or auto without last.pth) refuses an output_dir that
+holds another run's record, naming its files. A checkpoint that does not fit (another model, other classes,
 another optimizer) stops the run before anything in output_dir is touched.
 """
 
@@ -32,6 +33,23 @@ log = logging.getLogger(__name__)
 TRAINING_KEYS = ("model", "optimizer", "epoch", "global_step", "config", "class_names", "rng")
 RUN_FILES = ("config.yaml", "metrics.jsonl", "last.pth", "last.dcp", "best.pth")  # and epoch_NNNN.pth
 OPTIMIZER_KEYS = ("name", "no_decay_norm_bias", "layer_decay")  # what the optimizer state's layout depends on
+# The keys a run continued by resume=auto may change: how long it goes on, how its work is split over processes,
+# how it reads data, writes checkpoints and logs. Any other change (optim.lr, an augmentation, the seed, the data)
+# makes another run, which resume=auto refuses (resume=<path> continues or branches it on purpose). "x." is a section.
+CONTINUATION_KEYS = (
+    "output_dir",  # the same folder, named another way (relative, absolute, placeholders)
+    "train.epochs", "train.max_steps", "train.early_stop_patience", "train.max_nonfinite",  # how long it goes on
+    # The global batch over processes: a mid-epoch checkpoint keeps it (check_global_batch); at an epoch boundary
+    # it may change, and the schedule continues at its epoch (an elastic restart, tests/test_schedule.py).
+    "train.batch_size", "train.accum_steps", "train.global_batch_size",
+    "train.ckpt_format", "train.ckpt_every_steps", "train.keep_last_k", "train.async_save",  # checkpoint writing
+    "train.best_metric", "train.best_on_ema",  # what best.pth follows from now on (the best restarts)
+    "data.num_workers", "data.persistent_workers", "data.prefetch_factor", "data.shard_cache",  # input speed
+    "model.compile", "model.channels_last", "model.grad_checkpointing",  # speed and memory of the same model
+    "model.init_from",  # not read by a resumed run
+    "distill.teacher_sha256",  # recorded at start-up: engine/distill.py checks the teacher file against it
+    "logging.", "dist.",  # what it logs; how processes meet and talk (backend, timeouts, ddp or fsdp)
+)
 
 
 class LoopState(Protocol):
@@ -215,16 +233,44 @@ def check_optimizer_state(saved: dict[str, Any], optimizer: torch.optim.Optimize
                         "output_dir")
 
 
-def config_changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """Dotted keys whose value differs, as "key old -> new" (logged when a run resumes)."""
+    return [f"{key} {a!r} -> {b!r}" for key, a, b in config_diff(old, new)]
+
+
+def config_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted key, old value, new value) of every key whose value differs, but resume (how the run was started)."""
     changes = []
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key), new.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
-            changes += config_changes(a, b, f"{prefix}{key}.")
+            changes += config_diff(a, b, f"{prefix}{key}.")
         elif a != b and f"{prefix}{key}" != "resume":
-            changes.append(f"{prefix}{key} {a!r} -> {b!r}")
+            changes.append((f"{prefix}{key}", a, b))
     return changes
+
+
+def continuation_changes(saved: dict[str, Any], cfg: Config) -> list[str]:
+    """The changes from the checkpoint's config that make another run: keys outside CONTINUATION_KEYS, and optim.lr
+    unless optim.lr_base derives it from the global batch. A key the checkpoint's app did not have yet counts
+    at the schema's default."""
+    new = to_dict(cfg)
+    derived = ("optim.lr",) if cfg.optim.lr_base else ()
+    return [f"{key} {yaml_value(a)} -> {yaml_value(b)}" for key, a, b in config_diff(with_defaults(saved), new)
+            if not any(key == k or (k.endswith(".") and key.startswith(k)) for k in (*CONTINUATION_KEYS, *derived))]
+
+
+def with_defaults(saved: dict[str, Any], defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A saved config with the schema's default for each key it lacks (written before the key existed)."""
+    defaults = to_dict(Config()) if defaults is None else defaults
+    return {key: with_defaults(section(saved, key), value) if isinstance(value, dict) and not key.endswith("kwargs")
+            else saved.get(key, value) for key, value in defaults.items()}
+
+
+def section(saved: dict[str, Any], key: str) -> dict[str, Any]:
+    """saved[key] if it is a section (a mapping), else an empty one."""
+    value = saved.get(key)
+    return value if isinstance(value, dict) else {}
 
 
 class Resume:
@@ -235,13 +281,24 @@ class Resume:
     the last three as no-ops.
     """
 
-    def __init__(self, path: Path | None, ckpt: dict[str, Any] | None) -> None:
-        self.path, self.ckpt = path, ckpt
+    def __init__(self, path: Path | None, ckpt: dict[str, Any] | None, auto: bool = False) -> None:
+        self.path, self.ckpt, self.auto = path, ckpt, auto
 
     @classmethod
     def find(cls, resume: str, out_dir: Path) -> Resume:
         path = find_resume_checkpoint(resume, out_dir)
-        return cls(path, load_resume_checkpoint(path) if path else None)
+        return cls(path, load_resume_checkpoint(path) if path else None, auto=resume == "auto")
+
+    def check_continuation(self, cfg: Config) -> None:
+        """resume=auto continues the folder's run only as it was made: refuse a config that changes any key
+        but CONTINUATION_KEYS, naming the changes and the ways out (every rank decides alike)."""
+        saved = self.ckpt.get("config") if self.ckpt is not None and self.auto else None
+        changes = continuation_changes(saved, cfg) if isinstance(saved, dict) else []
+        if changes:
+            raise UserError(f"output_dir {cfg.output_dir} holds a run made with another config ({', '.join(changes)}), "
+                            f"which resume=auto does not continue; use another output_dir for a new run, or "
+                            f"resume={self.path} to continue that run with these changes (with another output_dir: "
+                            "a branch of it in a new folder)", all_ranks=True)
 
     @property
     def wandb_id(self) -> str | None:

@@ -5,6 +5,10 @@ the run's lifetime, so a second run into the folder is refused instead of resumi
 checkpoint mid-run. The kernel drops the lock when the process dies, however it dies (SIGKILL too), and
 unlike flock() it is not inherited by forked DataLoader workers, which could outlive a killed parent.
 
+output_dir may name its folder with placeholders, `{model.name}`, `{timestamp}` and `{run_id}` (a W&B sweep agent's
+run id, else a fresh one), resolved once by rank 0 for every rank (`resolve_output_dir`); under a sweep agent every
+trial gets its own folder, `/{run_id}` added when output_dir has none.
+
 The run starts at its first write (its first checkpoint or metrics row). Until then config.yaml and
 metrics.jsonl stay as they are, so a run that fails while building, restoring or training its first
 steps leaves the previous run's record byte for byte. At the start metrics.jsonl keeps the rows of the
@@ -14,12 +18,15 @@ epochs before the one the run resumes, and config.yaml becomes this run's, each 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import errno
 import fcntl
 import logging
 import os
+import re
 import secrets
 import socket
+import string
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -29,9 +36,54 @@ from core.dist import all_gather_object, broadcast_object, get_world_size, is_ma
 from core.errors import UserError
 from core.files import atomic_file
 from core.logs import MetricsFile
+from core.startup import sweep_run_id
 
 log = logging.getLogger(__name__)
 LOCK = ".lock"
+PLACEHOLDERS = ("{model.name}", "{timestamp}", "{run_id}")
+RUN_ID_CHARS = string.ascii_lowercase + string.digits  # as W&B's own run ids
+
+
+def resolve_output_dir(template: str, model_name: str, resume: str) -> str:
+    """output_dir with its placeholders filled, decided by rank 0 and the same on every rank (a timestamp or a
+    fresh id drawn on each would scatter one run over several folders). With resume=<checkpoint> in a folder the
+    template names, that folder: the run continues where it was."""
+    if (run_id := sweep_run_id()) and "{run_id}" not in template:
+        template = f"{template.rstrip('/')}/{{run_id}}"  # each sweep trial its own folder
+    unknown = [name for name in re.findall(r"{[^{}]*}", template) if name not in PLACEHOLDERS]
+    if unknown:
+        raise UserError(f"output_dir {template!r} has the unknown placeholder {unknown[0]}; use "
+                        f"{', '.join(PLACEHOLDERS)}, or a folder name without braces")
+    if not any(name in template for name in PLACEHOLDERS):
+        return template
+    return rank0_decides(lambda: fill_placeholders(template, model_name, resume, run_id))
+
+
+def fill_placeholders(template: str, model_name: str, resume: str, run_id: str | None) -> str:
+    """The folder output_dir's placeholders name for this launch: {run_id} the sweep agent's (a trial's own folder,
+    a branch of the run it resumes), else resume=<checkpoint>'s folder where it fits the template, else {timestamp}
+    now and a fresh {run_id}."""
+    name = folder_name(model_name)
+    if resume not in ("auto", "none") and run_id is None:
+        folder = os.path.abspath(Path(resume).parent)
+        if re.fullmatch(template_pattern(os.path.abspath(template), name), folder):
+            return folder
+    values = {"{model.name}": name, "{timestamp}": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"),
+              "{run_id}": folder_name(run_id or "".join(secrets.choice(RUN_ID_CHARS) for _ in range(8)))}
+    for placeholder, value in values.items():
+        template = template.replace(placeholder, value)
+    return template
+
+
+def template_pattern(template: str, name: str) -> str:
+    """A regular expression of the folders the template names for model `name`, whatever {timestamp} and {run_id}."""
+    wildcards = {"{model.name}": re.escape(name), "{timestamp}": r"\d{8}-\d{6}", "{run_id}": r"[^/]+"}
+    return "".join(wildcards.get(part, re.escape(part)) for part in re.split(r"({[^{}]*})", template))
+
+
+def folder_name(text: str) -> str:
+    """text as one folder's name: hf-hub:timm/x -> hf-hub_timm_x."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", text)
 
 
 def check_writable(folder: Path) -> None:
