@@ -65,11 +65,21 @@ from models.parallel import shard_for_training, wrap_for_training
 log = logging.getLogger("train")
 
 
+USAGE = """Train a timm image classifier: one process, or one per GPU under torchrun.
+
+    python train.py --config finetune data.root=photos            # your photos: photos/{train,val}/<class>/*
+    python train.py --config digits                               # the quickstart (no download)
+    torchrun --nproc_per_node=8 train.py --config resnet50 data.root=/data/imagenet
+"""
+QUICKSTART = "configs/digits.yaml"  # --config's default: the quickstart's own data and 32 px settings
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, epilog=keys_help(),
+    parser = argparse.ArgumentParser(description=USAGE, epilog=keys_help(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/digits.yaml",
-                        help="YAML file, or a bare name looked up in configs/ (default: digits)")
+    parser.add_argument("--config", default=None,
+                        help="YAML file, or a bare name looked up in configs/ (finetune, digits, resnet50, ...; "
+                             "default: digits, the quickstart)")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config (defaults, then --config, then overrides) and exit")
     parser.add_argument("--dry-run", action="store_true",
@@ -80,6 +90,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="e.g. optim.lr=0.2 train.epochs=3 (or --optim.lr=0.2, --optim.lr 0.2), anywhere among the "
                              "flags")
     return parse_with_overrides(parser, argv)
+
+
+def config_file(given: str | None, overrides: list[str]) -> str:
+    """--config, or the quickstart's; other data without --config is refused in one line: the digits config's
+    32 px and mean/std 0.5 would silently apply to the user's photos."""
+    if given is not None:
+        return given
+    data = [item.split("=", 1)[0] for item in overrides if item.split("=", 1)[0] in ("data.root", "data.name")]
+    if data:
+        raise UserError(f"{' and '.join(data)} given without --config, whose default is the digits quickstart (32 px, "
+                        "its own mean/std); for your own images add --config finetune (a pretrained model at 224 px) "
+                        "or another config from configs/")
+    return QUICKSTART
 
 
 def start_up(cfg: Config, info: DistInfo) -> tuple[Config, Resume, DataBundle, Precision, nn.Module]:
@@ -370,7 +393,7 @@ def check_same_config(cfg: Config) -> None:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(config_file(args.config, args.overrides), args.overrides)
     if args.print_config:
         if read_launch_env()[0] == 0:
             print(config_yaml(cfg), end="")

@@ -246,14 +246,24 @@ def config_keys(cls: type = Config, prefix: str = "") -> list[tuple[str, str, An
     return keys
 
 
+FIRST_KEYS = ("data.root", "model.name", "model.pretrained", "train.epochs", "train.batch_size", "optim.lr",
+              "data.img_size", "data.num_workers", "amp", "output_dir", "resume", "logging.wandb")  # --help's top
+
+
 def keys_help() -> str:
-    """The config keys as `--help` lists them (generated from the schema)."""
+    """The config keys as `--help` lists them (generated from the schema): the dozen people change first, then all."""
     keys = config_keys()
     width = max(len(key) for key, *_ in keys)
-    lines = ["config keys (override any with key=value or --key=value; the default is the schema's, before --config):"]
-    for key, kind, default, note in keys:
+
+    def line(key: str, kind: str, default: Any, note: str) -> str:
         shown = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()
-        lines.append(f"  {key:<{width}}  {kind:<11} {shown or repr(default):<14} {note}")
+        return f"  {key:<{width}}  {kind:<11} {shown or repr(default):<14} {note}"
+
+    first = {key: row for key, *row in keys if key in FIRST_KEYS}
+    lines = ["the keys people change first (override any with key=value or --key=value):"]
+    lines += [line(key, *first[key]) for key in FIRST_KEYS]
+    lines += ["", "every config key (the default is the schema's, before --config; docs/configuration.md):"]
+    lines += [line(*row) for row in keys]
     return "\n".join(lines)
 
 

@@ -9,7 +9,7 @@ import yaml
 
 import train
 from core.cli import report_errors
-from core.config import Config
+from core.config import FIRST_KEYS, Config
 from core.config_load import config_from_dict, load_config
 from tests.helpers import TINY, make_image_folder
 
@@ -29,7 +29,10 @@ def test_help_lists_every_config_key_with_type_default_and_description(capsys):
     except SystemExit:
         pass
     out = capsys.readouterr().out
-    lines = out[out.index("config keys"):].splitlines()
+    assert out.index("--config finetune data.root=photos") < out.index("the keys people change first")
+    first = out[out.index("the keys people change first"):out.index("every config key")].splitlines()[1:]
+    assert [line.split()[0] for line in first if line.strip()] == list(FIRST_KEYS)  # the dozen, before the 140
+    lines = out[out.index("every config key"):].splitlines()
     defaults = Config()
     for key in schema_leaves():
         [line] = [line for line in lines if line.split()[:1] == [key]]
@@ -103,3 +106,12 @@ def test_overrides_in_any_form_and_place_give_one_config(capsys):
     for args, line in cases:
         assert report_errors(train.main, ["--config", "dummy", "--print-config", *args]) == 2
         assert capsys.readouterr().err.strip().splitlines() == [line]
+
+
+def test_other_data_without_config_is_refused_not_trained_at_the_quickstarts_settings(tmp_path, capsys):
+    """`python train.py data.root=photos` took the digits config (32 px, mean/std 0.5) for the user's photos."""
+    for data in (["data.name=imagefolder", f"data.root={tmp_path}"], [f"--data.root={tmp_path}"]):
+        assert report_errors(train.main, [*data, "--dry-run"]) == 2
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "without --config, whose default is the digits quickstart" in line and "--config finetune" in line
+    assert train.config_file(None, ["optim.lr=0.2"]) == "configs/digits.yaml"  # the quickstart stays the default
