@@ -17,9 +17,11 @@ if __name__ == "__main__":  # first: a SIGTERM or SIGUSR1 during the imports bel
     handle_early()
 
 import argparse
+import copy
 import logging
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,14 +35,15 @@ from core.cli import run_main
 from core.config import (Config, ModelConfig, best_metric, config_yaml, given_keys, keys_help, lower_is_better, mixing,
                          replace_section, to_dict)
 from core.config_load import load_config
-from core.dist import (DistInfo, broadcast_tensors, init_distributed, is_fsdp, rank0_decides, read_launch_env,
-                       replicated_tensors)
+from core.dist import (DistInfo, broadcast_tensors, init_distributed, is_fsdp, min_over_ranks, rank0_decides,
+                       read_launch_env, replicated_tensors)
 from core.errors import UserError
 from core.logs import setup_logging
 from core.signals import Preempted
-from data.loader import DataBundle, build_data, skipped_train_images, steps_per_epoch
+from data.loader import DataBundle, build_data, skipped_train_images, steps_per_epoch, with_batch_size
 from data.mixing import BatchMix
 from data.transforms import DeviceNormalize
+from engine.batch_size import CPU_BATCH, MAX_BATCH, UNIT, largest_batch, on_device_fits, resolved_batch
 from engine.checkpoint.resume import Resume
 from engine.checkpoint.run_dir import RunRecord, check_writable, locked
 from engine.checkpoint.saver import Checkpointer
@@ -49,6 +52,7 @@ from engine.distill import build_distillation, check_teacher_needed, freeze_teac
 from engine.evaluation import validate_epoch
 from engine.hooks import EmaUpdate, IntervalTracking, StepCheckpoint
 from engine.losses import build_loss, class_weights
+from engine.lr_find import range_test, write_results
 from engine.optim import (build_optimizer, build_scheduler, check_optimizer, check_scheduler, scaled_lr_note,
                           with_global_batch, with_scaled_lr)
 from engine.precision import Precision, resolve_precision
@@ -74,27 +78,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true",
                         help="make every check a run makes before training (config, resume checkpoint, data folders "
                              "and classes, model, output_dir writable), write nothing, and exit")
+    parser.add_argument("--find-lr", action="store_true",
+                        help="run an LR range test (tune.lr_min to tune.lr_max over tune.steps steps) on a fresh "
+                             "model, write lr_find.json and lr_find.png with a suggested optim.lr to output_dir, "
+                             "and exit: no checkpoint is written or read (docs/tuning.md)")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks for user errors")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. optim.lr=0.2 train.epochs=3")
     return parser.parse_args(argv)
 
 
-def start_up(cfg: Config, info: DistInfo) -> tuple[Config, Resume, DataBundle, Precision, nn.Module]:
+def start_up(cfg: Config, info: DistInfo,
+             fresh: bool = False) -> tuple[Config, Resume, DataBundle, Precision, nn.Module]:
     """What fit() checks and builds before anything is placed on the device: the checkpoint to resume, the
     preprocessing (unset keys resolved: resumed, the weights', or defaults), optim.lr from optim.lr_base, the data,
     the precision, the model with its starting weights (resumed, or model.init_from's through timm's loading).
-    --dry-run stops after it."""
+    --dry-run stops after it. `fresh` (--find-lr): from a new model whatever output_dir and resume say."""
     check_optimizer(cfg.optim)
-    start = Resume.find(cfg.resume, Path(cfg.output_dir))
+    start = Resume(None, None) if fresh else Resume.find(cfg.resume, Path(cfg.output_dir))
     pretrained = start.pretrained(cfg.model)
     cfg = resolve_preprocessing(cfg, pretrained, start.ckpt["config"] if start.ckpt else None)
-    cfg = with_global_batch(cfg, info.world_size)
-    cfg = with_scaled_lr(cfg, info.world_size)  # after resolve_preprocessing, which reads the keys the user set
+    auto_batch = cfg.train.batch_size == "auto"  # found once the model is built: with_auto_batch
+    if not auto_batch:
+        cfg = with_global_batch(cfg, info.world_size)
+        cfg = with_scaled_lr(cfg, info.world_size)  # after resolve_preprocessing, which reads the keys the user set
     seed_everything(cfg.seed)
-    data = build_data(cfg.data, cfg.train.batch_size, cfg.seed, info)
-    for warning in check_scheduler(cfg.sched, cfg.train.epochs, steps_per_epoch(data.train, cfg.train.accum_steps)):
-        if info.is_main:
-            log.warning(warning)
+    data = build_data(cfg.data, UNIT if auto_batch else cfg.train.batch_size, cfg.seed, info)
     precision = resolve_precision(cfg.amp, info.device)
     if cfg.dist.strategy == "fsdp" and precision.scaler is not None:  # amp=fp16 itself: core/config_checks.py
         raise UserError(f"amp={cfg.amp} chose fp16 on this GPU, which dist.strategy=fsdp cannot use (the GradScaler "
@@ -104,9 +112,46 @@ def start_up(cfg: Config, info: DistInfo) -> tuple[Config, Resume, DataBundle, P
     else:
         model = create_model(cfg.model, data.num_classes, pretrained.state_dict, pretrained.source)
         check_pretrained(model, pretrained)
+    if auto_batch:
+        cfg, data = with_auto_batch(cfg, data, model, precision, info)
+    for warning in check_scheduler(cfg.sched, cfg.train.epochs, steps_per_epoch(data.train, cfg.train.accum_steps)):
+        if info.is_main:
+            log.warning(warning)
     start.load_model(model, cfg, data.class_names, info.world_size)
     class_weights(cfg.train.class_weights, data.class_counts, data.class_names)  # checked before anything is written
     return cfg, start, data, precision, model
+
+
+def with_auto_batch(cfg: Config, data: DataBundle, model: nn.Module, precision: Precision,
+                    info: DistInfo) -> tuple[Config, DataBundle]:
+    """train.batch_size=auto: the largest batch every rank fits (engine/batch_size.py), train.accum_steps for
+    train.global_batch_size, optim.lr from optim.lr_base, and the loaders rebuilt for that batch."""
+    cap = len(data.train.sampler)  # this rank's training images: no batch may be larger
+    if info.device.type == "cuda":
+        probe = prepare_model(copy.deepcopy(model), cfg.model, info.device, world_size=1)
+        optimizer = build_optimizer(probe, cfg.optim, grad_scaler=precision.scaler is not None)
+        fits = on_device_fits(probe, optimizer, precision, cfg.data.img_size, data.num_classes,
+                              cfg.model.channels_last)
+        largest = largest_batch(fits, min(cap, MAX_BATCH))
+        del probe, optimizer, fits
+        torch.cuda.empty_cache()
+        how = f"the largest {precision.name} training step that fits on every GPU"
+    else:
+        largest = largest_batch(lambda batch: batch <= CPU_BATCH, cap)
+        how = (f"{CPU_BATCH} on the CPU, where host memory is not the limit and the speed per image hardly changes "
+               "with the batch; set train.batch_size to choose")
+    largest = min_over_ranks(largest, info.device)
+    if not largest:
+        raise UserError(f"train.batch_size=auto: not even a batch of {UNIT} fits ({cfg.model.name} at "
+                        f"data.img_size {cfg.data.img_size}, amp={cfg.amp}); lower data.img_size, set "
+                        "model.grad_checkpointing=true, or use a smaller model", all_ranks=True)
+    cfg = replace_section(cfg, "train", **resolved_batch(cfg.train, largest, info.world_size, mixing(cfg.data)))
+    cfg = with_scaled_lr(cfg, info.world_size)
+    if info.is_main:
+        log.info("train.batch_size=auto: %d per process (%s)%s", cfg.train.batch_size, how,
+                 f", x train.accum_steps={cfg.train.accum_steps} for train.global_batch_size="
+                 f"{cfg.train.global_batch_size}" if cfg.train.global_batch_size else "")
+    return cfg, with_batch_size(data, cfg.data, cfg.train.batch_size, cfg.seed, info)
 
 
 def load_teacher(cfg: Config, start: Resume, model: nn.Module, num_classes: int) -> tuple[Config, tuple | None]:
@@ -137,6 +182,23 @@ def dry_run(cfg: Config, info: DistInfo) -> str:
             f"{resumed}; {out} is writable; nothing was written")
 
 
+def find_lr(cfg: Config, info: DistInfo) -> dict:
+    """--find-lr: the LR range test on the run's data, fresh model, optimizer, precision and loss (never a checkpoint
+    of output_dir, which it leaves as it is); rank 0 writes lr_find.json and lr_find.png to output_dir."""
+    cfg, start, data, precision, model = start_up(cfg, info, fresh=True)
+    cfg, teacher = load_teacher(cfg, start, model, data.num_classes)
+    model = prepare_model(model, cfg.model, info.device, info.world_size)
+    parts, loop, _ = build_parts(cfg, info, data, precision, model, teacher, start=None)
+    result = {**range_test(parts, data.train, loop, info, cfg.tune), "world_size": info.world_size,
+              "batch_size": cfg.train.batch_size, "accum_steps": cfg.train.accum_steps}
+    rank0_decides(lambda: write_results(result, Path(cfg.output_dir)))  # every rank learns whether it could
+    if info.is_main:
+        log.info("LR range test: %d steps (%s); suggested optim.lr %.3g (the smoothed loss's steepest descent; its "
+                 "minimum at lr %.3g); lr_find.json and lr_find.png in %s", result["steps"], result["stopped"],
+                 result["suggested_lr"], result["min_loss_lr"], cfg.output_dir)
+    return result
+
+
 def seed_everything(seed: int) -> None:
     """Same seed on every rank, so models start identical (DDP also broadcasts rank 0's weights)."""
     random.seed(seed)
@@ -151,36 +213,12 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
     if cfg.optim.lr_base and info.is_main:
         log.info(scaled_lr_note(cfg, info.world_size))
     model = prepare_model(model, cfg.model, info.device, info.world_size)
-    distill = build_distillation(cfg.distill, *teacher, model, cfg.data.mean, cfg.data.std, info.device,
-                                 cfg.model.channels_last) if teacher else None
-    ema = create_ema(model, cfg.model.ema_decay, cfg.model.ema_warmup)
-    start.load_ema(ema.module if ema is not None else None)
-    if cfg.dist.strategy == "fsdp":
-        shard_for_training(model, ema.module if ema is not None else None, precision.dtype, info.world_size)
-    torch.manual_seed(cfg.seed + info.rank)  # dropout / drop-path differ per rank, reproducibly
-    if info.device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
-    optimizer = build_optimizer(model, cfg.optim, grad_scaler=precision.scaler is not None, sharded=is_fsdp(model))
+    parts, loop, ema = build_parts(cfg, info, data, precision, model, teacher, start)
+    optimizer, normalize = parts.optimizer, loop.normalize
     updates_per_epoch = steps_per_epoch(data.train, cfg.train.accum_steps)
-    if (warning := compile_warning(cfg.model, info.world_size)) and info.is_main:
-        log.warning(warning)
-    parts = TrainParts(wrap_for_training(model, info.device, info.world_size, cfg.model.compile), optimizer,
-                       build_scheduler(optimizer, cfg.sched, cfg.train.epochs, updates_per_epoch),
-                       build_loss(cfg.train, mixing(cfg.data),
-                                  class_weights(cfg.train.class_weights, data.class_counts, data.class_names)),
-                       precision, distill)
     state = TrainState()
     start.load_training(state, cfg, info, updates_per_epoch, model=parts.model, optimizer=optimizer,
                         scheduler=parts.scheduler, scaler=precision.scaler)
-    normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
-    total_steps = cfg.train.epochs * updates_per_epoch
-    loop = LoopConfig(normalize=normalize, accum_steps=cfg.train.accum_steps, clip_grad=cfg.optim.clip_grad,
-                      max_steps=cfg.train.max_steps, log_interval=cfg.logging.interval,
-                      show_progress=cfg.logging.progress, max_nonfinite=cfg.train.max_nonfinite,
-                      total_steps=min(total_steps, cfg.train.max_steps or total_steps),
-                      mix=BatchMix(data.num_classes, cfg.train.label_smoothing) if mixing(cfg.data) else None,
-                      clip_mode=cfg.optim.clip_mode, multi_label=cfg.data.multi_label,
-                      fsdp_accum_whole=cfg.dist.fsdp_accum_whole and is_fsdp(model) and cfg.train.accum_steps > 1)
     global_batch = cfg.train.batch_size * info.world_size * cfg.train.accum_steps
     log.info("model %s (%.1fM params), %d process(es) on %s, %s, global batch %d, %d steps/epoch",
              cfg.model.name, sum(p.numel() for p in model.parameters()) / 1e6, info.world_size,
@@ -257,6 +295,43 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
     return state
 
 
+def build_parts(cfg: Config, info: DistInfo, data: DataBundle, precision: Precision, model: nn.Module,
+                teacher: tuple | None, start: Resume | None) -> tuple[TrainParts, LoopConfig, Any]:
+    """The placed model's teacher and EMA (with `start`'s weights; no EMA without a `start`), the model sharded
+    (dist.strategy=fsdp) and wrapped, its optimizer, schedule, loss and loop settings: (parts, loop, EMA or None).
+    What fit() trains with, and what --find-lr's range test steps (engine/lr_find.py)."""
+    distill = build_distillation(cfg.distill, *teacher, model, cfg.data.mean, cfg.data.std, info.device,
+                                 cfg.model.channels_last) if teacher else None
+    ema = None
+    if start is not None:
+        ema = create_ema(model, cfg.model.ema_decay, cfg.model.ema_warmup)
+        start.load_ema(ema.module if ema is not None else None)
+    if cfg.dist.strategy == "fsdp":
+        shard_for_training(model, ema.module if ema is not None else None, precision.dtype, info.world_size)
+    torch.manual_seed(cfg.seed + info.rank)  # dropout / drop-path differ per rank, reproducibly
+    if info.device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    optimizer = build_optimizer(model, cfg.optim, grad_scaler=precision.scaler is not None, sharded=is_fsdp(model))
+    updates_per_epoch = steps_per_epoch(data.train, cfg.train.accum_steps)
+    if (warning := compile_warning(cfg.model, info.world_size)) and info.is_main:
+        log.warning(warning)
+    parts = TrainParts(wrap_for_training(model, info.device, info.world_size, cfg.model.compile), optimizer,
+                       build_scheduler(optimizer, cfg.sched, cfg.train.epochs, updates_per_epoch),
+                       build_loss(cfg.train, mixing(cfg.data),
+                                  class_weights(cfg.train.class_weights, data.class_counts, data.class_names)),
+                       precision, distill)
+    normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
+    total_steps = cfg.train.epochs * updates_per_epoch
+    loop = LoopConfig(normalize=normalize, accum_steps=cfg.train.accum_steps, clip_grad=cfg.optim.clip_grad,
+                      max_steps=cfg.train.max_steps, log_interval=cfg.logging.interval,
+                      show_progress=cfg.logging.progress, max_nonfinite=cfg.train.max_nonfinite,
+                      total_steps=min(total_steps, cfg.train.max_steps or total_steps),
+                      mix=BatchMix(data.num_classes, cfg.train.label_smoothing) if mixing(cfg.data) else None,
+                      clip_mode=cfg.optim.clip_mode, multi_label=cfg.data.multi_label,
+                      fsdp_accum_whole=cfg.dist.fsdp_accum_whole and is_fsdp(model) and cfg.train.accum_steps > 1)
+    return parts, loop, ema
+
+
 def stop_before_epoch(cfg: Config, state: TrainState, chosen_on: str, tracker: WandbTracker) -> bool:
     """train.max_steps reached, or train.early_stop_patience run out (checked before each epoch, so that a resumed
     run stops alike); says why on rank 0."""
@@ -302,6 +377,9 @@ def main(argv: list[str]) -> int:
             print(summary)
         return 0
     with locked(Path(cfg.output_dir)):  # one live run per output_dir
+        if args.find_lr:
+            find_lr(cfg, info)
+            return 0
         fit(cfg, info)  # report_errors leaves the process group, after reporting any error
     return 0
 
