@@ -38,6 +38,7 @@ def check_lr_find(out: Path, tune: TuneConfig) -> dict:
     return result
 
 
+@pytest.mark.slow  # a 12-step range test after the shared tiny run
 def test_find_lr_writes_its_curve_and_leaves_the_run_folder_alone(tiny_run, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(tiny_run, out)  # a finished run: --find-lr must neither resume it nor change it
@@ -107,5 +108,6 @@ def search_on_rank(rank: int, world: int, limits: list[int]) -> int:
     return min_over_ranks(largest_batch(lambda batch: batch <= limits[rank], cap=4096), torch.device("cpu"))
 
 
+@pytest.mark.slow  # two real processes (the forkserver's imports)
 def test_every_rank_takes_the_smallest_batch_any_rank_found(tmp_path):
     assert run_ranks(search_on_rank, 2, tmp_path, [300, 41]) == [40, 40]
