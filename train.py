@@ -17,10 +17,12 @@ if __name__ == "__main__":  # first: a SIGTERM or SIGUSR1 during the imports bel
     handle_early()
 
 import argparse
+import copy
 import dataclasses
 import logging
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,13 +37,14 @@ from core.config import (Config, ModelConfig, best_metric, config_yaml, given_ke
                          replace_keys, replace_section, to_dict)
 from core.config_load import load_config
 from core.dist import (DistInfo, all_gather_object, broadcast_tensors, init_distributed, is_fsdp, main_first,
-                       rank0_decides, read_launch_env, replicated_tensors)
+                       min_over_ranks, rank0_decides, read_launch_env, replicated_tensors)
 from core.errors import UserError
 from core.logs import setup_logging
 from core.signals import Preempted
-from data.loader import DataBundle, build_data, skipped_train_images, steps_per_epoch
+from data.loader import DataBundle, build_data, skipped_train_images, steps_per_epoch, with_batch_size
 from data.mixing import BatchMix
 from data.transforms import DeviceNormalize
+from engine.batch_size import CPU_BATCH, MAX_BATCH, UNIT, largest_batch, on_device_fits, resolved_batch
 from engine.checkpoint.resume import Resume, config_changes
 from engine.checkpoint.run_dir import RunRecord, check_shared, check_writable, locked, resolve_output_dir
 from engine.checkpoint.saver import Checkpointer
@@ -50,6 +53,7 @@ from engine.distill import build_distillation, check_teacher_needed, freeze_teac
 from engine.evaluation import validate_epoch
 from engine.hooks import EmaUpdate, IntervalTracking, StepCheckpoint
 from engine.losses import build_loss, class_weights
+from engine.lr_find import range_test, write_results
 from engine.optim import (build_optimizer, build_scheduler, check_optimizer, check_scheduler, scaled_lr_note,
                           with_global_batch, with_scaled_lr)
 from engine.precision import Precision, resolve_precision
@@ -85,6 +89,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true",
                         help="make every check a run makes before training (config, resume checkpoint, data folders "
                              "and classes, model, output_dir writable), write nothing, and exit")
+    parser.add_argument("--find-lr", action="store_true",
+                        help="run an LR range test (tune.lr_min to tune.lr_max over tune.steps steps) on a fresh "
+                             "model, write lr_find.json and lr_find.png with a suggested optim.lr to output_dir, "
+                             "and exit: no checkpoint is written or read (docs/tuning.md)")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks for user errors")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="e.g. optim.lr=0.2 train.epochs=3 (or --optim.lr=0.2, --optim.lr 0.2), anywhere among the "
@@ -105,27 +113,32 @@ def config_file(given: str | None, overrides: list[str]) -> str:
     return QUICKSTART
 
 
-def start_up(cfg: Config, info: DistInfo) -> tuple[Config, Resume, DataBundle, Precision, nn.Module]:
+def start_up(cfg: Config, info: DistInfo,
+             fresh: bool = False) -> tuple[Config, Resume, DataBundle, Precision, nn.Module]:
     """What fit() checks and builds before anything is placed on the device: the checkpoint to resume and the config
     resolved against it (resolve_start), then the data, the precision, the model with its starting weights (resumed,
-    or model.init_from's through timm's loading). --dry-run stops after it."""
-    cfg, start, weights = resolve_start(cfg, info)
-    return (cfg, start, *build_start(cfg, start, weights, info))
+    model.init_from's through timm's loading, or timm's pretrained weights) and train.batch_size=auto's batch.
+    --dry-run stops after it. `fresh` (--find-lr): from a new model whatever output_dir and resume say."""
+    cfg, start, weights = resolve_start(cfg, info, fresh)
+    cfg, data, precision, model = build_start(cfg, start, weights, info)
+    return cfg, start, data, precision, model
 
 
-def resolve_start(cfg: Config, info: DistInfo) -> tuple[Config, Resume, StartingWeights]:
+def resolve_start(cfg: Config, info: DistInfo, fresh: bool = False) -> tuple[Config, Resume, StartingWeights]:
     """The checkpoint to resume (resume=auto: only the folder's own run, Resume.check_continuation), model.init_from's
     weights, and the config with the preprocessing (unset keys: resumed, the weights', or defaults), the batch per
-    process from train.global_batch_size and optim.lr from optim.lr_base resolved."""
+    process from train.global_batch_size and optim.lr from optim.lr_base resolved (train.batch_size=auto: later,
+    once the model is built)."""
     check_optimizer(cfg.optim)
     if cfg.logging.profile_steps:
         rank0_decides(lambda: check_trace_folder(Path(cfg.output_dir)))
-    start = Resume.find(cfg.resume, Path(cfg.output_dir))
+    start = Resume(None, None) if fresh else Resume.find(cfg.resume, Path(cfg.output_dir))
     pretrained = start.pretrained(cfg.model)
     hub_cfg = None if start.ckpt else rank0_decides(lambda: pretrained_cfg_of(cfg.model))  # model.pretrained=true
     cfg = resolve_preprocessing(cfg, pretrained, start.ckpt["config"] if start.ckpt else None, hub_cfg)
-    cfg = with_global_batch(cfg, info.world_size)
-    cfg = with_scaled_lr(cfg, info.world_size)  # after resolve_preprocessing, which reads the keys the user set
+    if cfg.train.batch_size != "auto":
+        cfg = with_global_batch(cfg, info.world_size)
+        cfg = with_scaled_lr(cfg, info.world_size)  # after resolve_preprocessing, which reads the keys the user set
     start.check_continuation(cfg)
     return cfg, start, StartingWeights(pretrained, hub_cfg)
 
@@ -139,14 +152,13 @@ class StartingWeights:
 
 
 def build_start(cfg: Config, start: Resume, weights: StartingWeights,
-                info: DistInfo) -> tuple[DataBundle, Precision, nn.Module]:
-    """The data, the precision and the model with its starting weights, checked against the resumed checkpoint."""
+                info: DistInfo) -> tuple[Config, DataBundle, Precision, nn.Module]:
+    """The data, the precision and the model with its starting weights, checked against the resumed checkpoint; the
+    config with train.batch_size=auto's batch found."""
     pretrained, hub_cfg = weights.pretrained, weights.hub_cfg
+    auto_batch = cfg.train.batch_size == "auto"  # found once the model is built: with_auto_batch
     seed_everything(cfg.seed)
-    data = build_data(cfg.data, cfg.train.batch_size, cfg.seed, info)
-    for warning in check_scheduler(cfg.sched, cfg.train.epochs, steps_per_epoch(data.train, cfg.train.accum_steps)):
-        if info.is_main:
-            log.warning(warning)
+    data = build_data(cfg.data, UNIT if auto_batch else cfg.train.batch_size, cfg.seed, info)
     precision = resolve_precision(cfg.amp, info.device)
     if cfg.dist.strategy == "fsdp" and precision.scaler is not None:  # amp=fp16 itself: core/config_checks.py
         raise UserError(f"amp={cfg.amp} chose fp16 on this GPU, which dist.strategy=fsdp cannot use (the GradScaler "
@@ -161,9 +173,46 @@ def build_start(cfg: Config, start: Resume, weights: StartingWeights,
     else:
         model = create_model(cfg.model, data.num_classes, pretrained.state_dict, pretrained.source)
         check_pretrained(model, pretrained)
+    if auto_batch:
+        cfg, data = with_auto_batch(cfg, data, model, precision, info)
+    for warning in check_scheduler(cfg.sched, cfg.train.epochs, steps_per_epoch(data.train, cfg.train.accum_steps)):
+        if info.is_main:
+            log.warning(warning)
     start.load_model(model, cfg, data.class_names, info.world_size)
     class_weights(cfg.train.class_weights, data.class_counts, data.class_names)  # checked before anything is written
-    return data, precision, model
+    return cfg, data, precision, model
+
+
+def with_auto_batch(cfg: Config, data: DataBundle, model: nn.Module, precision: Precision,
+                    info: DistInfo) -> tuple[Config, DataBundle]:
+    """train.batch_size=auto: the largest batch every rank fits (engine/batch_size.py), train.accum_steps for
+    train.global_batch_size, optim.lr from optim.lr_base, and the loaders rebuilt for that batch."""
+    cap = len(data.train.sampler)  # this rank's training images: no batch may be larger
+    if info.device.type == "cuda":
+        probe = prepare_model(copy.deepcopy(model), cfg.model, info.device, world_size=1)
+        optimizer = build_optimizer(probe, cfg.optim, grad_scaler=precision.scaler is not None)
+        fits = on_device_fits(probe, optimizer, precision, cfg.data.img_size, data.num_classes,
+                              cfg.model.channels_last)
+        largest = largest_batch(fits, min(cap, MAX_BATCH))
+        del probe, optimizer, fits
+        torch.cuda.empty_cache()
+        how = f"the largest {precision.name} training step that fits on every GPU"
+    else:
+        largest = largest_batch(lambda batch: batch <= CPU_BATCH, cap)
+        how = (f"{CPU_BATCH} on the CPU, where host memory is not the limit and the speed per image hardly changes "
+               "with the batch; set train.batch_size to choose")
+    largest = min_over_ranks(largest, info.device)
+    if not largest:
+        raise UserError(f"train.batch_size=auto: not even a batch of {UNIT} fits ({cfg.model.name} at "
+                        f"data.img_size {cfg.data.img_size}, amp={cfg.amp}); lower data.img_size, set "
+                        "model.grad_checkpointing=true, or use a smaller model", all_ranks=True)
+    cfg = replace_section(cfg, "train", **resolved_batch(cfg.train, largest, info.world_size, mixing(cfg.data)))
+    cfg = with_scaled_lr(cfg, info.world_size)
+    if info.is_main:
+        log.info("train.batch_size=auto: %d per process (%s)%s", cfg.train.batch_size, how,
+                 f", x train.accum_steps={cfg.train.accum_steps} for train.global_batch_size="
+                 f"{cfg.train.global_batch_size}" if cfg.train.global_batch_size else "")
+    return cfg, with_batch_size(data, cfg.data, cfg.train.batch_size, cfg.seed, info)
 
 
 def load_teacher(cfg: Config, start: Resume, model: nn.Module, num_classes: int) -> tuple[Config, tuple | None]:
@@ -194,6 +243,23 @@ def dry_run(cfg: Config, info: DistInfo) -> str:
             f"{resumed}; {out} is writable; nothing was written")
 
 
+def find_lr(cfg: Config, info: DistInfo) -> dict:
+    """--find-lr: the LR range test on the run's data, fresh model, optimizer, precision and loss (never a checkpoint
+    of output_dir, which it leaves as it is); rank 0 writes lr_find.json and lr_find.png to output_dir."""
+    cfg, start, data, precision, model = start_up(cfg, info, fresh=True)
+    cfg, teacher = load_teacher(cfg, start, model, data.num_classes)
+    model = prepare_model(model, cfg.model, info.device, info.world_size)
+    parts, loop, _ = build_parts(cfg, info, data, precision, model, teacher, start=None)
+    result = {**range_test(parts, data.train, loop, info, cfg.tune), "world_size": info.world_size,
+              "batch_size": cfg.train.batch_size, "accum_steps": cfg.train.accum_steps}
+    rank0_decides(lambda: write_results(result, Path(cfg.output_dir)))  # every rank learns whether it could
+    if info.is_main:
+        log.info("LR range test: %d steps (%s); suggested optim.lr %.3g (the smoothed loss's steepest descent; its "
+                 "minimum at lr %.3g); lr_find.json and lr_find.png in %s", result["steps"], result["stopped"],
+                 result["suggested_lr"], result["min_loss_lr"], cfg.output_dir)
+    return result
+
+
 def seed_everything(seed: int) -> None:
     """Same seed on every rank, so models start identical (DDP also broadcasts rank 0's weights)."""
     random.seed(seed)
@@ -209,41 +275,17 @@ def fit(cfg: Config, info: DistInfo) -> TrainState | None:
                  "train.max_steps, train.early_stop_patience) to continue it, or use another output_dir for a new run",
                  start.path.parent, reason)  # the checkpoint's folder: output_dir, unless resume=<path> names another
         return None
-    data, precision, model = build_start(cfg, start, weights, info)
+    cfg, data, precision, model = build_start(cfg, start, weights, info)
     cfg, teacher = load_teacher(cfg, start, model, data.num_classes)
     if cfg.optim.lr_base and info.is_main:
         log.info(scaled_lr_note(cfg, info.world_size))
     model = prepare_model(model, cfg.model, info.device, info.world_size)
-    distill = build_distillation(cfg.distill, *teacher, model, cfg.data.mean, cfg.data.std, info.device,
-                                 cfg.model.channels_last) if teacher else None
-    ema = create_ema(model, cfg.model.ema_decay, cfg.model.ema_warmup)
-    start.load_ema(ema.module if ema is not None else None)
-    if cfg.dist.strategy == "fsdp":
-        shard_for_training(model, ema.module if ema is not None else None, precision.dtype, info.world_size,
-                           cfg.dist.fsdp_shard_size)
-    torch.manual_seed(cfg.seed + info.rank)  # dropout / drop-path differ per rank, reproducibly
-    training_kernels(info.device.type)  # cuDNN's autotuning on CUDA, as benchmark.py times it
-    optimizer = build_optimizer(model, cfg.optim, grad_scaler=precision.scaler is not None, sharded=is_fsdp(model))
+    parts, loop, ema = build_parts(cfg, info, data, precision, model, teacher, start)
+    optimizer, normalize = parts.optimizer, loop.normalize
     updates_per_epoch = steps_per_epoch(data.train, cfg.train.accum_steps)
-    if (warning := compile_warning(cfg.model, info.world_size)) and info.is_main:
-        log.warning(warning)
-    parts = TrainParts(wrap_for_training(model, info.device, info.world_size, cfg.model.compile), optimizer,
-                       build_scheduler(optimizer, cfg.sched, cfg.train.epochs, updates_per_epoch),
-                       build_loss(cfg.train, mixing(cfg.data),
-                                  class_weights(cfg.train.class_weights, data.class_counts, data.class_names)),
-                       precision, distill)
     state = TrainState()
     start.load_training(state, cfg, info, updates_per_epoch, model=parts.model, optimizer=optimizer,
                         scheduler=parts.scheduler, scaler=precision.scaler)
-    normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
-    total_steps = cfg.train.epochs * updates_per_epoch
-    loop = LoopConfig(normalize=normalize, accum_steps=cfg.train.accum_steps, clip_grad=cfg.optim.clip_grad,
-                      max_steps=cfg.train.max_steps, log_interval=cfg.logging.interval,
-                      show_progress=cfg.logging.progress, max_nonfinite=cfg.train.max_nonfinite,
-                      total_steps=min(total_steps, cfg.train.max_steps or total_steps),
-                      mix=BatchMix(data.num_classes, cfg.train.label_smoothing) if mixing(cfg.data) else None,
-                      clip_mode=cfg.optim.clip_mode, multi_label=cfg.data.multi_label,
-                      fsdp_accum_whole=cfg.dist.fsdp_accum_whole and is_fsdp(model) and cfg.train.accum_steps > 1)
     global_batch = cfg.train.batch_size * info.world_size * cfg.train.accum_steps
     log.info("model %s (%.1fM params), %d process(es) on %s, %s, global batch %d, %d steps/epoch",
              cfg.model.name, sum(p.numel() for p in model.parameters()) / 1e6, info.world_size,
@@ -317,6 +359,43 @@ def fit(cfg: Config, info: DistInfo) -> TrainState | None:
         checkpointer.close()
     log.info("done: best %s %.2f, outputs in %s", chosen_on, state.best_top1, out)
     return state
+
+
+def build_parts(cfg: Config, info: DistInfo, data: DataBundle, precision: Precision, model: nn.Module,
+                teacher: tuple | None, start: Resume | None) -> tuple[TrainParts, LoopConfig, Any]:
+    """The placed model's teacher and EMA (with `start`'s weights; no EMA without a `start`), the model sharded
+    (dist.strategy=fsdp) and wrapped, its optimizer, schedule, loss and loop settings: (parts, loop, EMA or None).
+    What fit() trains with, and what --find-lr's range test steps (engine/lr_find.py)."""
+    distill = build_distillation(cfg.distill, *teacher, model, cfg.data.mean, cfg.data.std, info.device,
+                                 cfg.model.channels_last) if teacher else None
+    ema = None
+    if start is not None:
+        ema = create_ema(model, cfg.model.ema_decay, cfg.model.ema_warmup)
+        start.load_ema(ema.module if ema is not None else None)
+    if cfg.dist.strategy == "fsdp":
+        shard_for_training(model, ema.module if ema is not None else None, precision.dtype, info.world_size,
+                           cfg.dist.fsdp_shard_size)
+    torch.manual_seed(cfg.seed + info.rank)  # dropout / drop-path differ per rank, reproducibly
+    training_kernels(info.device.type)  # cuDNN's autotuning on CUDA, as benchmark.py times it
+    optimizer = build_optimizer(model, cfg.optim, grad_scaler=precision.scaler is not None, sharded=is_fsdp(model))
+    updates_per_epoch = steps_per_epoch(data.train, cfg.train.accum_steps)
+    if (warning := compile_warning(cfg.model, info.world_size)) and info.is_main:
+        log.warning(warning)
+    parts = TrainParts(wrap_for_training(model, info.device, info.world_size, cfg.model.compile), optimizer,
+                       build_scheduler(optimizer, cfg.sched, cfg.train.epochs, updates_per_epoch),
+                       build_loss(cfg.train, mixing(cfg.data),
+                                  class_weights(cfg.train.class_weights, data.class_counts, data.class_names)),
+                       precision, distill)
+    normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
+    total_steps = cfg.train.epochs * updates_per_epoch
+    loop = LoopConfig(normalize=normalize, accum_steps=cfg.train.accum_steps, clip_grad=cfg.optim.clip_grad,
+                      max_steps=cfg.train.max_steps, log_interval=cfg.logging.interval,
+                      show_progress=cfg.logging.progress, max_nonfinite=cfg.train.max_nonfinite,
+                      total_steps=min(total_steps, cfg.train.max_steps or total_steps),
+                      mix=BatchMix(data.num_classes, cfg.train.label_smoothing) if mixing(cfg.data) else None,
+                      clip_mode=cfg.optim.clip_mode, multi_label=cfg.data.multi_label,
+                      fsdp_accum_whole=cfg.dist.fsdp_accum_whole and is_fsdp(model) and cfg.train.accum_steps > 1)
+    return parts, loop, ema
 
 
 def stop_before_epoch(cfg: Config, state: TrainState, chosen_on: str, tracker: WandbTracker) -> bool:
@@ -411,6 +490,9 @@ def main(argv: list[str]) -> int:
         return 0
     with locked(Path(cfg.output_dir)):  # one live run per output_dir
         check_shared(Path(cfg.output_dir))  # every process writes into rank 0's folder: one folder for all
+        if args.find_lr:
+            find_lr(cfg, info)
+            return 0
         fit(cfg, info)  # report_errors leaves the process group, after reporting any error
     return 0
 

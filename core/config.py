@@ -122,7 +122,7 @@ class SchedConfig:
 @dataclass
 class TrainConfig:
     epochs: int = 10  # a resumed run may raise it
-    batch_size: int = 64  # per process; the global batch is batch_size x world size x accum_steps
+    batch_size: int | str = 64  # per process; the global batch is batch_size x world size x accum_steps; auto: the largest that fits
     global_batch_size: int = 0  # set: batch_size = this / (world size x accum_steps), the same global batch on any number of processes; 0 = off
     accum_steps: int = 1  # micro-batches per optimizer step
     label_smoothing: float = 0.0  # cross-entropy label smoothing, in [0, 1)
@@ -181,6 +181,13 @@ class DistillConfig:
 
 
 @dataclass
+class TuneConfig:
+    lr_min: float = 1.0e-6  # train.py --find-lr: the range test's first lr (docs/tuning.md)
+    lr_max: float = 10.0  # --find-lr: its last lr, reached after tune.steps optimizer steps unless the loss diverges
+    steps: int = 100  # --find-lr: optimizer steps of the exponential lr ramp (one value of the curve each)
+
+
+@dataclass
 class Config:
     seed: int = 0  # seeds model init, data order and augmentation, in [0, 2^32)
     output_dir: str = "runs/default"  # where config.yaml, metrics.jsonl and checkpoints go
@@ -194,6 +201,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)  # knowledge distillation (engine/distill.py)
+    tune: TuneConfig = field(default_factory=TuneConfig)  # train.py --find-lr's LR range test (engine/lr_find.py)
 
 
 def given_keys(cfg: Config) -> frozenset[str]:

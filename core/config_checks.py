@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from core.config import Config, LoggingConfig, OptimConfig, SchedConfig, TrainConfig, mixing
+from core.config import Config, LoggingConfig, OptimConfig, SchedConfig, TrainConfig, TuneConfig, mixing
 from core.errors import UserError
 
 
@@ -32,7 +32,7 @@ CHOICES = {
     "sched.name": ("cosine", "tanh", "poly", "wsd", "rsqrt", "step", "multistep", "constant"),
 }
 ENDLESS_SCHEDULES = ("step", "multistep", "constant")  # no end to cool down after
-POSITIVE = ("train.epochs", "train.batch_size", "train.accum_steps", "data.img_size",
+POSITIVE = ("train.epochs", "train.accum_steps", "data.img_size",
             "logging.interval", "dist.rendezvous_timeout_s", "train.max_nonfinite", "data.prefetch_factor",
             "data.dummy_train_size", "data.dummy_val_size", "data.dummy_num_classes", "data.dummy_image_size",
             "data.max_image_pixels", "sched.decay_rate", "optim.lr_base_size", "data.random_erase_count", "distill.tau")
@@ -76,7 +76,11 @@ def validate(cfg: Config) -> None:
     if steps and not (len(steps) == 2 and 1 <= steps[0] <= steps[1]):
         raise UserError(f"config key 'logging.profile_steps' must be [start, end] with 1 <= start <= end (optimizer "
                         f"steps, the first is 1), or [] for no profile; got {steps}")
-    if mixing(cfg.data) and cfg.train.batch_size % 2:
+    batch = cfg.train.batch_size
+    if batch != "auto" and (isinstance(batch, str) or batch <= 0):
+        raise UserError(f"config key 'train.batch_size' must be > 0, or auto (the largest batch that fits: "
+                        f"docs/tuning.md), got {batch!r}")
+    if mixing(cfg.data) and batch != "auto" and batch % 2:
         raise UserError(f"config key 'train.batch_size' must be even with mixup or cutmix on (images are mixed in "
                         f"pairs within a process's batch), got {cfg.train.batch_size}")
     if mixing(cfg.data) and cfg.data.mix_mode == "batch" and cfg.data.mix_group % 2:
@@ -113,6 +117,7 @@ def validate(cfg: Config) -> None:
     validate_bce(cfg.train)
     validate_multi_label(cfg)
     validate_imbalance(cfg)
+    validate_tune(cfg.tune)
     if cfg.dist.strategy == "fsdp":
         validate_fsdp(cfg)
     elif cfg.dist.fsdp_accum_whole:
@@ -267,6 +272,19 @@ def validate_imbalance(cfg: Config) -> None:
     if multi_label and cfg.data.sampler == "class_balanced":
         raise UserError("data.sampler=class_balanced draws one class per image, and multi-label images have "
                         "several; use data.sampler=uniform (train.bce_pos_weight weights the positives)")
+
+
+MIN_TUNE_STEPS = 10  # --find-lr: fewer points leave no curve to read a suggestion from
+
+
+def validate_tune(cfg: TuneConfig) -> None:
+    """The LR range test's ramp must rise from a positive lr over enough steps to read a curve."""
+    if not 0 < cfg.lr_min < cfg.lr_max:
+        raise UserError(f"config keys 'tune.lr_min' and 'tune.lr_max' must satisfy 0 < lr_min < lr_max, got "
+                        f"{cfg.lr_min:g} and {cfg.lr_max:g}")
+    if cfg.steps < MIN_TUNE_STEPS:
+        raise UserError(f"config key 'tune.steps' must be at least {MIN_TUNE_STEPS} (points of the LR range test's "
+                        f"curve), got {cfg.steps}")
 
 
 def validate_fsdp(cfg: Config) -> None:

@@ -181,6 +181,8 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
         except UserError as err:
             message = str(err).replace(f"must be {inner.__name__},", f"must be {inner.__name__} or null,")
             raise UserError(message) from None
+    if hint == int | str:  # train.batch_size: a number, or a word (auto) that core/config_checks.py validates
+        return value if isinstance(value, str) else _coerce(key, int, value)
     if isinstance(hint, types.UnionType):  # `str | list[float]`: a name, or a list (train.class_weights)
         named, listed = hint.__args__
         if isinstance(value, list):

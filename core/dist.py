@@ -269,6 +269,11 @@ def max_over_ranks(value: int, device: torch.device) -> int:
     return int(tensor.item())
 
 
+def min_over_ranks(value: int, device: torch.device) -> int:
+    """The smallest of every rank's `value` (train.batch_size=auto: the batch every rank can hold)."""
+    return -max_over_ranks(-value, device)
+
+
 def step_flags_over_ranks(nonfinite: torch.Tensor, stop_signal: int) -> tuple[bool, int]:
     """Any rank's inf/NaN flag and largest stop signal: one all-reduce (MAX) of one tensor, one read on the host.
 

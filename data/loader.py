@@ -395,6 +395,17 @@ def build_data(cfg: DataConfig, batch_size: int, seed: int, info: DistInfo) -> D
     train_set.tensor_transform = tensor_augment(cfg)  # data.auto_augment, data.random_erase: for any data format
     log.info("data %s: train %d images, val %d images, %d classes%s", cfg.name, len(train_set), len(val_set),
              len(train_set.classes), ", multi-label (data.multi_label=true)" if cfg.multi_label else "")
+    return loaders(train_set, val_set, cfg, batch_size, seed, info)
+
+
+def with_batch_size(data: DataBundle, cfg: DataConfig, batch_size: int, seed: int, info: DistInfo) -> DataBundle:
+    """The same datasets in loaders of another batch (train.batch_size=auto, once the search found it)."""
+    return loaders(data.train.dataset, data.val.dataset, cfg, batch_size, seed, info)
+
+
+def loaders(train_set: AugmentedDataset, val_set: AugmentedDataset, cfg: DataConfig, batch_size: int, seed: int,
+            info: DistInfo) -> DataBundle:
+    """Both loaders of the datasets and the class list, with every rank given a validation batch."""
     val = build_eval_loader(val_set, cfg, batch_size, info)
     val_batches = math.ceil(len(val_set) / batch_size)
     if val_batches < info.world_size:  # a rank without a batch would skip DDP's buffer sync and hang the others

@@ -56,9 +56,10 @@ def folders(tmp_path_factory) -> Path:
 CASES = {  # name: (arguments after TINY, text the last line must contain)
     "missing config": (["--config", "nope.yaml"], "config file 'nope.yaml' not found"),
     "unknown key": (["optim.lrr=0.1"], "unknown config key 'optim.lrr'; did you mean 'optim.lr'?"),
-    "wrong type": (["train.batch_size=eight"], "config key 'train.batch_size' must be int, got 'eight'"),
+    "wrong type": (["train.epochs=eight"], "config key 'train.epochs' must be int, got 'eight'"),
     "negative lr": (["optim.lr=-0.1"], "config key 'optim.lr' must be >= 0, got -0.1"),
-    "batch size 0": (["train.batch_size=0"], "config key 'train.batch_size' must be > 0, got 0"),
+    "batch size 0": (["train.batch_size=0"], "config key 'train.batch_size' must be > 0, or auto (the largest batch that "
+                                            "fits: docs/tuning.md), got 0"),
     "unknown amp": (["amp=fp8"], "config key 'amp' is 'fp8'; choose one of auto, bf16, fp16, off"),
     "yes is not a boolean": (["model.sync_bn=yes"], "config key 'model.sync_bn' must be bool, got 'yes'"),
     "unknown model": (["model.name=resnet181"], "resnet18"),

@@ -41,7 +41,11 @@ def test_bare_name_is_looked_up_in_configs():
     ("optim.lrr=0.1", "unknown config key 'optim.lrr'; did you mean 'optim.lr'?"),
     ("trian.epochs=3", "unknown config key 'trian'; did you mean 'train'?"),
     ("train.epochs=three", "config key 'train.epochs' must be int, got 'three'"),
-    ("train.batch_size=0", "config key 'train.batch_size' must be > 0, got 0"),
+    ("train.batch_size=0", "config key 'train.batch_size' must be > 0, or auto"),
+    ("train.batch_size=big", "config key 'train.batch_size' must be > 0, or auto (the largest batch that fits: "
+                             "docs/tuning.md), got 'big'"),
+    ("tune.steps=3", "config key 'tune.steps' must be at least 10"),
+    ("tune.lr_max=1e-7", "config keys 'tune.lr_min' and 'tune.lr_max' must satisfy 0 < lr_min < lr_max"),
     ("optim.lr=-0.1", "config key 'optim.lr' must be >= 0, got -0.1"),
     ("amp=fp8", "config key 'amp' is 'fp8'; choose one of auto, bf16, fp16, off"),
     ("model.sync_bn=maybe", "config key 'model.sync_bn' must be bool, got 'maybe'"),

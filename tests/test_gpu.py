@@ -17,6 +17,7 @@ import cv2
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from tests.compare import load_weights, relative_differences
 from tests.helpers import documented_figures, read_jsonl, run_ranks, run_script, script_env, train_here
@@ -388,3 +389,26 @@ def test_benchmark_py_sweep_batch_stops_at_running_out_of_memory(tmp_path, capsy
     assert sweep["max_batch"] >= 128, sweep  # the recipe's batch fits on any GPU the tier runs on
     assert sweep["stopped_by"] == f"out of memory at batch {2 * sweep['max_batch']}", sweep
     assert torch.cuda.memory_allocated() <= before + 2**28  # the model and the failed step's tensors are freed
+
+
+def test_auto_batch_is_the_largest_training_step_that_fits(tmp_path):
+    """train.batch_size=auto on CUDA (engine/batch_size.py): the real search's batch fits and a larger one runs out of
+    memory; train.py trains with what it finds (here the data's 256 images cap it) and records it in config.yaml."""
+    from core.config import ModelConfig, OptimConfig
+    from engine.batch_size import largest_batch, on_device_fits
+    from engine.optim import build_optimizer
+    from engine.precision import resolve_precision
+    from models.factory import create_model, prepare_model
+
+    device, cfg = torch.device("cuda"), ModelConfig(name="resnet50")
+    precision = resolve_precision("auto", device)
+    model = prepare_model(create_model(cfg, 1000), cfg, device, 1)
+    optimizer = build_optimizer(model, OptimConfig(), grad_scaler=precision.scaler is not None)
+    fits = on_device_fits(model, optimizer, precision, 224, 1000, channels_last=True)
+    found = largest_batch(fits, cap=16384)
+    assert 128 <= found < 16384  # the recipe's batch fits on any GPU the tier runs on; the search hit the memory
+    assert not fits(found + 64)  # the bisection saw found + 2 fail; a clearly larger step fails again
+    del model, optimizer, fits
+    torch.cuda.empty_cache()
+    out = train(tmp_path / "run", "train.batch_size=auto", "train.max_steps=1")
+    assert yaml.safe_load((out / "config.yaml").read_text())["train"]["batch_size"] == 256

@@ -49,6 +49,7 @@ CONTINUATION_KEYS = (
     "model.init_from",  # not read by a resumed run
     "distill.teacher_sha256",  # recorded at start-up: engine/distill.py checks the teacher file against it
     "logging.", "dist.",  # what it logs; how processes meet and talk (backend, timeouts, ddp or fsdp)
+    "tune.",  # --find-lr's range, which never trains this run
 )
 
 

@@ -1,0 +1,113 @@
+"""train.py --find-lr (the LR range test) and train.batch_size=auto (the batch finder's search), on the CPU.
+
+The range test runs train.py itself on real data, one process in this one and two through a real gloo group; the
+batch search is driven through its decision function with injected "fits" rules (the real CUDA rule: test_gpu.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+import torch
+
+from core.config import TrainConfig, TuneConfig
+from core.dist import min_over_ranks
+from core.errors import UserError
+from engine.batch_size import largest_batch, resolved_batch
+from engine.lr_find import Diverged, LrRamp
+from engine.state import TrainState
+from tests.helpers import TINY, run_on_ranks, run_ranks, train_here
+
+RUN_FILES = ("last.pth", "best.pth", "metrics.jsonl", "config.yaml")
+
+
+def check_lr_find(out: Path, tune: TuneConfig) -> dict:
+    """lr_find.json and a readable lr_find.png in `out`; the suggestion is one of the lrs swept, within the ramp."""
+    result = json.loads((out / "lr_find.json").read_text())
+    assert matplotlib.image.imread(out / "lr_find.png").shape[2] in (3, 4)
+    lrs = result["lrs"]
+    assert len(lrs) == len(result["losses"]) == len(result["smoothed_losses"]) == result["steps"] <= tune.steps
+    assert lrs[0] == pytest.approx(tune.lr_min) and lrs == sorted(lrs) and lrs[-1] <= tune.lr_max * (1 + 1e-9)
+    assert result["suggested_lr"] in lrs and result["rule"].startswith("steepest descent")
+    assert all(math.isfinite(loss) for loss in result["losses"])
+    return result
+
+
+@pytest.mark.slow  # a 12-step range test after the shared tiny run
+def test_find_lr_writes_its_curve_and_leaves_the_run_folder_alone(tiny_run, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(tiny_run, out)  # a finished run: --find-lr must neither resume it nor change it
+    before = {path.name: path.read_bytes() for path in out.iterdir() if path.is_file()}
+    train_here("--find-lr", *TINY, f"output_dir={out}", "tune.steps=12", "tune.lr_min=1e-4", "tune.lr_max=1.0")
+    check_lr_find(out, TuneConfig(lr_min=1e-4, lr_max=1.0, steps=12))
+    after = {path.name: path.read_bytes() for path in out.iterdir() if path.is_file()}
+    assert set(after) - set(before) == {"lr_find.json", "lr_find.png"}
+    assert all(after[name] == data for name, data in before.items())
+
+
+@pytest.mark.slow  # two ranks on the digits: ~10 s
+def test_find_lr_on_the_digits_on_two_ranks_with_the_batch_found_on_the_cpu(tmp_path):
+    out = tmp_path / "run"
+    run_on_ranks("train.py", "--find-lr", "--config", "digits", f"data.root={tmp_path / 'digits'}", f"output_dir={out}",
+                 "model.name=test_resnet", "amp=off", "data.num_workers=0", "logging.progress=false",
+                 "tune.steps=10", "train.batch_size=auto", "train.global_batch_size=256", nproc=2)
+    result = check_lr_find(out, TuneConfig(steps=10))
+    # auto on the CPU: 64 per process, so 2 accumulation steps keep the global batch of 256
+    assert (result["world_size"], result["batch_size"], result["accum_steps"]) == (2, 64, 2)
+    assert not any((out / name).exists() for name in RUN_FILES)
+
+
+def test_the_ramp_is_exponential_scales_layer_decay_groups_and_stops_on_divergence():
+    weight = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([{"params": [weight]}, {"params": [], "lr_scale": 0.5}], lr=0.1)
+    ramp, state = LrRamp(optimizer, TuneConfig(lr_min=1e-3, lr_max=10.0, steps=5)), TrainState()
+    assert [group["lr"] for group in optimizer.param_groups] == pytest.approx([1e-3, 5e-4])
+    with pytest.raises(Diverged, match="passed 4 x its lowest"):
+        for loss in (2.0, 1.0, 1.0, 9.0, 40.0):
+            state.step_done(0.0)
+            ramp.after_interval(state, {"train_loss": loss})
+            ramp.step_update(state.global_step)
+    assert ramp.lrs == pytest.approx([1e-3, 1e-2, 1e-1, 1.0, 10.0][:len(ramp.lrs)])
+    assert ramp.losses[-1] == 40.0 and ramp.smoothed[-1] > 4 * min(ramp.smoothed)
+    with pytest.raises(Diverged, match="nan"):
+        ramp.after_interval(state, {"train_loss": math.nan})
+
+
+@pytest.mark.parametrize("limit", [2, 3, 37, 64, 1000, 4096, 5000])
+def test_largest_batch_finds_the_largest_even_batch_that_fits_in_few_probes(limit):
+    probes = []
+
+    def fits(batch: int) -> bool:
+        probes.append(batch)
+        return batch <= limit
+
+    found = largest_batch(fits, cap=4096)
+    assert found == min(limit, 4096) // 2 * 2
+    assert len(probes) <= 2 * math.log2(4096) + 1 and all(batch % 2 == 0 and batch <= 4096 for batch in probes)
+    assert largest_batch(lambda batch: False, cap=4096) == 0  # not even 2 fits: train.py says so in one line
+
+
+def test_resolved_batch_keeps_the_global_batch_with_the_fewest_accumulation_steps():
+    assert resolved_batch(TrainConfig(), 48, world_size=2, even=False) == {"batch_size": 48}
+    train = TrainConfig(global_batch_size=256)
+    assert resolved_batch(train, 48, world_size=2, even=False) == {"batch_size": 32, "accum_steps": 4}
+    assert resolved_batch(train, 200, world_size=1, even=False) == {"batch_size": 128, "accum_steps": 2}
+    assert resolved_batch(TrainConfig(global_batch_size=24), 5, world_size=2, even=True) == {"batch_size": 4,
+                                                                                             "accum_steps": 3}
+    with pytest.raises(UserError, match="train.global_batch_size=15"):  # no even batch divides it
+        resolved_batch(TrainConfig(global_batch_size=15), 4, world_size=1, even=True)
+
+
+def search_on_rank(rank: int, world: int, limits: list[int]) -> int:
+    """One rank's search with its own memory limit, then the smallest answer over the ranks (as train.py does)."""
+    return min_over_ranks(largest_batch(lambda batch: batch <= limits[rank], cap=4096), torch.device("cpu"))
+
+
+@pytest.mark.slow  # two real processes (the forkserver's imports)
+def test_every_rank_takes_the_smallest_batch_any_rank_found(tmp_path):
+    assert run_ranks(search_on_rank, 2, tmp_path, [300, 41]) == [40, 40]
