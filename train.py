@@ -211,7 +211,7 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
     step_checkpoint = StepCheckpoint(record, checkpointer, cfg.train.ckpt_every_steps)
     profile = (ProfileSteps(cfg.logging.profile_steps, out / "profile", info.device, record, info.is_main, state)
                if cfg.logging.profile_steps else None)  # off: no hook, torch.profiler never starts
-    hooks = [*([EmaUpdate(ema, model)] if ema is not None else []),  # before the checkpoint that saves it
+    hooks = [*([EmaUpdate(ema, model, cfg.model.ema_reset_epochs)] if ema is not None else []),  # before the checkpoint that saves it
              step_checkpoint, IntervalTracking(sinks), *([profile] if profile else [])]
     input_advice = InputAdvice(cfg.data, cpu_share(info.local_world_size), info.is_main)
 

@@ -31,6 +31,7 @@ class ModelConfig:
     init_from: str = ""  # weights to start from: checkpoint, .pth, .safetensors or model folder; "" = random init
     ema_decay: float = 0.0  # keep an EMA of the weights (timm ModelEmaV3), e.g. 0.9998; 0 = off
     ema_warmup: bool = False  # EMA decay rises from 0 to ema_decay (timm ModelEmaV3 use_warmup), by global step
+    ema_reset_epochs: int = 0  # the EMA copies the model at each step of the first N epochs and the step after them (torchvision's reset during its lr warmup); 0 = off
     kwargs: dict[str, Any] = field(default_factory=dict)  # more timm.create_model options, e.g. kwargs.img_size=224
     grad_checkpointing: bool = False  # recompute activations in the backward pass (less memory, slower steps)
     freeze: str = "none"  # none | backbone: train only the classifier (linear probing; frozen BatchNorm stays in eval)

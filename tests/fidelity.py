@@ -174,7 +174,15 @@ PREPROCESSING_ROWS: list[Row] = [
         "tests/test_augment.py::test_erasing_fills_a_box_with_varied_pixels"),
 ]
 
-ROWS = SCHEDULE_ROWS + PREPROCESSING_ROWS
+# Precision, init, weight decay, steps per epoch, erasing, EMA (issue 40 items 1, 4-8).
+SOURCE_ROWS_40: list[Row] = [
+    Row("resnet50_torchvision.yaml", "EMA in the warmup epochs", "copies the model at each update of the 5 warmup "
+        "epochs and at the first after them (train.py: model_ema.n_averaged.fill_(0) while epoch < "
+        "lr_warmup_epochs)", ("model.ema_reset_epochs",),
+        "tests/test_ema.py::test_ema_reset_epochs_is_torchvisions_warmup_reset", "torch's AveragedModel beside it"),
+]
+
+ROWS = SCHEDULE_ROWS + PREPROCESSING_ROWS + SOURCE_ROWS_40
 
 
 def app_value(config: dict, key: str) -> str:
