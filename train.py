@@ -93,7 +93,8 @@ def start_up(cfg: Config, info: DistInfo) -> tuple[Config, Resume, DataBundle, P
     cfg = with_scaled_lr(cfg, info.world_size)  # after resolve_preprocessing, which reads the keys the user set
     seed_everything(cfg.seed)
     data = build_data(cfg.data, cfg.train.batch_size, cfg.seed, info)
-    for warning in check_scheduler(cfg.sched, cfg.train.epochs, steps_per_epoch(data.train, cfg.train.accum_steps)):
+    per_epoch = steps_per_epoch(data.train, cfg.train.accum_steps, cfg.train.drop_last_accum)
+    for warning in check_scheduler(cfg.sched, cfg.train.epochs, per_epoch):
         if info.is_main:
             log.warning(warning)
     precision = resolve_precision(cfg.amp, info.device)
@@ -167,7 +168,7 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
     torch.manual_seed(cfg.seed + info.rank)  # dropout / drop-path differ per rank, reproducibly
     training_kernels(info.device.type)  # cuDNN's autotuning on CUDA, as benchmark.py times it
     optimizer = build_optimizer(model, cfg.optim, grad_scaler=precision.scaler is not None, sharded=is_fsdp(model))
-    updates_per_epoch = steps_per_epoch(data.train, cfg.train.accum_steps)
+    updates_per_epoch = steps_per_epoch(data.train, cfg.train.accum_steps, cfg.train.drop_last_accum)
     if (warning := compile_warning(cfg.model, info.world_size)) and info.is_main:
         log.warning(warning)
     parts = TrainParts(wrap_for_training(model, info.device, info.world_size, cfg.model.compile), optimizer,
@@ -180,7 +181,8 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
                         scheduler=parts.scheduler, scaler=precision.scaler)
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
     total_steps = cfg.train.epochs * updates_per_epoch
-    loop = LoopConfig(normalize=normalize, accum_steps=cfg.train.accum_steps, clip_grad=cfg.optim.clip_grad,
+    loop = LoopConfig(normalize=normalize, accum_steps=cfg.train.accum_steps, drop_last_accum=cfg.train.drop_last_accum,
+                      clip_grad=cfg.optim.clip_grad,
                       max_steps=cfg.train.max_steps, log_interval=cfg.logging.interval,
                       show_progress=cfg.logging.progress, max_nonfinite=cfg.train.max_nonfinite,
                       total_steps=min(total_steps, cfg.train.max_steps or total_steps),
@@ -211,7 +213,8 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
     step_checkpoint = StepCheckpoint(record, checkpointer, cfg.train.ckpt_every_steps)
     profile = (ProfileSteps(cfg.logging.profile_steps, out / "profile", info.device, record, info.is_main, state)
                if cfg.logging.profile_steps else None)  # off: no hook, torch.profiler never starts
-    hooks = [*([EmaUpdate(ema, model, cfg.model.ema_reset_epochs)] if ema is not None else []),  # before the checkpoint that saves it
+    ema_hook = [EmaUpdate(ema, model, cfg.model.ema_reset_epochs)] if ema is not None else []
+    hooks = [*ema_hook,  # before the checkpoint that saves it
              step_checkpoint, IntervalTracking(sinks), *([profile] if profile else [])]
     input_advice = InputAdvice(cfg.data, cpu_share(info.local_world_size), info.is_main)
 

@@ -126,6 +126,7 @@ class TrainConfig:
     batch_size: int = 64  # per process; the global batch is batch_size x world size x accum_steps
     global_batch_size: int = 0  # set: batch_size = this / (world size x accum_steps), the same global batch on any number of processes; 0 = off
     accum_steps: int = 1  # micro-batches per optimizer step
+    drop_last_accum: bool = False  # an epoch's last micro-batches, fewer than accum_steps, are skipped, not stepped as a shorter group (ConvNeXt's images // global batch steps)
     label_smoothing: float = 0.0  # cross-entropy label smoothing, in [0, 1)
     loss: str = "ce"  # ce (soft-target cross-entropy when mixing) | bce (binary cross-entropy, the RSB recipes)
     bce_target_threshold: float | None = None  # bce: targets above it become 1, others 0 (RSB: 0.2); null = off

@@ -180,6 +180,9 @@ SOURCE_ROWS_40: list[Row] = [
         "epochs and at the first after them (train.py: model_ema.n_averaged.fill_(0) while epoch < "
         "lr_warmup_epochs)", ("model.ema_reset_epochs",),
         "tests/test_ema.py::test_ema_reset_epochs_is_torchvisions_warmup_reset", "torch's AveragedModel beside it"),
+    Row("convnext_tiny.yaml", "optimizer steps per epoch", "len(dataset_train) // total_batch_size (main.py): 312 at "
+        "4096; engine.py skips the micro-batches after them", ("train.accum_steps", "train.drop_last_accum"),
+        "tests/test_schedule.py::test_steps_per_epoch_with_accumulation_follow_convnexts_rule_when_dropping"),
 ]
 
 ROWS = SCHEDULE_ROWS + PREPROCESSING_ROWS + SOURCE_ROWS_40
