@@ -33,6 +33,7 @@ class ModelConfig:
     ema_warmup: bool = False  # EMA decay rises from 0 to ema_decay (timm ModelEmaV3 use_warmup), by global step
     ema_reset_epochs: int = 0  # the EMA copies the model at each step of the first N epochs and the step after them (torchvision's reset during its lr warmup); 0 = off
     kwargs: dict[str, Any] = field(default_factory=dict)  # more timm.create_model options, e.g. kwargs.img_size=224
+    cls_token_std: float = 0.0  # > 0: a fresh ViT's cls_token is drawn from trunc_normal(std) (DeiT's timm 0.3.2: 0.02); 0 = timm's init (normal, std 1e-6)
     grad_checkpointing: bool = False  # recompute activations in the backward pass (less memory, slower steps)
     freeze: str = "none"  # none | backbone: train only the classifier (linear probing; frozen BatchNorm stays in eval)
 

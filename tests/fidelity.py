@@ -183,6 +183,9 @@ SOURCE_ROWS_40: list[Row] = [
     Row("convnext_tiny.yaml", "optimizer steps per epoch", "len(dataset_train) // total_batch_size (main.py): 312 at "
         "4096; engine.py skips the micro-batches after them", ("train.accum_steps", "train.drop_last_accum"),
         "tests/test_schedule.py::test_steps_per_epoch_with_accumulation_follow_convnexts_rule_when_dropping"),
+    *(Row(name, "cls_token init", "trunc_normal_(std=.02) (timm 0.3.2 VisionTransformer, which DeiT's models.py "
+          "builds)", ("model.cls_token_std",), "tests/test_model_options.py::test_cls_token_std_draws_deits_cls_token",
+          "timm 1.0 would draw normal(std=1e-6)") for name in ("deit_small.yaml", "deit_small_distilled.yaml")),
 ]
 
 ROWS = SCHEDULE_ROWS + PREPROCESSING_ROWS + SOURCE_ROWS_40
