@@ -33,6 +33,7 @@ class ModelConfig:
     ema_warmup: bool = False  # EMA decay rises from 0 to ema_decay (timm ModelEmaV3 use_warmup), by global step
     ema_reset_epochs: int = 0  # the EMA copies the model at each step of the first N epochs and the step after them (torchvision's reset during its lr warmup); 0 = off
     kwargs: dict[str, Any] = field(default_factory=dict)  # more timm.create_model options, e.g. kwargs.img_size=224
+    conv_init: str = ""  # "" = timm's init | fan_in | fan_out: a fresh model's Conv2d weights drawn kaiming_normal(mode, relu) (NVIDIA's ResNet-50: fan_in)
     cls_token_std: float = 0.0  # > 0: a fresh ViT's cls_token is drawn from trunc_normal(std) (DeiT's timm 0.3.2: 0.02); 0 = timm's init (normal, std 1e-6)
     grad_checkpointing: bool = False  # recompute activations in the backward pass (less memory, slower steps)
     freeze: str = "none"  # none | backbone: train only the classifier (linear probing; frozen BatchNorm stays in eval)
@@ -93,6 +94,7 @@ class OptimConfig:
     momentum: float = 0.9  # SGD momentum (timm passes it where the optimizer takes one)
     weight_decay: float = 1e-4  # L2 penalty / decoupled decay (adamw)
     no_decay_norm_bias: bool = True  # no weight decay on norm layers and biases
+    no_decay_match: str = ""  # with no_decay_norm_bias: "" = timm's rule (1-D tensors) | text: no decay only where a parameter's name contains it (NVIDIA: bn)
     clip_grad: float = 0.0  # max gradient norm (value: max |element|; agc: the clip factor, e.g. 0.01); 0 = off
     clip_mode: str = "norm"  # norm (total norm) | value (each element) | agc (adaptive, per unit): timm's clip modes
     betas: list[float] = field(default_factory=list)  # Adam-family [beta1, beta2]; [] = the optimizer's default

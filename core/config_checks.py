@@ -14,6 +14,7 @@ CHOICES = {
     "amp": ("auto", "bf16", "fp16", "off"),
     "data.name": ("imagefolder", "dummy", "digits", "wds", "listfile", "hf"),
     "model.freeze": ("none", "backbone"),
+    "model.conv_init": ("", "fan_in", "fan_out"),
     "data.interpolation": ("bilinear", "bicubic", "nearest", "area", "lanczos"),
     "data.random_erase_mode": ("pixel", "rand", "const"),
     "data.train_interpolation": ("", "random", "bilinear", "bicubic", "nearest", "area", "lanczos"),
@@ -207,6 +208,10 @@ def validate_optim(cfg: OptimConfig) -> None:
         raise UserError(f"config key 'optim.eps' must be > 0 (or null: the optimizer's default), got {cfg.eps}")
     if not 0 <= cfg.layer_decay <= 1:
         raise UserError(f"config key 'optim.layer_decay' must be in [0, 1] (0: off), got {cfg.layer_decay}")
+    if cfg.no_decay_match and (cfg.layer_decay or not cfg.no_decay_norm_bias):
+        other = "optim.layer_decay (timm groups the parameters by layer)" if cfg.layer_decay else \
+            "optim.no_decay_norm_bias=false (every parameter is decayed)"
+        raise UserError(f"config key 'optim.no_decay_match' cannot be used with {other}; remove one of them")
     if cfg.clip_mode != "norm" and cfg.clip_grad == 0:  # a mode without a value would silently clip nothing
         what = "the AGC clip factor, e.g. 0.01" if cfg.clip_mode == "agc" else "the largest |gradient element|"
         raise UserError(f"config key 'optim.clip_mode' is {cfg.clip_mode} but optim.clip_grad is 0 (off); set "

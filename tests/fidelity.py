@@ -186,6 +186,13 @@ SOURCE_ROWS_40: list[Row] = [
     *(Row(name, "cls_token init", "trunc_normal_(std=.02) (timm 0.3.2 VisionTransformer, which DeiT's models.py "
           "builds)", ("model.cls_token_std",), "tests/test_model_options.py::test_cls_token_std_draws_deits_cls_token",
           "timm 1.0 would draw normal(std=1e-6)") for name in ("deit_small.yaml", "deit_small_distilled.yaml")),
+    Row("resnet50.yaml", "convolution init", "kaiming_normal_(mode=\"fan_in\", nonlinearity=\"relu\") "
+        "(models/common.py LayerBuilder.conv, ResNet.Params conv_init)", ("model.conv_init",),
+        "tests/test_recipes.py::test_nvidia_conv_init_is_its_layer_builders", "timm's resnet alone: fan_out"),
+    Row("resnet50.yaml", "no weight decay", "parameters whose names contain \"bn\" (optimizers.py "
+        "get_sgd_optimizer): downsample BatchNorms and fc.bias are decayed", ("optim.no_decay_norm_bias",
+        "optim.no_decay_match"), "tests/test_recipes.py::test_nvidia_weight_decay_skips_only_names_with_bn",
+        "timm's 1-D rule would differ on 9 tensors"),
 ]
 
 ROWS = SCHEDULE_ROWS + PREPROCESSING_ROWS + SOURCE_ROWS_40
