@@ -74,6 +74,7 @@ class DataConfig:
     auto_augment: str = ""  # "" | rand-m9-mstd0.5 (-n2, -p0.5, -inc1: timm's) | trivialaugment | augmix | autoaugment
     random_erase: float = 0.0  # probability of erasing a random box (timm's RandomErasing, as data.random_erase_mode)
     random_erase_mode: str = "pixel"  # pixel: noise per pixel | rand: noise colour per box | const: 0 normalized
+    random_erase_box: str = "timm"  # the box's ranges: timm (area 0.02-1/3, aspect 0.3-1/0.3, timm's RandomErasing) | torchvision (0.02-0.33, 0.3-3.3)
     random_erase_count: int = 1  # erase 1 to this many boxes, each 1/count of the area (timm's --recount)
     mixup_alpha: float = 0.0  # mixup Beta(alpha, alpha) between pairs of images; 0 = off
     cutmix_alpha: float = 0.0  # cutmix Beta(alpha, alpha) box between pairs of images; 0 = off

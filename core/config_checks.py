@@ -17,6 +17,7 @@ CHOICES = {
     "model.conv_init": ("", "fan_in", "fan_out"),
     "data.interpolation": ("bilinear", "bicubic", "nearest", "area", "lanczos"),
     "data.random_erase_mode": ("pixel", "rand", "const"),
+    "data.random_erase_box": ("timm", "torchvision"),
     "data.train_interpolation": ("", "random", "bilinear", "bicubic", "nearest", "area", "lanczos"),
     "dist.backend": ("auto", "nccl", "gloo"),
     "dist.strategy": ("ddp", "fsdp"),

@@ -175,6 +175,8 @@ PREPROCESSING_ROWS: list[Row] = [
 ]
 
 # Precision, init, weight decay, steps per epoch, erasing, EMA (issue 40 items 1, 4-8).
+ERASE_BOX_TEST = "tests/test_augment.py::test_erasing_box_is_timms_or_torchvisions_formula_on_the_same_draws"
+TIMM_ERASING = ("deit_small.yaml", "deit_small_distilled.yaml", "convnext_tiny.yaml", MAE)
 SOURCE_ROWS_40: list[Row] = [
     Row("resnet50_torchvision.yaml", "EMA in the warmup epochs", "copies the model at each update of the 5 warmup "
         "epochs and at the first after them (train.py: model_ema.n_averaged.fill_(0) while epoch < "
@@ -193,6 +195,13 @@ SOURCE_ROWS_40: list[Row] = [
         "get_sgd_optimizer): downsample BatchNorms and fc.bias are decayed", ("optim.no_decay_norm_bias",
         "optim.no_decay_match"), "tests/test_recipes.py::test_nvidia_weight_decay_skips_only_names_with_bn",
         "timm's 1-D rule would differ on 9 tensors"),
+    *(Row(name, "random erasing box", "timm RandomErasing: area 0.02-1/3, aspect 0.3-1/0.3 (log-uniform)",
+          ("data.random_erase_box",), ERASE_BOX_TEST) for name in TIMM_ERASING),
+    *(Row(name, "random erasing fill", "--remode pixel: N(0, 1) per pixel after normalization, unbounded", (), "",
+          "not expressible: mean + std x N(0, 1) rounded and clipped to uint8 before normalization")
+      for name in TIMM_ERASING),
+    Row("resnet50_torchvision.yaml", "random erasing box", "RandomErasing: scale (0.02, 0.33), ratio (0.3, 3.3)",
+        ("data.random_erase_box",), ERASE_BOX_TEST),
 ]
 
 ROWS = SCHEDULE_ROWS + PREPROCESSING_ROWS + SOURCE_ROWS_40
