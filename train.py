@@ -175,7 +175,8 @@ def build_start(cfg: Config, start: Resume, weights: StartingWeights,
         check_pretrained(model, pretrained)
     if auto_batch:
         cfg, data = with_auto_batch(cfg, data, model, precision, info)
-    for warning in check_scheduler(cfg.sched, cfg.train.epochs, steps_per_epoch(data.train, cfg.train.accum_steps)):
+    per_epoch = steps_per_epoch(data.train, cfg.train.accum_steps, cfg.train.drop_last_accum)
+    for warning in check_scheduler(cfg.sched, cfg.train.epochs, per_epoch):
         if info.is_main:
             log.warning(warning)
     start.load_model(model, cfg, data.class_names, info.world_size)
@@ -282,7 +283,7 @@ def fit(cfg: Config, info: DistInfo) -> TrainState | None:
     model = prepare_model(model, cfg.model, info.device, info.world_size)
     parts, loop, ema = build_parts(cfg, info, data, precision, model, teacher, start)
     optimizer, normalize = parts.optimizer, loop.normalize
-    updates_per_epoch = steps_per_epoch(data.train, cfg.train.accum_steps)
+    updates_per_epoch = steps_per_epoch(data.train, cfg.train.accum_steps, cfg.train.drop_last_accum)
     state = TrainState()
     start.load_training(state, cfg, info, updates_per_epoch, model=parts.model, optimizer=optimizer,
                         scheduler=parts.scheduler, scaler=precision.scaler)
@@ -310,7 +311,8 @@ def fit(cfg: Config, info: DistInfo) -> TrainState | None:
     step_checkpoint = StepCheckpoint(record, checkpointer, cfg.train.ckpt_every_steps)
     profile = (ProfileSteps(cfg.logging.profile_steps, out / PROFILE_FOLDER, info.device, record, info.is_main, state)
                if cfg.logging.profile_steps else None)  # off: no hook, torch.profiler never starts
-    hooks = [*([EmaUpdate(ema, model)] if ema is not None else []),  # before the checkpoint that saves it
+    ema_hook = [EmaUpdate(ema, model, cfg.model.ema_reset_epochs)] if ema is not None else []
+    hooks = [*ema_hook,  # before the checkpoint that saves it
              step_checkpoint, IntervalTracking(sinks), *([profile] if profile else [])]
     input_advice = InputAdvice(cfg.data, cpu_share(info.local_world_size), info.is_main)
 
@@ -378,7 +380,7 @@ def build_parts(cfg: Config, info: DistInfo, data: DataBundle, precision: Precis
     torch.manual_seed(cfg.seed + info.rank)  # dropout / drop-path differ per rank, reproducibly
     training_kernels(info.device.type)  # cuDNN's autotuning on CUDA, as benchmark.py times it
     optimizer = build_optimizer(model, cfg.optim, grad_scaler=precision.scaler is not None, sharded=is_fsdp(model))
-    updates_per_epoch = steps_per_epoch(data.train, cfg.train.accum_steps)
+    updates_per_epoch = steps_per_epoch(data.train, cfg.train.accum_steps, cfg.train.drop_last_accum)
     if (warning := compile_warning(cfg.model, info.world_size)) and info.is_main:
         log.warning(warning)
     parts = TrainParts(wrap_for_training(model, info.device, info.world_size, cfg.model.compile), optimizer,
@@ -388,7 +390,8 @@ def build_parts(cfg: Config, info: DistInfo, data: DataBundle, precision: Precis
                        precision, distill)
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
     total_steps = cfg.train.epochs * updates_per_epoch
-    loop = LoopConfig(normalize=normalize, accum_steps=cfg.train.accum_steps, clip_grad=cfg.optim.clip_grad,
+    loop = LoopConfig(normalize=normalize, accum_steps=cfg.train.accum_steps, drop_last_accum=cfg.train.drop_last_accum,
+                      clip_grad=cfg.optim.clip_grad,
                       max_steps=cfg.train.max_steps, log_interval=cfg.logging.interval,
                       show_progress=cfg.logging.progress, max_nonfinite=cfg.train.max_nonfinite,
                       total_steps=min(total_steps, cfg.train.max_steps or total_steps),

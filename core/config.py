@@ -31,7 +31,10 @@ class ModelConfig:
     init_from: str = ""  # weights to start from: checkpoint, .pth, .safetensors or model folder; "" = random init
     ema_decay: float = 0.0  # keep an EMA of the weights (timm ModelEmaV3), e.g. 0.9998; 0 = off
     ema_warmup: bool = False  # EMA decay rises from 0 to ema_decay (timm ModelEmaV3 use_warmup), by global step
+    ema_reset_epochs: int = 0  # the EMA copies the model at each step of the first N epochs and the step after them (torchvision's reset during its lr warmup); 0 = off
     kwargs: dict[str, Any] = field(default_factory=dict)  # more timm.create_model options, e.g. kwargs.img_size=224
+    conv_init: str = ""  # "" = timm's init | fan_in | fan_out: a fresh model's Conv2d weights drawn kaiming_normal(mode, relu) (NVIDIA's ResNet-50: fan_in)
+    cls_token_std: float = 0.0  # > 0: a fresh ViT's cls_token is drawn from trunc_normal(std) (DeiT's timm 0.3.2: 0.02); 0 = timm's init (normal, std 1e-6)
     grad_checkpointing: bool = False  # recompute activations in the backward pass (less memory, slower steps)
     freeze: str = "none"  # none | backbone: train only the classifier (linear probing; frozen BatchNorm stays in eval)
 
@@ -71,6 +74,7 @@ class DataConfig:
     auto_augment: str = ""  # "" | rand-m9-mstd0.5 (-n2, -p0.5, -inc1: timm's) | trivialaugment | augmix | autoaugment
     random_erase: float = 0.0  # probability of erasing a random box (timm's RandomErasing, as data.random_erase_mode)
     random_erase_mode: str = "pixel"  # pixel: noise per pixel | rand: noise colour per box | const: 0 normalized
+    random_erase_box: str = "timm"  # the box's ranges: timm (area 0.02-1/3, aspect 0.3-1/0.3, timm's RandomErasing) | torchvision (0.02-0.33, 0.3-3.3)
     random_erase_count: int = 1  # erase 1 to this many boxes, each 1/count of the area (timm's --recount)
     mixup_alpha: float = 0.0  # mixup Beta(alpha, alpha) between pairs of images; 0 = off
     cutmix_alpha: float = 0.0  # cutmix Beta(alpha, alpha) box between pairs of images; 0 = off
@@ -91,6 +95,7 @@ class OptimConfig:
     momentum: float = 0.9  # SGD momentum (timm passes it where the optimizer takes one)
     weight_decay: float = 1e-4  # L2 penalty / decoupled decay (adamw)
     no_decay_norm_bias: bool = True  # no weight decay on norm layers and biases
+    no_decay_match: str = ""  # with no_decay_norm_bias: "" = timm's rule (1-D tensors) | text: no decay only where a parameter's name contains it (NVIDIA: bn)
     clip_grad: float = 0.0  # max gradient norm (value: max |element|; agc: the clip factor, e.g. 0.01); 0 = off
     clip_mode: str = "norm"  # norm (total norm) | value (each element) | agc (adaptive, per unit): timm's clip modes
     betas: list[float] = field(default_factory=list)  # Adam-family [beta1, beta2]; [] = the optimizer's default
@@ -125,6 +130,7 @@ class TrainConfig:
     batch_size: int | str = 64  # per process; the global batch is batch_size x world size x accum_steps; auto: the largest that fits
     global_batch_size: int = 0  # set: batch_size = this / (world size x accum_steps), the same global batch on any number of processes; 0 = off
     accum_steps: int = 1  # micro-batches per optimizer step
+    drop_last_accum: bool = False  # an epoch's last micro-batches, fewer than accum_steps, are skipped, not stepped as a shorter group (ConvNeXt's images // global batch steps)
     label_smoothing: float = 0.0  # cross-entropy label smoothing, in [0, 1)
     loss: str = "ce"  # ce (soft-target cross-entropy when mixing) | bce (binary cross-entropy, the RSB recipes)
     bce_target_threshold: float | None = None  # bce: targets above it become 1, others 0 (RSB: 0.2); null = off

@@ -14,8 +14,10 @@ CHOICES = {
     "amp": ("auto", "bf16", "fp16", "off"),
     "data.name": ("imagefolder", "dummy", "digits", "wds", "listfile", "hf"),
     "model.freeze": ("none", "backbone"),
+    "model.conv_init": ("", "fan_in", "fan_out"),
     "data.interpolation": ("bilinear", "bicubic", "nearest", "area", "lanczos"),
     "data.random_erase_mode": ("pixel", "rand", "const"),
+    "data.random_erase_box": ("timm", "torchvision"),
     "data.train_interpolation": ("", "random", "bilinear", "bicubic", "nearest", "area", "lanczos"),
     "dist.backend": ("auto", "nccl", "gloo"),
     "dist.strategy": ("ddp", "fsdp"),
@@ -41,7 +43,7 @@ NON_NEGATIVE = ("dist.timeout_s", "train.global_batch_size", "logging.wandb_samp
                 "data.color_jitter", "data.val_img_size", "sched.warmup_epochs", "sched.warmup_lr", "sched.min_lr",
                 "data.mixup_alpha", "data.cutmix_alpha", "data.aug_repeats", "data.mix_group",
                 "sched.warmup_steps", "sched.decay_epochs", "sched.cooldown_epochs", "optim.lr_base",
-                "train.early_stop_patience")
+                "train.early_stop_patience", "model.ema_reset_epochs", "model.cls_token_std")
 FRACTIONS = ("model.drop_rate", "model.drop_path_rate", "train.label_smoothing", "model.ema_decay")  # in [0, 1)
 MAX_SEED = 2**32 - 1  # np.random.seed (train.py) takes nothing larger
 OPENCV_MAX_PIXELS = 2**30  # OpenCV refuses larger images (CV_IO_MAX_IMAGE_PIXELS)
@@ -212,6 +214,10 @@ def validate_optim(cfg: OptimConfig) -> None:
         raise UserError(f"config key 'optim.eps' must be > 0 (or null: the optimizer's default), got {cfg.eps}")
     if not 0 <= cfg.layer_decay <= 1:
         raise UserError(f"config key 'optim.layer_decay' must be in [0, 1] (0: off), got {cfg.layer_decay}")
+    if cfg.no_decay_match and (cfg.layer_decay or not cfg.no_decay_norm_bias):
+        other = "optim.layer_decay (timm groups the parameters by layer)" if cfg.layer_decay else \
+            "optim.no_decay_norm_bias=false (every parameter is decayed)"
+        raise UserError(f"config key 'optim.no_decay_match' cannot be used with {other}; remove one of them")
     if cfg.clip_mode != "norm" and cfg.clip_grad == 0:  # a mode without a value would silently clip nothing
         what = "the AGC clip factor, e.g. 0.01" if cfg.clip_mode == "agc" else "the largest |gradient element|"
         raise UserError(f"config key 'optim.clip_mode' is {cfg.clip_mode} but optim.clip_grad is 0 (off); set "

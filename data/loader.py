@@ -428,6 +428,13 @@ def class_counts(labels: np.ndarray, num_classes: int) -> list[int]:
     return np.bincount(labels, minlength=num_classes).tolist()
 
 
-def steps_per_epoch(loader: DataLoader, accum_steps: int) -> int:
-    """Optimizer steps in one epoch (a last, shorter accumulation group still steps)."""
-    return math.ceil(len(loader) / accum_steps)
+def steps_per_epoch(loader: DataLoader, accum_steps: int, drop_last_accum: bool = False) -> int:
+    """Optimizer steps in one epoch: a last, shorter accumulation group still steps, or (train.drop_last_accum, as
+    ConvNeXt's engine.py skips the micro-batches past len(dataset) // total_batch_size steps) is left out."""
+    if not drop_last_accum:
+        return math.ceil(len(loader) / accum_steps)
+    if len(loader) < accum_steps:
+        raise UserError(f"train.drop_last_accum=true: each process gets {len(loader)} batches per epoch, fewer than "
+                        f"train.accum_steps={accum_steps}, so an epoch would make no optimizer step; lower "
+                        "train.accum_steps or train.batch_size, or set train.drop_last_accum=false")
+    return len(loader) // accum_steps

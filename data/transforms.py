@@ -132,7 +132,8 @@ def tensor_augment(cfg: DataConfig) -> TensorTransform | None:
     elif policy == "autoaugment":
         steps.append(AutoAugment(v2.AutoAugmentPolicy.IMAGENET))
     if cfg.random_erase > 0:
-        steps.append(TimmErasing(cfg.random_erase, cfg.mean, cfg.std, cfg.random_erase_mode, cfg.random_erase_count))
+        steps.append(TimmErasing(cfg.random_erase, cfg.mean, cfg.std, cfg.random_erase_mode, cfg.random_erase_count,
+                                 cfg.random_erase_box))
     return v2.Compose(steps) if steps else None
 
 
@@ -319,11 +320,16 @@ class TimmErasing(v2.RandomErasing):
     """torchvision's RandomErasing on uint8, filled as timm's RandomErasing modes: pixel (mean + std x N(0, 1)
     per pixel, i.e. normal in the normalized space), rand (one such colour per box), const (the mean colour: 0
     after normalization, torchvision's value 0); `count` > 1: 1 to count boxes, each of 1/count the area
-    (timm's max_count, train.py --recount). With count 1 the draws are torchvision's own."""
+    (timm's max_count, train.py --recount). With count 1 the draws are torchvision's own. `box` (data.random_erase_box)
+    picks the ranges of the box's area and aspect: timm's RandomErasing defaults or torchvision's."""
+
+    BOXES = {"timm": ((0.02, 1 / 3), (0.3, 1 / 0.3)),  # min_area, max_area; min_aspect, 1 / min_aspect
+             "torchvision": ((0.02, 0.33), (0.3, 3.3))}  # RandomErasing's scale and ratio
 
     def __init__(self, p: float, mean: Sequence[float], std: Sequence[float], mode: str = "pixel",
-                 count: int = 1) -> None:
-        super().__init__(p=p, value=mean_colour(mean) if mode == "const" else "random")
+                 count: int = 1, box: str = "timm") -> None:
+        scale, ratio = self.BOXES[box]
+        super().__init__(p=p, scale=scale, ratio=ratio, value=mean_colour(mean) if mode == "const" else "random")
         self.mean = torch.tensor(mean)[:, None, None]
         self.std = torch.tensor(std)[:, None, None]
         self.per_pixel, self.count = mode == "pixel", count

@@ -30,13 +30,24 @@ class Hook:
 
 
 class EmaUpdate(Hook):
-    """model.ema_decay: fold the model's weights into the EMA after every optimizer step."""
+    """model.ema_decay: fold the model's weights into the EMA after every optimizer step.
 
-    def __init__(self, ema, model: nn.Module) -> None:
-        self.ema, self.model = ema, model
+    `reset_epochs` N (model.ema_reset_epochs): every step of epochs 0..N-1 and the first step of epoch N copy the
+    model, as torchvision's train.py does by zeroing its AveragedModel's n_averaged after each update in its lr
+    warmup epochs (the next update, with n_averaged 0, copies too). Step 0 makes ModelEmaV3's decay 0: a copy.
+    """
+
+    def __init__(self, ema, model: nn.Module, reset_epochs: int = 0) -> None:
+        self.ema, self.model, self.reset_epochs = ema, model, reset_epochs
 
     def after_step(self, state: TrainState) -> None:
-        self.ema.update(self.model, step=state.global_step)
+        self.ema.update(self.model, step=0 if ema_copies(state, self.reset_epochs) else state.global_step)
+
+
+def ema_copies(state: TrainState, reset_epochs: int) -> bool:
+    """Whether the step just done resets the EMA to the model (model.ema_reset_epochs): decided by the epoch and
+    its step alone, so a resumed run continues the rule."""
+    return state.epoch < reset_epochs or (state.epoch == reset_epochs > 0 and state.epoch_step == 1)
 
 
 class StepCheckpoint(Hook):

@@ -103,8 +103,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, grad_scaler: bool = Fals
     """
     knobs = {"betas": tuple(cfg.betas) if cfg.betas else None, "eps": cfg.eps, "nesterov": cfg.nesterov}
     knobs = {key: value for key, value in knobs.items() if value is not None}  # unset: the optimizer's default
+    params = named_decay_groups(model, cfg.no_decay_match, cfg.weight_decay) if cfg.no_decay_match else model
     try:
-        return create_optimizer_v2(model, opt=cfg.name, lr=cfg.lr, weight_decay=cfg.weight_decay,
+        return create_optimizer_v2(params, opt=cfg.name, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                    momentum=cfg.momentum, filter_bias_and_bn=cfg.no_decay_norm_bias,
                                    layer_decay=cfg.layer_decay or None,
                                    **{**fused_kwargs(cfg.name, grad_scaler, sharded), **knobs, **cfg.kwargs})
@@ -113,6 +114,15 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, grad_scaler: bool = Fals
     except TypeError as err:  # an optim.kwargs entry this optimizer does not take
         raise UserError(f"optimizer {cfg.name!r} rejected optim.kwargs {cfg.kwargs} ({err}); "
                         "remove or rename the option") from None
+
+
+def named_decay_groups(model: nn.Module, match: str, weight_decay: float) -> list[dict]:
+    """optim.no_decay_match: NVIDIA's rule (image_classification/optimizers.py get_sgd_optimizer), no decay for the
+    parameters whose names contain `match` ("bn"), decay for the rest: a downsample BatchNorm (downsample.1) and
+    fc.bias are decayed there, not under timm's 1-D rule. Frozen parameters are left out, as timm's groups do."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    return [{"params": [p for name, p in named if match in name], "weight_decay": 0.0},
+            {"params": [p for name, p in named if match not in name], "weight_decay": weight_decay}]
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedConfig, epochs: int,

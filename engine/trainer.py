@@ -10,6 +10,7 @@ input wait share and step time: engine/speed.py); nothing else in the hot path w
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import time
@@ -57,6 +58,7 @@ class LoopConfig:
 
     normalize: Normalize  # uint8 batches to the model's input, on the device
     accum_steps: int = 1
+    drop_last_accum: bool = False  # the epoch's micro-batches after its last whole group are left out
     clip_grad: float = 0.0  # 0 = no clipping
     max_steps: int = 0  # 0 = no limit
     log_interval: int = 20  # logging.interval
@@ -83,13 +85,13 @@ def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cf
     model, optimizer = parts.model, parts.optimizer
     model.train()
     meter = state.start_epoch(info.device, info.is_main)
-    num_batches = len(loader)
+    num_batches = len(loader) - (len(loader) % cfg.accum_steps if cfg.drop_last_accum else 0)  # the batches trained on
     steps = state.epoch_step + math.ceil(num_batches / cfg.accum_steps)  # the whole epoch's, also when resumed
     clock = cfg.clock
     ahead = reads_ahead(info.device) if cfg.read_ahead is None else cfg.read_ahead
     with workers_shielded():  # DataLoader workers start here; a SIGTERM to the process group must not kill them
         # Host time blocked in the loader's next(), from the second optimizer step on: is the run input-bound?
-        waits = LoaderWait(iter(loader), clock_start(cfg.accum_steps, ahead), clock)
+        waits = LoaderWait(itertools.islice(loader, num_batches), clock_start(cfg.accum_steps, ahead), clock)
         batches = device_batches(waits, info.device, cfg.normalize, ahead)
     shown = Progress(batches, num_batches, state.epoch, steps, cfg.show_progress and info.is_main)
     start = clock() - state.epoch_seconds

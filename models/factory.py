@@ -72,6 +72,8 @@ def create_model(cfg: ModelConfig, num_classes: int, weights: dict[str, torch.Te
     finally:
         for name, level in quieted.items():
             logging.getLogger(name).setLevel(level)
+    if not (weights or from_hub):
+        fresh_init(model, cfg)
     for name in ("pretrained_cfg", "default_cfg"):  # timm keeps the overlay: drop its reference to the weights
         if isinstance(getattr(model, name, None), dict):
             getattr(model, name).pop("state_dict", None)
@@ -82,6 +84,34 @@ def create_model(cfg: ModelConfig, num_classes: int, weights: dict[str, torch.Te
             raise UserError(f"model {cfg.name!r} does not support gradient checkpointing ({err or 'timm says no'}); "
                             "set model.grad_checkpointing=false") from None
     return model
+
+
+def fresh_init(model: nn.Module, cfg: ModelConfig) -> None:
+    """The init options a recipe's source drew with where timm 1.0 draws otherwise (a random start only)."""
+    if cfg.conv_init:
+        init_convs(model, cfg.conv_init)
+    if cfg.cls_token_std > 0:
+        init_cls_token(model, cfg.cls_token_std, cfg.name)
+
+
+def init_convs(model: nn.Module, mode: str) -> None:
+    """model.conv_init: NVIDIA's ResNet-50 draws each convolution kaiming_normal_(mode="fan_in", nonlinearity="relu")
+    (models/common.py LayerBuilder.conv), where timm's ResNet uses fan_out: a stem std of 0.117 there, 0.025 here."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Conv2d):
+                nn.init.kaiming_normal_(module.weight, mode=mode, nonlinearity="relu")
+
+
+def init_cls_token(model: nn.Module, std: float, name: str) -> None:
+    """model.cls_token_std: DeiT trained under timm 0.3.2, whose VisionTransformer drew its cls_token with
+    trunc_normal_(std=.02); timm 1.0 draws normal(std=1e-6), a token that starts near zero."""
+    token = getattr(model, "cls_token", None)
+    if not isinstance(token, torch.Tensor):
+        raise UserError(f"model.cls_token_std is set but model {name!r} has no cls_token; remove "
+                        "model.cls_token_std (it is for ViT-family models)")
+    with torch.no_grad():
+        timm.layers.trunc_normal_(token, std=std)
 
 
 def names_weights(name: str) -> bool:

@@ -183,7 +183,37 @@ DECODING_ROWS = [
                  "resnet50_torchvision.yaml", MAE)
 ]
 
-ROWS = SCHEDULE_ROWS + PREPROCESSING_ROWS + DECODING_ROWS
+# Precision, init, weight decay, steps per epoch, erasing, EMA (issue 40 items 1, 4-8).
+ERASE_BOX_TEST = "tests/test_augment.py::test_erasing_box_is_timms_or_torchvisions_formula_on_the_same_draws"
+TIMM_ERASING = ("deit_small.yaml", "deit_small_distilled.yaml", "convnext_tiny.yaml", MAE)
+SOURCE_ROWS_40: list[Row] = [
+    Row("resnet50_torchvision.yaml", "EMA in the warmup epochs", "copies the model at each update of the 5 warmup "
+        "epochs and at the first after them (train.py: model_ema.n_averaged.fill_(0) while epoch < "
+        "lr_warmup_epochs)", ("model.ema_reset_epochs",),
+        "tests/test_ema.py::test_ema_reset_epochs_is_torchvisions_warmup_reset", "torch's AveragedModel beside it"),
+    Row("convnext_tiny.yaml", "optimizer steps per epoch", "len(dataset_train) // total_batch_size (main.py): 312 at "
+        "4096; engine.py skips the micro-batches after them", ("train.accum_steps", "train.drop_last_accum"),
+        "tests/test_schedule.py::test_steps_per_epoch_with_accumulation_follow_convnexts_rule_when_dropping"),
+    *(Row(name, "cls_token init", "trunc_normal_(std=.02) (timm 0.3.2 VisionTransformer, which DeiT's models.py "
+          "builds)", ("model.cls_token_std",), "tests/test_model_options.py::test_cls_token_std_draws_deits_cls_token",
+          "timm 1.0 would draw normal(std=1e-6)") for name in ("deit_small.yaml", "deit_small_distilled.yaml")),
+    Row("resnet50.yaml", "convolution init", "kaiming_normal_(mode=\"fan_in\", nonlinearity=\"relu\") "
+        "(models/common.py LayerBuilder.conv, ResNet.Params conv_init)", ("model.conv_init",),
+        "tests/test_recipes.py::test_nvidia_conv_init_is_its_layer_builders", "timm's resnet alone: fan_out"),
+    Row("resnet50.yaml", "no weight decay", "parameters whose names contain \"bn\" (optimizers.py "
+        "get_sgd_optimizer): downsample BatchNorms and fc.bias are decayed", ("optim.no_decay_norm_bias",
+        "optim.no_decay_match"), "tests/test_recipes.py::test_nvidia_weight_decay_skips_only_names_with_bn",
+        "timm's 1-D rule would differ on 9 tensors"),
+    *(Row(name, "random erasing box", "timm RandomErasing: area 0.02-1/3, aspect 0.3-1/0.3 (log-uniform)",
+          ("data.random_erase_box",), ERASE_BOX_TEST) for name in TIMM_ERASING),
+    *(Row(name, "random erasing fill", "--remode pixel: N(0, 1) per pixel after normalization, unbounded", (), "",
+          "not expressible: mean + std x N(0, 1) rounded and clipped to uint8 before normalization")
+      for name in TIMM_ERASING),
+    Row("resnet50_torchvision.yaml", "random erasing box", "RandomErasing: scale (0.02, 0.33), ratio (0.3, 3.3)",
+        ("data.random_erase_box",), ERASE_BOX_TEST),
+]
+
+ROWS = SCHEDULE_ROWS + PREPROCESSING_ROWS + SOURCE_ROWS_40 + DECODING_ROWS
 
 
 def app_value(config: dict, key: str) -> str:

@@ -161,6 +161,46 @@ def test_erasing_fills_a_box_with_varied_pixels():
     assert inside.float().std() > 20  # random pixel values, not one constant
 
 
+@pytest.mark.parametrize("box", ["timm", "torchvision"])
+def test_erasing_box_is_timms_or_torchvisions_formula_on_the_same_draws(box):
+    """data.random_erase_box: timm's RandomErasing._erase (timm/data/random_erasing.py) takes target_area =
+    uniform(min_area, max_area) x area, aspect = exp(uniform(*log_aspect_ratio)), h = int(round(sqrt(target_area x
+    aspect))), w = int(round(sqrt(target_area / aspect))), kept if h < img_h and w < img_w, with its defaults
+    (0.02, 1/3, 0.3 and 1/0.3) read from timm's object; torchvision's RandomErasing the same with (0.02, 0.33) and
+    (0.3, 3.3). On a portrait 61 x 23 image (up to 10 tries, aspect near the limits), each erasing's (h, w) equals the
+    formula's on the same two uniforms per try; the other ranges give other boxes on some of the 100 seeds."""
+    import math
+
+    from timm.data.random_erasing import RandomErasing
+
+    from data.transforms import TimmErasing
+
+    source = RandomErasing(probability=1.0, mode="pixel", device="cpu")
+    ranges = {"timm": ((source.min_area, source.max_area), source.log_aspect_ratio),
+              "torchvision": ((0.02, 0.33), (math.log(0.3), math.log(3.3)))}
+    image = torch.zeros(3, 61, 23, dtype=torch.uint8)
+    erasing = TimmErasing(1.0, (0.5,) * 3, (0.25,) * 3, "pixel", box=box)
+
+    def formula(seed: int, area_range, log_aspect) -> tuple[int, int]:
+        torch.manual_seed(seed)
+        for _ in range(10):
+            target_area = torch.empty(1).uniform_(*area_range).item() * 61 * 23
+            aspect_ratio = math.exp(torch.empty(1).uniform_(*log_aspect).item())
+            h, w = int(round(math.sqrt(target_area * aspect_ratio))), int(round(math.sqrt(target_area / aspect_ratio)))
+            if w < 23 and h < 61:
+                return h, w
+        return 61, 23
+
+    ours, other = [], []
+    for seed in range(100):
+        torch.manual_seed(seed)
+        params = erasing.make_params([image])["boxes"][0]
+        ours.append((params["h"], params["w"]))
+        assert ours[-1] == formula(seed, *ranges[box]), seed
+        other.append(formula(seed, *ranges["torchvision" if box == "timm" else "timm"]))
+    assert ours != other
+
+
 def test_policy_draws_leave_the_global_torch_rng_alone():
     data = dataset(DataConfig(**RECIPE))
     torch.manual_seed(0)

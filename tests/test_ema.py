@@ -136,3 +136,36 @@ def test_ema_update_costs_the_same_for_any_number_of_layers():
     theirs = [ops_per_update(lambda m: ModelEmaV3(m, decay=0.9), blocks) for blocks in (2, 8)]
     assert ours[0] == ours[1] <= 2, ours
     assert theirs[1] > theirs[0], theirs  # the count does see a per-layer cost
+
+
+def test_ema_reset_epochs_is_torchvisions_warmup_reset():
+    """model.ema_reset_epochs=2 is torchvision's rule (references/classification/train.py, train_one_epoch):
+    `model_ema.update_parameters(model)`, then `if epoch < args.lr_warmup_epochs: model_ema.n_averaged.fill_(0)`,
+    with its ExponentialMovingAverage (utils.py: AveragedModel(..., ema_avg, use_buffers=True), ema_avg =
+    decay * avg_model_param + (1 - decay) * model_param), updated every step (--model-ema-steps 1). The first
+    step of epoch 2 copies too (n_averaged is 0 there): a reset only inside the warmup epochs misses it."""
+    from torch.optim.swa_utils import AveragedModel
+
+    from engine.hooks import EmaUpdate
+    from engine.state import TrainState
+    from models.ema import create_ema
+
+    torch.manual_seed(0)
+    decay, warmup_epochs = 0.5, 2
+    model = _bn_stack(2).train()
+    ours = create_ema(model, decay)
+    source = AveragedModel(model, avg_fn=lambda avg, param, n: decay * avg + (1 - decay) * param, use_buffers=True)
+    hook, state = EmaUpdate(ours, model, reset_epochs=warmup_epochs), TrainState()
+    for epoch in range(4):
+        for _ in range(3):
+            _train_a_little(model)
+            state.step_done(0.0)
+            hook.after_step(state)
+            source.update_parameters(model)
+            if epoch < warmup_epochs:
+                source.n_averaged.fill_(0)
+            expected = source.module.state_dict()
+            for name, value in ours.module.state_dict().items():
+                if value.is_floating_point():  # torchvision averages num_batches_tracked as well (ints)
+                    torch.testing.assert_close(value, expected[name], rtol=1e-6, atol=1e-6, msg=name)
+        state.finish_epoch()

@@ -119,6 +119,9 @@ def test_bce_under_autocast_uses_float32_targets():
      "[0, 1) (or null: off), got 1.5"),
     (["train.loss=bce", "train.bce_pos_weight=0"], "config key 'train.bce_pos_weight' must be > 0 (or null: 1), "
      "got 0.0"),
+    (["optim.no_decay_match=bn", "optim.layer_decay=0.7"], "config key 'optim.no_decay_match' cannot be used with "
+     "optim.layer_decay (timm groups the parameters by layer); remove one of them"),
+    (["model.conv_init=fan"], "config key 'model.conv_init' is 'fan'; choose one of , fan_in, fan_out"),
 ])
 def test_bad_knob_values_are_one_line_errors(overrides, message):
     with pytest.raises(UserError) as err:

@@ -59,3 +59,43 @@ def test_two_ranks_with_a_frozen_backbone_train_only_the_head(tiny_run, tmp_path
     assert not torch.equal(before["fc.weight"], after["fc.weight"])
     # The optimizer holds the classifier only.
     assert sum(len(group["params"]) for group in ckpt["optimizer"]["param_groups"]) == 2
+
+
+def timm_032_trunc_normal_(tensor: torch.Tensor, mean=0., std=1., a=-2., b=2.) -> torch.Tensor:
+    """timm 0.3.2's trunc_normal_ (timm/models/layers/weight_init.py, _no_grad_trunc_normal_), as written there."""
+    import math
+
+    def norm_cdf(x):
+        return (1. + math.erf(x / math.sqrt(2.))) / 2.
+
+    with torch.no_grad():
+        l = norm_cdf((a - mean) / std)
+        u = norm_cdf((b - mean) / std)
+        tensor.uniform_(2 * l - 1, 2 * u - 1)
+        tensor.erfinv_()
+        tensor.mul_(std * math.sqrt(2.))
+        tensor.add_(mean)
+        tensor.clamp_(min=a, max=b)
+        return tensor
+
+
+def test_cls_token_std_draws_deits_cls_token():
+    """model.cls_token_std=0.02 draws the cls_token as DeiT's pinned timm 0.3.2 did (vision_transformer.py,
+    VisionTransformer.__init__: trunc_normal_(self.cls_token, std=.02)), where timm 1.0 draws normal(std=1e-6); the
+    other weights stay timm's. The draw is the last of create_model's, so the plain build's RNG state feeds it."""
+    torch.manual_seed(0)
+    plain = create_model(ModelConfig(name="test_vit"), 10)
+    expected = timm_032_trunc_normal_(torch.empty_like(plain.cls_token), std=.02)
+    torch.manual_seed(0)
+    deit = create_model(ModelConfig(name="test_vit", cls_token_std=0.02), 10)
+    assert torch.equal(deit.cls_token, expected)
+    assert 0.01 < deit.cls_token.std() < 0.03 and plain.cls_token.abs().max() < 1e-5
+    others = {k: v for k, v in deit.state_dict().items() if k != "cls_token"}
+    assert all(torch.equal(v, plain.state_dict()[k]) for k, v in others.items())
+
+
+def test_cls_token_std_on_a_model_without_one_is_one_line():
+    from core.errors import UserError
+
+    with pytest.raises(UserError, match="model.cls_token_std is set but model 'test_resnet' has no cls_token"):
+        create_model(ModelConfig(name="test_resnet", cls_token_std=0.02), 10)

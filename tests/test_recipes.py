@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -278,6 +279,48 @@ def test_last_bn_init_is_the_sources(name, zero):
     for block in (m for m in model.modules() if type(m).__name__ == "Bottleneck"):
         expected = torch.zeros_like(block.bn3.weight) if zero else reference.layer1[0].bn3.weight.detach()
         assert torch.equal(block.bn3.weight.detach()[:len(expected)], expected[:len(block.bn3.weight)])
+
+
+def test_nvidia_conv_init_is_its_layer_builders():
+    """configs/resnet50.yaml draws every convolution as NVIDIA's LayerBuilder.conv (image_classification/models/
+    common.py): nn.init.kaiming_normal_(conv.weight, mode=self.config.conv_init, nonlinearity="relu"), conv_init
+    "fan_in" (ResNet.Params); timm's fan_out would give the stem std sqrt(2 / 3136) = 0.025, fan_in sqrt(2 / 147)."""
+    from models.factory import create_model
+
+    cfg = load_config("resnet50.yaml").model
+    torch.manual_seed(0)
+    timms = create_model(dataclasses.replace(cfg, conv_init=""), 10)  # its RNG state then feeds the redraw
+    convs = [m for m in timms.modules() if isinstance(m, torch.nn.Conv2d)]
+    expected = [torch.nn.init.kaiming_normal_(torch.empty_like(c.weight), mode="fan_in", nonlinearity="relu")
+                for c in convs]
+    torch.manual_seed(0)
+    ours = [m for m in create_model(cfg, 10).modules() if isinstance(m, torch.nn.Conv2d)]
+    assert len(ours) == 53 and all(torch.equal(c.weight, e) for c, e in zip(ours, expected))
+    assert abs(ours[0].weight.std() - math.sqrt(2 / 147)) < 0.005 and abs(convs[0].weight.std() - 0.025) < 0.002
+
+
+def test_nvidia_weight_decay_skips_only_names_with_bn():
+    """configs/resnet50.yaml decays as NVIDIA's get_sgd_optimizer (image_classification/optimizers.py): bn_params
+    = [v for n, v in parameters if "bn" in n] at weight_decay 0, the rest decayed. Its 4 downsample BatchNorms
+    (downsample.1, weight and bias) and fc.bias are decayed there: 9 tensors where timm's 1-D rule differs."""
+    from engine.optim import build_optimizer
+    from models.factory import create_model
+
+    cfg = load_config("resnet50.yaml")
+    model = create_model(cfg.model, 10)
+    parameters = list(model.named_parameters())
+    bn_params = [v for n, v in parameters if "bn" in n]  # NVIDIA's, as written
+    rest_params = [v for n, v in parameters if not "bn" in n]  # noqa: E713
+    expected = {id(v): 0 for v in bn_params} | {id(v): cfg.optim.weight_decay for v in rest_params}
+
+    def decay_of(optimizer) -> dict[int, float]:
+        return {id(p): group["weight_decay"] for group in optimizer.param_groups for p in group["params"]}
+
+    ours = decay_of(build_optimizer(model, cfg.optim))
+    timms = decay_of(build_optimizer(model, dataclasses.replace(cfg.optim, no_decay_match="")))
+    assert ours == expected
+    differ = [n for n, v in parameters if timms[id(v)] != ours[id(v)]]
+    assert len(differ) == 9 and "fc.bias" in differ and all("downsample.1" in n for n in differ if n != "fc.bias")
 
 
 def test_fidelity_table_in_docs_is_generated_from_the_rows():

@@ -340,3 +340,36 @@ def test_a_schedule_longer_than_the_run_is_warned_at_start(overrides, warning, c
     err = capsys.readouterr().err
     assert warning in err, err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("drop", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["drop_last_accum", "last-group-steps"])
+def test_steps_per_epoch_with_accumulation_follow_convnexts_rule_when_dropping(drop, tmp_path):
+    """train.drop_last_accum: ConvNeXt's main.py takes num_training_steps_per_epoch = len(dataset_train) //
+    (batch_size x update_freq x world size) and its engine.py skips every micro-batch with data_iter_step //
+    update_freq >= it; 40 images in batches of 4 with accum 3 (10 micro-batches): 3 steps of 36 images there,
+    where the default steps a last group of one micro-batch too (ceil: 4 steps, 40 images)."""
+    images, batch, accum = 40, 4, 3
+    out = tmp_path / "run"
+    argv = [*TINY, f"data.dummy_train_size={images}", f"train.batch_size={batch}", f"train.accum_steps={accum}",
+            f"train.drop_last_accum={str(drop).lower()}", f"output_dir={out}"]
+    assert report_errors(train.main, argv) == 0
+    steps = torch.load(out / "last.pth", weights_only=True)["global_step"]
+    trained = read_jsonl(out / "metrics.jsonl")[0]["train_images"]
+    num_training_steps_per_epoch = images // (batch * accum * 1)  # ConvNeXt main.py, world size 1
+    micro_batches = sum(1 for data_iter_step in range(images // batch)  # engine.py's skip
+                        if data_iter_step // accum < num_training_steps_per_epoch)
+    if drop:
+        assert (steps, trained) == (num_training_steps_per_epoch, micro_batches * batch) == (3, 36)
+    else:
+        assert (steps, trained) == (4, images)  # ceil(10 / 3) steps, every image
+
+
+def test_drop_last_accum_without_a_whole_group_is_one_line():
+    from torch.utils.data import DataLoader
+
+    from data.loader import steps_per_epoch
+
+    with pytest.raises(UserError, match=r"train.drop_last_accum=true: each process gets 2 batches per epoch, fewer "
+                                        r"than train.accum_steps=3"):
+        steps_per_epoch(DataLoader(range(2)), 3, drop_last_accum=True)
