@@ -159,7 +159,7 @@ def build_start(cfg: Config, start: Resume, weights: StartingWeights,
     auto_batch = cfg.train.batch_size == "auto"  # found once the model is built: with_auto_batch
     seed_everything(cfg.seed)
     data = build_data(cfg.data, UNIT if auto_batch else cfg.train.batch_size, cfg.seed, info)
-    precision = resolve_precision(cfg.amp, info.device)
+    precision = resolve_precision(cfg.amp, info.device, cfg.loss_scale)
     if cfg.dist.strategy == "fsdp" and precision.scaler is not None:  # amp=fp16 itself: core/config_checks.py
         raise UserError(f"amp={cfg.amp} chose fp16 on this GPU, which dist.strategy=fsdp cannot use (the GradScaler "
                         "would see only each process's shard of the gradients); use amp=off, or dist.strategy=ddp")

@@ -57,6 +57,8 @@ def _get(cfg: Config, key: str) -> Any:
 
 
 def validate(cfg: Config) -> None:
+    if cfg.loss_scale < 0:
+        raise UserError(f"config key 'loss_scale' must be >= 0 (0 = a dynamic scale), got {cfg.loss_scale}")
     """Reject values that type-check but cannot work (negative lr, batch size 0, unknown modes)."""
     if cfg.sched.name == "plateau":  # before CHOICES: say why it is missing
         raise UserError("sched.name 'plateau' is not supported: it steps on a validation metric and timm does not "

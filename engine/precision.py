@@ -135,8 +135,20 @@ def auto_mode(device: torch.device) -> str:
     return "bf16" if cpu_has_native_bf16() else "off"
 
 
-def resolve_precision(mode: str, device: torch.device) -> Precision:
-    """Turn `amp: auto|bf16|fp16|off` into a Precision for this device."""
+def grad_scaler(device_type: str, loss_scale: float = 0.0) -> torch.amp.GradScaler:
+    """fp16's GradScaler: torch's dynamic one, or (loss_scale > 0) one that starts at that scale and never grows,
+    halving it on an overflow as NVIDIA's DeepLearningExamples build theirs (--static-loss-scale 128)."""
+    if not loss_scale:
+        return torch.amp.GradScaler(device_type)
+    return torch.amp.GradScaler(device_type, init_scale=loss_scale, growth_factor=2.0, backoff_factor=0.5,
+                                growth_interval=STATIC_GROWTH_INTERVAL)
+
+
+STATIC_GROWTH_INTERVAL = 1_000_000_000  # NVIDIA's: no growth within any run
+
+
+def resolve_precision(mode: str, device: torch.device, loss_scale: float = 0.0) -> Precision:
+    """Turn `amp: auto|bf16|fp16|off` into a Precision for this device (`loss_scale`: fp16's, see grad_scaler)."""
     cuda = device.type == "cuda"
     if mode == "auto":
         mode = auto_mode(device)
@@ -148,4 +160,4 @@ def resolve_precision(mode: str, device: torch.device) -> Precision:
         return Precision(device.type, torch.bfloat16)
     if not cuda:
         raise UserError("amp=fp16 on CPU is far slower than fp32 (no fp16 kernels); use amp=bf16 (or auto) or amp=off")
-    return Precision(device.type, torch.float16, torch.amp.GradScaler("cuda"))
+    return Precision(device.type, torch.float16, grad_scaler("cuda", loss_scale))

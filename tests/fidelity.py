@@ -213,7 +213,21 @@ SOURCE_ROWS_40: list[Row] = [
         ("data.random_erase_box",), ERASE_BOX_TEST),
 ]
 
-ROWS = SCHEDULE_ROWS + PREPROCESSING_ROWS + SOURCE_ROWS_40 + DECODING_ROWS
+# Precision (issue 40 item 1): the source's, from its own command line and training loop.
+PRECISION_TEST = "tests/test_recipes.py::test_recipe_precision_is_its_sources"
+PRECISION_ROWS = [
+    Row("resnet50.yaml", "precision", "fp16 with GradScaler(init_scale=128, growth_interval=1e9): --amp "
+        "--static-loss-scale 128", ("amp", "loss_scale"), PRECISION_TEST, "the same GradScaler, stepped beside it"),
+    *(Row(name, "precision", f"fp16 with a dynamic GradScaler ({source})", ("amp", "loss_scale"), PRECISION_TEST,
+          "torch's GradScaler, as theirs") for name, source in (
+        ("deit_small.yaml", "main.py --amp, NativeScaler"), ("deit_small_distilled.yaml", "main.py --amp, NativeScaler"),
+        ("resnet50_rsb_a3.yaml", "timm train.py --amp"))),
+    *(Row(name, "precision", f"fp32 ({source})", ("amp",), PRECISION_TEST) for name, source in (
+        ("convnext_tiny.yaml", "main.py: --use_amp false by default"),
+        ("resnet50_torchvision.yaml", "the recipe's command has no --amp"))),
+]
+
+ROWS = SCHEDULE_ROWS + PREPROCESSING_ROWS + SOURCE_ROWS_40 + DECODING_ROWS + PRECISION_ROWS
 
 
 def app_value(config: dict, key: str) -> str:

@@ -318,7 +318,7 @@ def test_resnet50_recipe_smoke_run_meets_the_documented_figures(tmp_path, capsys
 
 
 def test_a_dummy_data_run_keeps_the_gpu_fed(tmp_path, capsys, monkeypatch):
-    """Issue 28: the loop itself does not leave the GPU waiting for its input. `--config resnet50` (amp=auto,
+    """Issue 28: the loop itself does not leave the GPU waiting for its input. `--config resnet50` (fp16, loss scale 128,
     channels_last, 224 px) at batch 128 on dummy images made at 64 px, so that the workers' own cost per image
     is small (what a slow decoder costs is the user's data, not this check), for 4x as many steps as the workers
     queue at the start (workers x data.prefetch_factor), so the queue drains: the epoch's input wait share is

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 
@@ -336,3 +337,52 @@ def test_fidelity_table_in_docs_is_generated_from_the_rows():
         if row.test:
             path, test = row.test.split("::")
             assert f"def {test}(" in (REPO / path).read_text(), row.test
+
+
+# The sources' precision: DeiT main.py (--amp default, torch.cuda.amp + NativeScaler: a default GradScaler), timm
+# train.py --amp for RSB A3 (native AMP, a default GradScaler), NVIDIA's --amp --static-loss-scale 128, ConvNeXt
+# main.py (--use_amp false by default) and torchvision's recipe command (no --amp): fp32.
+SOURCE_PRECISION = {"deit_small.yaml": ("fp16", 0.0), "deit_small_distilled.yaml": ("fp16", 0.0),
+                    "resnet50_rsb_a3.yaml": ("fp16", 0.0), "resnet50.yaml": ("fp16", 128.0),
+                    "convnext_tiny.yaml": ("off", 0.0), "resnet50_torchvision.yaml": ("off", 0.0)}
+
+
+def scales(scaler: torch.amp.GradScaler, overflow_at: set[int], steps: int = 2100) -> list[float]:
+    """The scale after each of `steps` optimizer steps of a one-weight model, with inf gradients at `overflow_at`."""
+    weight = torch.nn.Parameter(torch.ones(1))
+    optimizer = torch.optim.SGD([weight], lr=0.0)
+    found = []
+    for step in range(steps):
+        loss = weight.sum() * (float("inf") if step in overflow_at else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        found.append(scaler.get_scale())
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(SOURCE_PRECISION))
+def test_recipe_precision_is_its_sources(name):
+    """Each recipe trains in its source's precision; fp16's GradScaler behaves as the source builds it (NVIDIA:
+    GradScaler(init_scale=128, growth_factor=2, backoff_factor=0.5, growth_interval=1000000000), image_classification
+    /training.py; the others torch's default), stepped side by side through overflows and 2,100 good steps."""
+    cfg = load_config(name)
+    mode, scale = SOURCE_PRECISION[name]
+    assert (cfg.amp, cfg.loss_scale) == (mode, scale)
+    if mode != "fp16":
+        return
+    ours, theirs = scaler_runs(cfg.loss_scale)
+    assert ours == theirs
+    assert (ours[-1] == 16.0) if scale else (ours[-1] > ours[100])  # static: only halved; dynamic: grown again
+
+
+@functools.lru_cache
+def scaler_runs(loss_scale: float) -> tuple[list[float], list[float]]:
+    """The app's GradScaler for `loss_scale` and the source's, through the same overflows (once per scale)."""
+    from engine.precision import grad_scaler
+
+    theirs = (torch.amp.GradScaler("cpu", init_scale=128, growth_factor=2, backoff_factor=0.5,
+                                   growth_interval=1000000000) if loss_scale else torch.amp.GradScaler("cpu"))
+    overflows = {3, 40, 41}
+    return scales(grad_scaler("cpu", loss_scale), overflows), scales(theirs, overflows)
