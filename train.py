@@ -52,7 +52,7 @@ from engine.losses import build_loss, class_weights
 from engine.optim import (build_optimizer, build_scheduler, check_optimizer, check_scheduler, scaled_lr_note,
                           with_global_batch, with_scaled_lr)
 from engine.precision import Precision, resolve_precision
-from engine.profiling import ProfileSteps
+from engine.profiling import ProfileSteps, window_warnings
 from engine.speed import InputAdvice
 from engine.state import TrainState
 from engine.tracking import TensorBoardWriter, WandbTracker
@@ -92,7 +92,10 @@ def start_up(cfg: Config, info: DistInfo) -> tuple[Config, Resume, DataBundle, P
     cfg = with_scaled_lr(cfg, info.world_size)  # after resolve_preprocessing, which reads the keys the user set
     seed_everything(cfg.seed)
     data = build_data(cfg.data, cfg.train.batch_size, cfg.seed, info)
-    for warning in check_scheduler(cfg.sched, cfg.train.epochs, steps_per_epoch(data.train, cfg.train.accum_steps)):
+    updates = steps_per_epoch(data.train, cfg.train.accum_steps)
+    steps = start.step_range(cfg.train.epochs, updates, cfg.train.max_steps)
+    for warning in (check_scheduler(cfg.sched, cfg.train.epochs, updates)
+                    + window_warnings(cfg.logging.profile_steps, *steps)):
         if info.is_main:
             log.warning(warning)
     precision = resolve_precision(cfg.amp, info.device)
