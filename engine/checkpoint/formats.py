@@ -31,13 +31,13 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                      TensorProperties, TensorStorageMetadata)
 
 from core.errors import UnreadableCheckpoint, UserError
+from core.files import TEMP
 
 
 SUFFIX = ".dcp"
 PLAIN = "train_state.pth"  # rank 0's plain data (torch.save, weights_only-loadable)
 METADATA = ".metadata"  # DCP's index of the shards (a pickle: read through MetadataUnpickler)
 SHARD = re.compile(r"__\d+_\d+\.distcp")  # DCP's shard files: __<rank>_<n>.distcp
-TEMP = re.compile(r"\.(?P<name>.+\.dcp)\.\d+\.[0-9a-f]+\.(?P<tag>tmp|old)")  # outputs.temp_name of a folder here
 # torch.save's zip archive, and the legacy format (a protocol-2 pickle of torch's magic number) of old .pth files.
 TORCH_FILE_STARTS = (b"PK\x03\x04", b"\x80\x02\x8a\x0a")
 # What a DCP .metadata pickle may name: its dataclasses, torch.Size, a tensor layout, the checkpoint's path.

@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from core.dist import DistInfo, all_gather_object, is_fsdp, max_over_ranks, rank0_decides
 from core.errors import UserError
-from core.files import link_atomic, save_atomic
+from core.files import link_atomic, remove_dead_temps, save_atomic
 from core.signals import sigterm_deferred
 from engine.checkpoint import sharded
 
@@ -130,6 +130,11 @@ def rng_state() -> dict[str, Any]:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
+
+
+def is_checkpoint_name(name: str) -> bool:
+    """One of the files a Checkpointer writes."""
+    return name in ("last.pth", "best.pth") or bool(EPOCH_FILE.fullmatch(name))
 
 
 class Checkpointer:
@@ -232,6 +237,7 @@ class Checkpointer:
         """Rank 0's part of save(): finish the previous write, refuse inf/NaN weights, then write the files
         (in the background with async_save)."""
         self.finish_write()
+        remove_dead_temps(self.out_dir, is_checkpoint_name)  # a killed earlier run's (the folder is ours alone)
         ckpt = self.contents(fields, rng, val_top1, gathered, copy=self.async_save)
         broken = nonfinite_tensors(ckpt["model"])
         if broken:
