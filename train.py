@@ -42,7 +42,7 @@ from data.loader import DataBundle, build_data, skipped_train_images, steps_per_
 from data.mixing import BatchMix
 from data.transforms import DeviceNormalize
 from engine.checkpoint.resume import Resume
-from engine.checkpoint.run_dir import RunRecord, check_writable, locked
+from engine.checkpoint.run_dir import FolderLock, RunRecord, check_writable, locked
 from engine.checkpoint.saver import Checkpointer
 from engine.checkpoint.weights import check_pretrained, resolve_preprocessing
 from engine.distill import build_distillation, check_teacher_needed, freeze_teacher, read_teacher, teacher_sha256
@@ -147,7 +147,8 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def fit(cfg: Config, info: DistInfo) -> TrainState:
+def fit(cfg: Config, info: DistInfo, lock: FolderLock | None = None) -> TrainState:
+    """The run; `lock`: rank 0's lock on output_dir (main holds it), checked before each write there."""
     out = Path(cfg.output_dir)
     cfg, start, data, precision, model = start_up(cfg, info)
     cfg, teacher = load_teacher(cfg, start, model, data.num_classes)
@@ -196,10 +197,10 @@ def fit(cfg: Config, info: DistInfo) -> TrainState:
                                 class_names=data.class_names, ema=ema.module if ema is not None else None,
                                 wandb_id=tracker.run_id or start.wandb_id,  # kept for a resume with tracking on
                                 best_metric=chosen_on, sharded=cfg.train.ckpt_format == "sharded",
-                                async_save=cfg.train.async_save)
+                                async_save=cfg.train.async_save, lock=lock)
     # Nothing in output_dir changes before the run's first write (record.start): a run that fails to
     # start leaves the previous run's config.yaml, metrics.jsonl and checkpoints as they were.
-    record = RunRecord(out, to_dict(cfg), first_epoch=state.epoch)
+    record = RunRecord(out, to_dict(cfg), first_epoch=state.epoch, lock=lock)
     board = TensorBoardWriter(cfg.logging, info.is_main)  # TensorBoard on rank 0; never raises
     board.start({**to_dict(cfg), "world_size": info.world_size}, out, state.global_step, lambda: record.started)
     sinks = [tracker, board]
@@ -304,8 +305,8 @@ def main(argv: list[str]) -> int:
         if info.is_main:
             print(summary)
         return 0
-    with locked(Path(cfg.output_dir)):  # one live run per output_dir
-        fit(cfg, info)  # report_errors leaves the process group, after reporting any error
+    with locked(Path(cfg.output_dir)) as lock:  # one live run per output_dir
+        fit(cfg, info, lock)  # report_errors leaves the process group, after reporting any error
     return 0
 
 

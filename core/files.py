@@ -213,9 +213,9 @@ class WriteErrors:
 
 
 def save_atomic(obj: dict[str, Any], path: str | os.PathLike) -> None:
-    """torch.save to a temp file beside `path`, fsync, then os.replace it into place; a failed write is an OSError."""
+    """torch.save to a temp file beside `path` (its folder must exist: a run folder removed mid-run is never made
+    again), fsync, then os.replace it into place; a failed write is an OSError."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     with sigterm_deferred(), atomic_file(path) as f:
         writer = WriteErrors(f)
         try:

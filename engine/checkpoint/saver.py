@@ -41,6 +41,7 @@ from core.errors import UserError
 from core.files import link_atomic, remove_dead_temps, save_atomic
 from core.signals import sigterm_deferred
 from engine.checkpoint import sharded
+from engine.checkpoint.run_dir import FolderLock
 
 log = logging.getLogger(__name__)
 FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU only
@@ -153,8 +154,9 @@ class Checkpointer:
                  optimizer: torch.optim.Optimizer, scheduler, scaler: torch.amp.GradScaler | None,
                  config: dict[str, Any], class_names: list[str], ema: nn.Module | None = None,
                  wandb_id: str | None = None, best_metric: str = "val_top1", sharded: bool = False,
-                 async_save: bool = False) -> None:
+                 async_save: bool = False, lock: FolderLock | None = None) -> None:
         self.out_dir, self.info, self.keep_last_k = Path(out_dir), info, keep_last_k
+        self.lock = lock  # rank 0's lock on out_dir (train.py): each save first checks it still holds the path
         self.sharded = sharded  # train.ckpt_format=sharded: last.dcp/ written by every rank instead of last.pth
         self.async_save = async_save and not sharded  # every rank writes a sharded folder, in step: not here
         self.writer: threading.Thread | None = None  # rank 0's write in flight (async_save)
@@ -222,6 +224,7 @@ class Checkpointer:
         if max_over_ranks(int(bool(broken)), self.info.device):
             raise self.diverged(broken, fields)
         plain = self.plain_contents(fields, rng, val_top1, gathered) if self.info.is_main else {}  # rank 0 writes it
+        rank0_decides(self.check_folder)
         sharded.save(self.last, self.model, self.optimizer, plain)
         self.saved_step = fields["global_step"]
 
@@ -237,6 +240,7 @@ class Checkpointer:
         """Rank 0's part of save(): finish the previous write, refuse inf/NaN weights, then write the files
         (in the background with async_save)."""
         self.finish_write()
+        self.check_folder()
         remove_dead_temps(self.out_dir, is_checkpoint_name)  # a killed earlier run's (the folder is ours alone)
         ckpt = self.contents(fields, rng, val_top1, gathered, copy=self.async_save)
         broken = nonfinite_tensors(ckpt["model"])
@@ -277,10 +281,16 @@ class Checkpointer:
                 if name == "last.pth":
                     self.saved_step = step
         except OSError as err:
+            self.check_folder()  # the folder was removed while the file was written: say that
             raise UserError(f"cannot write checkpoint {path} ({err.strerror or err}); free disk space (or raise "
                             f"the quota or file-size limit) or choose another output_dir; {self.kept_state()}") from None
         if prune_to is not None:
             self.prune_epoch_files(prune_to)
+
+    def check_folder(self) -> None:
+        """Rank 0, before writing: stop (UserError) if out_dir was removed or replaced since the run locked it."""
+        if self.lock is not None:
+            self.lock.check()
 
     def finish_write(self) -> None:
         """Rank 0: wait for the background write in flight; raises its UserError if it failed."""

@@ -91,7 +91,6 @@ def write_failure(err: BaseException) -> str:
 def prepare(folder: Path, tmp: Path) -> None:
     """Rank 0, before a save: our temp folders left by a killed save removed, the new temp folder made."""
     try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
         recover(folder)
         check_replaceable(folder, is_ours, OURS, "output_dir")  # before any rank writes (checked again at the swap)
         remove_dead_temps(folder.parent, lambda name: name == folder.name)
