@@ -19,6 +19,7 @@ if __name__ == "__main__":  # first: a SIGTERM or SIGUSR1 during the imports bel
 import argparse
 import logging
 import random
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -33,8 +34,8 @@ from core.cli import run_main
 from core.config import (Config, ModelConfig, best_metric, config_yaml, given_keys, keys_help, lower_is_better, mixing,
                          replace_section, to_dict)
 from core.config_load import load_config
-from core.dist import (DistInfo, broadcast_tensors, init_distributed, is_fsdp, rank0_decides, read_launch_env,
-                       replicated_tensors)
+from core.dist import (DistInfo, broadcast_object, broadcast_tensors, init_distributed, is_fsdp, rank0_decides,
+                       read_launch_env, replicated_tensors)
 from core.errors import UserError
 from core.logs import setup_logging
 from core.signals import Preempted
@@ -197,7 +198,8 @@ def fit(cfg: Config, info: DistInfo, lock: FolderLock | None = None) -> TrainSta
                                 class_names=data.class_names, ema=ema.module if ema is not None else None,
                                 wandb_id=tracker.run_id or start.wandb_id,  # kept for a resume with tracking on
                                 best_metric=chosen_on, sharded=cfg.train.ckpt_format == "sharded",
-                                async_save=cfg.train.async_save, lock=lock)
+                                async_save=cfg.train.async_save, lock=lock,
+                                run_id=start.run_id or broadcast_object(uuid.uuid4().hex))  # a fresh run's: rank 0's
     # Nothing in output_dir changes before the run's first write (record.start): a run that fails to
     # start leaves the previous run's config.yaml, metrics.jsonl and checkpoints as they were.
     record = RunRecord(out, to_dict(cfg), first_epoch=state.epoch, lock=lock)

@@ -3,9 +3,9 @@
 A training checkpoint (`Checkpointer.save`) holds everything a resumed run needs to continue bit for bit:
 model, EMA weights (if any), optimizer, scheduler, GradScaler, the loop state (any object with `state_dict()`:
 epoch, global step, steps and train sums of an unfinished epoch, best val_top1), the resolved config, the class
-names, the W&B run id, and every rank's RNG states (`Checkpointer.plain_contents` lists the keys;
-engine/checkpoint/resume.py, beside it, reads them back). The data order needs no state: the sampler is seeded by
-(seed, epoch) and each augmentation by (seed, epoch, index).
+names, the W&B run id, the run's own id (made fresh, kept by resumes) and every rank's RNG states
+(`Checkpointer.plain_contents` lists the keys; engine/checkpoint/resume.py, beside it, reads them back). The
+data order needs no state: the sampler is seeded by (seed, epoch) and each augmentation by (seed, epoch, index).
 
 Files (`last.pth`, `best.pth`, `epoch_NNNN.pth`) are written through core/files.save_atomic (a temp file moved
 into place: a crash mid-write leaves the previous file intact); with train.async_save rank 0 writes a copy of
@@ -154,7 +154,7 @@ class Checkpointer:
                  optimizer: torch.optim.Optimizer, scheduler, scaler: torch.amp.GradScaler | None,
                  config: dict[str, Any], class_names: list[str], ema: nn.Module | None = None,
                  wandb_id: str | None = None, best_metric: str = "val_top1", sharded: bool = False,
-                 async_save: bool = False, lock: FolderLock | None = None) -> None:
+                 async_save: bool = False, lock: FolderLock | None = None, run_id: str | None = None) -> None:
         self.out_dir, self.info, self.keep_last_k = Path(out_dir), info, keep_last_k
         self.lock = lock  # rank 0's lock on out_dir (train.py): each save first checks it still holds the path
         self.sharded = sharded  # train.ckpt_format=sharded: last.dcp/ written by every rank instead of last.pth
@@ -169,6 +169,7 @@ class Checkpointer:
         self.best_metric = best_metric  # what val_top1 and best_top1 measure: val_top1, or ema_val_top1 (EMA weights)
         self.config, self.class_names = config, class_names
         self.wandb_id = wandb_id  # the W&B run a later resume continues (kept even when tracking is now off)
+        self.run_id = run_id  # made by a fresh run, kept by its resumes: which files are of one run (averaging)
         self.saved_step: int | None = None  # global step of the last checkpoint this run wrote
 
     def contents(self, fields: dict[str, Any], rng: list[dict[str, Any]], val_top1: float | None,
@@ -201,6 +202,7 @@ class Checkpointer:
             "class_names": list(self.class_names),
             "config": self.config,
             "wandb_id": self.wandb_id,
+            "run_id": self.run_id,
         }
 
     def save(self, state: Stateful, val_top1: float | None = None, best: bool = False,
