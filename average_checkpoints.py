@@ -7,8 +7,10 @@
 
 As timm's avg_checkpoints.py: every tensor of the model's state dict is summed in float64 and divided by K,
 then stored in its own dtype (float32 weights; integer buffers such as BatchNorm's num_batches_tracked are
-rounded). The EMA weights are averaged the same way when the checkpoints hold them. BatchNorm running means
-and variances are averaged like any other tensor, as timm does, not recomputed on training data: a mean of
+rounded). The EMA weights are averaged the same way when every checkpoint holds them (a run that switched the
+EMA on at a resume has older files without: then the model weights alone, said in a line). The files must be of
+one run: the same class names, model and run id (train.py records one per run, kept by its resumes). BatchNorm
+running means and variances are averaged like any other tensor, as timm does, not recomputed on training data: a mean of
 running variances is not exactly the variance of the averaged model's activations, which matters little for
 checkpoints of neighbouring epochs late in a run (a recomputation pass is left to the user). timm picks the
 top K by metric by default; here the K newest epochs, as averaging the end of a schedule does.
@@ -86,16 +88,50 @@ def check_same_model(ckpts: list[dict[str, Any]], paths: list[Path], key: str) -
                             "shapes); average checkpoints of one run")
 
 
+DATA_KEYS = ("name", "root", "train_split")  # the run's training data: compared for files from before run ids
+
+
+def check_one_run(ckpts: list[dict[str, Any]], paths: list[Path]) -> None:
+    """Every file is of the newest file's run, else one line naming the odd file: a folder can hold another run's
+    later epoch files (a run started over in it), whose names and shapes may well agree."""
+    for ckpt, path in zip(ckpts, paths):
+        differs = run_difference(ckpt, ckpts[-1])
+        if differs:
+            raise UserError(f"checkpoint {path} is of another run than {paths[-1]}: {differs}; average the epoch "
+                            f"files of one run (move the other run's out of {path.parent}, or lower --last)")
+
+
+def run_difference(ckpt: dict[str, Any], newest: dict[str, Any]) -> str:
+    """What shows `ckpt` is of another run than `newest`: class names, model, run id (or, for a file from before
+    run ids, its training data); "" when nothing does."""
+    if list(ckpt["class_names"]) != list(newest["class_names"]):
+        return "other class names"
+    models = [(c["config"].get("model") or {}).get("name") for c in (ckpt, newest)]
+    if models[0] != models[1]:
+        return f"another model ({models[0]} vs {models[1]})"
+    ids = [c.get("run_id") for c in (ckpt, newest)]
+    if all(ids):
+        return f"another run id ({ids[0]} vs {ids[1]})" if ids[0] != ids[1] else ""
+    data = [tuple((c["config"].get("data") or {}).get(key) for key in DATA_KEYS) for c in (ckpt, newest)]
+    return f"other training data (data.name, root, train_split: {data[0]} vs {data[1]})" if data[0] != data[1] else ""
+
+
 def average_checkpoints(paths: list[Path]) -> dict[str, Any]:
-    """The averaged checkpoint: mean model (and EMA) weights, the newest checkpoint's config and class names."""
+    """The averaged checkpoint: mean model weights (and EMA weights where every file has them), the newest
+    checkpoint's config and class names."""
     ckpts = []
     for path in paths:
         ckpt = load_checkpoint(path)
         if not all(key in ckpt for key in ("model", "config", "class_names")):
             raise UserError(f"checkpoint {path} was not written by train.py (no model, config or class names)")
         ckpts.append(ckpt)
+    check_one_run(ckpts, paths)
     newest = ckpts[-1]
-    keys = ["model"] + (["ema"] if "ema" in newest else [])
+    without_ema = [path.name for ckpt, path in zip(ckpts, paths) if "ema" not in ckpt]
+    keys = ["model"] + (["ema"] if not without_ema else [])
+    if without_ema and len(without_ema) < len(paths):
+        print(f"the EMA weights are not averaged: none in {', '.join(without_ema)} (the EMA was switched on at a "
+              "resume); the model weights are")
     for key in keys:
         check_same_model(ckpts, paths, key)
     return {

@@ -106,8 +106,8 @@ def class_thresholds(args: argparse.Namespace, trained: Trained) -> torch.Tensor
         if args.threshold is not None or args.thresholds:
             raise UserError(f"--threshold and --thresholds apply to multi-label models; {trained.source} is not one")
         return torch.zeros(0)
-    if args.threshold is not None and not 0 < args.threshold < 1:
-        raise UserError(f"--threshold must be in (0, 1), got {args.threshold}")
+    if args.threshold is not None:
+        check_threshold(args.threshold, "--threshold")
     chosen = [args.threshold or trained.threshold] * len(trained.class_names)
     if args.thresholds:
         try:
@@ -121,7 +121,16 @@ def class_thresholds(args: argparse.Namespace, trained: Trained) -> torch.Tensor
             raise UserError(f"--thresholds {args.thresholds} has no threshold for class {missing[0]!r} of "
                             f"{trained.source}")
         chosen = [per_class[name] for name in trained.class_names]
+        for name, value in zip(trained.class_names, chosen):
+            check_threshold(value, f"--thresholds {args.thresholds}: class {name!r}'s threshold")
     return torch.tensor(chosen, dtype=torch.float32)
+
+
+def check_threshold(value: float, what: str) -> None:
+    """A threshold some probability can reach: in (0, 1] (a tuned one may be a probability of 1.0, saturated in
+    float32); NaN or 5 would predict no label at all, and 0 every label."""
+    if not 0 < value <= 1:
+        raise UserError(f"{what} must be in (0, 1], got {value}")
 
 
 def multi_label_rows(logits: torch.Tensor, indices: list[int], dataset: ImageListDataset, class_names: list[str],

@@ -21,6 +21,7 @@ import copy
 import dataclasses
 import logging
 import random
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +37,8 @@ from core.cli import parse_with_overrides, run_main
 from core.config import (Config, ModelConfig, best_metric, config_yaml, given_keys, keys_help, lower_is_better, mixing,
                          replace_keys, replace_section, to_dict)
 from core.config_load import load_config
-from core.dist import (DistInfo, all_gather_object, broadcast_tensors, init_distributed, is_fsdp, main_first,
-                       min_over_ranks, rank0_decides, read_launch_env, replicated_tensors)
+from core.dist import (DistInfo, all_gather_object, broadcast_object, broadcast_tensors, init_distributed, is_fsdp,
+                       main_first, min_over_ranks, rank0_decides, read_launch_env, replicated_tensors)
 from core.errors import UserError
 from core.logs import setup_logging
 from core.signals import Preempted
@@ -46,7 +47,7 @@ from data.mixing import BatchMix
 from data.transforms import DeviceNormalize
 from engine.batch_size import CPU_BATCH, MAX_BATCH, UNIT, largest_batch, on_device_fits, resolved_batch
 from engine.checkpoint.resume import Resume, config_changes
-from engine.checkpoint.run_dir import RunRecord, check_shared, check_writable, locked, resolve_output_dir
+from engine.checkpoint.run_dir import FolderLock, RunRecord, check_shared, check_writable, locked, resolve_output_dir
 from engine.checkpoint.saver import Checkpointer
 from engine.checkpoint.weights import Pretrained, check_pretrained, resolve_preprocessing
 from engine.distill import build_distillation, check_teacher_needed, freeze_teacher, read_teacher, teacher_sha256
@@ -57,7 +58,7 @@ from engine.lr_find import range_test, write_results
 from engine.optim import (build_optimizer, build_scheduler, check_optimizer, check_scheduler, scaled_lr_note,
                           with_global_batch, with_scaled_lr)
 from engine.precision import Precision, resolve_precision
-from engine.profiling import FOLDER as PROFILE_FOLDER, ProfileSteps, check_trace_folder
+from engine.profiling import FOLDER as PROFILE_FOLDER, ProfileSteps, check_trace_folder, window_warnings
 from engine.speed import InputAdvice
 from engine.state import TrainState
 from engine.tracking import TensorBoardWriter, WandbTracker
@@ -176,7 +177,9 @@ def build_start(cfg: Config, start: Resume, weights: StartingWeights,
     if auto_batch:
         cfg, data = with_auto_batch(cfg, data, model, precision, info)
     per_epoch = steps_per_epoch(data.train, cfg.train.accum_steps, cfg.train.drop_last_accum)
-    for warning in check_scheduler(cfg.sched, cfg.train.epochs, per_epoch):
+    steps = start.step_range(cfg.train.epochs, per_epoch, cfg.train.max_steps)
+    for warning in (check_scheduler(cfg.sched, cfg.train.epochs, per_epoch)
+                    + window_warnings(cfg.logging.profile_steps, *steps)):
         if info.is_main:
             log.warning(warning)
     start.load_model(model, cfg, data.class_names, info.world_size)
@@ -268,7 +271,8 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def fit(cfg: Config, info: DistInfo) -> TrainState | None:
+def fit(cfg: Config, info: DistInfo, lock: FolderLock | None = None) -> TrainState | None:
+    """The run; `lock`: rank 0's lock on output_dir (main holds it), checked before each write there."""
     out = Path(cfg.output_dir)
     cfg, start, weights = resolve_start(cfg, info)
     if (reason := finished_reason(cfg, start.ckpt)) is not None:
@@ -299,10 +303,11 @@ def fit(cfg: Config, info: DistInfo) -> TrainState | None:
                                 class_names=data.class_names, ema=ema.module if ema is not None else None,
                                 wandb_id=tracker.run_id or start.wandb_id,  # kept for a resume with tracking on
                                 best_metric=chosen_on, sharded=cfg.train.ckpt_format == "sharded",
-                                async_save=cfg.train.async_save)
+                                async_save=cfg.train.async_save, lock=lock,
+                                run_id=start.run_id or broadcast_object(uuid.uuid4().hex))  # a fresh run's: rank 0's
     # Nothing in output_dir changes before the run's first write (record.start): a run that fails to
     # start leaves the previous run's config.yaml, metrics.jsonl and checkpoints as they were.
-    record = RunRecord(out, to_dict(cfg), first_epoch=state.epoch)
+    record = RunRecord(out, to_dict(cfg), first_epoch=state.epoch, lock=lock)
     board = TensorBoardWriter(cfg.logging, info.is_main)  # TensorBoard on rank 0; never raises
     board.start({**to_dict(cfg), "world_size": info.world_size}, out, state.global_step, lambda: record.started)
     sinks = [tracker, board]
@@ -491,12 +496,12 @@ def main(argv: list[str]) -> int:
         if info.is_main:
             print(summary)
         return 0
-    with locked(Path(cfg.output_dir)):  # one live run per output_dir
+    with locked(Path(cfg.output_dir)) as lock:  # one live run per output_dir
         check_shared(Path(cfg.output_dir))  # every process writes into rank 0's folder: one folder for all
         if args.find_lr:
             find_lr(cfg, info)
             return 0
-        fit(cfg, info)  # report_errors leaves the process group, after reporting any error
+        fit(cfg, info, lock)  # report_errors leaves the process group, after reporting any error
     return 0
 
 

@@ -17,6 +17,7 @@ import contextlib
 import csv
 import fcntl
 import os
+import re
 import secrets
 import shutil
 from pathlib import Path
@@ -30,9 +31,22 @@ from core.signals import sigterm_deferred
 Recognise = Callable[[Path], bool]  # True when the existing path is an earlier output of this kind
 
 
+TEMP = re.compile(r"\.(?P<name>.+?)(?:\.\d+)?\.[0-9a-f]{8}\.(?P<tag>tmp|old)")  # temp_name's (older ones: no pid)
+
+
 def temp_name(path: Path, tag: str = "tmp") -> Path:
     """A hidden name beside `path`, unique to this process (and to this call)."""
     return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.{tag}")
+
+
+def remove_dead_temps(folder: Path, ours: Callable[[str], bool]) -> None:
+    """Remove the temp files and folders a killed writer left in `folder` under our temp names for the outputs
+    `ours` names (a SIGKILL mid-write leaves a checkpoint-sized one). Only for a caller that alone writes those
+    outputs there, between its writes (a run holding the folder's lock): then no live writer owns one."""
+    for path in folder.iterdir():
+        match = TEMP.fullmatch(path.name)
+        if match and match["tag"] == "tmp" and ours(match["name"]):
+            remove(path)
 
 
 def describe(path: Path) -> str:
@@ -152,7 +166,7 @@ def atomic_file(path: Path) -> Iterator[BinaryIO]:
 
     Created with mode 0666 minus the umask, like any other file the run writes (mkstemp would give 0600).
     """
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    tmp = temp_name(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -168,7 +182,7 @@ def atomic_file(path: Path) -> Iterator[BinaryIO]:
 def link_atomic(source: Path, path: Path) -> bool:
     """`path` becomes a hard link to `source` (a file just written whole), replacing it atomically; False where the
     file system has no hard links (the caller writes a copy). A later os.replace of `source` leaves `path` as it is."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    tmp = temp_name(path)
     try:
         os.link(source, tmp)
     except OSError:
@@ -199,9 +213,9 @@ class WriteErrors:
 
 
 def save_atomic(obj: dict[str, Any], path: str | os.PathLike) -> None:
-    """torch.save to a temp file beside `path`, fsync, then os.replace it into place; a failed write is an OSError."""
+    """torch.save to a temp file beside `path` (its folder must exist: a run folder removed mid-run is never made
+    again), fsync, then os.replace it into place; a failed write is an OSError."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     with sigterm_deferred(), atomic_file(path) as f:
         writer = WriteErrors(f)
         try:

@@ -33,6 +33,7 @@ def export_digits(root: str | os.PathLike) -> Path:
     if root.is_dir() and any(root.iterdir()):  # never write into (or delete) a folder we did not make
         raise UserError(f"data.root {root} is not empty and holds no digits export; for data.name=digits "
                         "choose a new or empty folder (for your own images use data.name=imagefolder)")
+    check_creatable(root)
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -40,18 +41,35 @@ def export_digits(root: str | os.PathLike) -> Path:
     images = (digits.images * (255.0 / 16.0)).astype(np.uint8)
     indices = np.arange(len(images))
     train_idx, val_idx = train_test_split(indices, test_size=VAL_SIZE, stratify=digits.target, random_state=0)
-    root.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
-    for split, split_idx in (("train", train_idx), ("val", val_idx)):
-        for i in sorted(split_idx):
-            folder = staging / split / str(digits.target[i])
-            folder.mkdir(parents=True, exist_ok=True)
-            big = cv2.resize(images[i], (IMAGE_SIZE, IMAGE_SIZE), interpolation=cv2.INTER_CUBIC)
-            cv2.imwrite(str(folder / f"{i:04d}.png"), big)
-    (staging / COMPLETE_MARKER).touch()
-    _publish(staging, root)
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
+        try:
+            for split, split_idx in (("train", train_idx), ("val", val_idx)):
+                for i in sorted(split_idx):
+                    folder = staging / split / str(digits.target[i])
+                    folder.mkdir(parents=True, exist_ok=True)
+                    big = cv2.resize(images[i], (IMAGE_SIZE, IMAGE_SIZE), interpolation=cv2.INTER_CUBIC)
+                    if not cv2.imwrite(str(folder / f"{i:04d}.png"), big):  # False, not an exception, on failure
+                        raise OSError(f"cannot write {folder / f'{i:04d}.png'}")
+            (staging / COMPLETE_MARKER).touch()
+            _publish(staging, root)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)  # ours: never left beside the user's files (published: gone)
+    except OSError as err:
+        raise UserError(f"cannot write the digits export to data.root {root} ({err.strerror or err}); free disk "
+                        "space or choose another data.root") from None
     log.info("exported %d train / %d val digits images to %s", len(train_idx), len(val_idx), root)
     return root
+
+
+def check_creatable(root: Path) -> None:
+    """data.root, or a folder above it, is a file: refused before anything is written (a 7 MB staging folder was
+    left beside the user's file, even by --dry-run)."""
+    existing = next(p for p in (root, *root.parents) if p.exists())
+    if not existing.is_dir():
+        where = "is a file" if existing == root else f"is under {existing}, which is a file"
+        raise UserError(f"data.root {root} {where}; for data.name=digits choose a new or empty folder")
 
 
 def _publish(staging: Path, root: Path) -> None:

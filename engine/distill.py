@@ -40,6 +40,7 @@ from torch.nn import functional as F
 
 from core.config import DistillConfig
 from core.errors import UserError
+from engine.checkpoint.formats import is_sharded
 from engine.checkpoint.weights import Pretrained, load_weights, read_pretrained, usable, weights_value
 
 log = logging.getLogger(__name__)
@@ -117,25 +118,32 @@ def read_teacher(cfg: DistillConfig) -> tuple[Pretrained, str]:
     return pretrained, name
 
 
-def weights_file(path: str) -> Path:
-    """The file holding the teacher's tensors (a model folder's weights file)."""
+def weights_files(path: str) -> list[Path]:
+    """The files holding the teacher's tensors: a model folder's weights file, every file of a sharded
+    checkpoint folder (last.dcp: its index, shards and plain data), or the file itself."""
     path = Path(path)
+    if is_sharded(path):
+        return sorted(p for p in path.iterdir() if p.is_file())
     if path.is_dir():
-        return next(path / name for name in ("model.safetensors", "pytorch_model.bin") if (path / name).is_file())
-    return path
+        return [next(path / name for name in ("model.safetensors", "pytorch_model.bin") if (path / name).is_file())]
+    return [path]
 
 
-def file_sha256(path: Path) -> str:
+def weights_sha256(paths: list[Path]) -> str:
+    """One file's sha256; for several (a sharded folder), of their names and contents in order."""
     digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
+    for path in paths:
+        if len(paths) > 1:
+            digest.update(path.name.encode() + b"\0")
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
     return digest.hexdigest()
 
 
 def teacher_sha256(cfg: DistillConfig, given: bool, resumed: dict[str, Any] | None) -> str:
     """distill.teacher_sha256 for this run: the file's, checked against the one given, else the resumed run's."""
-    actual = file_sha256(weights_file(cfg.teacher_weights))
+    actual = weights_sha256(weights_files(cfg.teacher_weights))
     if given:
         expected, where = cfg.teacher_sha256, "distill.teacher_sha256"
     else:

@@ -76,6 +76,9 @@ class ProfileSteps(Hook):
         if self.profiler is None:
             return
         self.profiler.stop()
+        if step < self.start:  # started after step start-1, the run's last: no profiled step to write
+            self.profiler = None
+            return
         self.folder.mkdir(exist_ok=True)
         path = self.folder / f"rank0.steps{self.start}-{step}.pt.trace.json"
         tmp = path.with_name(f".{path.name}.tmp")
@@ -84,3 +87,18 @@ class ProfileSteps(Hook):
         self.profiler = None
         log.info("profile of steps %d-%d written to %s (open it in ui.perfetto.dev or TensorBoard)", self.start,
                  step, path)
+
+
+def window_warnings(steps: list[int], first: int, last: int) -> list[str]:
+    """logging.profile_steps against the optimizer steps this run makes (first+1..last; a resumed run starts past
+    0): a window the run never enters writes no trace, one it leaves early a shorter one. Said at start-up (and by
+    --dry-run), not found out at the end."""
+    if not steps or last <= first:
+        return []
+    start, end = steps
+    made = f"this run's optimizer steps ({first + 1}-{last})"
+    if not first < start <= last:
+        return [f"logging.profile_steps={steps} lies outside {made}: no profile is written"]
+    if end > last:
+        return [f"logging.profile_steps={steps} ends after {made}: the trace covers steps {start}-{last}"]
+    return []

@@ -14,8 +14,9 @@ TIMING_KEYS = ("epoch_time_s", "train_img_per_s", "train_input_wait", "train_ste
 # A state dict's floating-point tensors in three groups of like scale: BatchNorm's running means and
 # running variances, and everything else (the parameters).
 GROUPS = ("parameters", "running_mean", "running_var")
-# Differences the comparison must ignore: wall-clock time, and the config (output_dir, max_steps, workers).
-NOT_COMPARED = {"epoch_seconds", "config"}
+# Differences the comparison must ignore: wall-clock time, the config (output_dir, max_steps, workers), and the
+# run's own id (two runs compared are two runs: a fresh run makes one).
+NOT_COMPARED = {"epoch_seconds", "config", "run_id"}
 # Runs that must agree differ only in float32 summation order: per-rank partial sums all-reduced by gloo,
 # BatchNorm statistics as per-rank moments combined after one all_reduce, kernels run with 2 threads in one
 # process and 1 per rank. Measured here as ||a - b|| / ||a|| per group (13 seeds x 2 ranks, 10 seeds x 3 ranks):

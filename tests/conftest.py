@@ -67,3 +67,13 @@ def tiny_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny") / "run"
     run_script("train.py", *TINY, f"output_dir={out}")
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_sharded_run(tmp_path_factory) -> Path:
+    """TINY with train.ckpt_format=sharded, trained in this process: its last.dcp/ folder. Read it, never write."""
+    from tests.helpers import train_here
+
+    out = tmp_path_factory.mktemp("tiny_sharded") / "run"
+    train_here(*TINY, "train.ckpt_format=sharded", f"output_dir={out}")
+    return out

@@ -5,6 +5,7 @@ checkpoint with its weights moved per epoch (real train.py checkpoints, no extra
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -13,7 +14,7 @@ import average_checkpoints
 import evaluate
 from core.cli import report_errors
 from core.files import save_atomic
-from engine.checkpoint.formats import load_checkpoint
+from engine.checkpoint.formats import load_checkpoint, read_checkpoint
 
 
 def moved(state: dict[str, torch.Tensor], epoch: int) -> dict[str, torch.Tensor]:
@@ -83,3 +84,39 @@ def test_averaging_refuses_with_one_line_and_replaces_only_its_own_output(tiny_r
     assert report_errors(average_checkpoints.main, [str(run)]) == 0  # over its own earlier output
     assert load_checkpoint(run / "averaged.pth")["averaged_from"] == ["epoch_0000.pth", "epoch_0001.pth"]
     assert sorted(p.name for p in run.iterdir()) == ["averaged.pth", "epoch_0000.pth", "epoch_0001.pth"]
+
+
+def test_files_of_another_run_are_refused_naming_the_file(tiny_run, tiny_sharded_run, tmp_path, capsys):
+    """Issue 41 item 2: epoch files of two runs whose names and shapes agree were averaged (rc 0, the newest
+    file's class names). Another real run's checkpoint (the sharded session run's, as a .pth) among them is refused
+    by its run id; files from before run ids by their training data."""
+    run = tmp_path / "run"
+    run.mkdir()
+    written = epoch_run(tiny_run, run, epochs=2)
+    save_atomic(read_checkpoint(tiny_sharded_run / "last.dcp"), run / "epoch_0002.pth")
+    assert report_errors(average_checkpoints.main, [str(run)]) == 2
+    assert re.search(rf"error: checkpoint {run}/epoch_0000.pth is of another run than {run}/epoch_0002.pth: another "
+                     rf"run id \(\w+ vs \w+\); average the epoch files of one run \(move the other run's out of {run}, "
+                     r"or lower --last\)$", one_line_error(capsys))
+    assert not (run / "averaged.pth").exists()
+    older = {**written[1], "config": {**written[1]["config"], "data": {**written[1]["config"]["data"], "root": "x"}}}
+    (run / "epoch_0002.pth").unlink()
+    for epoch, ckpt in enumerate([written[0], older]):  # as written before run ids: none recorded
+        save_atomic({k: v for k, v in ckpt.items() if k != "run_id"}, run / f"epoch_{epoch:04d}.pth")
+    assert report_errors(average_checkpoints.main, [str(run)]) == 2
+    assert f"epoch_0000.pth is of another run than {run}/epoch_0001.pth: other training data" in one_line_error(capsys)
+
+
+def test_an_ema_switched_on_at_a_resume_averages_the_model_and_says_so(tiny_run, tmp_path, capsys):
+    """Issue 41 item 6: older epoch files without `ema` were a KeyError."""
+    run = tmp_path / "run"
+    run.mkdir()
+    written = epoch_run(tiny_run, run, epochs=3)
+    save_atomic({k: v for k, v in written[0].items() if k != "ema"}, run / "epoch_0000.pth")
+    assert report_errors(average_checkpoints.main, [str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "the EMA weights are not averaged: none in epoch_0000.pth (the EMA was switched on at a resume)" in out
+    averaged = load_checkpoint(run / "averaged.pth")
+    assert "ema" not in averaged
+    expected = torch.stack([ckpt["model"]["fc.weight"].double() for ckpt in written]).mean(0).float()
+    assert torch.equal(averaged["model"]["fc.weight"], expected)

@@ -115,6 +115,23 @@ def test_bad_data_is_one_line_naming_the_file(name, workers, folders, tmp_path, 
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]])
+@pytest.mark.parametrize("under, expected", [
+    ("", "data.root {root}/notes.txt is a file; for data.name=digits choose a new or empty folder"),
+    ("/digits", "data.root {root}/notes.txt/digits is under {root}/notes.txt, which is a file; for data.name=digits "
+                "choose a new or empty folder"),
+])
+def test_digits_root_at_or_under_a_file_is_one_line_and_writes_nothing(under, expected, dry_run, folders, tmp_path,
+                                                                        capsys):
+    """Was NotADirectoryError / FileExistsError, with a 7 MB hidden staging folder left beside the user's file,
+    even under --dry-run."""
+    before = sorted(p.name for p in folders.iterdir())
+    argv = [*dry_run, *TINY, f"output_dir={tmp_path / 'run'}", "data.name=digits", f"data.root={folders}/notes.txt{under}"]
+    line = last_error(capsys, report_errors(train.main, argv))
+    assert line == f"error: {expected.format(root=folders)}", line
+    assert sorted(p.name for p in folders.iterdir()) == before and not (tmp_path / "run").exists()
+
+
 def test_yaml_syntax_error_names_the_line(tmp_path, capsys):
     config = tmp_path / "bad.yaml"
     config.write_text("optim:\n  lr: 0.1\n train:\n  epochs: 2\n")

@@ -15,13 +15,14 @@ import torch
 import torchvision
 
 from core.config import Config, ModelConfig, TrainConfig, to_dict
+from core.dist import DistInfo
 from core.errors import UserError
 from core.files import save_atomic
 from core.logs import MetricsFile
 from data.loader import EpochSampler, ShardSampler
 from engine.checkpoint.formats import load_checkpoint
 from engine.checkpoint.resume import check_resumable, set_rng_state
-from engine.checkpoint.saver import rng_state
+from engine.checkpoint.saver import Checkpointer, rng_state
 from engine.checkpoint.weights import load_weights, read_pretrained
 from engine.state import TrainState
 from tests.helpers import start_from, REPO, script_env
@@ -70,6 +71,16 @@ def test_process_killed_mid_save_leaves_the_old_file_loadable(tmp_path):
     assert torch.equal(load_checkpoint(path)["w"], torch.arange(5))
     with pytest.raises(UserError, match="is not a checkpoint|cannot be read"):
         load_checkpoint(temps[0])  # what the crash left is not a checkpoint, and last.pth never pointed to it
+    # The next save removes it, and what an older version left (no pid in the name); nothing else that is hidden.
+    older, others = tmp_path / ".best.pth.0a1b2c3d.tmp", [".last.pth.keep", ".config.yaml.1.0a1b2c3d.tmp", ".notes"]
+    for name in [older.name, *others]:
+        (tmp_path / name).write_bytes(b"x")
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    Checkpointer(tmp_path, DistInfo(0, 1, 0, 1, torch.device("cpu")), 0, model=model, optimizer=optimizer,
+                 scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1), scaler=None, config={},
+                 class_names=["a", "b"]).save(TrainState(global_step=1))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["last.pth", *others])
 
 
 def test_rng_states_round_trip_through_a_weights_only_file(tmp_path):

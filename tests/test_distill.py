@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import re
+import shutil
 
 import pytest
 import timm
@@ -22,6 +23,7 @@ from core.config_load import load_config
 from core.dist import DistInfo
 from core.errors import UserError
 from data.transforms import DeviceNormalize
+from engine.checkpoint.formats import load_checkpoint
 from engine.checkpoint.resume import Resume
 from engine.checkpoint.weights import Pretrained
 from engine.distill import build_distillation, teacher_sha256
@@ -136,6 +138,21 @@ def test_a_changed_teacher_file_is_refused_on_resume(tmp_path):
     with pytest.raises(UserError, match=rf"distill.teacher_weights={path} has sha256 .* resumed run's teacher .*"
                                         r"set distill.teacher_sha256=[0-9a-f]{64} to continue"):
         teacher_sha256(cfg, False, {"distill": {"teacher_sha256": recorded}})
+
+
+def test_a_sharded_checkpoint_folder_is_a_teacher(tiny_sharded_run, tmp_path, capsys):
+    """distill.teacher_weights=<run>/last.dcp, a form model.init_from takes, was StopIteration: its digest covers
+    the folder's files (a changed shard changes it), and the run trains with it."""
+    folder = tmp_path / "last.dcp"
+    shutil.copytree(tiny_sharded_run / "last.dcp", folder)
+    args = [*TINY, f"distill.teacher_weights={folder}", "train.max_steps=1", f"output_dir={tmp_path / 'run'}"]
+    train_here(*args)
+    recorded = load_checkpoint(tmp_path / "run" / "last.pth")["config"]["distill"]["teacher_sha256"]
+    assert recorded == teacher_sha256(DistillConfig(str(tiny_sharded_run / "last.dcp")), False, None)
+    shard = next(folder.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-1] + bytes([shard.read_bytes()[-1] ^ 1]))
+    assert report_errors(train.main, [*args, "train.max_steps=2", "--dry-run"]) == 2
+    assert f"distill.teacher_weights={folder} has sha256 " in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("overrides, expected", [

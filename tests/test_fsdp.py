@@ -328,6 +328,7 @@ def sharded_save_with_ema(rank: int, world: int, out: str) -> dict:
 def test_sharded_folder_holds_the_sharded_ema_whole(tmp_path):
     """train.ckpt_format=sharded under fsdp: DCP writes the model and optimizer shards; the EMA, sharded like the
     model, is gathered into the folder's plain part whole (what resume and evaluate.py --ema read)."""
+    (tmp_path / "run").mkdir()  # the run folder (train.py's lock makes it; no checkpoint write does)
     ema = run_ranks(sharded_save_with_ema, 2, tmp_path, str(tmp_path / "run"))[0]
     saved = read_checkpoint(tmp_path / "run" / "last.dcp")
     assert saved["global_step"] == 1 and differing_tensors(ema, saved["ema"]) == []

@@ -16,7 +16,9 @@ import pytest
 import evaluate
 import predict
 from core.cli import report_errors
+from core.errors import UserError
 from data.datasets import list_images
+from engine.checkpoint.inference import Trained
 from tests.helpers import run_script, train_here
 
 
@@ -177,3 +179,22 @@ def test_a_checkpoint_chosen_on_its_ema_says_to_use_ema(tiny_run, tmp_path, caps
     assert "chosen on its EMA weights' val_top1 (train.best_on_ema); add --ema" in capsys.readouterr().err
     assert report_errors(predict.main, [str(tmp_path / "ema_best.pth"), str(images[0]), "--ema"]) == 0
     assert "add --ema" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tuned, shown", [(float("nan"), "nan"), (5.0, "5.0"), (0.0, "0.0")])
+def test_per_class_thresholds_get_the_range_check_of_threshold(tuned, shown, tmp_path):
+    """--thresholds eval.json once took NaN or 5 (no label ever predicted) while --threshold 5 was refused; a tuned
+    threshold of 1.0 (a probability saturated in float32) is one some image reached, and is kept."""
+    trained = Trained(config={}, weights={}, class_names=["cat", "dog"], source="checkpoint x.pth", multi_label=True)
+    tuned_file = tmp_path / "eval.json"
+    tuned_file.write_text(json.dumps({"per_class": [{"class": "cat", "threshold": 1.0},
+                                                    {"class": "dog", "threshold": tuned}]}))
+    with pytest.raises(UserError, match=rf"^--thresholds {tuned_file}: class 'dog''s threshold must be in \(0, 1\], "
+                                        rf"got {shown}$"):
+        predict.class_thresholds(predict.parse_args(["x.pth", "in", "--thresholds", str(tuned_file)]), trained)
+    with pytest.raises(UserError, match=rf"^--threshold must be in \(0, 1\], got {shown}$"):
+        predict.class_thresholds(predict.parse_args(["x.pth", "in", "--threshold", shown]), trained)
+    tuned_file.write_text(json.dumps({"per_class": [{"class": "cat", "threshold": 1.0},
+                                                    {"class": "dog", "threshold": 0.25}]}))
+    chosen = predict.class_thresholds(predict.parse_args(["x.pth", "in", "--thresholds", str(tuned_file)]), trained)
+    assert chosen.tolist() == [1.0, 0.25]

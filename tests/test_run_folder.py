@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import signal
 import socket
@@ -26,6 +27,7 @@ from core.dist import DistInfo
 from core.errors import UserError
 from core.files import save_atomic
 from engine.checkpoint.formats import load_checkpoint
+from engine.checkpoint.run_dir import FolderLock, RunRecord
 from engine.checkpoint.saver import Checkpointer
 from engine.state import TrainState
 from tests.helpers import REPO, make_image_folder, read_jsonl, script_env, wait_for_file
@@ -478,3 +480,77 @@ def test_second_live_run_is_refused_and_a_killed_run_leaves_no_lock(tmp_path):
     assert third.returncode == 0, third.stderr[-3000:]
     assert f"global step {step})" in third.stderr  # it resumed the killed run's checkpoint
     assert load_checkpoint(out / "last.pth")["global_step"] == step + 1
+
+
+def test_a_removed_run_folder_stops_every_write_and_is_never_made_again(tmp_path):
+    """Issue 41 item 1, in one process: after `rm -rf` the record and the checkpointer refuse to write (the folder
+    is not made again), then refuse a folder made again by another lock; the lost lock, released, leaves the new
+    one's lock file (the old release removed it, so a third run would have been let in)."""
+    out = tmp_path / "run"
+    first = FolderLock(out)
+    record = RunRecord(out, {"seed": 0}, first_epoch=0, lock=first)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    checkpointer = Checkpointer(out, DistInfo(0, 1, 0, 1, torch.device("cpu")), 0, model=model, optimizer=optimizer,
+                                scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1), scaler=None, config={},
+                                class_names=["a", "b"], lock=first)
+    record.append({"epoch": 0})
+    checkpointer.save(TrainState(epoch=1, global_step=1))
+    shutil.rmtree(out)
+    gone = (f"output_dir {out} was removed while this run was writing to it; the run stopped and wrote nothing more "
+            "there (it never makes the folder again)")
+    for write in (lambda: record.append({"epoch": 1}), lambda: checkpointer.save(TrainState(epoch=2, global_step=2))):
+        with pytest.raises(UserError, match=re.escape(gone)):
+            write()
+    assert not out.exists()
+    second = FolderLock(out)  # another run takes the path (in this process too: POSIX locks are per process)
+    with pytest.raises(UserError, match=re.escape(f"output_dir {out} was removed and made again (another run may be "
+                                                  "using it now) while this run was writing to it")):
+        checkpointer.save(TrainState(epoch=2, global_step=2))
+    first.release()
+    assert sorted(p.name for p in out.iterdir()) == [".lock"] and second.holds_path()
+    second.release()
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_a_run_whose_folder_is_removed_stops_and_the_next_run_holds_the_folder(tmp_path, capsys):
+    """Issue 41 item 1 with real processes: a run stopped (SIGSTOP) after its first step checkpoint, its folder
+    removed, the same command started again (and stopped mid-run); the first run, continued, stops at its next
+    write with one line; the second run's lock still refuses a third; the second finishes with one run's record
+    (metrics.jsonl read 0,3,1,4,2,5,... when both ran on)."""
+    out = tmp_path / "run"
+    args = ["--config", "configs/dummy.yaml", "model.name=test_resnet", "model.channels_last=false", "amp='off'",
+            "data.img_size=16", "data.dummy_image_size=20", "data.dummy_train_size=96", "data.dummy_val_size=10",
+            "data.num_workers=0", "train.batch_size=8", "train.ckpt_every_steps=1", "logging.progress=false",
+            f"output_dir={out}"]
+    started = []
+
+    def start(*more: str) -> subprocess.Popen:
+        started.append(subprocess.Popen([sys.executable, str(REPO / "train.py"), *args, *more], cwd=REPO,
+                                        env=script_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                        text=True))
+        wait_for_file(out / "last.pth", started[-1])
+        started[-1].send_signal(signal.SIGSTOP)
+        return started[-1]
+
+    try:
+        first = start("train.epochs=20")  # 240 steps: far from done (before the fix: it ran them all, rc 0)
+        shutil.rmtree(out)
+        second = start("train.epochs=2")
+        first.send_signal(signal.SIGCONT)
+        _, err = first.communicate(timeout=300)
+        assert first.returncode == 2 and "Traceback" not in err, err[-3000:]
+        assert err.strip().splitlines()[-1].startswith(f"error: output_dir {out} was removed and made again"), err
+        line = last_error(capsys, report_errors(train.main, [*args, "train.epochs=2"]))  # a third run
+        assert f"is in use by another run (process {second.pid} " in line, line
+        second.send_signal(signal.SIGCONT)
+        _, err = second.communicate(timeout=300)
+        assert second.returncode == 0, err[-3000:]
+    finally:
+        for proc in started:
+            proc.kill()
+            proc.communicate()
+    assert [row["epoch"] for row in read_jsonl(out / "metrics.jsonl")] == [0, 1]
+    assert load_checkpoint(out / "last.pth")["global_step"] == 24
+    assert sorted(p.name for p in out.iterdir()) == ["best.pth", "config.yaml", "last.pth", "metrics.jsonl"]

@@ -10,8 +10,10 @@ folder that is not a whole checkpoint (or whose index would run code) is one lin
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -435,3 +437,56 @@ def test_a_model_with_nan_is_not_saved_and_the_message_says_what_is_on_disk(tmp_
         checkpointer.save(TrainState(global_step=4))
     assert read_checkpoint(tmp_path / "last.dcp")["global_step"] == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.dcp"]
+
+
+def broken_entry_size(metadata):
+    """The first entry's size as a list (DCP's is a torch.Size)."""
+    entry = next(iter(metadata.state_dict_metadata.values()))
+    entry.size = list(entry.size)
+    return metadata
+
+
+def broken_shard_offset(metadata):
+    """Every shard's byte offset as a string."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    for index, info in metadata.storage_data.items():
+        metadata.storage_data[index] = _StorageInfo(info.relative_path, str(info.offset), info.length)
+    return metadata
+
+
+WRONG_FIELDS = {  # a real index with one field of another type: what DCP would meet with an AttributeError or worse
+    "entries as a list": (lambda m: dataclasses.replace(m, state_dict_metadata=list(m.state_dict_metadata.items())),
+                          "state_dict_metadata is a list, not a mapping of names"),
+    "shard places as a list": (lambda m: dataclasses.replace(m, storage_data=list(m.storage_data.values())),
+                               "storage_data is a list, not a mapping"),
+    "a size as a list": (broken_entry_size, "the entry model.conv1.0.weight is not a tensor's size, dtype and chunks"),
+    "a shard offset as a string": (broken_shard_offset, "storage_data holds MetadataIndex: _StorageInfo, not a "
+                                                        "shard's place"),
+}
+
+
+@pytest.mark.parametrize("name", WRONG_FIELDS)
+def test_an_index_with_fields_of_the_wrong_type_is_one_line(name, tiny_sharded_run, tmp_path, capsys):
+    """Issue 41 item 7: a list where a mapping belongs was an AttributeError from evaluate.py and from resume."""
+    import evaluate
+    import train
+    from core.cli import report_errors
+    from tests.helpers import TINY
+
+    run = Path(shutil.copytree(tiny_sharded_run, tmp_path / "run"))
+    folder = run / "last.dcp"
+    breaking, wrong = WRONG_FIELDS[name]
+    (folder / ".metadata").write_bytes(pickle.dumps(breaking(formats.read_metadata(folder))))
+    expected = f"checkpoint {folder} cannot be read (.metadata: {wrong}); it is damaged or not a checkpoint"
+    with pytest.raises(UserError) as caught:
+        read_checkpoint(folder)
+    assert str(caught.value) == expected
+    if name != "entries as a list":  # the entry points, once: they share the reader
+        return
+    assert report_errors(evaluate.main, [str(folder), "--output-dir", str(tmp_path / "eval")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == f"error: {expected}", err
+    assert report_errors(train.main, [*TINY, "train.ckpt_format=sharded", "train.epochs=2", f"output_dir={run}"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(f"error: {expected}; "), err

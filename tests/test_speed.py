@@ -108,6 +108,20 @@ def test_a_file_named_profile_in_output_dir_is_refused_before_anything_is_writte
     assert [p.name for p in out.iterdir()] == ["profile"] and (out / "profile").read_text() == "my notes\n"
 
 
+def test_a_profile_window_outside_the_run_is_said_at_start_up(one_thread, tmp_path, capsys):
+    """TINY makes 4 optimizer steps: [5, 8] once wrote rank0.steps5-4.pt.trace.json (the profiler started after the
+    run's last step) with no warning, [6, 8] nothing; a window that runs past the end is said too (--dry-run)."""
+    out = tmp_path / "run"
+    assert report_errors(train.main, [*TINY, "logging.profile_steps=[5, 8]", f"output_dir={out}"]) == 0
+    assert "logging.profile_steps=[5, 8] lies outside this run's optimizer steps (1-4): no profile is written" \
+        in capsys.readouterr().err
+    assert not (out / "profile").exists()
+    argv = ["--dry-run", *TINY, "logging.profile_steps=[3, 100]", f"output_dir={tmp_path / 'other'}"]
+    assert report_errors(train.main, argv) == 0
+    assert "logging.profile_steps=[3, 100] ends after this run's optimizer steps (1-4): the trace covers steps 3-4" \
+        in capsys.readouterr().err
+
+
 def test_no_module_imports_the_profiler_at_import_time():
     """Off by default and free when off: torch.profiler is imported only inside ProfileSteps, once asked for."""
     for path in [REPO / "train.py", *sorted((REPO / "engine").glob("*.py"))]:

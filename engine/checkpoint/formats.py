@@ -26,16 +26,18 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+                                                     TensorProperties, TensorStorageMetadata)
 
 from core.errors import UnreadableCheckpoint, UserError
+from core.files import TEMP
 
 
 SUFFIX = ".dcp"
 PLAIN = "train_state.pth"  # rank 0's plain data (torch.save, weights_only-loadable)
 METADATA = ".metadata"  # DCP's index of the shards (a pickle: read through MetadataUnpickler)
 SHARD = re.compile(r"__\d+_\d+\.distcp")  # DCP's shard files: __<rank>_<n>.distcp
-TEMP = re.compile(r"\.(?P<name>.+\.dcp)\.\d+\.[0-9a-f]+\.(?P<tag>tmp|old)")  # outputs.temp_name of a folder here
 # torch.save's zip archive, and the legacy format (a protocol-2 pickle of torch's magic number) of old .pth files.
 TORCH_FILE_STARTS = (b"PK\x03\x04", b"\x80\x02\x8a\x0a")
 # A global torch's weights_only unpickler refuses, in either wording: "Unsupported global: GLOBAL a.b was not an allowed
@@ -91,6 +93,10 @@ def read_metadata(folder: Path) -> Metadata:
     if not isinstance(metadata, Metadata):
         raise UnreadableCheckpoint(f"checkpoint {folder} cannot be read ({METADATA} is not a DCP index); it is "
                                    "damaged or not a checkpoint")
+    wrong = wrong_field(metadata)
+    if wrong:
+        raise UnreadableCheckpoint(f"checkpoint {folder} cannot be read ({METADATA}: {wrong}); it is damaged or not "
+                                   "a checkpoint")
     other = [key for key, entry in metadata.state_dict_metadata.items() if not isinstance(entry, TensorStorageMetadata)]
     if other:
         raise UserError(f"checkpoint {folder} was refused: its {METADATA} lists entries that are not tensors "
@@ -101,6 +107,33 @@ def read_metadata(folder: Path) -> Metadata:
         raise UserError(f"checkpoint {folder} was refused: its {METADATA} points at files that are not its own shards "
                         f"({', '.join(outside[:3])}); only load files you trust")
     return metadata
+
+
+def wrong_field(metadata: Metadata) -> str | None:
+    """The first field of a DCP index that does not have the type DCP gives it (a list where a mapping belongs),
+    or None: DCP reads them without checking, and would fail with an AttributeError or TypeError."""
+    entries, storage, planner = metadata.state_dict_metadata, metadata.storage_data, metadata.planner_data
+    if not isinstance(entries, dict) or not all(isinstance(key, str) for key in entries):
+        return f"state_dict_metadata is a {type(entries).__name__}, not a mapping of names"
+    for key, entry in entries.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            continue  # refused below, as an entry DCP would unpickle as code
+        props, chunks = entry.properties, entry.chunks
+        if not (isinstance(entry.size, torch.Size) and isinstance(props, TensorProperties)
+                and isinstance(props.dtype, torch.dtype) and isinstance(chunks, list)
+                and all(isinstance(c, ChunkStorageMetadata) and isinstance(c.offsets, torch.Size)
+                        and isinstance(c.sizes, torch.Size) for c in chunks)):
+            return f"the entry {key} is not a tensor's size, dtype and chunks"
+    if not isinstance(storage, dict):
+        return f"storage_data is a {type(storage).__name__}, not a mapping"
+    for index, info in storage.items():
+        if not (isinstance(index, MetadataIndex) and isinstance(index.fqn, str) and isinstance(info, _StorageInfo)
+                and type(info.offset) is int and type(info.length) is int):
+            return f"storage_data holds {type(index).__name__}: {type(info).__name__}, not a shard's place"
+    if planner is not None and not (isinstance(planner, dict) and all(
+            isinstance(key, str) and isinstance(path, (tuple, list)) for key, path in planner.items())):
+        return f"planner_data is a {type(planner).__name__}, not a mapping of names"
+    return None
 
 
 class SafeReader(FileSystemReader):

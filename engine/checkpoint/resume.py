@@ -307,6 +307,20 @@ class Resume:
         value = self.ckpt.get("wandb_id") if self.ckpt else None
         return value if isinstance(value, str) and value else None
 
+    @property
+    def run_id(self) -> str | None:
+        """The id of the run the checkpoint belongs to (None: a fresh run, or a checkpoint from before run ids)."""
+        value = self.ckpt.get("run_id") if self.ckpt else None
+        return value if isinstance(value, str) and value else None
+
+    def step_range(self, epochs: int, updates_per_epoch: int, max_steps: int) -> tuple[int, int]:
+        """(the global step the run starts from, the last it reaches unless it stops early): train.epochs and
+        train.max_steps counted from the checkpoint's position."""
+        ckpt = self.ckpt or {}
+        first = ckpt.get("global_step", 0)
+        last = first + max((epochs - ckpt.get("epoch", 0)) * updates_per_epoch - ckpt.get("epoch_step", 0), 0)
+        return first, min(last, max_steps) if max_steps else last
+
     def pretrained(self, cfg: ModelConfig) -> Pretrained | None:
         """model.init_from's weights for a fresh run (None when resuming, or without init_from)."""
         if self.ckpt is not None or not cfg.init_from:

@@ -4,6 +4,10 @@ A run locks `<output_dir>/.lock` before it reads anything there: a POSIX record 
 the run's lifetime, so a second run into the folder is refused instead of resuming the first one's
 checkpoint mid-run. The kernel drops the lock when the process dies, however it dies (SIGKILL too), and
 unlike flock() it is not inherited by forked DataLoader workers, which could outlive a killed parent.
+A lock holds on a file, not on a path: if the folder is removed mid-run, a new run could make it again and lock
+it. So before each write (checkpoint, metrics row, config.yaml, profile) the run checks that the folder and lock
+file at the path are still the ones it locked, and stops with one line if not; nothing it writes makes the
+folder again.
 
 output_dir may name its folder with placeholders, `{model.name}`, `{timestamp}` and `{run_id}` (a W&B sweep agent's
 run id, else a fresh one), resolved once by rank 0 for every rank (`resolve_output_dir`); under a sweep agent every
@@ -97,12 +101,15 @@ def check_writable(folder: Path) -> None:
 
 
 @contextlib.contextmanager
-def locked(folder: Path) -> Iterator[None]:
-    """Hold the run folder's lock (rank 0) while the block runs; refuse a folder another live run holds."""
+def locked(folder: Path) -> Iterator[FolderLock | None]:
+    """Hold the run folder's lock (rank 0) while the block runs; refuse a folder another live run holds.
+
+    Yields the lock on rank 0 (None on the others), for the run's writers to check it still holds the path.
+    """
     held: list[FolderLock] = []  # rank 0's lock (it holds a file descriptor, so it stays on rank 0)
     rank0_decides(lambda: held.append(FolderLock(folder)))
     try:
-        yield
+        yield held[0] if held else None
     finally:
         for lock in held:
             lock.release()
@@ -131,6 +138,18 @@ def check_shared(folder: Path) -> None:
                         all_ranks=True)
 
 
+Identity = tuple[int, int]  # (device, inode): which file or folder a path names
+
+
+def identity(path: Path) -> Identity | None:
+    """What `path` names now (None: nothing)."""
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
+
+
 class FolderLock:
     """`<folder>/.lock`, locked by this process; creates the folder (and removes it again if the run left it empty)."""
 
@@ -138,13 +157,35 @@ class FolderLock:
         self.folder = folder
         self.created = [p for p in (folder, *folder.parents) if not p.exists()]  # deepest first
         self.fd: int | None = None
+        self.ids: tuple[Identity, Identity] | None = None  # the folder's and the lock file's, once locked
         try:
             folder.mkdir(parents=True, exist_ok=True)
             self.fd = self.lock_file()
+            self.ids = identity(folder), identity(folder / LOCK)
         except OSError as err:
             self.release()
             raise UserError(f"output_dir {folder} is not writable ({err.strerror}); "
                             "choose another output_dir") from None
+
+    def holds_path(self) -> bool:
+        """Whether the folder and lock file at the path are still the ones this lock was taken on: a run folder
+        removed (and maybe made again by another run) leaves the lock on deleted files, where it refuses no one."""
+        if self.ids is None:
+            return True  # not locked yet: nothing to have lost
+        folder, lock_file = self.ids
+        return identity(self.folder) == folder and (self.fd is None or identity(self.folder / LOCK) == lock_file)
+
+    def check(self) -> None:
+        """Before each write into the folder: stop the run (UserError) if the lock no longer holds on the path."""
+        if self.holds_path():
+            return
+        now = identity(self.folder)
+        what = ("was removed" if now is None else
+                "was removed and made again (another run may be using it now)" if now != self.ids[0] else
+                f"lost this run's lock ({LOCK} was removed or replaced)")
+        raise UserError(f"output_dir {self.folder} {what} while this run was writing to it; the run stopped and wrote "
+                        "nothing more there (it never makes the folder again): start the run again into another "
+                        "output_dir, or into this one once no other run uses it")
 
     def lock_file(self) -> int | None:
         """The locked lock file's descriptor (None where the filesystem has no locks); UserError if it is held."""
@@ -177,12 +218,15 @@ class FolderLock:
         return fd
 
     def release(self) -> None:
-        """Remove the lock file while still holding it, then unlock; remove the folders it created if empty."""
+        """Remove the lock file while still holding it, then unlock; remove the folders it created if empty. A path
+        this lock no longer holds (the folder was removed, maybe another run's now) is left alone."""
+        ours = self.holds_path()
         if self.fd is not None:
-            (self.folder / LOCK).unlink(missing_ok=True)
+            if ours:
+                (self.folder / LOCK).unlink(missing_ok=True)
             os.close(self.fd)
             self.fd = None
-        for folder in self.created:
+        for folder in self.created if ours else []:
             try:
                 folder.rmdir()
             except OSError:
@@ -195,8 +239,9 @@ class RunRecord:
     Every method is a collective: rank 0 writes, every rank learns whether it could.
     """
 
-    def __init__(self, folder: Path, config: dict[str, Any], first_epoch: int) -> None:
+    def __init__(self, folder: Path, config: dict[str, Any], first_epoch: int, lock: FolderLock | None = None) -> None:
         self.folder, self.config, self.first_epoch = folder, config, first_epoch
+        self.lock = lock  # rank 0's lock on the folder (train.py); each write first checks it still holds the path
         self.metrics = MetricsFile(folder / "metrics.jsonl")
         self.started = False
 
@@ -221,6 +266,8 @@ class RunRecord:
     def write(self, action: Callable[[], None]) -> None:
         """Run `action` on rank 0; an OSError becomes one line on every rank's behalf."""
         def attempt() -> None:
+            if self.lock is not None:
+                self.lock.check()
             try:
                 action()
             except OSError as err:

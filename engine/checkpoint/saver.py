@@ -3,9 +3,9 @@
 A training checkpoint (`Checkpointer.save`) holds everything a resumed run needs to continue bit for bit:
 model, EMA weights (if any), optimizer, scheduler, GradScaler, the loop state (any object with `state_dict()`:
 epoch, global step, steps and train sums of an unfinished epoch, best val_top1), the resolved config, the class
-names, the W&B run id, and every rank's RNG states (`Checkpointer.plain_contents` lists the keys;
-engine/checkpoint/resume.py, beside it, reads them back). The data order needs no state: the sampler is seeded by
-(seed, epoch) and each augmentation by (seed, epoch, index).
+names, the W&B run id, the run's own id (made fresh, kept by resumes) and every rank's RNG states
+(`Checkpointer.plain_contents` lists the keys; engine/checkpoint/resume.py, beside it, reads them back). The
+data order needs no state: the sampler is seeded by (seed, epoch) and each augmentation by (seed, epoch, index).
 
 Files (`last.pth`, `best.pth`, `epoch_NNNN.pth`) are written through core/files.save_atomic (a temp file moved
 into place: a crash mid-write leaves the previous file intact); with train.async_save rank 0 writes a copy of
@@ -38,9 +38,10 @@ from torch.distributed.tensor import DTensor
 
 from core.dist import DistInfo, all_gather_object, is_fsdp, max_over_ranks, rank0_decides
 from core.errors import UserError
-from core.files import link_atomic, save_atomic
+from core.files import link_atomic, remove_dead_temps, save_atomic
 from core.signals import sigterm_deferred
 from engine.checkpoint import sharded
+from engine.checkpoint.run_dir import FolderLock
 
 log = logging.getLogger(__name__)
 FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU only
@@ -136,6 +137,11 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
+def is_checkpoint_name(name: str) -> bool:
+    """One of the files a Checkpointer writes."""
+    return name in ("last.pth", "best.pth") or bool(EPOCH_FILE.fullmatch(name))
+
+
 class Checkpointer:
     """The run's checkpoint files: last.pth, best.pth and the newest `keep_last_k` epoch_NNNN.pth.
 
@@ -152,8 +158,9 @@ class Checkpointer:
                  optimizer: torch.optim.Optimizer, scheduler, scaler: torch.amp.GradScaler | None,
                  config: dict[str, Any], class_names: list[str], ema: nn.Module | None = None,
                  wandb_id: str | None = None, best_metric: str = "val_top1", sharded: bool = False,
-                 async_save: bool = False) -> None:
+                 async_save: bool = False, lock: FolderLock | None = None, run_id: str | None = None) -> None:
         self.out_dir, self.info, self.keep_last_k = Path(out_dir), info, keep_last_k
+        self.lock = lock  # rank 0's lock on out_dir (train.py): each save first checks it still holds the path
         self.sharded = sharded  # train.ckpt_format=sharded: last.dcp/ written by every rank instead of last.pth
         self.async_save = async_save and not sharded  # every rank writes a sharded folder, in step: not here
         self.writer: threading.Thread | None = None  # rank 0's write in flight (async_save)
@@ -166,6 +173,7 @@ class Checkpointer:
         self.best_metric = best_metric  # what val_top1 and best_top1 measure: val_top1, or ema_val_top1 (EMA weights)
         self.config, self.class_names = config, class_names
         self.wandb_id = wandb_id  # the W&B run a later resume continues (kept even when tracking is now off)
+        self.run_id = run_id  # made by a fresh run, kept by its resumes: which files are of one run (averaging)
         self.saved_step: int | None = None  # global step of the last checkpoint this run wrote
 
     def contents(self, fields: dict[str, Any], rng: list[dict[str, Any]], val_top1: float | None,
@@ -198,6 +206,7 @@ class Checkpointer:
             "class_names": list(self.class_names),
             "config": self.config,
             "wandb_id": self.wandb_id,
+            "run_id": self.run_id,
         }
 
     def save(self, state: Stateful, val_top1: float | None = None, best: bool = False,
@@ -221,6 +230,7 @@ class Checkpointer:
         if max_over_ranks(int(bool(broken)), self.info.device):
             raise self.diverged(broken, fields)
         plain = self.plain_contents(fields, rng, val_top1, gathered) if self.info.is_main else {}  # rank 0 writes it
+        rank0_decides(self.check_folder)
         sharded.save(self.last, self.model, self.optimizer, plain)
         self.saved_step = fields["global_step"]
 
@@ -236,6 +246,8 @@ class Checkpointer:
         """Rank 0's part of save(): finish the previous write, refuse inf/NaN weights, then write the files
         (in the background with async_save)."""
         self.finish_write()
+        self.check_folder()
+        remove_dead_temps(self.out_dir, is_checkpoint_name)  # a killed earlier run's (the folder is ours alone)
         ckpt = self.contents(fields, rng, val_top1, gathered, copy=self.async_save)
         broken = nonfinite_tensors(ckpt["model"])
         if broken:
@@ -275,10 +287,16 @@ class Checkpointer:
                 if name == "last.pth":
                     self.saved_step = step
         except OSError as err:
+            self.check_folder()  # the folder was removed while the file was written: say that
             raise UserError(f"cannot write checkpoint {path} ({err.strerror or err}); free disk space (or raise "
                             f"the quota or file-size limit) or choose another output_dir; {self.kept_state()}") from None
         if prune_to is not None:
             self.prune_epoch_files(prune_to)
+
+    def check_folder(self) -> None:
+        """Rank 0, before writing: stop (UserError) if out_dir was removed or replaced since the run locked it."""
+        if self.lock is not None:
+            self.lock.check()
 
     def finish_write(self) -> None:
         """Rank 0: wait for the background write in flight; raises its UserError if it failed."""

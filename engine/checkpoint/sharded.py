@@ -34,9 +34,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from core.dist import broadcast_object, is_main, rank0_decides
 from core.errors import UserError
-from core.files import check_replaceable, remove, replace_with, temp_name, write_new
+from core.files import check_replaceable, remove, remove_dead_temps, replace_with, temp_name, write_new
 from core.signals import sigterm_deferred
-from engine.checkpoint.formats import (PLAIN, TEMP, SafeReader, first_line, is_ours, quiet_single_process,
+from engine.checkpoint.formats import (PLAIN, SafeReader, first_line, is_ours, quiet_single_process,
                                        read_metadata, set_aside)
 
 OURS = "a sharded checkpoint train.py wrote"  # what a save may replace, in messages
@@ -98,13 +98,9 @@ def write_failure(err: BaseException) -> str:
 def prepare(folder: Path, tmp: Path) -> None:
     """Rank 0, before a save: our temp folders left by a killed save removed, the new temp folder made."""
     try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
         recover(folder)
         check_replaceable(folder, is_ours, OURS, "output_dir")  # before any rank writes (checked again at the swap)
-        for path in folder.parent.iterdir():
-            match = TEMP.fullmatch(path.name)
-            if match and match["name"] == folder.name and match["tag"] == "tmp":
-                remove(path)
+        remove_dead_temps(folder.parent, lambda name: name == folder.name)
         tmp.mkdir()
     except OSError as err:
         raise UserError(f"cannot write checkpoint {folder} ({err.strerror or err}); make output_dir writable or "
