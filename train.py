@@ -434,8 +434,8 @@ def stop_reason(cfg: Config, state: TrainState, chosen_on: str) -> str | None:
 def finished_reason(cfg: Config, ckpt: dict | None) -> str | None:
     """Why the resumed checkpoint's run has nothing left to train under cfg, so that starting a finished run again
     trains and writes nothing; None for a fresh run or one with work left."""
-    if ckpt is None:
-        return None
+    if ckpt is None or (ckpt.get("config") or {}).get("model", {}).get("name") != cfg.model.name:
+        return None  # (another model: build_start refuses the checkpoint with its own line)
     state, chosen_on = TrainState(), best_metric(cfg)
     state.load_state_dict(ckpt)
     if ckpt.get("best_metric", "val_top1") != chosen_on:

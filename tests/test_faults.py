@@ -87,8 +87,8 @@ def test_nonfinite_gradients_stop_every_rank_and_keep_the_last_checkpoint(tmp_pa
     good = hashlib.sha256((out / "last.pth").read_bytes()).hexdigest()
     # lr 1e30 (epochs=3 keeps the cosine schedule far from 0 at 4 steps/epoch on 2 ranks): the first step
     # blows the weights up, the next forward passes are inf/NaN.
-    proc = run_script("train.py", *small, "train.epochs=3", "optim.lr=1e30", "train.max_nonfinite=2", nproc=2,
-                      check=False)
+    proc = run_script("train.py", *small, "train.epochs=3", "optim.lr=1e30", "train.max_nonfinite=2",
+                      f"resume={out / 'last.pth'}", nproc=2, check=False)  # another lr: continued on purpose
     assert proc.returncode != 0
     stops = re.findall(r"^\[rank (\d)\] error: the gradients were inf or NaN for 2 optimizer steps in a row "
                        r"\(up to global step (\d+)", proc.stderr, re.M)  # not torchrun's summary, which repeats them

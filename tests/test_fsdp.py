@@ -232,6 +232,8 @@ def batchnorm_configs() -> list[str]:
     """The configs whose model (test-sized, as tests/test_recipes.py trains them) has BatchNorm layers."""
     found = []
     for path in sorted((REPO / "configs").glob("*.yaml")):
+        if path.name.startswith("sweep_"):  # a W&B sweep file, not a training config
+            continue
         name = recipe_test_model(load_config(path.name).model.name)[0].split("=", 1)[1]
         if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in timm.create_model(name).modules()):
             found.append(path.name)

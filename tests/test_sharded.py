@@ -103,6 +103,7 @@ def save_where_rank_1_sees_another_folder(rank: int, world: int, tmp: str) -> di
     from core.errors import UserError
 
     os.chdir(tmp)
+    os.makedirs("run", exist_ok=True)  # the run's folder (train.py's lock makes it; a save never does)
     model, optimizer = build("fsdp", seed=0)
     folder = Path("run/last.dcp")
     sharded.save(folder, model, optimizer, {"epoch": 1, "global_step": 3, "rng": []})
