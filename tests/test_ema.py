@@ -111,26 +111,17 @@ def test_cached_ema_equals_timm_model_ema_v3(warmup):
 def test_ema_update_costs_the_same_for_any_number_of_layers():
     """A fixed number of ops per update (two foreach calls), where timm's ModelEmaV3 walks two state_dicts."""
     from timm.utils import ModelEmaV3
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from models.ema import create_ema
-
-    class OpCount(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops += 1
-            return func(*args, **(kwargs or {}))
+    from tests.helpers import op_counter
 
     def ops_per_update(make_ema, blocks: int) -> int:
         model = _bn_stack(blocks)
         ema = make_ema(model)
         ema.update(model, step=1)  # the first update may build what later ones reuse
-        with OpCount() as count:
+        with op_counter() as count:
             ema.update(model, step=2)
-        return count.ops
+        return sum(count.ops.values())
 
     ours = [ops_per_update(lambda m: create_ema(m, 0.9), blocks) for blocks in (2, 8)]
     theirs = [ops_per_update(lambda m: ModelEmaV3(m, decay=0.9), blocks) for blocks in (2, 8)]
