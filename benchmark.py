@@ -268,12 +268,13 @@ def default_workers() -> list[int]:
 
 def time_data(cfg: Config, info: DistInfo, workers: list[int], batches: int, target: float) -> dict:
     """img/s of train.py's train loader for each worker count; workers needed for `target` img/s."""
-    bundle = build_data(cfg.data, cfg.train.batch_size, cfg.seed, info)  # the datasets, built once
+    bundle = build_data(cfg.data, cfg.train.batch_size, cfg.seed, info, cfg.train.accum_steps)  # built once
     rows = []
     for count in workers:
         # one epoch's batches are timed, so persistent workers change nothing but would outlive their row
         data_cfg = dataclasses.replace(cfg.data, num_workers=count, persistent_workers=False)
-        loader = build_train_loader(bundle.train.dataset, data_cfg, cfg.train.batch_size, cfg.seed, info)
+        loader = build_train_loader(bundle.train.dataset, data_cfg, cfg.train.batch_size, cfg.seed, info,
+                                    cfg.train.accum_steps)
         if len(loader) < batches + 1:
             raise UserError(f"--data-batches {batches} needs {batches + 1} batches (one to warm up) but an epoch has "
                             f"{len(loader)} of train.batch_size {cfg.train.batch_size}; lower --data-batches")

@@ -159,7 +159,10 @@ def build_start(cfg: Config, start: Resume, weights: StartingWeights,
     pretrained, hub_cfg = weights.pretrained, weights.hub_cfg
     auto_batch = cfg.train.batch_size == "auto"  # found once the model is built: with_auto_batch
     seed_everything(cfg.seed)
-    data = build_data(cfg.data, UNIT if auto_batch else cfg.train.batch_size, cfg.seed, info)
+    if auto_batch:  # loaders of UNIT images only count this rank's share: draws per group wait for the batch
+        data = build_data(dataclasses.replace(cfg.data, mix_mode="pair"), UNIT, cfg.seed, info)
+    else:
+        data = build_data(cfg.data, cfg.train.batch_size, cfg.seed, info, cfg.train.accum_steps)
     precision = resolve_precision(cfg.amp, info.device, cfg.loss_scale)
     if cfg.dist.strategy == "fsdp" and precision.scaler is not None:  # amp=fp16 itself: core/config_checks.py
         raise UserError(f"amp={cfg.amp} chose fp16 on this GPU, which dist.strategy=fsdp cannot use (the GradScaler "
@@ -216,7 +219,7 @@ def with_auto_batch(cfg: Config, data: DataBundle, model: nn.Module, precision: 
         log.info("train.batch_size=auto: %d per process (%s)%s", cfg.train.batch_size, how,
                  f", x train.accum_steps={cfg.train.accum_steps} for train.global_batch_size="
                  f"{cfg.train.global_batch_size}" if cfg.train.global_batch_size else "")
-    return cfg, with_batch_size(data, cfg.data, cfg.train.batch_size, cfg.seed, info)
+    return cfg, with_batch_size(data, cfg.data, cfg.train.batch_size, cfg.seed, info, cfg.train.accum_steps)
 
 
 def load_teacher(cfg: Config, start: Resume, model: nn.Module, num_classes: int) -> tuple[Config, tuple | None]:

@@ -83,7 +83,7 @@ class DataConfig:
     sampler: str = "uniform"  # uniform: each image once an epoch | class_balanced: classes drawn equally (replacement)
     aug_repeats: int = 0  # repeated augmentation: each image k times per epoch (k >= 2), differently augmented
     mix_mode: str = "pair"  # pair: one mixup/cutmix draw per pair of images | batch: one per data.mix_group images
-    mix_group: int = 0  # batch mode: images per draw, of the global order (any world size); 0 = train.batch_size
+    mix_group: int = 0  # batch mode: images per draw = the source's GPU batch, laid out as its sampler deals them; 0 = train.batch_size
     multi_label: bool = False  # images have sets of labels (listfile: a|b|c; hf: Sequence(ClassLabel); wds: --list)
     multi_label_threshold: float = 0.5  # multi-label: a class is predicted when its sigmoid is >= this (val_f1)
 

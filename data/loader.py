@@ -56,15 +56,27 @@ class EpochSampler(DistributedSampler):
     `balanced` (data.sampler=class_balanced) replaces the epoch's permutation by len(dataset) draws with
     replacement, each a uniform class and then a uniform image of it (an image's chance is 1 / (classes x its
     class's count)), from the same (seed, epoch) generator; units, repeats and the dealing stay as above.
+
+    `group` G > 0 (data.mix_mode=batch, one mixing draw per G images) with `step` images per optimizer step (all
+    processes, accumulation included): the epoch is laid out as the sources deal it to step / G processes of
+    G images each (`source_layout`: torch's DistributedSampler, or timm's RepeatAugSampler with repeats), group
+    after group, and dealt in units of min(G, per-process batch): each process batch holds whole groups (one
+    draw each), a repeated image's copies sit in different groups, and the layout depends on (seed, epoch, G,
+    step) alone, not on how many processes share a step. The epoch is then whole optimizer steps.
     """
 
     start = 0
 
-    def __init__(self, dataset, *args, unit: int = 1, repeats: int = 1, balanced: bool = False, **kwargs) -> None:
+    def __init__(self, dataset, *args, unit: int = 1, repeats: int = 1, balanced: bool = False, group: int = 0,
+                 step: int = 0, **kwargs) -> None:
         super().__init__(dataset, *args, **kwargs)
-        self.unit, self.repeats = unit, max(repeats, 1)
+        self.unit, self.repeats, self.group, self.step = unit, max(repeats, 1), group, step
+        self.mixed = unit == 2 or group > 0
         self.by_class = images_by_class(dataset.labels, dataset.classes) if balanced else None
-        self.num_samples = len(self.dataset) // unit // self.num_replicas * unit
+        if group:
+            self.num_samples = len(self.dataset) // step * step // self.num_replicas
+        else:
+            self.num_samples = len(self.dataset) // unit // self.num_replicas * unit
         self.total_size = self.num_samples * self.num_replicas
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
@@ -79,6 +91,8 @@ class EpochSampler(DistributedSampler):
             perm = torch.randperm(len(self.dataset), generator=generator).tolist()
         else:
             perm = balanced_draws(*self.by_class, len(self.dataset), generator)
+        if self.group:
+            return source_layout(perm, self.repeats, self.step // self.group, self.group, len(perm) // self.step)
         if self.unit == 2 and self.repeats > 1:
             return repeated_pairs(perm, self.repeats)[:len(perm)]
         units = [perm[i:i + self.unit] for i in range(0, len(perm), self.unit)]
@@ -92,9 +106,9 @@ class EpochSampler(DistributedSampler):
 
     def key(self, item: tuple[int, int], position: int) -> tuple[int, ...]:
         index, repeat = item
-        if self.unit == 1 and self.repeats == 1:
+        if not self.mixed and self.repeats == 1:
             return self.epoch, index
-        return self.epoch, index, repeat, position // 2 if self.unit == 2 else -1
+        return self.epoch, index, repeat, position // 2 if self.mixed else -1
 
     def __len__(self) -> int:
         return max(self.num_samples - self.start, 0)
@@ -142,6 +156,18 @@ def repeated_pairs(perm: list[int], repeats: int) -> list[tuple[int, int]]:
             pairs += [(ring[(r + i) % last], ring[(r - i) % last]) for i in range(1, len(block) // 2)]
             order += [(index, repeat) for pair in pairs for index in pair]
     return order
+
+
+def source_layout(perm: list[int], repeats: int, ranks: int, group: int, steps: int) -> list[tuple[int, int]]:
+    """(index, repeat) of `steps` steps as the sources deal an epoch to `ranks` processes of `group` images:
+    process v's batch j is rows (j group + i) ranks + v of the permutation, each index repeated `repeats` times in
+    a row (torch's DistributedSampler; DeiT's RASampler, timm's RepeatAugSampler: k copies on k processes).
+    Written batch after batch, with timm's mixing pairs (row i with row group-1-i) side by side."""
+    rows = np.array([row for k in range(group // 2) for row in (k, group - 1 - k)])
+    batches = np.arange(steps)[:, None, None] * group + rows[None, None, :]  # [step, process, row]
+    stream = (batches * ranks + np.arange(ranks)[None, :, None]).reshape(-1)
+    indices = np.asarray(perm)[stream // repeats]
+    return list(zip(indices.tolist(), (stream % repeats).tolist()))
 
 
 class ShardSampler(Sampler[int]):
@@ -320,21 +346,40 @@ def worker_message(text: str) -> str:
 
 
 def build_train_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: int, seed: int,
-                       info: DistInfo) -> DataLoader:
+                       info: DistInfo, accum_steps: int = 1) -> DataLoader:
     """Shuffled, drop_last loader over this rank's share of the training set (with mixing, batches carry
     their mixes: data.mixing)."""
+    step = batch_size * info.world_size * accum_steps
+    group = mix_group(cfg, batch_size, step)
     sampler = EpochSampler(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=seed,
-                           drop_last=True, unit=2 if mixing(cfg) else 1, repeats=cfg.aug_repeats,
-                           balanced=cfg.sampler == "class_balanced")
-    check_repeats(cfg.aug_repeats, len(dataset), batch_size * info.world_size, mixing(cfg))
+                           drop_last=True, unit=min(group, batch_size) if group else 2 if mixing(cfg) else 1,
+                           repeats=cfg.aug_repeats, balanced=cfg.sampler == "class_balanced", group=group, step=step)
+    check_repeats(cfg.aug_repeats, len(dataset), batch_size * info.world_size, mixing(cfg) and not group)
     if len(sampler) < batch_size:
         raise UserError(f"each rank gets {len(sampler)} training images but train.batch_size is {batch_size}; "
                         "lower train.batch_size or use fewer processes")
     if cfg.num_workers > 0:
         before_workers_fork()
-    collate = MixCollate(cfg, seed, cfg.mix_group or batch_size) if mixing(cfg) else collate_readable
+    collate = MixCollate(cfg, seed, group) if mixing(cfg) else collate_readable
     return OneLineErrorLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
                               collate_fn=collate, **_loader_kwargs(cfg, info.device, seed + info.rank))
+
+
+def mix_group(cfg: DataConfig, batch_size: int, step: int) -> int:
+    """Images per mixing draw in data.mix_mode=batch (0: not that mode), checked to lay out whole draws in
+    process batches and optimizer steps."""
+    if not mixing(cfg) or cfg.mix_mode != "batch":
+        return 0
+    group = cfg.mix_group or batch_size
+    if batch_size % group and group % batch_size:
+        raise UserError(f"data.mix_group {group} and train.batch_size {batch_size}: one must divide the other, so "
+                        "each process batch holds whole mixing draws; set data.mix_group=0 (one draw per "
+                        "train.batch_size images) or a divisor of train.batch_size")
+    if step % group:
+        raise UserError(f"data.mix_group {group} does not divide the {step} images of an optimizer step "
+                        "(train.batch_size x processes x train.accum_steps); set data.mix_group=0 (one draw per "
+                        "train.batch_size images) or a divisor of train.batch_size")
+    return group
 
 
 def check_repeats(repeats: int, images: int, global_batch: int, mixed: bool) -> None:
@@ -389,22 +434,23 @@ class DataBundle:
     class_counts: list[int]  # training images per class (train.class_weights=balanced); multi-label: positives
 
 
-def build_data(cfg: DataConfig, batch_size: int, seed: int, info: DistInfo) -> DataBundle:
+def build_data(cfg: DataConfig, batch_size: int, seed: int, info: DistInfo, accum_steps: int = 1) -> DataBundle:
     """Everything training needs from data/: both loaders and the class list."""
     train_set, val_set = build_datasets(cfg, seed, info.local_rank)
     train_set.tensor_transform = tensor_augment(cfg)  # data.auto_augment, data.random_erase: for any data format
     log.info("data %s: train %d images, val %d images, %d classes%s", cfg.name, len(train_set), len(val_set),
              len(train_set.classes), ", multi-label (data.multi_label=true)" if cfg.multi_label else "")
-    return loaders(train_set, val_set, cfg, batch_size, seed, info)
+    return loaders(train_set, val_set, cfg, batch_size, seed, info, accum_steps)
 
 
-def with_batch_size(data: DataBundle, cfg: DataConfig, batch_size: int, seed: int, info: DistInfo) -> DataBundle:
+def with_batch_size(data: DataBundle, cfg: DataConfig, batch_size: int, seed: int, info: DistInfo,
+                    accum_steps: int = 1) -> DataBundle:
     """The same datasets in loaders of another batch (train.batch_size=auto, once the search found it)."""
-    return loaders(data.train.dataset, data.val.dataset, cfg, batch_size, seed, info)
+    return loaders(data.train.dataset, data.val.dataset, cfg, batch_size, seed, info, accum_steps)
 
 
 def loaders(train_set: AugmentedDataset, val_set: AugmentedDataset, cfg: DataConfig, batch_size: int, seed: int,
-            info: DistInfo) -> DataBundle:
+            info: DistInfo, accum_steps: int = 1) -> DataBundle:
     """Both loaders of the datasets and the class list, with every rank given a validation batch."""
     val = build_eval_loader(val_set, cfg, batch_size, info)
     val_batches = math.ceil(len(val_set) / batch_size)
@@ -413,7 +459,7 @@ def loaders(train_set: AugmentedDataset, val_set: AugmentedDataset, cfg: DataCon
                         f"{batch_size} for {info.world_size} processes, and each process needs one; use fewer "
                         "processes or a smaller train.batch_size")
     return DataBundle(
-        train=build_train_loader(train_set, cfg, batch_size, seed, info),
+        train=build_train_loader(train_set, cfg, batch_size, seed, info, accum_steps),
         val=val,
         num_classes=len(train_set.classes),
         class_names=list(train_set.classes),

@@ -28,7 +28,8 @@ class Row:
 
 SCHEDULE_TEST = "tests/test_recipes.py::test_recipe_schedule_is_its_sources"
 BATCH_MIX_TEST = "tests/test_augment.py::test_batch_mode_mixes_a_group_as_timms_batch_mode"
-PARTNERS_TEST = "tests/test_augment.py::test_mixed_repeats_have_distinct_partners_and_the_same_order_on_1_2_3_ranks"
+LAYOUT_TEST = "tests/test_augment.py::test_batch_mode_groups_are_the_sources_gpu_batches_for_any_split_of_a_step"
+GPU_BATCH_KEYS = ("data.mix_group", "train.batch_size")
 LAST_BN_TEST = "tests/test_recipes.py::test_last_bn_init_is_the_sources"
 LR_BASE_TEST = "tests/test_schedule.py::test_lr_base_scales_with_the_global_batch"
 BCE_TEST = "tests/test_knobs.py::test_bce_threshold_and_pos_weight_equal_timms"
@@ -59,6 +60,11 @@ SCHEDULE_ROWS = [
         SCHEDULE_TEST, "timm's ramp lr x t / warmup_iters, relatively 1/warmup_iters lower (bounded in the test)"),
     Row("convnext_tiny.yaml", "mixup/cutmix draw", "timm Mixup, --mixup_mode batch: one draw per GPU batch of 128",
         ("data.mix_mode", "data.mix_group"), BATCH_MIX_TEST),
+    Row("convnext_tiny.yaml", "GPU batches", "DistributedSampler deals the epoch to 8 GPUs, 4 micro-batches of 128 "
+        "per step: each one mixing draw", GPU_BATCH_KEYS, LAYOUT_TEST,
+        "a step's 4096 images are the source's; its 32 groups of 128 are dealt as 32 GPUs without accumulation "
+        "would, another split of the same images (the layout must not depend on the split between processes "
+        "and accumulation)"),
     Row("convnext_tiny.yaml", "lr for the global batch", "4e-3 at 4096 (TRAINING.md)", LR_KEYS, LR_BASE_TEST),
     Row("deit_small.yaml", "lr schedule", "timm cosine, 5 warmup epochs from 1e-6, to 1e-5 over all 300 epochs "
         "(main.py: timm create_scheduler, no warmup prefix)",
@@ -70,8 +76,8 @@ SCHEDULE_ROWS = [
         "value for e - 1", (), "", "not expressible: epoch e trains at e's value, as timm's train.py"),
     Row("deit_small.yaml", "mixup/cutmix draw", "timm Mixup, --mixup-mode batch: one draw per GPU batch of 256",
         ("data.mix_mode", "data.mix_group"), BATCH_MIX_TEST),
-    Row("deit_small.yaml", "repeated copies with mixing", "RASampler, 3 copies, each in another batch with another "
-        "partner", ("data.aug_repeats",), PARTNERS_TEST),
+    Row("deit_small.yaml", "repeated copies with mixing", "RASampler deals 3 copies of an image to 3 of the 4 GPUs, "
+        "each GPU batch of 256 one mixing draw", ("data.aug_repeats", *GPU_BATCH_KEYS), LAYOUT_TEST),
     Row("deit_small.yaml", "lr for the global batch", "5e-4 x batch / 512 (main.py: linear_scaled_lr)", LR_KEYS,
         LR_BASE_TEST),
     Row("deit_small_distilled.yaml", "lr schedule", "as deit_small.yaml (main.py's defaults)",
@@ -90,6 +96,8 @@ SCHEDULE_ROWS = [
         "--sched-on-updates)", ("sched.step_on_epochs",), SCHEDULE_TEST),
     Row("resnet50_rsb_a3.yaml", "mixup/cutmix draw", "timm Mixup, --mixup-mode batch: one draw per GPU batch of 256",
         ("data.mix_mode", "data.mix_group"), BATCH_MIX_TEST),
+    Row("resnet50_rsb_a3.yaml", "GPU batches", "DistributedSampler deals the epoch to the 8 GPUs: each GPU batch of "
+        "256 one mixing draw and one BatchNorm batch", GPU_BATCH_KEYS, LAYOUT_TEST),
     Row("resnet50_rsb_a3.yaml", "lr for the global batch", "8e-3 at 2048, square-root rule for LAMB (timm "
         "train.py)", LR_KEYS, LR_BASE_TEST),
     Row("resnet50_rsb_a3.yaml", "BCE targets", "bce_target_thresh 0.2 binarizes the mixed targets (timm "
@@ -106,8 +114,9 @@ SCHEDULE_ROWS = [
         "the collate", ("data.mix_mode", "data.mix_group"), BATCH_MIX_TEST),
     Row("resnet50_torchvision.yaml", "mixing partners", "image i with image i-1 of the batch (batch.roll(1, 0))", (),
         "", "not expressible: symmetric pairs (timm's flip)"),
-    Row("resnet50_torchvision.yaml", "repeated copies with mixing", "RASampler, 4 copies, each in another batch "
-        "with other partners", ("data.aug_repeats",), PARTNERS_TEST),
+    Row("resnet50_torchvision.yaml", "repeated copies with mixing", "RASampler deals 4 copies of an image to 4 of "
+        "the 8 GPUs, each GPU batch of 128 one mixing draw and one BatchNorm batch", ("data.aug_repeats",
+                                                                                      *GPU_BATCH_KEYS), LAYOUT_TEST),
     Row("resnet50_torchvision.yaml", "lr for the global batch", "0.5 at 1024 (--lr 0.5, 8 x 128)", LR_KEYS,
         LR_BASE_TEST),
     Row(MAE, "lr schedule", "linear warmup from 0 over 5 epochs, then half-cycle cosine to 1e-6 over the 45 after it "

@@ -34,6 +34,7 @@ TINY = ["--config", "dummy", "model.name=test_resnet", "model.channels_last=fals
 SMALL = ["data.name=dummy", "data.img_size=32", "data.dummy_image_size=36", "data.dummy_train_size=32",
          "data.dummy_val_size=8", "data.dummy_num_classes=4", "data.num_workers=0", "train.batch_size=4",
          "train.max_steps=2", "amp=off", "model.init_from=", "model.pretrained=false", "model.sync_bn=false",
+         "data.mix_group=0",  # one mixing draw per batch of 4 (the recipes draw per GPU batch of 128-256)
          "model.channels_last=false",
          "logging.progress=false", "dist.backend=auto"]  # resnet50.yaml asks for nccl; here: the CPU
 # The run that resume must reproduce bit for bit (tests/test_resume.py).

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import timm.data.mixup as timm_mixup
 import torch
+from timm.data.distributed_sampler import RepeatAugSampler
+from torch.utils.data import DistributedSampler
 from torchvision.transforms import v2
 
 import train
@@ -214,16 +216,17 @@ def test_policy_draws_leave_the_global_torch_rng_alone():
 
 def per_sample_images(cfg: DataConfig, world: int, workers: int, epoch: int = 1) -> dict[tuple, tuple]:
     """key -> (image, and with mixing: its mix draw and its partner's key), as the training loaders of all
-    `world` ranks deliver them in `epoch`."""
+    `world` ranks deliver them in `epoch` (a global batch of 8)."""
     cfg.num_workers = workers
     data = dataset(cfg)
-    samples = {}
+    samples, batch_size = {}, 8 // world
     for rank in range(world):
-        loader = build_train_loader(data, cfg, 4, seed=3, info=DistInfo(rank, world, rank, world, torch.device("cpu")))
+        loader = build_train_loader(data, cfg, batch_size, seed=3,
+                                    info=DistInfo(rank, world, rank, world, torch.device("cpu")))
         loader.sampler.set_epoch(epoch)
         keys = list(loader.sampler)
         for step, batch in enumerate(loader):
-            batch_keys = keys[step * 4:(step + 1) * 4]
+            batch_keys = keys[step * batch_size:(step + 1) * batch_size]
             for row, key in enumerate(batch_keys):
                 extra = () if len(batch) == 2 else (batch[2][row, 1:], batch_keys[int(batch[2][row, 0])])
                 samples[key] = (batch[0][row], *extra)
@@ -446,6 +449,74 @@ def test_mixed_repeats_have_distinct_partners_and_the_same_order_on_1_2_3_ranks(
         assert all(index not in p for index, p in partners.items())
 
 
+@pytest.mark.parametrize("repeats", [1, 3])
+def test_batch_mode_groups_are_the_sources_gpu_batches_for_any_split_of_a_step(repeats):
+    """data.mix_mode=batch with group G and a step of 4 G images: the images of each group (one mixing draw) are
+    the batches torch's DistributedSampler (repeats 1) or timm's RepeatAugSampler (DeiT's RASampler) deal to 4
+    GPUs of G, and pairs are timm's (row i with G-1-i), whether 4 ranks, 2 ranks with accumulation, 1 rank
+    with 4 micro-batches or 2 ranks of 2 G compute the step."""
+    n, group, gpus = 100, 4, 4
+    sources = []
+    for gpu in range(gpus):
+        source = (RepeatAugSampler(range(n), num_replicas=gpus, rank=gpu, num_repeats=repeats, selected_round=0)
+                  if repeats > 1 else DistributedSampler(range(n), num_replicas=gpus, rank=gpu, seed=0))
+        source.set_epoch(2)
+        stream = list(source)
+        sources.append([stream[b:b + group] for b in range(0, len(stream) - group + 1, group)])
+    for world, accum in ((4, 1), (2, 2), (1, 4), (2, 1)):
+        batch = group * gpus // world // accum
+        steps = []
+        for rank in range(world):
+            sampler = EpochSampler(range(n), num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True,
+                                   unit=min(group, batch), repeats=repeats, group=group, step=group * gpus)
+            sampler.set_epoch(2)
+            keys = list(sampler)
+            steps.append([keys[s:s + batch * accum] for s in range(0, len(keys), batch * accum)])
+        assert len(steps[0]) == n // (group * gpus)
+        for j, step in enumerate(zip(*steps)):
+            groups = {}
+            for _, index, _, pair in (key for keys in step for key in keys):
+                groups.setdefault(pair // (group // 2), []).append(index)
+            expected = sorted(sources[gpu][j] for gpu in range(gpus))
+            assert sorted([*g[0::2], *reversed(g[1::2])] for g in groups.values()) == expected, (world, accum, j)
+
+
+def test_deit_layout_on_four_ranks_puts_copies_on_other_ranks_with_their_own_draws():
+    """DeiT's layout at tiny sizes (4 ranks x 4 images, 3 repeats, one draw per GPU batch) through real loaders:
+    no GPU batch holds two copies of an image, each GPU batch has one draw, an image's copies have different draws;
+    2 ranks x 8 with 2 groups each deliver the same images and draws."""
+    cfg = DataConfig(**RECIPE, **MIX, aug_repeats=3, mix_mode="batch", mix_group=4)
+    data, draws, copies = dataset(cfg, size=48), {}, {}
+    for rank in range(4):
+        loader = build_train_loader(data, cfg, 4, seed=3, info=DistInfo(rank, 4, rank, 4, torch.device("cpu")))
+        loader.sampler.set_epoch(1)
+        keys = list(loader.sampler)
+        for step, (_, labels, mix) in enumerate(loader):
+            batch = keys[step * 4:(step + 1) * 4]
+            assert len({index for _, index, _, _ in batch}) == 4  # no image twice in a GPU batch
+            assert (mix[:, 1:] == mix[0, 1:]).all()  # one draw
+            draws.update({key: tuple(mix[0, 1:].tolist()) for key in batch})
+            for _, index, repeat, _ in batch:
+                copies.setdefault(index, []).append(tuple(mix[0, 1:].tolist()))
+    assert len(draws) == 48 and max(len(c) for c in copies.values()) == 3
+    assert all(len(set(c)) == len(c) for c in copies.values())  # each copy its own draw
+    for rank in range(2):
+        loader = build_train_loader(data, cfg, 8, seed=3, info=DistInfo(rank, 2, rank, 2, torch.device("cpu")))
+        loader.sampler.set_epoch(1)
+        keys = list(loader.sampler)
+        for step, (_, _, mix) in enumerate(loader):
+            assert {tuple(row) for row in mix[:, 1:].tolist()} == {draws[k] for k in keys[step * 8:(step + 1) * 8]}
+
+
+def test_batch_mode_refuses_groups_that_split_a_batch_or_a_step():
+    cfg = DataConfig(**MIX, mix_mode="batch", mix_group=6)
+    cpu = DistInfo(0, 1, 0, 1, torch.device("cpu"))
+    with pytest.raises(UserError, match="data.mix_group 6 and train.batch_size 4: one must divide the other"):
+        build_train_loader(dataset(cfg), cfg, 4, seed=0, info=cpu)
+    with pytest.raises(UserError, match="data.mix_group 6 does not divide the 3 images of an optimizer step"):
+        build_train_loader(dataset(cfg), cfg, 3, seed=0, info=cpu)
+
+
 def test_the_start_skip_resumes_pairs_and_repeats_exactly():
     full = EpochSampler(range(61), num_replicas=2, rank=1, shuffle=True, seed=7, drop_last=True, unit=2, repeats=2)
     full.set_epoch(4)
@@ -485,8 +556,9 @@ RECIPE_RUN = ("data.augment=true", "data.mixup_alpha=0.2", "data.cutmix_alpha=1.
 
 @pytest.mark.slow
 def test_recipe_one_process_equals_two_ranks(tmp_path):
-    """Guarantee 1 of docs/correctness.md with mixup, cutmix, RandAugment, erasing and repeats on."""
-    common = (*correctness.COMMON, correctness.NO_BN_MODEL, *RECIPE_RUN)
+    """Guarantee 1 of docs/correctness.md with mixup, cutmix, RandAugment, erasing and repeats on, one draw per
+    group of 6 (data.mix_mode=batch: two groups per batch on one process, one on each of two ranks)."""
+    common = (*correctness.COMMON, correctness.NO_BN_MODEL, *RECIPE_RUN, "data.mix_mode=batch", "data.mix_group=6")
     train_here(*common, "train.batch_size=12", f"output_dir={tmp_path}/one")
     run_on_ranks("train.py", *common, "train.batch_size=6", f"output_dir={tmp_path}/two", nproc=2)
     correctness.assert_same_model(tmp_path / "one", tmp_path / "two")

@@ -21,7 +21,7 @@ from timm.scheduler.scheduler import Scheduler
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-from core.config import Config, ModelConfig, best_metric, to_dict
+from core.config import Config, ModelConfig, best_metric, mixing, to_dict
 from core.dist import DistInfo, is_fsdp, rank0_decides
 from core.errors import UnreadableCheckpoint, UserError
 from engine.checkpoint import sharded
@@ -203,6 +203,7 @@ def check_global_batch(ckpt: dict[str, Any], path: Path, cfg: Config, world_size
     """
     then, now = saved_global_batch(ckpt), global_batch(world_size, cfg.train.batch_size, cfg.train.accum_steps)
     if then == now:
+        check_draw_group(ckpt, path, cfg)
         return
     per_process = then // world_size
     fits = (f"with {world_size} process(es) set train.batch_size x train.accum_steps = {per_process} (e.g. "
@@ -216,6 +217,17 @@ def check_global_batch(ckpt: dict[str, Any], path: Path, cfg: Config, world_size
     raise UserError(f"checkpoint {path} stopped mid-epoch with a global batch of {then} images ({ckpt['world_size']} "
                     f"process(es) x train.batch_size={old['batch_size']} x train.accum_steps={old['accum_steps']}), "
                     f"this run's is {now}: {fits}, so no sample is skipped or repeated; or {boundary}")
+
+
+def check_draw_group(ckpt: dict[str, Any], path: Path, cfg: Config) -> None:
+    """data.mix_group=0 draws once per train.batch_size images, which also lays out the epoch's order
+    (data/loader.EpochSampler): a mid-epoch continuation needs the checkpoint's train.batch_size."""
+    old = ckpt["config"]["train"]["batch_size"]
+    if (mixing(cfg.data) and cfg.data.mix_mode == "batch" and not cfg.data.mix_group
+            and old != cfg.train.batch_size):
+        raise UserError(f"checkpoint {path} stopped mid-epoch with train.batch_size={old} and data.mix_group=0 (one "
+                        f"mixing draw per {old} images, which also orders the epoch); resume it with "
+                        f"train.batch_size={old}, or from an end-of-epoch checkpoint (epoch_NNNN.pth)")
 
 
 def yaml_value(value: Any) -> str:
