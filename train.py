@@ -43,6 +43,7 @@ from core.errors import UserError
 from core.logs import setup_logging
 from core.signals import Preempted
 from data.loader import DataBundle, build_data, skipped_train_images, steps_per_epoch, with_batch_size
+from data.erasing import NormalizedFill
 from data.mixing import BatchMix
 from data.transforms import DeviceNormalize
 from engine.batch_size import CPU_BATCH, MAX_BATCH, UNIT, largest_batch, on_device_fits, resolved_batch
@@ -397,6 +398,7 @@ def build_parts(cfg: Config, info: DistInfo, data: DataBundle, precision: Precis
                                   class_weights(cfg.train.class_weights, data.class_counts, data.class_names)),
                        precision, distill)
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
+    erasing = data.train.dataset.erasing  # data.random_erase_fill=normalized: boxes to fill after normalize
     total_steps = cfg.train.epochs * updates_per_epoch
     loop = LoopConfig(normalize=normalize, accum_steps=cfg.train.accum_steps, drop_last_accum=cfg.train.drop_last_accum,
                       clip_grad=cfg.optim.clip_grad,
@@ -404,6 +406,7 @@ def build_parts(cfg: Config, info: DistInfo, data: DataBundle, precision: Precis
                       show_progress=cfg.logging.progress, max_nonfinite=cfg.train.max_nonfinite,
                       total_steps=min(total_steps, cfg.train.max_steps or total_steps),
                       mix=BatchMix(data.num_classes, cfg.train.label_smoothing) if mixing(cfg.data) else None,
+                      erase=NormalizedFill(cfg.data.random_erase_mode, info.device) if erasing else None,
                       clip_mode=cfg.optim.clip_mode, multi_label=cfg.data.multi_label,
                       fsdp_accum_whole=cfg.dist.fsdp_accum_whole and is_fsdp(model) and cfg.train.accum_steps > 1)
     return parts, loop, ema

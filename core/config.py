@@ -76,6 +76,7 @@ class DataConfig:
     random_erase_mode: str = "pixel"  # pixel: noise per pixel | rand: noise colour per box | const: 0 normalized
     random_erase_box: str = "timm"  # the box's ranges: timm (area 0.02-1/3, aspect 0.3-1/0.3, timm's RandomErasing) | torchvision (0.02-0.33, 0.3-3.3)
     random_erase_count: int = 1  # erase 1 to this many boxes, each 1/count of the area (timm's --recount)
+    random_erase_fill: str = "uint8"  # uint8: mean + std x N(0, 1) clipped to 0-255 (workers) | normalized: timm's unclipped N(0, 1) after normalization (device)
     mixup_alpha: float = 0.0  # mixup Beta(alpha, alpha) between pairs of images; 0 = off
     cutmix_alpha: float = 0.0  # cutmix Beta(alpha, alpha) box between pairs of images; 0 = off
     mixup_prob: float = 1.0  # probability that a pair is mixed (when mixup or cutmix is on)

@@ -18,6 +18,7 @@ CHOICES = {
     "data.interpolation": ("bilinear", "bicubic", "nearest", "area", "lanczos"),
     "data.random_erase_mode": ("pixel", "rand", "const"),
     "data.random_erase_box": ("timm", "torchvision"),
+    "data.random_erase_fill": ("uint8", "normalized"),
     "data.train_interpolation": ("", "random", "bilinear", "bicubic", "nearest", "area", "lanczos"),
     "dist.backend": ("auto", "nccl", "gloo"),
     "dist.strategy": ("ddp", "fsdp"),

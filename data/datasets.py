@@ -60,6 +60,7 @@ class AugmentedDataset(Dataset, abc.ABC):
     classes: list[str]
     labels: np.ndarray
     skip_corrupt = False  # True: an unreadable image gives None (collate_readable drops it), not an error
+    erasing = None  # data.random_erase_fill=normalized: a TimmErasing whose boxes (not pixels) each sample carries
 
     def __init__(self, transform: A.Compose, seed: int, tensor_transform: TensorTransform | None = None) -> None:
         self.transform = transform
@@ -78,7 +79,8 @@ class AugmentedDataset(Dataset, abc.ABC):
         """Where sample `index` comes from (a file path, or a synthetic name), for predictions.csv."""
 
     def __getitem__(self, key: int | tuple[int, ...]) -> tuple:
-        """(image, label); (image, label, (epoch, pair)) for a sample of a mixed pair (data.loader.EpochSampler).
+        """(image, label); (image, label, (epoch, pair)) for a sample of a mixed pair (data.loader.EpochSampler);
+        with `erasing`, its boxes come third: (image, label, boxes[, (epoch, pair)]) (data.erasing).
 
         Train samplers yield (epoch, index) or (epoch, index, repeat, pair); evaluation yields plain indices.
         """
@@ -94,11 +96,16 @@ class AugmentedDataset(Dataset, abc.ABC):
             log.warning("data.skip_corrupt: %s", err)
             return None
         image = self.transform(image=image)["image"]
+        boxes = ()
+        if self.tensor_transform is not None or self.erasing is not None:
+            image, *boxes = seeded(self.augment_tensor, image, tensor_seed(entropy))
+        return image, self.target(index), *boxes, *[(epoch, pair)] * (pair >= 0)
+
+    def augment_tensor(self, image: torch.Tensor) -> tuple:
+        """(image after the tensor policies), and with `erasing` its boxes, drawn next from the same RNG."""
         if self.tensor_transform is not None:
-            image = seeded(self.tensor_transform, image, tensor_seed(entropy))
-        if pair >= 0:
-            return image, self.target(index), (epoch, pair)
-        return image, self.target(index)
+            image = self.tensor_transform(image)
+        return (image,) if self.erasing is None else (image, self.erasing.draw(image))
 
     def target(self, index: int) -> int | torch.Tensor:
         """A sample's label: its class index, or (multi-label: labels is a [N, C] 0/1 array) a float multi-hot row."""

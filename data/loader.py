@@ -30,9 +30,10 @@ from data.datasets import AugmentedDataset, DummyDataset, ImageFolderDataset
 from data.digits import export_digits
 from data.hf import HFDataset
 from data.listfile import ListFileDataset
+from data.erasing import EraseCollate
 from data.mixing import MixCollate
 from data.shards import ShardDataset, split_index
-from data.transforms import eval_transform, tensor_augment, train_transform
+from data.transforms import deferred_erasing, eval_transform, tensor_augment, train_transform
 
 log = logging.getLogger(__name__)
 
@@ -361,6 +362,8 @@ def build_train_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: i
     if cfg.num_workers > 0:
         before_workers_fork()
     collate = MixCollate(cfg, seed, group) if mixing(cfg) else collate_readable
+    if dataset.erasing is not None:  # data.random_erase_fill=normalized: the boxes ride beside the batch
+        collate = EraseCollate(collate)
     return OneLineErrorLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
                               collate_fn=collate, **_loader_kwargs(cfg, info.device, seed + info.rank))
 
@@ -438,6 +441,7 @@ def build_data(cfg: DataConfig, batch_size: int, seed: int, info: DistInfo, accu
     """Everything training needs from data/: both loaders and the class list."""
     train_set, val_set = build_datasets(cfg, seed, info.local_rank)
     train_set.tensor_transform = tensor_augment(cfg)  # data.auto_augment, data.random_erase: for any data format
+    train_set.erasing = deferred_erasing(cfg)  # data.random_erase_fill=normalized: boxes drawn, filled on the device
     log.info("data %s: train %d images, val %d images, %d classes%s", cfg.name, len(train_set), len(val_set),
              len(train_set.classes), ", multi-label (data.multi_label=true)" if cfg.multi_label else "")
     return loaders(train_set, val_set, cfg, batch_size, seed, info, accum_steps)

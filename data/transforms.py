@@ -132,10 +132,19 @@ def tensor_augment(cfg: DataConfig) -> TensorTransform | None:
                                chain_depth=int(options["d"])))
     elif policy == "autoaugment":
         steps.append(AutoAugment(v2.AutoAugmentPolicy.IMAGENET))
-    if cfg.random_erase > 0:
+    if cfg.random_erase > 0 and cfg.random_erase_fill == "uint8":
         steps.append(TimmErasing(cfg.random_erase, cfg.mean, cfg.std, cfg.random_erase_mode, cfg.random_erase_count,
                                  cfg.random_erase_box))
     return v2.Compose(steps) if steps else None
+
+
+def deferred_erasing(cfg: DataConfig) -> TimmErasing | None:
+    """data.random_erase_fill=normalized: the erasing whose boxes the workers draw after tensor_augment's policy
+    (TimmErasing.draw) and data.erasing.NormalizedFill fills on the device; None otherwise."""
+    if not cfg.augment or cfg.random_erase == 0 or cfg.random_erase_fill != "normalized":
+        return None
+    return TimmErasing(cfg.random_erase, cfg.mean, cfg.std, cfg.random_erase_mode, cfg.random_erase_count,
+                       cfg.random_erase_box)
 
 
 def mean_colour(mean: Sequence[float]) -> list[int]:
@@ -322,7 +331,11 @@ class TimmErasing(v2.RandomErasing):
     per pixel, i.e. normal in the normalized space), rand (one such colour per box), const (the mean colour: 0
     after normalization, torchvision's value 0); `count` > 1: 1 to count boxes, each of 1/count the area
     (timm's max_count, train.py --recount). With count 1 the draws are torchvision's own. `box` (data.random_erase_box)
-    picks the ranges of the box's area and aspect: timm's RandomErasing defaults or torchvision's."""
+    picks the ranges of the box's area and aspect: timm's RandomErasing defaults or torchvision's.
+
+    The uint8 fill is mean + std x N(0, 1) rounded and clipped to 0-255: after normalization its std is 0.971 and
+    its values lie in [-2.12, 2.64] at ImageNet's mean/std. `draw` gives the boxes alone, for the device to fill
+    with timm's unbounded N(0, 1) after normalization (data.random_erase_fill=normalized, data.erasing)."""
 
     BOXES = {"timm": ((0.02, 1 / 3), (0.3, 1 / 0.3)),  # min_area, max_area; min_aspect, 1 / min_aspect
              "torchvision": ((0.02, 0.33), (0.3, 3.3))}  # RandomErasing's scale and ratio
@@ -355,6 +368,15 @@ class TimmErasing(v2.RandomErasing):
         for box in params["boxes"]:
             inpt = super().transform(inpt, box)
         return inpt
+
+    def draw(self, image: torch.Tensor) -> list[tuple[int, int, int, int, int]]:
+        """The boxes `forward` would erase in this CHW image, from the same draws of torch's global RNG (the same
+        boxes), as (y0, y1, x0, x1, seed): each with a seed for its fill, drawn after all the boxes."""
+        if torch.rand(1) >= self.p:  # v2's _RandomApplyTransform.forward
+            return []
+        boxes = [box for box in self.make_params([image])["boxes"] if box["v"] is not None]  # None: no box fit
+        seeds = torch.randint(2**63 - 1, (len(boxes),)).tolist()
+        return [(box["i"], box["i"] + box["h"], box["j"], box["j"] + box["w"], seed) for box, seed in zip(boxes, seeds)]
 
 
 class ResizeFiveCrop(ResizeCentreCrop):

@@ -13,7 +13,8 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 Normalize = Callable[[torch.Tensor], torch.Tensor]  # uint8 batch on the device -> model input (data.transforms)
-Batch = tuple[torch.Tensor, ...]  # (images, targets), or (images, targets, mix) with mixup/cutmix (data.mixing)
+# (images, targets), then (mix) with mixup/cutmix (data.mixing), then (boxes) with normalized erasing (data.erasing)
+Batch = tuple[torch.Tensor, ...]  # a part that is not a tensor (the boxes, a list) stays on the host
 
 
 def reads_ahead(device: torch.device) -> bool:
@@ -30,12 +31,12 @@ def device_batches(loader: Iterable[Batch], device: torch.device, normalize: Nor
     ahead = reads_ahead(device) if read_ahead is None else read_ahead
     if not ahead:
         for images, *rest in loader:
-            yield normalize(images.to(device)), *(tensor.to(device) for tensor in rest)
+            yield normalize(images.to(device)), *(to_device(part, device) for part in rest)
         return
     if device.type != "cuda":
         ready = None
         for images, *rest in loader:
-            upcoming = (normalize(images.to(device)), *(tensor.to(device) for tensor in rest))
+            upcoming = (normalize(images.to(device)), *(to_device(part, device) for part in rest))
             if ready is not None:
                 yield ready
             ready = upcoming
@@ -47,13 +48,19 @@ def device_batches(loader: Iterable[Batch], device: torch.device, normalize: Nor
     for images, *rest in loader:
         with torch.cuda.stream(side):
             upcoming = (normalize(images.to(device, non_blocking=True)),
-                        *(tensor.to(device, non_blocking=True) for tensor in rest))
+                        *(to_device(part, device, non_blocking=True) for part in rest))
         if ready is not None:
             yield ready
         compute = torch.cuda.current_stream(device)
         compute.wait_stream(side)
         for tensor in upcoming:
-            tensor.record_stream(compute)
+            if isinstance(tensor, torch.Tensor):
+                tensor.record_stream(compute)
         ready = upcoming
     if ready is not None:
         yield ready
+
+
+def to_device(part, device: torch.device, non_blocking: bool = False):
+    """A tensor of a batch on `device`; anything else (normalized erasing's list of boxes) as it is."""
+    return part.to(device, non_blocking=non_blocking) if isinstance(part, torch.Tensor) else part

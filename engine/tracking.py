@@ -157,7 +157,7 @@ class WandbTracker(Sink):
             for index in indices.tolist():
                 sample = dataset[(epoch, index)]
                 if sample is not None:  # None: unreadable, with data.skip_corrupt
-                    image, label = sample
+                    image, label = sample[:2]  # (data.random_erase_fill=normalized: unerased, the device fills)
                     rows.append([index, wandb.Image(image.permute(1, 2, 0).numpy()), label, dataset.classes[label]])
             table = wandb.Table(columns=["index", "image", "label", "class"], data=rows)
             self.run.log({"train_samples": table}, step=step)

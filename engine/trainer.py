@@ -66,6 +66,7 @@ class LoopConfig:
     max_nonfinite: int = 5  # consecutive skipped (inf/NaN) steps before training stops
     total_steps: int = 0  # optimizer steps of the whole run, for its ETA (0: unknown, the epoch's are shown)
     mix: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # (images, labels, mix) -> images, targets
+    erase: Callable[[torch.Tensor, list], torch.Tensor] | None = None  # (images, boxes) -> images (data.erasing)
     clip_mode: str = "norm"  # optim.clip_mode: norm | value | agc
     multi_label: bool = False  # multi-hot targets (data.multi_label): no train_top1, train_loss only
     fsdp_accum_whole: bool = False  # dist.fsdp_accum_whole: a sharded model keeps weights and gradients whole
@@ -101,9 +102,11 @@ def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cf
     optimizer.zero_grad(set_to_none=True)
     skipped = 0  # optimizer steps in a row skipped for inf/NaN gradients
     with training_steps():  # from here SIGTERM, like SIGUSR1, only asks for a stop at the next step boundary
-        for i, (images, labels, *mix) in enumerate(shown):
+        for i, (images, labels, *extra) in enumerate(shown):
+            if cfg.erase is not None:  # the erasing boxes, last, filled after normalization and before mixing (timm)
+                images = cfg.erase(images, extra.pop())
             # Mixup/cutmix (data.mixing): soft targets for the loss; train_top1 counts against the hard labels.
-            images, targets = cfg.mix(images, labels, *mix) if mix else (images, labels)
+            images, targets = cfg.mix(images, labels, *extra) if extra else (images, labels)
             group_start = i - i % cfg.accum_steps
             group_size = min(cfg.accum_steps, num_batches - group_start)
             last_micro_step = i == group_start + group_size - 1

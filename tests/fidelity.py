@@ -194,6 +194,7 @@ DECODING_ROWS = [
 
 # Precision, init, weight decay, steps per epoch, erasing, EMA (issue 40 items 1, 4-8).
 ERASE_BOX_TEST = "tests/test_augment.py::test_erasing_box_is_timms_or_torchvisions_formula_on_the_same_draws"
+ERASE_FILL_TEST = "tests/test_augment.py::test_normalized_erasing_fill_is_timms_unbounded_normal"
 TIMM_ERASING = ("deit_small.yaml", "deit_small_distilled.yaml", "convnext_tiny.yaml", MAE)
 SOURCE_ROWS_40: list[Row] = [
     Row("resnet50_torchvision.yaml", "EMA in the warmup epochs", "copies the model at each update of the 5 warmup "
@@ -215,8 +216,8 @@ SOURCE_ROWS_40: list[Row] = [
         "timm's 1-D rule would differ on 9 tensors"),
     *(Row(name, "random erasing box", "timm RandomErasing: area 0.02-1/3, aspect 0.3-1/0.3 (log-uniform)",
           ("data.random_erase_box",), ERASE_BOX_TEST) for name in TIMM_ERASING),
-    *(Row(name, "random erasing fill", "--remode pixel: N(0, 1) per pixel after normalization, unbounded", (), "",
-          "not expressible: mean + std x N(0, 1) rounded and clipped to uint8 before normalization")
+    *(Row(name, "random erasing fill", "--remode pixel: N(0, 1) per pixel after normalization, unbounded",
+          ("data.random_erase_fill",), ERASE_FILL_TEST, "the workers' boxes, filled on the device after normalization")
       for name in TIMM_ERASING),
     Row("resnet50_torchvision.yaml", "random erasing box", "RandomErasing: scale (0.02, 0.33), ratio (0.3, 3.3)",
         ("data.random_erase_box",), ERASE_BOX_TEST),
