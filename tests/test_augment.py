@@ -27,6 +27,7 @@ from data.erasing import NormalizedFill
 from data.mixing import BatchMix, CUTMIX, MIXUP, MixCollate, cutmix_box
 from data.transforms import DeviceNormalize, TimmRandAugment, deferred_erasing, tensor_augment, train_transform
 from engine.checkpoint.formats import load_checkpoint
+from engine.checkpoint.resume import check_global_batch
 from engine.losses import build_loss
 from tests import test_correctness as correctness, test_resume as resume
 from tests.helpers import TINY, read_jsonl, run_on_ranks, train_here
@@ -588,6 +589,16 @@ def test_batch_mode_refuses_groups_that_split_a_batch_or_a_step():
         build_train_loader(dataset(cfg), cfg, 4, seed=0, info=cpu)
     with pytest.raises(UserError, match="data.mix_group 6 does not divide the 3 images of an optimizer step"):
         build_train_loader(dataset(cfg), cfg, 3, seed=0, info=cpu)
+
+
+def test_mid_epoch_resume_with_draws_per_batch_keeps_the_batch(tmp_path):
+    """data.mix_group=0 draws per train.batch_size images, which orders the epoch: a mid-epoch checkpoint of
+    2 x 4 does not continue as 1 x 8 (the same global batch) but says so; with data.mix_group=4 it does."""
+    saved = {"world_size": 2, "epoch": 0, "epoch_step": 3, "config": {"train": {"batch_size": 4, "accum_steps": 1}}}
+    batch_mode = ["data.mixup_alpha=0.2", "data.mix_mode=batch", "train.batch_size=8"]
+    with pytest.raises(UserError, match="stopped mid-epoch with train.batch_size=4 and data.mix_group=0"):
+        check_global_batch(saved, tmp_path / "last.pth", load_config("dummy", batch_mode), world_size=1)
+    check_global_batch(saved, tmp_path / "last.pth", load_config("dummy", [*batch_mode, "data.mix_group=4"]), 1)
 
 
 def test_the_start_skip_resumes_pairs_and_repeats_exactly():
