@@ -83,6 +83,9 @@ SCHEDULE_ROWS = [
     Row("deit_small_distilled.yaml", "lr schedule", "as deit_small.yaml (main.py's defaults)",
         ("sched.name", "sched.warmup_epochs", "sched.warmup_lr", "sched.warmup_prefix", "sched.min_lr"),
         SCHEDULE_TEST),
+    Row("deit_small_distilled.yaml", "repeated copies with mixing", "as deit_small.yaml: RASampler deals 3 copies "
+        "of an image to 3 of the 4 GPUs, each GPU batch of 256 one mixing draw", ("data.aug_repeats", *GPU_BATCH_KEYS),
+        LAYOUT_TEST),
     Row("deit_small_distilled.yaml", "distillation", "--distillation-type hard, alpha 0.5: 0.5 x CE(class head, "
         "labels) + 0.5 x CE(distillation head, teacher argmax); teacher regnety_160 in eval mode on the mixed images "
         "(main.py, losses.py DistillationLoss)", ("distill.type", "distill.alpha", "distill.teacher_name"),
