@@ -55,7 +55,7 @@ from engine.distill import build_distillation, check_teacher_needed, freeze_teac
 from engine.evaluation import validate_epoch
 from engine.hooks import EmaUpdate, IntervalTracking, StepCheckpoint
 from engine.losses import build_loss, class_weights
-from engine.lr_find import range_test, write_results
+from engine.lr_find import LABEL as LR_RULE_LABEL, range_test, write_results
 from engine.optim import (build_optimizer, build_scheduler, check_optimizer, check_scheduler, scaled_lr_note,
                           with_global_batch, with_scaled_lr)
 from engine.precision import Precision, resolve_precision
@@ -262,9 +262,9 @@ def find_lr(cfg: Config, info: DistInfo) -> dict:
               "batch_size": cfg.train.batch_size, "accum_steps": cfg.train.accum_steps}
     rank0_decides(lambda: write_results(result, Path(cfg.output_dir)))  # every rank learns whether it could
     if info.is_main:
-        log.info("LR range test: %d steps (%s); suggested optim.lr %.3g (the smoothed loss's steepest descent; its "
-                 "minimum at lr %.3g); lr_find.json and lr_find.png in %s", result["steps"], result["stopped"],
-                 result["suggested_lr"], result["min_loss_lr"], cfg.output_dir)
+        log.info("LR range test: %d steps (%s); suggested optim.lr %.3g (%s; its steepest descent at lr %.3g); "
+                 "lr_find.json and lr_find.png in %s", result["steps"], result["stopped"], result["suggested_lr"],
+                 LR_RULE_LABEL, result["steepest_lr"], cfg.output_dir)
     return result
 
 

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import matplotlib.image
+import numpy as np
 import pytest
 import torch
 
@@ -19,7 +20,7 @@ from core.config import TrainConfig, TuneConfig
 from core.dist import min_over_ranks
 from core.errors import UserError
 from engine.batch_size import largest_batch, resolved_batch
-from engine.lr_find import Diverged, LrRamp
+from engine.lr_find import RULE, Diverged, LrRamp, suggest
 from engine.state import TrainState
 from tests.helpers import TINY, run_on_ranks, run_ranks, train_here
 
@@ -27,13 +28,14 @@ RUN_FILES = ("last.pth", "best.pth", "metrics.jsonl", "config.yaml")
 
 
 def check_lr_find(out: Path, tune: TuneConfig) -> dict:
-    """lr_find.json and a readable lr_find.png in `out`; the suggestion is one of the lrs swept, within the ramp."""
+    """lr_find.json and a readable lr_find.png in `out`; the suggestion is one of the lrs swept, its minimum's."""
     result = json.loads((out / "lr_find.json").read_text())
     assert matplotlib.image.imread(out / "lr_find.png").shape[2] in (3, 4)
     lrs = result["lrs"]
     assert len(lrs) == len(result["losses"]) == len(result["smoothed_losses"]) == result["steps"] <= tune.steps
     assert lrs[0] == pytest.approx(tune.lr_min) and lrs == sorted(lrs) and lrs[-1] <= tune.lr_max * (1 + 1e-9)
-    assert result["suggested_lr"] in lrs and result["rule"].startswith("steepest descent")
+    assert result["suggested_lr"] in lrs and result["rule"] == RULE
+    assert result["steepest_lr"] <= result["suggested_lr"] == result["min_loss_lr"]
     assert all(math.isfinite(loss) for loss in result["losses"])
     return result
 
@@ -76,6 +78,17 @@ def test_the_ramp_is_exponential_scales_layer_decay_groups_and_stops_on_divergen
     assert ramp.losses[-1] == 40.0 and ramp.smoothed[-1] > 4 * min(ramp.smoothed)
     with pytest.raises(Diverged, match="nan"):
         ramp.after_interval(state, {"train_loss": math.nan})
+
+
+def test_the_suggestion_is_the_smoothed_minimum_not_the_steepest_descent():
+    lrs = [10 ** (-4 + step / 10) for step in range(41)]  # 1e-4 to 1, ten steps a decade, as LrRamp's ramp
+    drops = [0.3 if step in (10, 11) else 0.02 for step in range(1, 31)]  # fastest fall at step 10, lowest at 30
+    rise = [1.0 + 0.3 * step * (-1) ** step for step in range(1, 11)]  # a diverging run's spikes and recoveries
+    smoothed = [*(2.0 - np.cumsum([0.0, *drops])), *(max(loss, 1.1) for loss in rise)]
+    result = suggest(lrs, smoothed)
+    assert result["suggested_lr"] == result["min_loss_lr"] == lrs[30]  # not the steepest descent's 1e-3
+    assert result["steepest_lr"] == lrs[10]
+    assert suggest(lrs[:3], [1.0, 2.0, 3.0])["suggested_lr"] == lrs[0]  # rising from the start: the first lr
 
 
 @pytest.mark.parametrize("limit", [2, 3, 37, 64, 1000, 4096, 5000])
