@@ -46,7 +46,8 @@ from data.loader import DataBundle, build_data, skipped_train_images, steps_per_
 from data.erasing import NormalizedFill
 from data.mixing import BatchMix
 from data.transforms import DeviceNormalize
-from engine.batch_size import CPU_BATCH, MAX_BATCH, UNIT, largest_batch, on_device_fits, resolved_batch
+from engine.batch_size import (CPU_BATCH, MAX_BATCH, UNIT, largest_batch, on_device_fits, resolved_batch,
+                                whole_groups)
 from engine.checkpoint.resume import Resume, config_changes
 from engine.checkpoint.run_dir import FolderLock, RunRecord, check_shared, check_writable, locked, resolve_output_dir
 from engine.checkpoint.saver import Checkpointer
@@ -210,6 +211,8 @@ def with_auto_batch(cfg: Config, data: DataBundle, model: nn.Module, precision: 
         how = (f"{CPU_BATCH} on the CPU, where host memory is not the limit and the speed per image hardly changes "
                "with the batch; set train.batch_size to choose")
     largest = min_over_ranks(largest, info.device)
+    if mixing(cfg.data) and cfg.data.mix_mode == "batch" and cfg.data.mix_group:  # each batch whole draws
+        largest = whole_groups(largest, cfg.data.mix_group)
     if not largest:
         raise UserError(f"train.batch_size=auto: not even a batch of {UNIT} fits ({cfg.model.name} at "
                         f"data.img_size {cfg.data.img_size}, amp={cfg.amp}); lower data.img_size, set "

@@ -66,6 +66,14 @@ def resolved_batch(train: TrainConfig, largest: int, world_size: int, even: bool
                     f"train.global_batch_size to a multiple of {world_size * UNIT}")
 
 
+def whole_groups(largest: int, group: int) -> int:
+    """The largest batch up to `largest` that holds whole mixing draws of `group` images (data.mix_mode=batch), or
+    a whole number of which make one: a multiple of `group`, else its largest divisor that fits (0: none)."""
+    if largest >= group:
+        return largest // group * group
+    return max((d for d in range(UNIT, largest + 1) if group % d == 0 and d % 2 == 0), default=0)
+
+
 def on_device_fits(model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, img_size: int,
                    num_classes: int, channels_last: bool) -> Callable[[int], bool]:
     """The CUDA rule: whether one training step at `batch` runs without running out of memory. The model and

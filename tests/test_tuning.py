@@ -19,7 +19,7 @@ import torch
 from core.config import TrainConfig, TuneConfig
 from core.dist import min_over_ranks
 from core.errors import UserError
-from engine.batch_size import largest_batch, resolved_batch
+from engine.batch_size import largest_batch, resolved_batch, whole_groups
 from engine.lr_find import RULE, Diverged, LrRamp, suggest
 from engine.state import TrainState
 from tests.helpers import TINY, run_on_ranks, run_ranks, train_here
@@ -124,3 +124,9 @@ def search_on_rank(rank: int, world: int, limits: list[int]) -> int:
 @pytest.mark.slow  # two real processes (the forkserver's imports)
 def test_every_rank_takes_the_smallest_batch_any_rank_found(tmp_path):
     assert run_ranks(search_on_rank, 2, tmp_path, [300, 41]) == [40, 40]
+
+
+def test_an_auto_batch_holds_whole_mixing_draws():
+    """data.mix_mode=batch with data.mix_group 256: a found 300 trains 256, a found 100 trains 64 (4 per draw)."""
+    assert [whole_groups(n, 256) for n in (300, 512, 600, 100, 2)] == [256, 512, 512, 64, 2]
+    assert whole_groups(4, 6) == 2 and whole_groups(1, 6) == 0
