@@ -3,7 +3,7 @@
     python benchmarks/imbalanced_digits.py                 # 20:1, 8 epochs, the issue-26 variants, seed 0
     python benchmarks/imbalanced_digits.py --ratio 100 --epochs 30 --seeds 0 1 2 --only "plain cross-entropy" \
         train.class_weights=balanced train.class_weights=effective DRW "logit adjustment" \
-        data.sampler=class_balanced                        # the 100:1 (CIFAR-10-LT profile) table
+        "logit adjustment tau=0.5" data.sampler=class_balanced  # the 100:1 (CIFAR-10-LT profile) table
 
 The training split of scikit-learn's digits (data/digits.py: about 143 images per class) is cut so class c
 keeps max(1, round(largest x ratio^(-c / 9))) images: class 0 all of them, class 9 a twentieth (ratio 20) or one
@@ -39,6 +39,7 @@ VARIANTS = {  # {from}: the epoch DRW's weights start at (the last quarter of --
     "train.class_weights=effective": ["train.class_weights=effective"],
     "DRW": ["train.class_weights=effective", "train.class_weights_from_epoch={from}"],
     "logit adjustment": ["train.logit_adjustment=1"],
+    "logit adjustment tau=0.5": ["train.logit_adjustment=0.5"],
     "data.sampler=class_balanced": ["data.sampler=class_balanced"],
 }
 
