@@ -53,7 +53,7 @@ from engine.checkpoint.weights import Pretrained, check_pretrained, resolve_prep
 from engine.distill import build_distillation, check_teacher_needed, freeze_teacher, read_teacher, teacher_sha256
 from engine.evaluation import validate_epoch
 from engine.hooks import EmaUpdate, IntervalTracking, StepCheckpoint
-from engine.losses import build_loss, set_loss_epoch
+from engine.losses import build_loss, heavy_weight_warning, set_loss_epoch
 from engine.lr_find import range_test, write_results
 from engine.optim import (build_optimizer, build_scheduler, check_optimizer, check_scheduler, scaled_lr_note,
                           with_global_batch, with_scaled_lr)
@@ -183,7 +183,10 @@ def build_start(cfg: Config, start: Resume, weights: StartingWeights,
         if info.is_main:
             log.warning(warning)
     start.load_model(model, cfg, data.class_names, info.world_size)
-    build_loss(cfg.train, mixing(cfg.data), data.class_counts, data.class_names)  # checked before anything is written
+    loss = build_loss(cfg.train, mixing(cfg.data), data.class_counts, data.class_names)  # checked before any write
+    global_batch = cfg.train.batch_size * info.world_size * cfg.train.accum_steps
+    if info.is_main and (warning := heavy_weight_warning(loss, data.class_names, global_batch)):
+        log.warning(warning)
     return cfg, data, precision, model
 
 

@@ -16,7 +16,8 @@ Why sklearn's balanced weights diverge at 100:1 with lr 0.1 (docs/benchmarks.md 
 is n / (C x 1) = 36, so the batch holding its one image gives that image 36/64 of the batch's gradient, a step
 36x an ordinary image's; the sampler (data.sampler=class_balanced) spreads the same expected gradient over 36
 draws. Remedies: effective-number weights (Cui et al. 2019, normalised as the paper to sum to C, so the largest
-is at most C and the loss scale drops to sum_c n_c w_c / n), deferred re-weighting (Cao et al. 2019: weights
+is at most C and the loss scale drops to sum_c n_c w_c / n: with few images per class their ratios are
+balanced's, so this is balanced at a smaller learning rate), deferred re-weighting (Cao et al. 2019: weights
 from train.class_weights_from_epoch on, when the schedule's lr is small), or the logit-adjusted loss (Menon et al.
 2021), which re-weights nothing: CE(logits + tau log prior, y), the prior from the global class counts.
 """
@@ -54,6 +55,24 @@ def set_loss_epoch(loss: Loss, epoch: int) -> None:
     """Tells a loss that depends on the epoch (deferred re-weighting) which epoch trains next."""
     if isinstance(loss, ImbalancedCrossEntropy):
         loss.set_epoch(epoch)
+
+
+HEAVY_SHARE = 0.25  # of a global batch's gradient, for one image: 7/64 trained well (20:1), 36/64 diverged (142:1)
+
+
+def heavy_weight_warning(loss: Loss, class_names: list[str], global_batch: int) -> str | None:
+    """A warning when one image of the heaviest class would take more than HEAVY_SHARE of its batch's gradient
+    from the start (docs/benchmarks.md 12b); None otherwise, or when the weights are deferred."""
+    if not isinstance(loss, ImbalancedCrossEntropy) or loss.weight is None or loss.from_epoch:
+        return None
+    heaviest = int(loss.weight.argmax())
+    share = float(loss.weight[heaviest]) / global_batch
+    if share <= HEAVY_SHARE:
+        return None
+    return (f"train.class_weights gives class {class_names[heaviest]} a weight of {float(loss.weight[heaviest]):.1f}: "
+            f"one of its images takes {share:.0%} of a global batch of {global_batch}'s gradient, which diverged "
+            "for epochs at 142:1 with lr 0.1 (docs/benchmarks.md 12b); consider train.class_weights=effective, "
+            "train.class_weights_from_epoch or data.sampler=class_balanced")
 
 
 def empty_classes(setting: str, class_counts: list[int], class_names: list[str]) -> None:

@@ -171,6 +171,21 @@ def test_deferred_class_weights_follow_the_epoch():
         assert torch.allclose(loss_fn(logits, labels), expected), epoch
 
 
+def test_heavy_class_weights_are_warned_of():
+    """The 142:1 cut's balanced weights (the rarest 35.7, 56% of a batch of 64) are warned of, the 20:1 cut's
+    (7.1, 11%) and deferred or effective ones are not."""
+    from engine.losses import heavy_weight_warning
+
+    long_tail, names = [142, 88, 52, 31, 19, 11, 7, 4, 2, 1], [str(c) for c in range(10)]
+    warning = heavy_weight_warning(build_loss(TrainConfig(class_weights="balanced"), False, long_tail, names), names, 64)
+    assert "class 9 a weight of 35.7: one of its images takes 56% of a global batch of 64" in warning
+    twenty = [142, 105, 75, 54, 39, 28, 20, 14, 10, 7]
+    for cfg, counts in ((TrainConfig(class_weights="balanced"), twenty),
+                        (TrainConfig(class_weights="balanced", class_weights_from_epoch=5), long_tail),
+                        (TrainConfig(class_weights="effective"), long_tail), (TrainConfig(), long_tail)):
+        assert heavy_weight_warning(build_loss(cfg, False, counts, names), names, 64) is None
+
+
 def test_class_metrics_are_scikit_learns():
     """A class absent from y_true (only predicted), one never predicted, one in neither: sklearn's definitions."""
     from sklearn.metrics import balanced_accuracy_score, f1_score, recall_score
