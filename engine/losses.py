@@ -7,13 +7,13 @@ Long-tailed data (train.class_weights, train.class_weights_from_epoch, train.log
 ImbalancedCrossEntropy. Class weights w weight each image's whole (smoothed) cross-entropy by w[y_i] (soft
 targets: sum_c w[c] p_ic, the target's mean weight), averaged over the N images of the batch: sum_i w_i l_i / N.
 Not torch's CrossEntropyLoss(weight=w): its label smoothing weights each class's uniform term by w[c], which
-moves every image's own optimum towards the heavy classes (at 100:1 and smoothing 0.1, a class-0 image's target
+moves every image's own optimum towards the heavy classes (at 142:1 and smoothing 0.1, a class-0 image's target
 put 0.36 on class 9 and 0.23 on its own class). Not torch's weighted mean (divided by sum_i w[y_i]) either: that
 denominator differs between the processes' batches, and DDP's average of per-process means would then differ
-from one process's mean over the global batch; nor did it help: at 100:1 it diverged as the /N mean did.
+from one process's mean over the global batch; nor did it help: at 142:1 it diverged as the /N mean did.
 
-Why sklearn's balanced weights diverge at 100:1 with lr 0.1 (docs/benchmarks.md 12): the rarest class's weight
-is n / (C x 1) = 36, so the batch holding its one image gives that image 36/64 of the batch's gradient, a step
+Why sklearn's balanced weights diverge at 142:1 with lr 0.1 (docs/benchmarks.md 12b): the rarest class's weight
+is n / (C x 1) = 36, so the batch holding its one image gives it 36/64 of the batch's mean loss, a step
 36x an ordinary image's; the sampler (data.sampler=class_balanced) spreads the same expected gradient over 36
 draws. Remedies: effective-number weights (Cui et al. 2019, normalised as the paper to sum to C, so the largest
 is at most C and the loss scale drops to sum_c n_c w_c / n: with few images per class their ratios are
@@ -75,13 +75,13 @@ def heavy_weight_warning(loss: Loss, class_names: list[str], global_batch: int) 
             "train.class_weights_from_epoch or data.sampler=class_balanced")
 
 
-def empty_classes(setting: str, class_counts: list[int], class_names: list[str]) -> None:
+def empty_classes(setting: str, class_counts: list[int], class_names: list[str],
+                  what: str = "weight would be infinite", other: str = ", or give train.class_weights as a list") -> None:
     """A class without training images has an infinite weight (or a log prior of -inf): refused in one line."""
     empty = [name for name, n in zip(class_names, class_counts) if n == 0]
     if empty:
         raise UserError(f"{setting}: the training set has no images of class(es) {', '.join(empty[:10])}, whose "
-                        "weight would be infinite; add images of them, remove their folders, or give "
-                        "train.class_weights as a list")
+                        f"{what}; add images of them, remove their folders{other}")
 
 
 def class_weights(setting: str | list[float], class_counts: list[int], class_names: list[str],
@@ -107,7 +107,8 @@ def class_weights(setting: str | list[float], class_counts: list[int], class_nam
 
 def log_prior(class_counts: list[int], class_names: list[str]) -> torch.Tensor:
     """log(count_c / n) of the training set's global class counts, float32, for train.logit_adjustment."""
-    empty_classes("train.logit_adjustment", class_counts, class_names)
+    empty_classes("train.logit_adjustment", class_counts, class_names, "log prior would be -inf",
+                  ", or set train.logit_adjustment=0")
     counts = torch.tensor(class_counts, dtype=torch.float64)
     return (counts / counts.sum()).log().float()
 
