@@ -55,7 +55,7 @@ from engine.checkpoint.weights import Pretrained, check_pretrained, resolve_prep
 from engine.distill import build_distillation, check_teacher_needed, freeze_teacher, read_teacher, teacher_sha256
 from engine.evaluation import validate_epoch
 from engine.hooks import EmaUpdate, IntervalTracking, StepCheckpoint
-from engine.losses import build_loss, class_weights
+from engine.losses import build_loss, heavy_weight_warning, set_loss_epoch
 from engine.lr_find import LABEL as LR_RULE_LABEL, range_test, write_results
 from engine.optim import (build_optimizer, build_scheduler, check_optimizer, check_scheduler, scaled_lr_note,
                           with_global_batch, with_scaled_lr)
@@ -188,7 +188,10 @@ def build_start(cfg: Config, start: Resume, weights: StartingWeights,
         if info.is_main:
             log.warning(warning)
     start.load_model(model, cfg, data.class_names, info.world_size)
-    class_weights(cfg.train.class_weights, data.class_counts, data.class_names)  # checked before anything is written
+    loss = build_loss(cfg.train, mixing(cfg.data), data.class_counts, data.class_names)  # checked before any write
+    global_batch = cfg.train.batch_size * info.world_size * cfg.train.accum_steps
+    if info.is_main and (warning := heavy_weight_warning(loss, data.class_names, global_batch)):
+        log.warning(warning)
     return cfg, data, precision, model
 
 
@@ -331,6 +334,7 @@ def fit(cfg: Config, info: DistInfo, lock: FolderLock | None = None) -> TrainSta
     try:  # close(): however the run ends, its last checkpoint write (train.async_save) finishes first
         while state.epoch < cfg.train.epochs and not stop_before_epoch(cfg, state, chosen_on, tracker):
             state.set_loader_epoch(data.train, cfg.train.accum_steps)  # mid-epoch: past this rank's batches done
+            set_loss_epoch(parts.loss_fn, state.epoch)  # train.class_weights_from_epoch
             try:
                 train_stats = train_one_epoch(parts, data.train, state, loop, info, hooks)
             except Preempted as stopped:  # SIGTERM or SIGUSR1: every rank stopped after the same step
@@ -397,8 +401,7 @@ def build_parts(cfg: Config, info: DistInfo, data: DataBundle, precision: Precis
         log.warning(warning)
     parts = TrainParts(wrap_for_training(model, info.device, info.world_size, cfg.model.compile), optimizer,
                        build_scheduler(optimizer, cfg.sched, cfg.train.epochs, updates_per_epoch),
-                       build_loss(cfg.train, mixing(cfg.data),
-                                  class_weights(cfg.train.class_weights, data.class_counts, data.class_names)),
+                       build_loss(cfg.train, mixing(cfg.data), data.class_counts, data.class_names),
                        precision, distill)
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
     erasing = data.train.dataset.erasing  # data.random_erase_fill=normalized: boxes to fill after normalize

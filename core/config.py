@@ -143,7 +143,10 @@ class TrainConfig:
     async_save: bool = True  # file checkpoints: rank 0 writes a copy of the state in a background thread while training goes on (host memory for one checkpoint); false = training waits for each write
     max_nonfinite: int = 5  # fp32/bf16: stop after this many optimizer steps in a row with inf/NaN gradients
     best_on_ema: bool = True  # with model.ema_decay: best.pth is the epoch with the best ema_val_top1 (as timm)
-    class_weights: str | list[float] = "none"  # ce: none | balanced (n / (classes x class count)) | [w0, w1, ...]
+    class_weights: str | list[float] = "none"  # ce: none | balanced (n / (classes x class count)) | effective (Cui et al. 2019: (1 - beta) / (1 - beta^count), summing to the class count) | [w0, w1, ...]; weights each image's whole (smoothed) loss, averaged over the batch's images; balanced diverges at 100:1 with lr 0.1 (docs/data.md): use effective or class_weights_from_epoch there
+    class_weights_beta: float = 0.9999  # class_weights=effective: beta in [0, 1); 0 = no weighting, towards 1 = balanced
+    class_weights_from_epoch: int = 0  # deferred re-weighting (Cao et al. 2019, DRW): class weights apply from this epoch on, plain cross-entropy before; 0 = from the start
+    logit_adjustment: float = 0.0  # ce: tau of the logit-adjusted loss (Menon et al. 2021): cross-entropy of logits + tau x log(class prior of the training set); evaluation and prediction use the raw logits; 0 = off, 1 = the paper's
     best_metric: str = "val_top1"  # best.pth: val_top1 | val_balanced_acc | val_macro_f1 | val_map | val_loss (min)
     early_stop_patience: int = 0  # stop after this many epochs without a better train.best_metric; 0 = off
 

@@ -262,9 +262,9 @@ def validate_imbalance(cfg: Config) -> None:
     """train.class_weights and train.best_metric values that could not work (a list's length is checked
     against the classes when the data is read: engine/losses.py class_weights)."""
     weights, multi_label = cfg.train.class_weights, cfg.data.multi_label
-    if isinstance(weights, str) and weights not in ("none", "balanced"):
-        raise UserError(f"config key 'train.class_weights' is {weights!r}; use none, balanced or a list of one "
-                        "weight per class, e.g. [1.0, 5.0]")
+    if isinstance(weights, str) and weights not in ("none", "balanced", "effective"):
+        raise UserError(f"config key 'train.class_weights' is {weights!r}; use none, balanced, effective or a list "
+                        "of one weight per class, e.g. [1.0, 5.0]")
     if isinstance(weights, list) and (not weights or min(weights) < 0 or max(weights) == 0):
         raise UserError(f"config key 'train.class_weights' must be one weight >= 0 per class, not all 0, got "
                         f"{weights}")
@@ -272,6 +272,7 @@ def validate_imbalance(cfg: Config) -> None:
         raise UserError(f"config key 'train.class_weights' applies to train.loss=ce (train.loss is "
                         f"{cfg.train.loss!r}); "
                         "use train.bce_pos_weight with bce")
+    validate_long_tail(cfg)
     if cfg.train.best_metric == "val_map" and not multi_label:  # the one place that decides where mAP exists
         raise UserError("train.best_metric=val_map needs multi-label data (data.multi_label=true), and this run's "
                         "data is single-label; use val_top1, val_balanced_acc, val_macro_f1 or val_loss")
@@ -281,6 +282,31 @@ def validate_imbalance(cfg: Config) -> None:
     if multi_label and cfg.data.sampler == "class_balanced":
         raise UserError("data.sampler=class_balanced draws one class per image, and multi-label images have "
                         "several; use data.sampler=uniform (train.bce_pos_weight weights the positives)")
+
+
+def validate_long_tail(cfg: Config) -> None:
+    """train.class_weights_beta, train.class_weights_from_epoch and train.logit_adjustment values that could not
+    work, or that would correct for the class prior twice."""
+    train = cfg.train
+    if not 0 <= train.class_weights_beta < 1:
+        raise UserError(f"config key 'train.class_weights_beta' must be in [0, 1) (Cui et al.: 0.9999), got "
+                        f"{train.class_weights_beta}")
+    if train.class_weights_from_epoch < 0:
+        raise UserError(f"config key 'train.class_weights_from_epoch' must be >= 0, got "
+                        f"{train.class_weights_from_epoch}")
+    if train.class_weights_from_epoch and train.class_weights == "none":
+        raise UserError("train.class_weights_from_epoch defers class weights, and train.class_weights is none; set "
+                        "train.class_weights (e.g. effective or balanced) or leave train.class_weights_from_epoch at 0")
+    tau = train.logit_adjustment
+    if tau < 0:
+        raise UserError(f"config key 'train.logit_adjustment' must be >= 0 (0 = off, 1 = Menon et al.), got {tau}")
+    if tau and train.loss != "ce":
+        raise UserError(f"train.logit_adjustment applies to softmax cross-entropy (train.loss=ce), and train.loss is "
+                        f"{train.loss!r}; set train.logit_adjustment=0 or train.loss=ce")
+    if tau and cfg.data.sampler == "class_balanced":
+        raise UserError("train.logit_adjustment corrects for the training set's class prior, and "
+                        "data.sampler=class_balanced already draws every class alike (its prior is uniform); use one "
+                        "of them")
 
 
 MIN_TUNE_STEPS = 10  # --find-lr: fewer points leave no curve to read a suggestion from

@@ -434,7 +434,7 @@ class DataBundle:
     val: DataLoader
     num_classes: int
     class_names: list[str]
-    class_counts: list[int]  # training images per class (train.class_weights=balanced); multi-label: positives
+    class_counts: list[int]  # training images per class (class weights, logit adjustment); multi-label: positives
 
 
 def build_data(cfg: DataConfig, batch_size: int, seed: int, info: DistInfo, accum_steps: int = 1) -> DataBundle:

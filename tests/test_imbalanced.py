@@ -99,25 +99,91 @@ def test_balanced_class_weights_are_scikit_learns():
 
 @pytest.mark.parametrize("smoothing, soft", [(0.0, False), (0.1, False), (0.1, True)])
 def test_weighted_cross_entropy_semantics(smoothing, soft):
-    """What train.class_weights computes, in float64 by hand: the mean over the N images of w[y] l (smoothing's
-    uniform term weighted per class) on hard labels, of sum_c w_c p_c (-log q_c) on soft targets. Not torch's
-    weighted mean (divided by sum w[y]): DDP would average per-process denominators (the 2-rank test below)."""
+    """What train.class_weights computes, in float64 by hand: the mean over the N images of w[y_i] x the image's
+    smoothed cross-entropy (soft targets: the target's mean weight sum_c w_c p_c x its cross-entropy). Not torch's
+    weight=, which weights smoothing's uniform term per class and so moves each image's optimum towards the heavy
+    classes; not torch's weighted mean (divided by sum w[y]): DDP would average per-process denominators."""
     gen = torch.Generator().manual_seed(0)
     logits, labels = torch.randn(16, 4, generator=gen), torch.randint(4, (16,), generator=gen)
     weights = torch.tensor([0.5, 2.0, 3.0, 10.0])
     cfg = TrainConfig(label_smoothing=smoothing, class_weights=weights.tolist())
-    loss_fn = build_loss(cfg, mixing=soft, class_weights=weights)
+    loss_fn = build_loss(cfg, mixing=soft, class_counts=[4, 4, 4, 4], class_names=list("abcd"))
     log_q, w = torch.log_softmax(logits.double(), 1), weights.double()
     if soft:  # mixed targets arrive with smoothing folded in; the loss smooths nothing itself
         targets = torch.softmax(torch.randn(16, 4, generator=gen), 1)
-        expected = -(w * targets.double() * log_q).sum(1).mean()
+        expected = ((targets.double() @ w) * -(targets.double() * log_q).sum(1)).mean()
         actual = loss_fn(logits, targets)
     else:
-        nll = -log_q.gather(1, labels[:, None])[:, 0]
-        uniform = -(w * log_q).sum(1) / 4
-        expected = (w[labels] * ((1 - smoothing) * nll) + smoothing * uniform).mean()
+        target = torch.nn.functional.one_hot(labels, 4).double() * (1 - smoothing) + smoothing / 4
+        expected = (w[labels] * -(target * log_q).sum(1)).mean()
         actual = loss_fn(logits, labels)
     assert torch.allclose(actual.double(), expected, rtol=1e-6)
+
+
+def test_effective_number_weights_are_cui_et_als():
+    """(1 - beta) / (1 - beta^n_c), scaled to sum to C (Cui et al. 2019, eq. 5 and their normalisation), in
+    float64; beta = 0 weights nothing, beta towards 1 approaches balanced's ratios."""
+    counts, names = [500, 50, 5, 1], list("abcd")
+    for beta in (0.9, 0.999, 0.9999):
+        n = np.array(counts, dtype=np.float64)
+        inverse = (1 - beta) / (1 - beta ** n)
+        expected = inverse / inverse.sum() * 4
+        assert np.allclose(class_weights("effective", counts, names, beta).numpy(), expected, rtol=1e-6)
+    assert class_weights("effective", counts, names, 0.0).tolist() == [1.0] * 4
+    near_one = class_weights("effective", counts, names, 1 - 1e-9)
+    assert math.isclose(near_one[3] / near_one[0], 500, rel_tol=1e-3)
+    with pytest.raises(UserError, match="train.class_weights=effective: the training set has no images of class"):
+        class_weights("effective", [3, 0, 1, 1], names)
+
+
+@pytest.mark.parametrize("smoothing, soft", [(0.1, False), (0.0, True)])
+def test_logit_adjusted_loss_is_menon_et_als(smoothing, soft):
+    """train.logit_adjustment=tau: cross-entropy of logits + tau x log(prior), the prior from the global class
+    counts (Menon et al. 2021, eq. 10), with label smoothing or soft (mixed) targets alike."""
+    gen = torch.Generator().manual_seed(1)
+    logits, labels = torch.randn(16, 4, generator=gen), torch.randint(4, (16,), generator=gen)
+    targets = torch.softmax(torch.randn(16, 4, generator=gen), 1) if soft else labels
+    counts, tau = [700, 200, 90, 10], 1.5
+    prior = torch.tensor(counts, dtype=torch.float64) / sum(counts)
+    loss_fn = build_loss(TrainConfig(label_smoothing=smoothing, logit_adjustment=tau), mixing=soft,
+                         class_counts=counts, class_names=list("abcd"))
+    expected = torch.nn.functional.cross_entropy(logits.double() + tau * prior.log(), targets.double() if soft
+                                                 else targets, label_smoothing=smoothing)
+    assert torch.allclose(loss_fn(logits, targets).double(), expected, rtol=1e-6)
+    with pytest.raises(UserError, match="train.logit_adjustment: the training set has no images of class"):
+        build_loss(TrainConfig(logit_adjustment=1.0), False, [3, 0, 1, 1], list("abcd"))
+
+
+def test_deferred_class_weights_follow_the_epoch():
+    """train.class_weights_from_epoch=2 (DRW): plain cross-entropy in epochs 0-1, weighted from epoch 2 on, decided
+    by the epoch alone (set again after a resume; the trained proof is the balanced runs' mid-epoch resume)."""
+    from engine.losses import set_loss_epoch
+
+    gen = torch.Generator().manual_seed(2)
+    logits, labels = torch.randn(16, 4, generator=gen), torch.randint(4, (16,), generator=gen)
+    cfg = TrainConfig(class_weights=[0.5, 2.0, 3.0, 10.0], class_weights_from_epoch=2)
+    loss_fn = build_loss(cfg, False, [4] * 4, list("abcd"))
+    weighted = build_loss(TrainConfig(class_weights=cfg.class_weights), False, [4] * 4, list("abcd"))
+    plain = torch.nn.functional.cross_entropy(logits, labels)
+    assert torch.allclose(loss_fn(logits, labels), plain)  # built for epoch 0
+    for epoch, expected in ((1, plain), (2, weighted(logits, labels)), (5, weighted(logits, labels)), (0, plain)):
+        set_loss_epoch(loss_fn, epoch)
+        assert torch.allclose(loss_fn(logits, labels), expected), epoch
+
+
+def test_heavy_class_weights_are_warned_of():
+    """The 142:1 cut's balanced weights (the rarest 35.7, 56% of a batch of 64) are warned of, the 20:1 cut's
+    (7.1, 11%) and deferred or effective ones are not."""
+    from engine.losses import heavy_weight_warning
+
+    long_tail, names = [142, 88, 52, 31, 19, 11, 7, 4, 2, 1], [str(c) for c in range(10)]
+    warning = heavy_weight_warning(build_loss(TrainConfig(class_weights="balanced"), False, long_tail, names), names, 64)
+    assert "class 9 a weight of 35.7: one of its images takes 56% of a global batch of 64" in warning
+    twenty = [142, 105, 75, 54, 39, 28, 20, 14, 10, 7]
+    for cfg, counts in ((TrainConfig(class_weights="balanced"), twenty),
+                        (TrainConfig(class_weights="balanced", class_weights_from_epoch=5), long_tail),
+                        (TrainConfig(class_weights="effective"), long_tail), (TrainConfig(), long_tail)):
+        assert heavy_weight_warning(build_loss(cfg, False, counts, names), names, 64) is None
 
 
 def test_class_metrics_are_scikit_learns():
@@ -205,13 +271,19 @@ def test_best_metric_direction_and_ema_column():
 
 @pytest.mark.parametrize("override, message", [
     ("train.class_weights=[1,-2]", "'train.class_weights' must be one weight >= 0 per class"),
-    ("train.class_weights=heavy", "'train.class_weights' is 'heavy'; use none, balanced or a list"),
+    ("train.class_weights=heavy", "'train.class_weights' is 'heavy'; use none, balanced, effective or a list"),
+    ("train.class_weights_beta=1", "'train.class_weights_beta' must be in [0, 1)"),
+    ("train.class_weights_from_epoch=3", "train.class_weights_from_epoch defers class weights, and "
+                                         "train.class_weights is none"),
+    ("train.logit_adjustment=-1", "'train.logit_adjustment' must be >= 0"),
+    ("train.logit_adjustment=1 train.loss=bce", "train.logit_adjustment applies to softmax cross-entropy"),
+    ("train.logit_adjustment=1 data.sampler=class_balanced", "data.sampler=class_balanced already draws every"),
     ("train.best_metric=val_map", "train.best_metric=val_map needs multi-label data"),
     ("train.best_metric=val_f1", "'train.best_metric' is 'val_f1'; choose one of val_top1, val_balanced_acc"),
     ("train.early_stop_patience=-1", "'train.early_stop_patience' must be >= 0"),
 ])
 def test_bad_imbalance_settings_are_one_line(override, message, tmp_path, capsys):
-    assert report_errors(train.main, [*TINY, override, f"output_dir={tmp_path}", "--dry-run"]) == 2
+    assert report_errors(train.main, [*TINY, *override.split(), f"output_dir={tmp_path}", "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and message in err.strip().splitlines()[-1], err
 
@@ -264,8 +336,10 @@ def test_evaluate_writes_the_class_metrics_of_its_predictions(tiny_run, tmp_path
 # ---- trained runs (slow): the sampler under DDP and across a resume, early stopping across a resume ----
 
 # test_correctness's dummy set and model without BatchNorm at 3 classes (50 images: 17, 17, 16), so balanced
-# class weights differ from 1; 2 epochs of 4 steps with a global batch of 12.
-BALANCED = ("data.dummy_num_classes=3", "data.sampler=class_balanced", "train.class_weights=balanced")
+# class weights differ from 1; 2 epochs of 4 steps with a global batch of 12. The weights apply from epoch 1
+# (DRW), so the run resumed in epoch 1 must switch them on as the uninterrupted run did.
+BALANCED = ("data.dummy_num_classes=3", "data.sampler=class_balanced", "train.class_weights=balanced",
+            "train.class_weights_from_epoch=1")
 
 
 @pytest.fixture(scope="module")
@@ -304,6 +378,27 @@ def test_class_balanced_sampler_resumes_mid_epoch_bitwise(balanced_runs):
     resumed["best_top1"] = expected["best_top1"]
     assert_same(expected, resumed)
     assert rows_without_timing(balanced_runs["resumed"]) == rows_without_timing(balanced_runs["one"])
+
+
+@pytest.mark.slow
+def test_long_tail_losses_one_process_equals_two_ranks(tmp_path):
+    """Logit adjustment (the prior from the global counts 30:14:6) with effective-number weights deferred to
+    epoch 1, on 1 process (batch 12) and 2 gloo ranks (batch 6 each): the same weights within fp32 rounding; the
+    weights come on at epoch 1 (a run deferring them to epoch 2 trains epoch 0 alike, epoch 1 not)."""
+    from tests.compare import assert_same_model
+    from tests.helpers import COMMON, NO_BN_MODEL
+
+    root = make_image_folder(tmp_path / "data", {"train": {"a": 30, "b": 14, "c": 6}, "val": {"a": 4, "b": 4, "c": 3}},
+                             size=16)
+    keys = (*COMMON, NO_BN_MODEL, "data.name=imagefolder", f"data.root={root}", "train.logit_adjustment=1",
+            "train.class_weights=effective", "train.class_weights_beta=0.9", "train.class_weights_from_epoch=1")
+    train_here(*keys, "train.batch_size=12", f"output_dir={tmp_path / 'one'}")
+    run_on_ranks("train.py", *keys, "train.batch_size=6", f"output_dir={tmp_path / 'two'}", nproc=2)
+    assert_same_model(tmp_path / "one", tmp_path / "two")
+    train_here(*keys, "train.batch_size=12", "train.class_weights_from_epoch=2", f"output_dir={tmp_path / 'later'}")
+    weighted, later = read_jsonl(tmp_path / "one/metrics.jsonl"), read_jsonl(tmp_path / "later/metrics.jsonl")
+    assert weighted[0]["train_loss"] == later[0]["train_loss"]  # epoch 0 unweighted in both
+    assert weighted[1]["train_loss"] != later[1]["train_loss"]  # the weights came on at epoch 1
 
 
 # lr 0 on a model without BatchNorm: val_loss is the same every epoch, so epoch 0 is the best one and every later
