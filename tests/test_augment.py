@@ -657,11 +657,14 @@ RECIPE_RUN = ("data.augment=true", "data.mixup_alpha=0.2", "data.cutmix_alpha=1.
 @pytest.mark.slow
 def test_recipe_one_process_equals_two_ranks(tmp_path):
     """Guarantee 1 of docs/correctness.md with mixup, cutmix, RandAugment, erasing and repeats on, one draw per
-    group of 6 (data.mix_mode=batch: two groups per batch on one process, one on each of two ranks)."""
+    group of 6 (data.mix_mode=batch: two groups per batch on one process, one on each of two ranks, one per
+    micro-batch of one process accumulating two: the layout follows the step, train.py passes accum_steps)."""
     common = (*correctness.COMMON, correctness.NO_BN_MODEL, *RECIPE_RUN, "data.mix_mode=batch", "data.mix_group=6")
     train_here(*common, "train.batch_size=12", f"output_dir={tmp_path}/one")
     run_on_ranks("train.py", *common, "train.batch_size=6", f"output_dir={tmp_path}/two", nproc=2)
     correctness.assert_same_model(tmp_path / "one", tmp_path / "two")
+    train_here(*common, "train.batch_size=6", "train.accum_steps=2", f"output_dir={tmp_path}/accum")
+    correctness.assert_same_model(tmp_path / "one", tmp_path / "accum")
 
 
 @pytest.mark.slow
