@@ -85,6 +85,8 @@ class DataConfig:
     aug_repeats: int = 0  # repeated augmentation: each image k times per epoch (k >= 2), differently augmented
     mix_mode: str = "pair"  # pair: one mixup/cutmix draw per pair of images | batch: one per data.mix_group images
     mix_group: int = 0  # batch mode: images per draw = the source's GPU batch, laid out as its sampler deals them; 0 = train.batch_size
+    mix_partner: str = "flip"  # batch mode: flip: row i with row G-1-i of its group, both ways (timm's Mixup) | roll: row i takes from row i-1 (torchvision's MixUp/CutMix, batch.roll(1, 0))
+    cutmix_rounding: str = "timm"  # the cutmix box around its centre: timm (timm 1.0: cut // 2 before, the rest after) | symmetric (cut // 2 each side: older timm's rand_bbox, torchvision's CutMix)
     multi_label: bool = False  # images have sets of labels (listfile: a|b|c; hf: Sequence(ClassLabel); wds: --list)
     multi_label_threshold: float = 0.5  # multi-label: a class is predicted when its sigmoid is >= this (val_f1)
 

@@ -29,6 +29,8 @@ CHOICES = {
     "train.best_metric": ("val_top1", "val_balanced_acc", "val_macro_f1", "val_map", "val_loss"),
     "optim.clip_mode": ("norm", "value", "agc"),
     "data.mix_mode": ("pair", "batch"),
+    "data.mix_partner": ("flip", "roll"),
+    "data.cutmix_rounding": ("timm", "symmetric"),
     "distill.type": ("soft", "hard"),
     "sched.warmup_shape": ("timm", "nvidia"),
     "optim.lr_base_scale": ("linear", "sqrt"),
@@ -88,6 +90,9 @@ def validate(cfg: Config) -> None:
     if mixing(cfg.data) and batch != "auto" and batch % 2:
         raise UserError(f"config key 'train.batch_size' must be even with mixup or cutmix on (images are mixed in "
                         f"pairs within a process's batch), got {cfg.train.batch_size}")
+    if mixing(cfg.data) and cfg.data.mix_partner == "roll" and cfg.data.mix_mode != "batch":
+        raise UserError("data.mix_partner=roll mixes each image with the one before it in its group, and "
+                        "data.mix_mode is pair; set data.mix_mode=batch (torchvision's batches) or data.mix_partner=flip")
     if mixing(cfg.data) and cfg.data.mix_mode == "batch" and cfg.data.mix_group % 2:
         raise UserError(f"config key 'data.mix_group' must be even (a group holds whole pairs), got "
                         f"{cfg.data.mix_group}")

@@ -69,9 +69,9 @@ class EpochSampler(DistributedSampler):
     start = 0
 
     def __init__(self, dataset, *args, unit: int = 1, repeats: int = 1, balanced: bool = False, group: int = 0,
-                 step: int = 0, **kwargs) -> None:
+                 step: int = 0, roll: bool = False, **kwargs) -> None:
         super().__init__(dataset, *args, **kwargs)
-        self.unit, self.repeats, self.group, self.step = unit, max(repeats, 1), group, step
+        self.unit, self.repeats, self.group, self.step, self.roll = unit, max(repeats, 1), group, step, roll
         self.mixed = unit == 2 or group > 0
         self.by_class = images_by_class(dataset.labels, dataset.classes) if balanced else None
         if group:
@@ -93,7 +93,8 @@ class EpochSampler(DistributedSampler):
         else:
             perm = balanced_draws(*self.by_class, len(self.dataset), generator)
         if self.group:
-            return source_layout(perm, self.repeats, self.step // self.group, self.group, len(perm) // self.step)
+            return source_layout(perm, self.repeats, self.step // self.group, self.group, len(perm) // self.step,
+                                 self.roll)
         if self.unit == 2 and self.repeats > 1:
             return repeated_pairs(perm, self.repeats)[:len(perm)]
         units = [perm[i:i + self.unit] for i in range(0, len(perm), self.unit)]
@@ -159,12 +160,14 @@ def repeated_pairs(perm: list[int], repeats: int) -> list[tuple[int, int]]:
     return order
 
 
-def source_layout(perm: list[int], repeats: int, ranks: int, group: int, steps: int) -> list[tuple[int, int]]:
+def source_layout(perm: list[int], repeats: int, ranks: int, group: int, steps: int,
+                  roll: bool = False) -> list[tuple[int, int]]:
     """(index, repeat) of `steps` steps as the sources deal an epoch to `ranks` processes of `group` images:
     process v's batch j is rows (j group + i) ranks + v of the permutation, each index repeated `repeats` times in
     a row (torch's DistributedSampler; DeiT's RASampler, timm's RepeatAugSampler: k copies on k processes).
-    Written batch after batch, with timm's mixing pairs (row i with row group-1-i) side by side."""
-    rows = np.array([row for k in range(group // 2) for row in (k, group - 1 - k)])
+    Written batch after batch, with timm's mixing pairs (row i with row group-1-i) side by side, or (`roll`,
+    torchvision's partners: row i with row i-1) in the batch's own order."""
+    rows = np.arange(group) if roll else np.array([row for k in range(group // 2) for row in (k, group - 1 - k)])
     batches = np.arange(steps)[:, None, None] * group + rows[None, None, :]  # [step, process, row]
     stream = (batches * ranks + np.arange(ranks)[None, :, None]).reshape(-1)
     indices = np.asarray(perm)[stream // repeats]
@@ -354,7 +357,8 @@ def build_train_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: i
     group = mix_group(cfg, batch_size, step)
     sampler = EpochSampler(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=seed,
                            drop_last=True, unit=min(group, batch_size) if group else 2 if mixing(cfg) else 1,
-                           repeats=cfg.aug_repeats, balanced=cfg.sampler == "class_balanced", group=group, step=step)
+                           repeats=cfg.aug_repeats, balanced=cfg.sampler == "class_balanced", group=group, step=step,
+                           roll=bool(group) and cfg.mix_partner == "roll")
     check_repeats(cfg.aug_repeats, len(dataset), batch_size * info.world_size, mixing(cfg) and not group)
     if len(sampler) < batch_size:
         raise UserError(f"each rank gets {len(sampler)} training images but train.batch_size is {batch_size}; "
@@ -378,6 +382,10 @@ def mix_group(cfg: DataConfig, batch_size: int, step: int) -> int:
         raise UserError(f"data.mix_group {group} and train.batch_size {batch_size}: one must divide the other, so "
                         "each process batch holds whole mixing draws; set data.mix_group=0 (one draw per "
                         "train.batch_size images) or a divisor of train.batch_size")
+    if cfg.mix_partner == "roll" and batch_size % group:
+        raise UserError(f"data.mix_partner=roll mixes within a group of data.mix_group {group} images, which must "
+                        f"then divide train.batch_size {batch_size} (a group on one process); set data.mix_group=0 "
+                        "or a divisor of train.batch_size")
     if step % group:
         raise UserError(f"data.mix_group {group} does not divide the {step} images of an optimizer step "
                         "(train.batch_size x processes x train.accum_steps); set data.mix_group=0 (one draw per "

@@ -32,7 +32,7 @@ PARTNER, KIND, LAM, Y0, Y1, X0, X1 = range(7)
 def draw_mix(cfg: DataConfig, seed: int, epoch: int, draw: int, height: int, width: int) -> list[float]:
     """[kind, lambda, y0, y1, x0, x1] of one pair or group, a pure function of (seed, epoch, draw); timm's
     rules: mixed with mixup_prob, cutmix instead of mixup with mixup_switch_prob, the cutmix lambda corrected
-    to the box's area after clipping."""
+    to the box's area after clipping (torchvision's too), the box rounded as data.cutmix_rounding."""
     rng = np.random.default_rng([seed, epoch, draw, MIX_STREAM])
     if rng.random() >= cfg.mixup_prob:
         return [NONE, 1.0, 0, 0, 0, 0]
@@ -41,24 +41,29 @@ def draw_mix(cfg: DataConfig, seed: int, epoch: int, draw: int, height: int, wid
     lam = float(rng.beta(alpha, alpha))
     if not use_cutmix:
         return [MIXUP, lam, 0, 0, 0, 0]
-    y0, y1, x0, x1 = cutmix_box(lam, int(rng.integers(height)), int(rng.integers(width)), height, width)
+    y0, y1, x0, x1 = cutmix_box(lam, int(rng.integers(height)), int(rng.integers(width)), height, width,
+                                cfg.cutmix_rounding == "symmetric")
     return [CUTMIX, 1.0 - (y1 - y0) * (x1 - x0) / (height * width), y0, y1, x0, x1]
 
 
-def cutmix_box(lam: float, cy: int, cx: int, height: int, width: int) -> tuple[int, int, int, int]:
-    """(y0, y1, x0, x1) of the box centred at (cy, cx) covering about 1 - lam of the image, clipped: timm's
-    rand_bbox (the upper half-size rounds up)."""
+def cutmix_box(lam: float, cy: int, cx: int, height: int, width: int,
+               symmetric: bool = False) -> tuple[int, int, int, int]:
+    """(y0, y1, x0, x1) of the box centred at (cy, cx) covering about 1 - lam of the image, clipped: timm 1.0's
+    rand_bbox (the upper half-size rounds up), or `symmetric`: cut // 2 each side (older timm's rand_bbox;
+    torchvision's CutMix, whose int(0.5 sqrt(1 - lam) W) is the same number)."""
     cut = math.sqrt(1.0 - lam)
     cut_h, cut_w = int(height * cut), int(width * cut)
-    y0, y1 = min(max(cy - cut_h // 2, 0), height), min(max(cy + (cut_h + 1) // 2, 0), height)
-    x0, x1 = min(max(cx - cut_w // 2, 0), width), min(max(cx + (cut_w + 1) // 2, 0), width)
+    up_h, up_w = (cut_h // 2, cut_w // 2) if symmetric else ((cut_h + 1) // 2, (cut_w + 1) // 2)
+    y0, y1 = min(max(cy - cut_h // 2, 0), height), min(max(cy + up_h, 0), height)
+    x0, x1 = min(max(cx - cut_w // 2, 0), width), min(max(cx + up_w, 0), width)
     return y0, y1, x0, x1
 
 
 class MixCollate:
     """Collate (image, label, (epoch, pair)) samples into (uint8 images, labels, mix): mix[i] holds row i's
     partner and its pair's draw. A sample whose partner could not be read (data.skip_corrupt) is its own
-    partner, unmixed."""
+    partner, unmixed. With data.mix_partner=roll a group's rows arrive in the source's order (data.loader) and
+    row i takes from row i - 1 of its group, the first from the last (torchvision's batch.roll(1, 0))."""
 
     def __init__(self, cfg: DataConfig, seed: int, group: int = 0) -> None:
         """`group`: images per draw in data.mix_mode=batch (data.mix_group, or train.batch_size when that is 0)."""
@@ -66,6 +71,7 @@ class MixCollate:
             raise ValueError(f"data.mix_mode=batch needs a group of at least 2 images, got {group}")
         self.cfg, self.seed = cfg, seed
         self.pairs_per_draw = group // 2 if cfg.mix_mode == "batch" else 1
+        self.roll = cfg.mix_mode == "batch" and cfg.mix_partner == "roll"
 
     def __call__(self, samples: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         from data.loader import collate_readable  # (data.loader imports this module)
@@ -73,14 +79,16 @@ class MixCollate:
         images, labels = collate_readable([sample and sample[:2] for sample in samples])  # drops unreadable ones
         kept = [sample for sample in samples if sample is not None]
         height, width = images.shape[-2:]
-        rows: dict[tuple[int, int], list[int]] = {}
-        for row, (*_, pair) in enumerate(kept):
-            rows.setdefault(pair, []).append(row)
+        rows: dict[tuple[int, int], list[int]] = {}  # the rows of each pair (roll: of each group), in order
+        for row, (*_, (epoch, pair)) in enumerate(kept):
+            rows.setdefault((epoch, pair // self.pairs_per_draw if self.roll else pair), []).append(row)
         mix = torch.zeros(len(kept), 7)
-        for (epoch, pair), members in rows.items():
+        for (epoch, key), members in rows.items():
             draw = [NONE, 1.0] if len(members) < 2 else draw_mix(self.cfg, self.seed, epoch,
-                                                                 pair // self.pairs_per_draw, height, width)
-            for row, partner in zip(members, reversed(members)):
+                                                                 key if self.roll else key // self.pairs_per_draw,
+                                                                 height, width)
+            partners = members[-1:] + members[:-1] if self.roll else reversed(members)  # roll(1, 0) | flip
+            for row, partner in zip(members, partners):
                 mix[row, PARTNER] = partner
                 mix[row, KIND:KIND + len(draw)] = torch.tensor(draw)
         return images, labels, mix

@@ -30,6 +30,8 @@ SCHEDULE_TEST = "tests/test_recipes.py::test_recipe_schedule_is_its_sources"
 BATCH_MIX_TEST = "tests/test_augment.py::test_batch_mode_mixes_a_group_as_timms_batch_mode"
 LAYOUT_TEST = "tests/test_augment.py::test_batch_mode_groups_are_the_sources_gpu_batches_for_any_split_of_a_step"
 GPU_BATCH_KEYS = ("data.mix_group", "train.batch_size")
+ROLL_TEST = "tests/test_augment.py::test_roll_partners_mix_a_group_as_torchvisions_mixup_and_cutmix"
+ROUNDING_TEST = "tests/test_augment.py::test_symmetric_cutmix_box_is_torchvisions_and_older_timms_for_the_same_draws"
 LAST_BN_TEST = "tests/test_recipes.py::test_last_bn_init_is_the_sources"
 LR_BASE_TEST = "tests/test_schedule.py::test_lr_base_scales_with_the_global_batch"
 BCE_TEST = "tests/test_knobs.py::test_bce_threshold_and_pos_weight_equal_timms"
@@ -115,8 +117,10 @@ SCHEDULE_ROWS = [
         ("model.kwargs",), LAST_BN_TEST),
     Row("resnet50_torchvision.yaml", "mixup/cutmix draw", "RandomChoice([MixUp, CutMix]) over each batch of 128 in "
         "the collate", ("data.mix_mode", "data.mix_group"), BATCH_MIX_TEST),
-    Row("resnet50_torchvision.yaml", "mixing partners", "image i with image i-1 of the batch (batch.roll(1, 0))", (),
-        "", "not expressible: symmetric pairs (timm's flip)"),
+    Row("resnet50_torchvision.yaml", "mixing partners", "image i takes from image i-1 of the batch, the first from "
+        "the last (MixUp/CutMix: batch.roll(1, 0))", ("data.mix_partner",), ROLL_TEST),
+    Row("resnet50_torchvision.yaml", "cutmix box", "centre +- int(0.5 sqrt(1 - lam) x size), clipped; lambda "
+        "corrected to the box (CutMix.make_params)", ("data.cutmix_rounding",), ROUNDING_TEST),
     Row("resnet50_torchvision.yaml", "repeated copies with mixing", "RASampler deals 4 copies of an image to 4 of "
         "the 8 GPUs, each GPU batch of 128 one mixing draw and one BatchNorm batch", ("data.aug_repeats",
                                                                                       *GPU_BATCH_KEYS), LAYOUT_TEST),
@@ -240,11 +244,11 @@ PRECISION_ROWS = [
         ("resnet50_torchvision.yaml", "the recipe's command has no --amp"))),
 ]
 
-# Smaller differences (issue 40 item 10), declared rather than fixed: each moves a pixel or a fraction of a level.
+# Smaller differences (issue 40 item 10): each moves a pixel or a fraction of a level.
 TIMM_MIXING = ("deit_small.yaml", "deit_small_distilled.yaml", "convnext_tiny.yaml", "resnet50_rsb_a3.yaml", MAE)
 DECLARED_ROWS = [
-    *(Row(name, "cutmix box rounding", "the sources' older timm rounds the box as cy +- cut_h // 2", (), "",
-          "not expressible: timm 1.0.31's rand_bbox rounds otherwise, one pixel apart on 44% of boxes")
+    *(Row(name, "cutmix box rounding", "the sources' older timm rounds the box as cy +- cut_h // 2 (timm 1.0.31's "
+          "rand_bbox: one pixel larger for odd cuts, 44% of boxes)", ("data.cutmix_rounding",), ROUNDING_TEST)
       for name in TIMM_MIXING),
     Row("resnet50_torchvision.yaml", "TrivialAugment ops", "torchvision v1 on PIL images (presets.py)", (), "",
         "not expressible: v2 on uint8 tensors; Shear and Rotate 0.4-0.6/255 apart in the mean"),

@@ -388,6 +388,76 @@ def test_the_cutmix_box_is_timms_for_the_same_centre():
         assert cutmix_box(lam, *centre, height, width) == tuple(int(v) for v in expected), (seed, lam)
 
 
+def test_symmetric_cutmix_box_is_torchvisions_and_older_timms_for_the_same_draws():
+    """data.cutmix_rounding=symmetric: the box from (lambda, centre) is torchvision's CutMix.make_params box for
+    the lambda and centre its own draws give, and cut // 2 on each side as older timm's rand_bbox."""
+    for seed, (height, width) in enumerate([(12, 10), (7, 9), (224, 224), (31, 17), (5, 5)]):
+        cutmix, image = v2.CutMix(alpha=1.0, num_classes=3), torch.zeros(2, 3, height, width)
+        torch.manual_seed(seed)
+        lam = float(cutmix._dist.sample(()))
+        cx, cy = int(torch.randint(width, size=(1,))), int(torch.randint(height, size=(1,)))
+        torch.manual_seed(seed)
+        x0, y0, x1, y1 = cutmix.make_params([image])["box"]
+        assert cutmix_box(lam, cy, cx, height, width, symmetric=True) == (y0, y1, x0, x1), seed
+        cut_h = int(height * np.sqrt(1 - lam))
+        assert (y0, y1) == (max(cy - cut_h // 2, 0), min(cy + cut_h // 2, height))  # timm 0.3.2's rand_bbox
+
+
+class FixedCutMix(v2.CutMix):
+    """torchvision's CutMix with its draw replaced by a given box and lambda (the mixing itself is torchvision's)."""
+
+    def __init__(self, box: tuple[int, int, int, int], lam: float, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.fixed = dict(box=box, lam_adjusted=lam)
+
+    def make_params(self, flat_inputs: list) -> dict:
+        return self.fixed
+
+
+class FixedMixUp(v2.MixUp):
+    """torchvision's MixUp with its lambda given."""
+
+    def __init__(self, lam: float, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.lam = lam
+
+    def make_params(self, flat_inputs: list) -> dict:
+        return dict(lam=self.lam)
+
+
+def test_roll_partners_mix_a_group_as_torchvisions_mixup_and_cutmix():
+    """data.mix_partner=roll: row i takes from row i-1 of its group (the first from the last) with the group's
+    one draw; BatchMix's images and targets equal torchvision's MixUp/CutMix (references/classification) on the
+    same batch with that draw, label smoothing applied to the mixed targets as CrossEntropyLoss does."""
+    cfg = DataConfig(**MIX, mix_mode="batch", mix_partner="roll", cutmix_rounding="symmetric")
+    group, classes, smoothing, kinds = 6, 4, 0.1, set()
+    generator = torch.Generator().manual_seed(0)
+    for g in range(16):
+        samples = [(torch.randint(0, 256, (3, 11, 9), dtype=torch.uint8, generator=generator), (j + g) % classes,
+                    (0, g * group // 2 + j // 2)) for j in range(group)]
+        images, labels, mix = MixCollate(cfg, seed=2, group=group)(samples)
+        assert mix[:, 0].tolist() == [group - 1, *range(group - 1)]
+        kind, lam, y0, y1, x0, x1 = mix[0, 1:].tolist()
+        if kind == 0:
+            continue
+        kinds.add(int(kind))
+        source = (FixedCutMix((int(x0), int(y0), int(x1), int(y1)), lam, num_classes=classes) if kind == CUTMIX
+                  else FixedMixUp(lam, num_classes=classes))
+        expected_images, expected_targets = source(images.float(), labels)
+        mixed, targets = BatchMix(classes, smoothing)(images.float(), labels, mix)
+        torch.testing.assert_close(mixed, expected_images)
+        torch.testing.assert_close(targets, expected_targets * (1 - smoothing) + smoothing / classes)
+    assert kinds == {MIXUP, CUTMIX}
+
+
+def test_roll_partners_need_batch_mode_and_whole_groups_on_a_process():
+    with pytest.raises(UserError, match="data.mix_partner=roll mixes each image with the one before it"):
+        load_config(None, ["data.mixup_alpha=0.2", "data.mix_partner=roll"])
+    cfg = DataConfig(**MIX, mix_mode="batch", mix_partner="roll", mix_group=8)
+    with pytest.raises(UserError, match="data.mix_partner=roll mixes within a group of data.mix_group 8 images"):
+        build_train_loader(dataset(cfg), cfg, 4, seed=0, info=DistInfo(0, 2, 0, 2, torch.device("cpu")))
+
+
 class FixedDrawMixup(timm_mixup.Mixup):
     """timm's Mixup with its per-batch random draw replaced by a given one (the mixing itself is timm's)."""
 
@@ -523,12 +593,13 @@ def test_mixed_repeats_have_distinct_partners_and_the_same_order_on_1_2_3_ranks(
         assert all(index not in p for index, p in partners.items())
 
 
-@pytest.mark.parametrize("repeats", [1, 3])
-def test_batch_mode_groups_are_the_sources_gpu_batches_for_any_split_of_a_step(repeats):
+@pytest.mark.parametrize("repeats, roll", [(1, False), (3, False), (3, True)])
+def test_batch_mode_groups_are_the_sources_gpu_batches_for_any_split_of_a_step(repeats, roll):
     """data.mix_mode=batch with group G and a step of 4 G images: the images of each group (one mixing draw) are
     the batches torch's DistributedSampler (repeats 1) or timm's RepeatAugSampler (DeiT's RASampler) deal to 4
-    GPUs of G, and pairs are timm's (row i with G-1-i), whether 4 ranks, 2 ranks with accumulation, 1 rank
-    with 4 micro-batches or 2 ranks of 2 G compute the step."""
+    GPUs of G, and pairs are timm's (row i with G-1-i), or (roll, torchvision's partners) the rows come in the
+    batch's own order, whether 4 ranks, 2 ranks with accumulation, 1 rank with 4 micro-batches or 2 ranks of
+    2 G compute the step."""
     n, group, gpus = 100, 4, 4
     sources = []
     for gpu in range(gpus):
@@ -542,7 +613,8 @@ def test_batch_mode_groups_are_the_sources_gpu_batches_for_any_split_of_a_step(r
         steps = []
         for rank in range(world):
             sampler = EpochSampler(range(n), num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True,
-                                   unit=min(group, batch), repeats=repeats, group=group, step=group * gpus)
+                                   unit=min(group, batch), repeats=repeats, group=group, step=group * gpus,
+                                   roll=roll)
             sampler.set_epoch(2)
             keys = list(sampler)
             steps.append([keys[s:s + batch * accum] for s in range(0, len(keys), batch * accum)])
@@ -552,7 +624,8 @@ def test_batch_mode_groups_are_the_sources_gpu_batches_for_any_split_of_a_step(r
             for _, index, _, pair in (key for keys in step for key in keys):
                 groups.setdefault(pair // (group // 2), []).append(index)
             expected = sorted(sources[gpu][j] for gpu in range(gpus))
-            assert sorted([*g[0::2], *reversed(g[1::2])] for g in groups.values()) == expected, (world, accum, j)
+            ordered = [g if roll else [*g[0::2], *reversed(g[1::2])] for g in groups.values()]
+            assert sorted(ordered) == expected, (world, accum, j)
 
 
 def test_deit_layout_on_four_ranks_puts_copies_on_other_ranks_with_their_own_draws():
