@@ -99,6 +99,7 @@ class OptimConfig:
     weight_decay: float = 1e-4  # L2 penalty / decoupled decay (adamw)
     no_decay_norm_bias: bool = True  # no weight decay on norm layers and biases
     no_decay_match: str = ""  # with no_decay_norm_bias: "" = timm's rule (1-D tensors) | text: no decay only where a parameter's name contains it (NVIDIA: bn)
+    no_decay_norm_layers: bool = False  # with no_decay_norm_bias: no decay only for normalization layers' parameters, other biases decay (torchvision's --norm-weight-decay 0)
     clip_grad: float = 0.0  # max gradient norm (value: max |element|; agc: the clip factor, e.g. 0.01); 0 = off
     clip_mode: str = "norm"  # norm (total norm) | value (each element) | agc (adaptive, per unit): timm's clip modes
     betas: list[float] = field(default_factory=list)  # Adam-family [beta1, beta2]; [] = the optimizer's default

@@ -222,10 +222,14 @@ def validate_optim(cfg: OptimConfig) -> None:
         raise UserError(f"config key 'optim.eps' must be > 0 (or null: the optimizer's default), got {cfg.eps}")
     if not 0 <= cfg.layer_decay <= 1:
         raise UserError(f"config key 'optim.layer_decay' must be in [0, 1] (0: off), got {cfg.layer_decay}")
-    if cfg.no_decay_match and (cfg.layer_decay or not cfg.no_decay_norm_bias):
-        other = "optim.layer_decay (timm groups the parameters by layer)" if cfg.layer_decay else \
-            "optim.no_decay_norm_bias=false (every parameter is decayed)"
-        raise UserError(f"config key 'optim.no_decay_match' cannot be used with {other}; remove one of them")
+    for key, value in (("optim.no_decay_match", cfg.no_decay_match), ("optim.no_decay_norm_layers",
+                                                                       cfg.no_decay_norm_layers)):
+        if value and (cfg.layer_decay or not cfg.no_decay_norm_bias or (cfg.no_decay_match and
+                                                                        cfg.no_decay_norm_layers)):
+            other = ("optim.layer_decay (timm groups the parameters by layer)" if cfg.layer_decay else
+                     "optim.no_decay_norm_bias=false (every parameter is decayed)" if not cfg.no_decay_norm_bias else
+                     "the other rule (optim.no_decay_match or optim.no_decay_norm_layers)")
+            raise UserError(f"config key '{key}' cannot be used with {other}; remove one of them")
     if cfg.clip_mode != "norm" and cfg.clip_grad == 0:  # a mode without a value would silently clip nothing
         what = "the AGC clip factor, e.g. 0.01" if cfg.clip_mode == "agc" else "the largest |gradient element|"
         raise UserError(f"config key 'optim.clip_mode' is {cfg.clip_mode} but optim.clip_grad is 0 (off); set "

@@ -9,6 +9,7 @@ from timm.optim import create_optimizer_v2, get_optimizer_class, get_optimizer_i
 from timm.scheduler import create_scheduler_v2
 from timm.scheduler.scheduler import Scheduler
 from torch import nn
+from torchvision.ops._utils import split_normalization_params  # torchvision's own norm/other split (pinned 0.29.1)
 
 from core.config import Config, OptimConfig, SchedConfig, mixing, replace_section
 from core.errors import UserError
@@ -103,7 +104,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, grad_scaler: bool = Fals
     """
     knobs = {"betas": tuple(cfg.betas) if cfg.betas else None, "eps": cfg.eps, "nesterov": cfg.nesterov}
     knobs = {key: value for key, value in knobs.items() if value is not None}  # unset: the optimizer's default
-    params = named_decay_groups(model, cfg.no_decay_match, cfg.weight_decay) if cfg.no_decay_match else model
+    params = (named_decay_groups(model, cfg.no_decay_match, cfg.weight_decay) if cfg.no_decay_match else
+              norm_layer_groups(model, cfg.weight_decay) if cfg.no_decay_norm_layers else model)
     try:
         return create_optimizer_v2(params, opt=cfg.name, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                    momentum=cfg.momentum, filter_bias_and_bn=cfg.no_decay_norm_bias,
@@ -123,6 +125,14 @@ def named_decay_groups(model: nn.Module, match: str, weight_decay: float) -> lis
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     return [{"params": [p for name, p in named if match in name], "weight_decay": 0.0},
             {"params": [p for name, p in named if match not in name], "weight_decay": weight_decay}]
+
+
+def norm_layer_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """optim.no_decay_norm_layers: torchvision's rule (references/classification, --norm-weight-decay 0), no decay
+    for the parameters of normalization layers, decay for the rest (a classifier's bias included), split by
+    torchvision's own split_normalization_params."""
+    norm, other = split_normalization_params(model)
+    return [{"params": norm, "weight_decay": 0.0}, {"params": other, "weight_decay": weight_decay}]
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedConfig, epochs: int,

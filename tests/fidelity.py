@@ -221,6 +221,10 @@ SOURCE_ROWS_40: list[Row] = [
         "get_sgd_optimizer): downsample BatchNorms and fc.bias are decayed", ("optim.no_decay_norm_bias",
         "optim.no_decay_match"), "tests/test_recipes.py::test_nvidia_weight_decay_skips_only_names_with_bn",
         "timm's 1-D rule would differ on 9 tensors"),
+    Row("resnet50_torchvision.yaml", "no weight decay", "normalization layers' parameters only (utils.py "
+        "set_weight_decay, --norm-weight-decay 0): fc.bias is decayed", ("optim.no_decay_norm_bias",
+        "optim.no_decay_norm_layers"), "tests/test_recipes.py::test_torchvision_weight_decay_skips_only_norm_layers",
+        "torchvision's split_normalization_params"),
     *(Row(name, "random erasing box", "timm RandomErasing: area 0.02-1/3, aspect 0.3-1/0.3 (log-uniform)",
           ("data.random_erase_box",), ERASE_BOX_TEST) for name in TIMM_ERASING),
     *(Row(name, "random erasing fill", "--remode pixel: N(0, 1) per pixel after normalization, unbounded",

@@ -324,6 +324,23 @@ def test_nvidia_weight_decay_skips_only_names_with_bn():
     assert len(differ) == 9 and "fc.bias" in differ and all("downsample.1" in n for n in differ if n != "fc.bias")
 
 
+def test_torchvision_weight_decay_skips_only_norm_layers():
+    """resnet50_torchvision.yaml: torchvision's set_weight_decay with --norm-weight-decay 0 (its
+    split_normalization_params, run here on the same model) decays fc.bias, which timm's 1-D rule would not."""
+    from torchvision.ops._utils import split_normalization_params
+
+    from engine.optim import build_optimizer
+    from models.factory import create_model
+
+    cfg = load_config("resnet50_torchvision.yaml")
+    model = create_model(cfg.model, 10)
+    norm, _ = split_normalization_params(model)
+    expected = {id(p): 0.0 if any(p is q for q in norm) else cfg.optim.weight_decay for p in model.parameters()}
+    optimizer = build_optimizer(model, cfg.optim)
+    ours = {id(p): group["weight_decay"] for group in optimizer.param_groups for p in group["params"]}
+    assert ours == expected and ours[id(model.fc.bias)] == cfg.optim.weight_decay
+
+
 def test_fidelity_table_in_docs_is_generated_from_the_rows():
     """docs/correctness.md holds tests/fidelity.py's table as generated; every row names a recipe config and,
     unless it is a known difference, a test that exists."""
