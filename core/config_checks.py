@@ -228,7 +228,7 @@ def validate_optim(cfg: OptimConfig) -> None:
                                                                         cfg.no_decay_norm_layers)):
             other = ("optim.layer_decay (timm groups the parameters by layer)" if cfg.layer_decay else
                      "optim.no_decay_norm_bias=false (every parameter is decayed)" if not cfg.no_decay_norm_bias else
-                     "the other rule (optim.no_decay_match or optim.no_decay_norm_layers)")
+                     "optim.no_decay_norm_layers=true (two rules for the same parameters)")
             raise UserError(f"config key '{key}' cannot be used with {other}; remove one of them")
     if cfg.clip_mode != "norm" and cfg.clip_grad == 0:  # a mode without a value would silently clip nothing
         what = "the AGC clip factor, e.g. 0.01" if cfg.clip_mode == "agc" else "the largest |gradient element|"

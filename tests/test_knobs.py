@@ -122,7 +122,7 @@ def test_bce_under_autocast_uses_float32_targets():
     (["optim.no_decay_match=bn", "optim.layer_decay=0.7"], "config key 'optim.no_decay_match' cannot be used with "
      "optim.layer_decay (timm groups the parameters by layer); remove one of them"),
     (["optim.no_decay_match=bn", "optim.no_decay_norm_layers=true"], "config key 'optim.no_decay_match' cannot be "
-     "used with the other rule (optim.no_decay_match or optim.no_decay_norm_layers); remove one of them"),
+     "used with optim.no_decay_norm_layers=true (two rules for the same parameters); remove one of them"),
     (["model.conv_init=fan"], "config key 'model.conv_init' is 'fan'; choose one of , fan_in, fan_out"),
 ])
 def test_bad_knob_values_are_one_line_errors(overrides, message):
