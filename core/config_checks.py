@@ -44,7 +44,8 @@ NON_NEGATIVE = ("dist.timeout_s", "train.global_batch_size", "logging.wandb_samp
                 "data.color_jitter", "data.val_img_size", "sched.warmup_epochs", "sched.warmup_lr", "sched.min_lr",
                 "data.mixup_alpha", "data.cutmix_alpha", "data.aug_repeats", "data.mix_group",
                 "sched.warmup_steps", "sched.decay_epochs", "sched.cooldown_epochs", "optim.lr_base",
-                "train.early_stop_patience", "model.ema_reset_epochs", "model.cls_token_std")
+                "train.early_stop_patience", "model.ema_reset_epochs", "model.cls_token_std",
+                "model.head_init_std")
 FRACTIONS = ("model.drop_rate", "model.drop_path_rate", "train.label_smoothing", "model.ema_decay")  # in [0, 1)
 MAX_SEED = 2**32 - 1  # np.random.seed (train.py) takes nothing larger
 OPENCV_MAX_PIXELS = 2**30  # OpenCV refuses larger images (CV_IO_MAX_IMAGE_PIXELS)

@@ -141,8 +141,9 @@ SCHEDULE_ROWS = [
         "load_state_dict(strict=False))", ("model.init_from",),
         "tests/test_recipes.py::test_mae_weights_converted_as_the_header_says_start_the_recipes_model",
         "the file converted once by the header's command"),
-    Row(MAE, "head init", "trunc_normal(std=2e-5) (main_finetune.py)", (), "",
-        "not expressible: timm's trunc_normal(std=0.02)"),
+    Row(MAE, "head init", "trunc_normal_(model.head.weight, std=2e-5), bias 0 (main_finetune.py, after loading the "
+        "encoder)", ("model.head_init_std",), "tests/test_model_options.py::test_head_init_std_draws_maes_head",
+        "drawn after timm re-makes the classifier for the class count; a kept one is left as loaded"),
     Row(MAE, "mixup/cutmix draw", "timm Mixup, --mixup_mode batch: one draw per GPU batch of 32",
         ("data.mix_mode", "data.mix_group"), BATCH_MIX_TEST),
 ]
