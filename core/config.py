@@ -119,6 +119,7 @@ class SchedConfig:
     warmup_prefix: bool = False  # the schedule runs over the epochs after warmup (timm's warmup_prefix), not all
     warmup_shape: str = "timm"  # timm: linear from warmup_lr | nvidia: warmup epoch e at lr x (e+1)/warmup_epochs
     step_on_epochs: bool = False  # the lr changes once per epoch (at its first step), not every update
+    epoch_lag: int = 0  # with step_on_epochs: epoch e trains at the schedule's value for max(e - lag, 0) (DeiT's step(epoch) after each epoch: 1); 0 = e's value (timm's train.py)
     min_lr: float = 0.0  # floor of the schedule
     decay_epochs: float = 0.0  # step: decay every this many epochs; wsd/rsqrt: decay phase (< 1: fraction; 0: 0.2)
     decay_milestones: list[int] = field(default_factory=list)  # multistep: epochs to decay at, e.g. [30,60,80]
