@@ -35,6 +35,7 @@ class ModelConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)  # more timm.create_model options, e.g. kwargs.img_size=224
     conv_init: str = ""  # "" = timm's init | fan_in | fan_out: a fresh model's Conv2d weights drawn kaiming_normal(mode, relu) (NVIDIA's ResNet-50: fan_in)
     cls_token_std: float = 0.0  # > 0: a fresh ViT's cls_token is drawn from trunc_normal(std) (DeiT's timm 0.3.2: 0.02); 0 = timm's init (normal, std 1e-6)
+    head_init_std: float = 0.0  # > 0: a freshly made classifier's weight (get_classifier()) is drawn from trunc_normal(std, cut at +-2), also when model.init_from/pretrained re-make it for the class count; a loaded one is kept (MAE fine-tuning: 2e-5); 0 = timm's init
     grad_checkpointing: bool = False  # recompute activations in the backward pass (less memory, slower steps)
     freeze: str = "none"  # none | backbone: train only the classifier (linear probing; frozen BatchNorm stays in eval)
 
@@ -121,6 +122,7 @@ class SchedConfig:
     warmup_prefix: bool = False  # the schedule runs over the epochs after warmup (timm's warmup_prefix), not all
     warmup_shape: str = "timm"  # timm: linear from warmup_lr | nvidia: warmup epoch e at lr x (e+1)/warmup_epochs
     step_on_epochs: bool = False  # the lr changes once per epoch (at its first step), not every update
+    epoch_lag: int = 0  # with step_on_epochs: epoch e trains at the schedule's value for max(e - lag, 0) (DeiT's step(epoch) after each epoch: 1); 0 = e's value (timm's train.py)
     min_lr: float = 0.0  # floor of the schedule
     decay_epochs: float = 0.0  # step: decay every this many epochs; wsd/rsqrt: decay phase (< 1: fraction; 0: 0.2)
     decay_milestones: list[int] = field(default_factory=list)  # multistep: epochs to decay at, e.g. [30,60,80]

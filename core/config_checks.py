@@ -46,7 +46,8 @@ NON_NEGATIVE = ("dist.timeout_s", "train.global_batch_size", "logging.wandb_samp
                 "data.color_jitter", "data.val_img_size", "sched.warmup_epochs", "sched.warmup_lr", "sched.min_lr",
                 "data.mixup_alpha", "data.cutmix_alpha", "data.aug_repeats", "data.mix_group",
                 "sched.warmup_steps", "sched.decay_epochs", "sched.cooldown_epochs", "optim.lr_base",
-                "train.early_stop_patience", "model.ema_reset_epochs", "model.cls_token_std")
+                "train.early_stop_patience", "model.ema_reset_epochs", "model.cls_token_std",
+                "model.head_init_std", "sched.epoch_lag")
 FRACTIONS = ("model.drop_rate", "model.drop_path_rate", "train.label_smoothing", "model.ema_decay")  # in [0, 1)
 MAX_SEED = 2**32 - 1  # np.random.seed (train.py) takes nothing larger
 OPENCV_MAX_PIXELS = 2**30  # OpenCV refuses larger images (CV_IO_MAX_IMAGE_PIXELS)
@@ -204,6 +205,9 @@ def validate_sched(cfg: SchedConfig, epochs: int) -> None:
     if cfg.step_on_epochs and cfg.warmup_steps:
         raise UserError(f"sched.warmup_steps={cfg.warmup_steps} needs an lr that changes every step; with "
                         "sched.step_on_epochs=true give sched.warmup_epochs")
+    if cfg.epoch_lag and not cfg.step_on_epochs:
+        raise UserError(f"sched.epoch_lag={cfg.epoch_lag} shifts a schedule stepped once per epoch; set "
+                        "sched.step_on_epochs=true with it, or sched.epoch_lag=0")
     if cfg.warmup_shape == "nvidia" and not cfg.step_on_epochs:
         raise UserError("sched.warmup_shape=nvidia is NVIDIA's per-epoch warmup; set sched.step_on_epochs=true "
                         "with it")

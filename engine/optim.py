@@ -163,7 +163,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedConfig, epochs: 
         raise UserError(f"sched.name {cfg.name!r} is not a timm scheduler; try cosine, step or multistep")
     if cfg.step_on_epochs:
         nvidia_warmup = cfg.warmup_epochs if cfg.warmup_shape == "nvidia" else 0
-        return EpochSteps(scheduler, updates_per_epoch, nvidia_warmup)
+        return EpochSteps(scheduler, updates_per_epoch, nvidia_warmup, cfg.epoch_lag)
     return scheduler
 
 
@@ -173,14 +173,17 @@ class EpochSteps:
 
     `nvidia_warmup` W > 0: epoch e < W trains at lr x (e+1) / W instead of timm's warmup (NVIDIA
     DeepLearningExamples' lr policies), through timm's update_groups (so layer-decay scales still apply).
+    `lag` L > 0 (sched.epoch_lag): epoch e trains at the value for max(e - L, 0), DeiT's main.py calling
+    `lr_scheduler.step(epoch)` after epoch `epoch`; still a function of the step alone, so a resume is exact.
     """
 
-    def __init__(self, scheduler: Scheduler, updates_per_epoch: int, nvidia_warmup: int = 0) -> None:
+    def __init__(self, scheduler: Scheduler, updates_per_epoch: int, nvidia_warmup: int = 0, lag: int = 0) -> None:
         self.scheduler, self.updates_per_epoch, self.nvidia_warmup = scheduler, updates_per_epoch, nvidia_warmup
+        self.lag = lag
         self.step_update(0)
 
     def step_update(self, num_updates: int) -> None:
-        epoch = num_updates // self.updates_per_epoch
+        epoch = max(num_updates // self.updates_per_epoch - self.lag, 0)
         self.scheduler.step_update(num_updates=epoch)
         if epoch < self.nvidia_warmup:
             self.scheduler.update_groups([base * (epoch + 1) / self.nvidia_warmup

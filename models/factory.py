@@ -74,6 +74,8 @@ def create_model(cfg: ModelConfig, num_classes: int, weights: dict[str, torch.Te
             logging.getLogger(name).setLevel(level)
     if not (weights or from_hub):
         fresh_init(model, cfg)
+    elif cfg.head_init_std > 0 and not classifier_was_loaded(model, num_classes, weights, cfg.name):
+        init_head(model, cfg.head_init_std, cfg.name)  # the classifier timm re-made for num_classes
     for name in ("pretrained_cfg", "default_cfg"):  # timm keeps the overlay: drop its reference to the weights
         if isinstance(getattr(model, name, None), dict):
             getattr(model, name).pop("state_dict", None)
@@ -92,6 +94,8 @@ def fresh_init(model: nn.Module, cfg: ModelConfig) -> None:
         init_convs(model, cfg.conv_init)
     if cfg.cls_token_std > 0:
         init_cls_token(model, cfg.cls_token_std, cfg.name)
+    if cfg.head_init_std > 0:
+        init_head(model, cfg.head_init_std, cfg.name)
 
 
 def init_convs(model: nn.Module, mode: str) -> None:
@@ -112,6 +116,38 @@ def init_cls_token(model: nn.Module, std: float, name: str) -> None:
                         "model.cls_token_std (it is for ViT-family models)")
     with torch.no_grad():
         timm.layers.trunc_normal_(token, std=std)
+
+
+def classifier_weight(model: nn.Module, name: str) -> tuple[str, torch.Tensor]:
+    """(state-dict name, tensor) of the classifier's weight (timm's get_classifier()), else a UserError."""
+    weight = getattr(model.get_classifier(), "weight", None)
+    names = {id(param): key for key, param in model.named_parameters()}
+    if not isinstance(weight, torch.Tensor) or id(weight) not in names:
+        raise UserError(f"model.head_init_std is set but model {name!r} has no classifier weight to draw "
+                        f"(get_classifier() is {type(model.get_classifier()).__name__}); remove model.head_init_std")
+    return names[id(weight)], weight
+
+
+def init_head(model: nn.Module, std: float, name: str) -> None:
+    """model.head_init_std: MAE's main_finetune.py draws the fine-tuning head's weight with timm's
+    trunc_normal_(std=2e-5) (cut at +-2, absolute), bias left at its init (0 in timm's ViT head), where timm's
+    VisionTransformer draws trunc_normal(std=0.02). The last draw of a fresh build, so the rest stays timm's."""
+    _, weight = classifier_weight(model, name)
+    with torch.no_grad():
+        timm.layers.trunc_normal_(weight, std=std)
+
+
+def classifier_was_loaded(model: nn.Module, num_classes: int, weights: dict[str, torch.Tensor] | None,
+                          name: str) -> bool:
+    """Whether timm's pretrained load kept the weights' classifier (the same class count) rather than re-making
+    it: for a local state dict, the classifier weight is the file's tensor; for timm's own weights (from_hub),
+    timm's rule: the pretrained class count is num_classes (timm.models.load_pretrained drops it otherwise)."""
+    key, weight = classifier_weight(model, name)
+    if weights is not None:
+        loaded = weights.get(key)
+        return loaded is not None and loaded.shape == weight.shape and torch.equal(loaded.to(weight), weight.detach())
+    pretrained = getattr(model, "pretrained_cfg", None) or {}
+    return not pretrained.get("classifier") or pretrained.get("num_classes") == num_classes
 
 
 def names_weights(name: str) -> bool:

@@ -75,7 +75,9 @@ SCHEDULE_ROWS = [
     Row("deit_small.yaml", "lr stepping", "once per epoch (main.py: lr_scheduler.step(epoch))",
         ("sched.step_on_epochs",), SCHEDULE_TEST),
     Row("deit_small.yaml", "epoch the lr is for", "step(epoch) after epoch `epoch`: epoch e >= 1 trains at the "
-        "value for e - 1", (), "", "not expressible: epoch e trains at e's value, as timm's train.py"),
+        "value for e - 1 (main.py)", ("sched.epoch_lag",),
+        "tests/test_schedule.py::test_epoch_lag_is_deits_step_after_each_epoch",
+        "epoch e at the value for max(e - lag, 0), a function of the step (resumes exactly)"),
     Row("deit_small.yaml", "mixup/cutmix draw", "timm Mixup, --mixup-mode batch: one draw per GPU batch of 256",
         ("data.mix_mode", "data.mix_group"), BATCH_MIX_TEST),
     Row("deit_small.yaml", "repeated copies with mixing", "RASampler deals 3 copies of an image to 3 of the 4 GPUs, "
@@ -85,6 +87,8 @@ SCHEDULE_ROWS = [
     Row("deit_small_distilled.yaml", "lr schedule", "as deit_small.yaml (main.py's defaults)",
         ("sched.name", "sched.warmup_epochs", "sched.warmup_lr", "sched.warmup_prefix", "sched.min_lr"),
         SCHEDULE_TEST),
+    Row("deit_small_distilled.yaml", "epoch the lr is for", "as deit_small.yaml: step(epoch) after epoch `epoch`, "
+        "epoch e >= 1 at the value for e - 1", ("sched.step_on_epochs", "sched.epoch_lag"), SCHEDULE_TEST),
     Row("deit_small_distilled.yaml", "repeated copies with mixing", "as deit_small.yaml: RASampler deals 3 copies "
         "of an image to 3 of the 4 GPUs, each GPU batch of 256 one mixing draw", ("data.aug_repeats", *GPU_BATCH_KEYS),
         LAYOUT_TEST),
@@ -145,8 +149,9 @@ SCHEDULE_ROWS = [
         "load_state_dict(strict=False))", ("model.init_from",),
         "tests/test_recipes.py::test_mae_weights_converted_as_the_header_says_start_the_recipes_model",
         "the file converted once by the header's command"),
-    Row(MAE, "head init", "trunc_normal(std=2e-5) (main_finetune.py)", (), "",
-        "not expressible: timm's trunc_normal(std=0.02)"),
+    Row(MAE, "head init", "trunc_normal_(model.head.weight, std=2e-5), bias 0 (main_finetune.py, after loading the "
+        "encoder)", ("model.head_init_std",), "tests/test_model_options.py::test_head_init_std_draws_maes_head",
+        "drawn after timm re-makes the classifier for the class count; a kept one is left as loaded"),
     Row(MAE, "mixup/cutmix draw", "timm Mixup, --mixup_mode batch: one draw per GPU batch of 32",
         ("data.mix_mode", "data.mix_group"), BATCH_MIX_TEST),
 ]

@@ -99,3 +99,50 @@ def test_cls_token_std_on_a_model_without_one_is_one_line():
 
     with pytest.raises(UserError, match="model.cls_token_std is set but model 'test_resnet' has no cls_token"):
         create_model(ModelConfig(name="test_resnet", cls_token_std=0.02), 10)
+
+
+def test_head_init_std_draws_maes_head():
+    """model.head_init_std=2e-5 draws the classifier's weight as MAE's main_finetune.py does (trunc_normal_(
+    model.head.weight, std=2e-5), timm 0.3.2's trunc_normal_: cut at +-2 in absolute units), bias left at timm's 0,
+    where timm's VisionTransformer draws trunc_normal(std=0.02); the other weights stay timm's."""
+    torch.manual_seed(0)
+    plain = create_model(ModelConfig(name="test_vit"), 10)
+    expected = timm_032_trunc_normal_(torch.empty_like(plain.head.weight), std=2e-5)
+    torch.manual_seed(0)
+    mae = create_model(ModelConfig(name="test_vit", head_init_std=2e-5), 10)
+    assert torch.equal(mae.head.weight, expected)
+    torch.manual_seed(1)
+    big = timm_032_trunc_normal_(torch.empty(1000, 1024), std=2e-5)  # ViT-L's head: the draw's statistics
+    assert abs(big.std().item() / 2e-5 - 1) < 0.01 and big.abs().max() < 6 * 2e-5  # +-2 never cuts at this std
+    assert abs(mae.head.weight.std().item() / 2e-5 - 1) < 0.15 and plain.head.weight.std() > 0.01
+    assert torch.equal(mae.head.bias, torch.zeros(10))
+    others = {k: v for k, v in mae.state_dict().items() if k != "head.weight"}
+    assert all(torch.equal(v, plain.state_dict()[k]) for k, v in others.items())
+
+
+def test_head_init_std_draws_a_remade_classifier_and_keeps_a_loaded_one():
+    """Starting from weights (model.init_from, model.pretrained): a classifier timm re-made for another class count,
+    or that the file lacks (MAE's encoder), is drawn by model.head_init_std after the load; one the file gave (the
+    same class count) is left exactly as loaded, and so is every other tensor."""
+    torch.manual_seed(5)
+    weights = create_model(ModelConfig(name="test_vit"), 10).state_dict()
+    encoder = {k: v for k, v in weights.items() if not k.startswith("head.")}
+    for file, classes in ((weights, 4), (encoder, 10)):
+        torch.manual_seed(0)
+        plain = create_model(ModelConfig(name="test_vit"), classes, dict(file), "file")
+        expected = timm_032_trunc_normal_(torch.empty_like(plain.head.weight), std=2e-5)
+        torch.manual_seed(0)
+        mae = create_model(ModelConfig(name="test_vit", head_init_std=2e-5), classes, dict(file), "file")
+        assert torch.equal(mae.head.weight, expected) and torch.equal(mae.head.bias, torch.zeros(classes))
+        assert all(torch.equal(mae.state_dict()[k], v) for k, v in encoder.items())
+    kept = create_model(ModelConfig(name="test_vit", head_init_std=2e-5), 10, dict(weights), "file")
+    assert all(torch.equal(kept.state_dict()[k], v) for k, v in weights.items())
+
+
+def test_head_init_std_on_a_model_without_a_classifier_is_one_line():
+    from core.errors import UserError
+
+    with pytest.raises(UserError, match="model.head_init_std is set but model 'test_vit' has no classifier weight") \
+            as err:
+        create_model(ModelConfig(name="test_vit", head_init_std=2e-5), 0)
+    assert "\n" not in str(err.value) and "remove model.head_init_std" in str(err.value)

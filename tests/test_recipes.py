@@ -81,8 +81,10 @@ def source_lr(cfg, name: str) -> float:
     return cfg.optim.lr_base * (ratio ** 0.5 if cfg.optim.lr_base_scale == "sqrt" else ratio)
 
 
-def timm_epoch_lrs(cfg, lr: float) -> list[float]:
-    """timm's scheduler as timm's train.py (RSB) builds it from the recipe's settings, one value per epoch."""
+def timm_epoch_lrs(cfg, lr: float, deit: bool = False) -> list[float]:
+    """timm's scheduler built from the recipe's settings, one value per epoch, driven as timm's train.py (RSB) drives
+    it (step(epoch) before epoch `epoch`'s updates, as its step(epoch + 1) after the previous one), or (deit) as
+    DeiT's main.py does: step(epoch) after epoch `epoch`, so epoch e >= 1 trains at the value for e - 1."""
     from timm.scheduler import create_scheduler_v2
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
@@ -90,8 +92,11 @@ def timm_epoch_lrs(cfg, lr: float) -> list[float]:
                                        warmup_lr=cfg.sched.warmup_lr, warmup_epochs=cfg.sched.warmup_epochs)
     lrs = []
     for epoch in range(cfg.train.epochs):
-        scheduler.step(epoch)
+        if not deit:
+            scheduler.step(epoch)
         lrs.append(optimizer.param_groups[0]["lr"])
+        if deit:
+            scheduler.step(epoch)
     return lrs
 
 
@@ -141,7 +146,8 @@ def mae_step_lrs(lr: float, per_epoch: int) -> list[float]:
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_schedule_is_its_sources(name):
     """The lr of every step of the recipe (2 steps per epoch) from the config, against the source's own
-    scheduler (torch's for torchvision, timm's for DeiT and RSB) or its formula (NVIDIA, ConvNeXt)."""
+    scheduler (torch's for torchvision, timm's for DeiT and RSB, each driven as its script drives it: DeiT's steps
+    after each epoch) or its formula (NVIDIA, ConvNeXt)."""
     from engine.optim import build_scheduler
     from tests.compare import nvidia_cosine_lr
 
@@ -168,7 +174,7 @@ def test_recipe_schedule_is_its_sources(name):
     elif name == "resnet50_torchvision.yaml":
         epochs = torchvision_epoch_lrs(cfg, lr)
     else:
-        epochs = timm_epoch_lrs(cfg, lr)
+        epochs = timm_epoch_lrs(cfg, lr, deit=name.startswith("deit_"))
     assert got == pytest.approx([v for v in epochs for _ in range(per_epoch)], rel=1e-9, abs=1e-15)
 
 

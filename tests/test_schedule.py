@@ -313,10 +313,46 @@ def test_epoch_stepped_schedule_resumes_mid_epoch():
         assert optimizer.param_groups[0]["lr"] == lrs[global_step]
 
 
+def deit_epoch_lrs(epochs: int, **kwargs) -> list[float]:
+    """The lr of each epoch from timm's own create_scheduler_v2, driven as DeiT's main.py drives it: the epoch
+    trains, then `lr_scheduler.step(epoch)`."""
+    from timm.scheduler import create_scheduler_v2
+
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    scheduler, _ = create_scheduler_v2(optimizer, num_epochs=epochs, **kwargs)
+    lrs = []
+    for epoch in range(epochs):
+        lrs.append(optimizer.param_groups[0]["lr"])  # train_one_epoch
+        scheduler.step(epoch)
+    return lrs
+
+
+def test_epoch_lag_is_deits_step_after_each_epoch():
+    """sched.epoch_lag=1 with sched.step_on_epochs (configs/deit_small*.yaml): every step of epoch e trains at the
+    value for max(e - 1, 0), the lr of timm's scheduler with DeiT's settings (cosine, warmup from 1e-6, min 1e-5)
+    stepped after each epoch; the lr is a function of the global step, so a mid-epoch resume continues it."""
+    epochs, per_epoch = 10, 3
+    settings = ["sched.name=cosine", "sched.warmup_epochs=5", "sched.warmup_lr=1e-6", "sched.min_lr=1e-5",
+                "sched.step_on_epochs=true"]
+    expected = deit_epoch_lrs(epochs, sched="cosine", warmup_epochs=5, warmup_lr=1e-6, min_lr=1e-5)
+    got = epoch_lrs([*settings, "sched.epoch_lag=1"], epochs, per_epoch)
+    assert got == pytest.approx(expected, rel=1e-12, abs=0)
+    plain = epoch_lrs(settings, epochs, per_epoch)  # timm's train.py: epoch e at e's value
+    assert got[0] == got[1] == plain[0] == 1e-6 and got[2:] == plain[1:-1] and got != plain
+    steps = [lr for lr in got for _ in range(per_epoch)]
+    cfg = load_config(None, ["optim.lr=0.1", f"train.epochs={epochs}", *settings, "sched.epoch_lag=1"])
+    for global_step in (1, 4, 7, 14, 29):
+        optimizer = build_optimizer(nn.Linear(2, 2), cfg.optim)
+        build_scheduler(optimizer, cfg.sched, epochs, per_epoch).step_update(num_updates=global_step)
+        assert optimizer.param_groups[0]["lr"] == steps[global_step]
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["sched.warmup_shape=nvidia", "sched.warmup_epochs=2"], "sched.warmup_shape=nvidia is NVIDIA's per-epoch "
                                                              "warmup; set sched.step_on_epochs=true"),
     (["sched.step_on_epochs=true", "sched.warmup_steps=10"], "with sched.step_on_epochs=true give sched.warmup_epochs"),
+    (["sched.epoch_lag=1"], "sched.epoch_lag=1 shifts a schedule stepped once per epoch; set "
+                            "sched.step_on_epochs=true"),
     (["sched.warmup_prefix=true", "sched.warmup_epochs=10"], "sched.warmup_prefix=true: sched.warmup_epochs 10 "
                                                              "leaves no epoch of train.epochs 10"),
 ])
