@@ -378,18 +378,17 @@ def mix_group(cfg: DataConfig, batch_size: int, step: int) -> int:
     if not mixing(cfg) or cfg.mix_mode != "batch":
         return 0
     group = cfg.mix_group or batch_size
+    fix = "set data.mix_group=0 (one draw per train.batch_size images) or a divisor of train.batch_size"
     if batch_size % group and group % batch_size:
         raise UserError(f"data.mix_group {group} and train.batch_size {batch_size}: one must divide the other, so "
-                        "each process batch holds whole mixing draws; set data.mix_group=0 (one draw per "
-                        "train.batch_size images) or a divisor of train.batch_size")
+                        f"each process batch holds whole mixing draws; {fix}")
     if cfg.mix_partner == "roll" and batch_size % group:
         raise UserError(f"data.mix_partner=roll mixes within a group of data.mix_group {group} images, which must "
                         f"then divide train.batch_size {batch_size} (a group on one process); set data.mix_group=0 "
                         "or a divisor of train.batch_size")
     if step % group:
         raise UserError(f"data.mix_group {group} does not divide the {step} images of an optimizer step "
-                        "(train.batch_size x processes x train.accum_steps); set data.mix_group=0 (one draw per "
-                        "train.batch_size images) or a divisor of train.batch_size")
+                        f"(train.batch_size x processes x train.accum_steps); {fix}")
     return group
 
 
