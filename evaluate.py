@@ -91,7 +91,7 @@ def checkpoint_config(ckpt: dict[str, Any], args: argparse.Namespace) -> Config:
     if absent:
         raise UserError(f"checkpoint {args.checkpoint} was not written by train.py (no {', '.join(absent)}); "
                         "evaluate.py needs the config and class names stored in it")
-    raw = for_inference(ckpt["config"])  # fp32 unless amp= is given, as predict.py and export.py
+    raw = for_inference(ckpt["config"])  # the run's eval_amp unless amp= is given, as predict.py and export.py
     if args.data_dir:  # always an ImageFolder root (never a digits cache to (re)write, never dummy data)
         set_dotted(raw, "data.name", "imagefolder")
         set_dotted(raw, "data.root", args.data_dir)
@@ -339,7 +339,7 @@ def run(cfg: Config, ckpt: dict[str, Any], args: argparse.Namespace, info: DistI
     log.info("evaluating %s (%s, %s) on %d images at %d px (crop_pct %s), %d view(s) each, %d process(es), batch %d "
              "per process", args.checkpoint, cfg.model.name, "EMA weights" if args.ema else "weights", len(dataset),
              size, crop_pct, tta_views(args), info.world_size, cfg.train.batch_size)
-    log.info(precision_line(cfg.amp, precision.name))
+    log.info(precision_line(cfg.amp, precision.name, cfg.eval_amp))
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
     if cfg.data.multi_label:
         return run_multilabel(cfg, args, info, out, dataset, loader, model, precision, normalize, class_names,
@@ -416,13 +416,6 @@ def log_to_wandb(cfg: Config, args: argparse.Namespace, result: dict[str, Any], 
     tracker.finish()
 
 
-def exact_kernels(device: torch.device) -> None:
-    """On CUDA: deterministic cuDNN algorithms, none picked by timing, so a batch's outputs repeat exactly."""
-    if device.type == "cuda":
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = False
-
-
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     ckpt = read_checkpoint(args.checkpoint)
@@ -433,7 +426,6 @@ def main(argv: list[str]) -> int:
         # CPU convolutions round differently with different thread counts; one thread in every
         # process makes the outputs independent of the number of processes (torchrun for speed).
         tune_cpu_process(threads=1)
-    exact_kernels(info.device)
     result = run(cfg, ckpt, args, info)  # report_errors leaves the process group, after reporting any error
     if result is not None and result.get("multi_label"):
         worst = sorted((c for c in result["per_class"] if c["ap"] is not None), key=lambda c: c["ap"])[:3]

@@ -195,7 +195,8 @@ def export_model_folder(model: nn.Module, cfg: Config, trained: Trained, folder:
                    "crop_mode": "center", "mean": tuple(cfg.data.mean), "std": tuple(cfg.data.std),
                    "interpolation": cfg.data.interpolation}
     config_file = folder / MODEL_CONFIG
-    model_config = {"label_names": trained.class_names, **multi_label_meta(trained)}
+    model_config = {"label_names": trained.class_names, **multi_label_meta(trained),
+                    "eval_amp": cfg.eval_amp}  # predict.py computes in it, as from the checkpoint
     model_config.pop("output", None)
     save_config_for_hf(model, str(config_file), model_config=model_config,
                        model_args=dict(cfg.model.kwargs), data_config=data_config)

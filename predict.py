@@ -50,6 +50,7 @@ from data.transforms import DeviceNormalize, eval_size, eval_transform
 from engine.checkpoint.inference import (Trained, check_same_architecture, ema_hint, inference_config, load_trained,
                                          make_output_dir, precision_line)
 from engine.checkpoint.weights import load_weights
+from engine.evaluation import exact_kernels
 from engine.precision import Precision, resolve_precision
 from models.factory import create_model, prepare_model
 from models.tta import CROPS, TTAModel, describe
@@ -156,7 +157,7 @@ def predict(model: torch.nn.Module, loader, dataset: ImageListDataset, class_nam
         rows += [{"index": index, "path": dataset.path(index), "error": error} for index, error in failed]
         if images is None:
             continue
-        with precision.autocast():
+        with precision.autocast(), exact_kernels(info.device):  # the kernels evaluate.py and validation use
             logits = model(normalize(images.to(info.device)))
         if thresholds is not None:
             rows += multi_label_rows(logits, indices.tolist(), dataset, class_names, thresholds)
@@ -210,7 +211,7 @@ def run(trained: Trained, cfg: Config, args: argparse.Namespace, info: DistInfo)
                  cfg.train.batch_size)
     precision = resolve_precision(cfg.amp, info.device)
     if info.is_main:
-        log.info(precision_line(cfg.amp, precision.name))
+        log.info(precision_line(cfg.amp, precision.name, cfg.eval_amp))
     multi = trained.multi_label
     shown = ML_COLUMNS if multi else columns(k)
     rows = predict(model, loader, dataset, trained.class_names, k, cfg, info, precision,

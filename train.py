@@ -53,7 +53,7 @@ from engine.checkpoint.run_dir import FolderLock, RunRecord, check_shared, check
 from engine.checkpoint.saver import Checkpointer
 from engine.checkpoint.weights import Pretrained, check_pretrained, resolve_preprocessing
 from engine.distill import build_distillation, check_teacher_needed, freeze_teacher, read_teacher, teacher_sha256
-from engine.evaluation import validate_epoch
+from engine.evaluation import validate_epoch, validation_precision
 from engine.hooks import EmaUpdate, IntervalTracking, StepCheckpoint
 from engine.losses import build_loss, heavy_weight_warning, set_loss_epoch
 from engine.lr_find import LABEL as LR_RULE_LABEL, range_test, write_results
@@ -302,9 +302,11 @@ def fit(cfg: Config, info: DistInfo, lock: FolderLock | None = None) -> TrainSta
     start.load_training(state, cfg, info, updates_per_epoch, model=parts.model, optimizer=optimizer,
                         scheduler=parts.scheduler, scaler=precision.scaler)
     global_batch = cfg.train.batch_size * info.world_size * cfg.train.accum_steps
-    log.info("model %s (%.1fM params), %d process(es) on %s, %s, global batch %d, %d steps/epoch",
-             cfg.model.name, sum(p.numel() for p in model.parameters()) / 1e6, info.world_size,
-             info.device.type, precision.name, global_batch, updates_per_epoch)
+    measured = resolve_precision(cfg.eval_amp, info.device, key="eval_amp")  # every reported number's precision
+    log.info("model %s (%.1fM params), %d process(es) on %s, training in %s, validating in %s, global batch %d, "
+             "%d steps/epoch", cfg.model.name, sum(p.numel() for p in model.parameters()) / 1e6, info.world_size,
+             info.device.type, precision.name, validation_precision(measured, precision, model), global_batch,
+             updates_per_epoch)
     chosen_on = best_metric(cfg)  # the metrics.jsonl column best.pth follows
     tracker = WandbTracker(cfg.logging, info.is_main)  # W&B on rank 0; never raises
     tracker.start({**to_dict(cfg), "world_size": info.world_size}, out, resume_id=start.wandb_id)
@@ -346,7 +348,7 @@ def fit(cfg: Config, info: DistInfo, lock: FolderLock | None = None) -> TrainSta
             if is_fsdp(model):  # DDP broadcasts rank 0's buffers (BatchNorm statistics) at each forward; FSDP never
                 broadcast_tensors(replicated_tensors(model))
             row = {"epoch": state.epoch, **train_stats,
-                   **validate_epoch(parts.model, ema.module if ema is not None else None, data.val, precision, info,
+                   **validate_epoch(parts.model, ema.module if ema is not None else None, data.val, measured, info,
                                     normalize, cfg.data),
                    "lr": optimizer.param_groups[0]["lr"]}
             is_best = state.update_best(row[chosen_on], lower_is_better(chosen_on))

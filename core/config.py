@@ -206,7 +206,8 @@ class TuneConfig:
 class Config:
     seed: int = 0  # seeds model init, data order and augmentation, in [0, 2^32)
     output_dir: str = "runs/default"  # where config.yaml, metrics.jsonl and checkpoints go
-    amp: str = "auto"  # auto | bf16 | fp16 | off
+    amp: str = "auto"  # training's precision: auto | bf16 | fp16 | off
+    eval_amp: str = "off"  # the precision of every reported number: each validation (and best.pth's choice), and the default of evaluate.py, predict.py, export.py for this run's weights: off (fp32) | bf16 | fp16 | auto (amp's rule)
     loss_scale: float = 0.0  # fp16's GradScaler: a static scale (halved on overflow, never grown: NVIDIA's --static-loss-scale); 0 = dynamic (65536, grown every 2000 good steps)
     resume: str = "auto"  # auto (continue from <output_dir>/last.pth or last.dcp if present) | none | <checkpoint path>
     model: ModelConfig = field(default_factory=ModelConfig)

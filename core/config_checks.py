@@ -12,6 +12,7 @@ from core.errors import UserError
 
 CHOICES = {
     "amp": ("auto", "bf16", "fp16", "off"),
+    "eval_amp": ("off", "bf16", "fp16", "auto"),
     "data.name": ("imagefolder", "dummy", "digits", "wds", "listfile", "hf"),
     "model.freeze": ("none", "backbone"),
     "model.conv_init": ("", "fan_in", "fan_out"),

@@ -12,6 +12,7 @@ the same numbers from the same arrays, so 1 and N processes report identical met
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Callable, Iterator
 
@@ -41,12 +42,44 @@ def model_logits(model: nn.Module, loader: DataLoader, precision: Precision, inf
     with workers_shielded():
         batches = device_batches(iter(loader), info.device, normalize)
     for images, targets in batches:
-        with precision.autocast():
+        with precision.autocast(), exact_kernels(info.device):
             logits = model(images)
         yield logits.float(), targets
     for _ in range(missing):  # every rank has at least one batch (data.loader.build_data checks it)
-        with precision.autocast():
+        with precision.autocast(), exact_kernels(info.device):
             model(images[:1])
+
+
+def validation_precision(measured: Precision, training: Precision, model: nn.Module) -> str:
+    """What a run's validation computes in, for its log: eval_amp's precision, except under dist.strategy=fsdp with
+    amp=bf16, whose units all-gather their weights in bf16 whatever the autocast (docs/correctness.md)."""
+    if is_fsdp(model) and training.dtype is not None and measured.dtype != training.dtype:
+        return (f"{training.name} (eval_amp={measured.name}, but dist.strategy=fsdp gathers the weights in "
+                f"{training.name}; evaluate.py on a checkpoint computes in eval_amp)")
+    return measured.name
+
+
+@contextlib.contextmanager
+def exact_kernels(device: torch.device) -> Iterator[None]:
+    """The kernels every reported number is computed with, so that a run's validation, evaluate.py and predict.py
+    give the same numbers for the same weights: on the CPU one thread per process (fp32 results change with the
+    thread count, which follows the cores and processes); on CUDA deterministic cuDNN algorithms, none picked by
+    timing (training sets cudnn.benchmark). The settings come back after."""
+    if device.type != "cuda":
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+        return
+    cudnn = torch.backends.cudnn
+    saved = cudnn.benchmark, cudnn.deterministic
+    cudnn.benchmark, cudnn.deterministic = False, True
+    try:
+        yield
+    finally:
+        cudnn.benchmark, cudnn.deterministic = saved
 
 
 @torch.no_grad()
@@ -59,12 +92,13 @@ def evaluate(model: nn.Module, loader: DataLoader, precision: Precision, info: D
 
     on_batch(logits, targets, ranked) sees each batch with the top-5 classes the metrics counted.
     """
-    meter = SumMeter(("loss_sum", "top1", "top5", "count"), info.device)
+    meter = SumMeter(("top1", "top5", "count"), info.device)
     counts = None  # 3 x C per-class counts (hits, true, predicted), C = the model's outputs
+    losses = []  # each image's loss: val_loss is their exact mean (exact_mean)
     for logits, targets in model_logits(model, loader, precision, info, normalize):
-        loss = nn.functional.cross_entropy(logits, targets, reduction="sum")
+        losses.append(nn.functional.cross_entropy(logits, targets, reduction="none"))
         ranked = ranked_classes(logits, 5)
-        meter.add(loss, hits(ranked, targets, 1), hits(ranked, targets, 5), len(targets))
+        meter.add(hits(ranked, targets, 1), hits(ranked, targets, 5), len(targets))
         if counts is None:
             counts = torch.zeros((3, logits.shape[1]), dtype=torch.int64, device=info.device)
         add_class_counts(counts, targets, ranked[:, 0])
@@ -74,8 +108,20 @@ def evaluate(model: nn.Module, loader: DataLoader, precision: Precision, info: D
         counts = torch.zeros((3, len(loader.dataset.classes)), dtype=torch.int64, device=info.device)
     sums, counts = meter.global_sums_with(counts)
     count = sums["count"]
-    return {"val_loss": sums["loss_sum"] / count, "val_top1": 100.0 * sums["top1"] / count,
+    return {"val_loss": exact_mean(losses, info.device), "val_top1": 100.0 * sums["top1"] / count,
             "val_top5": 100.0 * sums["top5"] / count, "val_count": int(count), **class_metrics(counts)}
+
+
+def exact_mean(values: list[torch.Tensor], device: torch.device) -> float:
+    """The mean of every rank's per-image values, correctly rounded (math.fsum on rank 0, then broadcast): the same
+    for any number of processes and any batch size, and evaluate.py's loss, the fsum of predictions.csv's."""
+    local = torch.cat(values).float() if values else torch.zeros(0, device=device)
+    whole = gather_rows(local)
+    mean = torch.zeros(1, dtype=torch.float64, device=device)
+    if whole is not None and len(whole):
+        mean.fill_(math.fsum(whole.tolist()) / len(whole))
+    broadcast_tensors([mean])
+    return mean.item()
 
 
 def validate_epoch(model: nn.Module, ema: nn.Module | None, loader: DataLoader, precision: Precision, info: DistInfo,

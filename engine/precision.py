@@ -147,8 +147,9 @@ def grad_scaler(device_type: str, loss_scale: float = 0.0) -> torch.amp.GradScal
 STATIC_GROWTH_INTERVAL = 1_000_000_000  # NVIDIA's: no growth within any run
 
 
-def resolve_precision(mode: str, device: torch.device, loss_scale: float = 0.0) -> Precision:
-    """Turn `amp: auto|bf16|fp16|off` into a Precision for this device (`loss_scale`: fp16's, see grad_scaler)."""
+def resolve_precision(mode: str, device: torch.device, loss_scale: float = 0.0, key: str = "amp") -> Precision:
+    """Turn `amp: auto|bf16|fp16|off` into a Precision for this device (`loss_scale`: fp16's, see grad_scaler;
+    `key`: the config key the mode came from, for messages: amp or eval_amp)."""
     cuda = device.type == "cuda"
     if mode == "auto":
         mode = auto_mode(device)
@@ -156,8 +157,9 @@ def resolve_precision(mode: str, device: torch.device, loss_scale: float = 0.0) 
         return Precision(device.type, None)
     if mode == "bf16":
         if not cuda and not cpu_has_native_bf16():  # info, not warning: every rank would repeat a warning
-            log.info("amp=bf16: this CPU has no AVX512-BF16 or AMX, so bf16 is emulated and slower than amp=off")
+            log.info("%s=bf16: this CPU has no AVX512-BF16 or AMX, so bf16 is emulated and slower than %s=off", key, key)
         return Precision(device.type, torch.bfloat16)
     if not cuda:
-        raise UserError("amp=fp16 on CPU is far slower than fp32 (no fp16 kernels); use amp=bf16 (or auto) or amp=off")
+        raise UserError(f"{key}=fp16 on CPU is far slower than fp32 (no fp16 kernels); use {key}=bf16 (or auto) or "
+                        f"{key}=off")
     return Precision(device.type, torch.float16, grad_scaler("cuda", loss_scale))

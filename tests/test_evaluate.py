@@ -26,7 +26,8 @@ def checkpoint(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("trained") / "run"
     train_here("--config", "configs/dummy.yaml", "model.name=test_resnet", "data.img_size=32",
                "data.dummy_image_size=40", "data.dummy_train_size=96", f"data.dummy_val_size={VAL_SIZE}",
-               "train.batch_size=16", "train.max_steps=4", "logging.progress=false", f"output_dir={out}")
+               "train.batch_size=8", "train.max_steps=4", "logging.progress=false", f"output_dir={out}",
+               "amp=bf16")  # trained in bf16 on any CPU; validated in eval_amp's fp32, as evaluate.py computes
     return out / "best.pth"
 
 
@@ -64,8 +65,11 @@ def test_evaluate_is_identical_for_1_2_3_processes(checkpoint, tmp_path):
         assert c["top1"] == 100.0 * sum(r["label"] == r["pred"] for r in mine) / len(mine)
     image = matplotlib.image.imread(out / "confusion_matrix.png")
     assert image.shape[0] >= 400 and image.shape[1] >= 400
-    # The training run evaluated the same weights on the same batches: same top-1.
+    # The training run evaluated the same weights on the same batches in the same precision: the same top-1, though
+    # it trained in bf16 (issue 46: its validation followed amp then, and differed).
     assert result["top1"] == load_checkpoint(checkpoint)["val_top1"]
+    [row] = [json.loads(line) for line in (checkpoint.parent / "metrics.jsonl").read_text().splitlines()]
+    assert (result["loss"], result["top1"], result["precision"]) == (row["val_loss"], row["val_top1"], "fp32")
 
     [path] = find_runs(wandb_dir)  # one W&B run, from rank 0 of the 2-process evaluation
     run = read_run(path)

@@ -120,7 +120,7 @@ def test_safetensors_folder_loads_in_timm_and_predict(resnet18_run, tmp_path, ca
 
     for i in range(3):
         cv2.imwrite(str(images / f"{i}.png"), np.random.default_rng(i).integers(0, 256, (40, 40, 3), np.uint8))
-    # By default, byte for byte (issue 42), though the run trained in bf16: both compute in fp32 on any CPU.
+    # By default, byte for byte (issue 42), though the run trained in bf16: both compute in its eval_amp, fp32.
     from core.files import save_atomic
 
     stored = torch.load(ckpt, weights_only=True, map_location="cpu")
@@ -129,12 +129,23 @@ def test_safetensors_folder_loads_in_timm_and_predict(resnet18_run, tmp_path, ca
     capsys.readouterr()
     for source, out in ((str(tmp_path / "bf16.pth"), tmp_path / "p-ckpt"), (str(folder), tmp_path / "p-folder")):
         assert report_errors(predict.main, [source, str(images), "--output-dir", str(out)]) == 0
-        assert "computing in fp32 (the inference default" in capsys.readouterr().err
+        assert "computing in fp32, as the run's validation did (its eval_amp=off)" in capsys.readouterr().err
         assert json.loads((out / "predictions.json").read_text())["precision"] == "fp32"
     assert (tmp_path / "p-ckpt/predictions.csv").read_bytes() == (tmp_path / "p-folder/predictions.csv").read_bytes()
     assert report_errors(predict.main, [ckpt, str(images), "--output-dir", str(tmp_path / "p-bf16"), "amp=bf16"]) == 0
-    assert "computing in bf16 (amp=bf16)" in capsys.readouterr().err
+    assert "computing in bf16 (amp=bf16); the run's validation computed with eval_amp=off" in capsys.readouterr().err
     assert json.loads((tmp_path / "p-bf16/predictions.json").read_text())["precision"] == "bf16"
+    # A run that validated in bf16 (eval_amp=bf16): its checkpoint and its exported folder both predict in bf16.
+    stored["config"]["eval_amp"] = "bf16"
+    save_atomic(stored, tmp_path / "bf16-eval.pth")
+    assert report_errors(export.main, [str(tmp_path / "bf16-eval.pth"), "--format", "safetensors", "--output",
+                                       str(tmp_path / "hf-bf16")]) == 0
+    assert json.loads((tmp_path / "hf-bf16/config.json").read_text())["eval_amp"] == "bf16"
+    for source, out in ((tmp_path / "bf16-eval.pth", tmp_path / "q-ckpt"), (tmp_path / "hf-bf16", tmp_path / "q-dir")):
+        assert report_errors(predict.main, [str(source), str(images), "--output-dir", str(out)]) == 0
+        assert json.loads((out / "predictions.json").read_text())["precision"] == "bf16"
+    assert (tmp_path / "q-ckpt/predictions.csv").read_bytes() == (tmp_path / "q-dir/predictions.csv").read_bytes()
+    assert (tmp_path / "q-ckpt/predictions.csv").read_bytes() == (tmp_path / "p-bf16/predictions.csv").read_bytes()
 
 
 def test_the_model_folder_holds_a_model_card_by_timms_writer(resnet18_run, tmp_path, capsys, monkeypatch, no_hub):

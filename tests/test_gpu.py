@@ -139,6 +139,26 @@ def test_evaluate_is_identical_on_one_and_two_gpus(tmp_path):
     assert results[0] == results[1]
 
 
+def test_evaluate_prints_the_runs_own_numbers_on_a_gpu(tmp_path):
+    """Issue 46 on CUDA: a run trained under amp=auto (bf16 or fp16 with cudnn.benchmark) validates in eval_amp's
+    fp32 with deterministic kernels; evaluate.py on its best.pth gives exactly metrics.jsonl's val_loss and top-1,
+    and the checkpoint and its exported folder predict byte-identically."""
+    run_dir = train(tmp_path / "run", "train.max_steps=4", "amp=auto")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    run_script("evaluate.py", str(run_dir / "best.pth"), "--output-dir", str(tmp_path / "eval"))
+    result = json.loads((tmp_path / "eval/eval.json").read_text())
+    assert (result["loss"], result["top1"], result["precision"]) == (rows[-1]["val_loss"], rows[-1]["val_top1"],
+                                                                     "fp32")
+    run_script("export.py", str(run_dir / "best.pth"), "--format", "safetensors", "--output", str(tmp_path / "hf"))
+    images = tmp_path / "images"
+    images.mkdir()
+    for i in range(3):
+        cv2.imwrite(str(images / f"{i}.png"), np.random.default_rng(i).integers(0, 256, (40, 40, 3), np.uint8))
+    for source, out in ((run_dir / "best.pth", "p-ckpt"), (tmp_path / "hf", "p-dir")):
+        run_script("predict.py", str(source), str(images), "--output-dir", str(tmp_path / out))
+    assert (tmp_path / "p-ckpt/predictions.csv").read_bytes() == (tmp_path / "p-dir/predictions.csv").read_bytes()
+
+
 @pytest.mark.parametrize("amp", ["auto", "off"])
 def test_resume_continues_a_gpu_run(tmp_path, amp):
     common = [f"amp={amp}", "train.epochs=2", "data.dummy_train_size=96"]

@@ -397,16 +397,24 @@ def test_nccl_watchdog_settings_are_explicit(env, expected):
 # 9. evaluation repeats exactly on GPUs -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("device, deterministic", [("cuda", True), ("cpu", False)])
-def test_evaluate_asks_cudnn_for_deterministic_algorithms_on_cuda(device, deterministic):
-    """evaluate.py on a GPU: no algorithm picked by timing (cudnn.benchmark), only deterministic ones."""
-    saved = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+def test_evaluation_asks_cudnn_for_deterministic_algorithms_on_cuda(device, deterministic):
+    """Validation, evaluate.py and predict.py on a GPU: no algorithm picked by timing (cudnn.benchmark, which
+    training sets), only deterministic ones; training's flags come back after each batch."""
+    from engine.evaluation import exact_kernels
+
+    saved = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, torch.get_num_threads()
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = False, True
+    torch.set_num_threads(2)
     try:
-        evaluate.exact_kernels(torch.device(device))
-        assert torch.backends.cudnn.deterministic is deterministic
-        assert torch.backends.cudnn.benchmark is not deterministic
+        with exact_kernels(torch.device(device)):
+            assert torch.backends.cudnn.deterministic is deterministic
+            assert torch.backends.cudnn.benchmark is not deterministic
+            assert torch.get_num_threads() == (2 if device == "cuda" else 1)  # CPU: fp32 sums follow the threads
+        assert (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark) == (False, True)
+        assert torch.get_num_threads() == 2
     finally:
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, threads = saved
+        torch.set_num_threads(threads)
 
 
 def test_the_documented_gpu_figures_are_read_by_the_smoke_test():

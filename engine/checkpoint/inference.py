@@ -3,9 +3,10 @@
 A trained model comes from a checkpoint written by train.py, or from a model folder written by
 `export.py --format safetensors` (config.json + model.safetensors, the layout timm and the Hugging Face
 hub use). Either way the config it was trained with (architecture, eval preprocessing) comes with it,
-so inference uses exactly the training's eval pipeline. Inference computes in fp32 whatever precision the run
-trained in (`amp=...` given to the tool chooses another): every route to the same weights then gives the same
-predictions, on any machine.
+so inference uses exactly the training's eval pipeline. Inference computes in the precision the run's own
+validation computed in (its `eval_amp`: fp32 unless the run chose another; `amp=...` given to the tool chooses
+another), never in the run's training `amp`: every route to the same weights then gives the same predictions, and
+evaluate.py repeats the run's numbers (docs/correctness.md, "One precision for every reported number").
 """
 
 from __future__ import annotations
@@ -42,23 +43,26 @@ class Trained:
     metrics: dict[str, Any] = field(default_factory=dict)  # what a checkpoint records of its evaluation (model card)
 
 
-INFERENCE_AMP = "off"  # what evaluate.py, predict.py and export.py compute in unless amp= is given to them
+INFERENCE_AMP = "off"  # eval_amp of a run that predates the key: its validation computed in fp32 on CPUs without bf16
 
 
 def for_inference(config: dict[str, Any]) -> dict[str, Any]:
-    """A private copy of a stored training config, set to compute in fp32: the run's `amp` (often `auto`, which is
-    bf16 on some CPUs and not on others) would make a checkpoint and its exported folder predict differently."""
+    """A private copy of a stored training config, set to compute as the run's validation did (eval_amp): its
+    training `amp` (often `auto`, which is bf16 on some CPUs and not on others) would make evaluate.py's numbers
+    differ from the run's, and a checkpoint and its exported folder predict differently."""
     raw = json.loads(json.dumps(config))
-    raw["amp"] = INFERENCE_AMP
+    raw["amp"] = raw.setdefault("eval_amp", INFERENCE_AMP)
     return raw
 
 
-def precision_line(amp: str, computed_in: str) -> str:
-    """The log line that says which precision (`computed_in`: fp32, bf16, fp16) inference computes in, and how to
-    choose the other."""
-    if computed_in == "fp32" and amp == INFERENCE_AMP:
-        return "computing in fp32 (the inference default; amp=bf16 or amp=auto computes faster, slightly differently)"
-    return f"computing in {computed_in} (amp={amp}); the default, amp=off, computes in fp32"
+def precision_line(amp: str, computed_in: str, run_eval_amp: str) -> str:
+    """The log line that says which precision (`computed_in`: fp32, bf16, fp16) inference computes in, whether
+    that is how the run computed its own numbers, and how to choose another."""
+    if amp == run_eval_amp:
+        return (f"computing in {computed_in}, as the run's validation did (its eval_amp={run_eval_amp}); "
+                "amp=off|bf16|auto chooses another")
+    return (f"computing in {computed_in} (amp={amp}); the run's validation computed with eval_amp={run_eval_amp}, "
+            "so its numbers may differ slightly from these")
 
 
 def ema_hint(source: str, best_metric: str | None, using_ema: bool) -> str | None:
@@ -118,7 +122,8 @@ def load_model_folder(folder: Path) -> Trained:
     meta, weights, _ = model_folder_files(folder, "model folder")
     check_model_config(meta, folder / MODEL_CONFIG)
     pretrained = meta.get("pretrained_cfg") or {}
-    raw: dict[str, Any] = {"model": {"name": meta["architecture"], "kwargs": meta.get("model_args") or {}}}
+    raw: dict[str, Any] = {"model": {"name": meta["architecture"], "kwargs": meta.get("model_args") or {}},
+                           "eval_amp": meta.get("eval_amp", INFERENCE_AMP)}
     raw["model"]["kwargs"].pop("num_classes", None)
     for key, value in preprocessing_from_pretrained_cfg(pretrained).items():
         set_dotted(raw, f"data.{key}", value)
@@ -150,7 +155,7 @@ def preprocessing_from_pretrained_cfg(pretrained: dict[str, Any]) -> dict[str, A
 
 
 def inference_config(trained: Trained, overrides: Sequence[tuple[str, Any]] = ()) -> Config:
-    """The stored config, computing in fp32, with dotted overrides applied, validated."""
+    """The stored config, computing in the run's eval_amp, with dotted overrides applied, validated."""
     raw = for_inference(trained.config)
     for key, value in overrides:
         set_dotted(raw, key, value)
