@@ -34,15 +34,16 @@ from core.startup import cpu_share, import_timm_without_wandb, training_kernels,
 import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (core/startup.py)
 
 from core.cli import parse_with_overrides, run_main
-from core.config import (Config, ModelConfig, best_metric, config_yaml, given_keys, keys_help, lower_is_better, mixing,
-                         replace_keys, replace_section, to_dict)
+from core.config import (Config, ModelConfig, best_metric, command_line_keys, config_yaml, given_keys, keys_help,
+                         lower_is_better, mixing, replace_keys, replace_section, run_values, to_dict)
 from core.config_load import load_config
 from core.dist import (DistInfo, all_gather_object, broadcast_object, broadcast_tensors, init_distributed, is_fsdp,
                        main_first, min_over_ranks, rank0_decides, read_launch_env, replicated_tensors)
 from core.errors import UserError
 from core.logs import setup_logging
 from core.signals import Preempted
-from data.loader import DataBundle, build_data, skipped_train_images, steps_per_epoch, with_batch_size
+from data.loader import (DataBundle, build_data, dropped_images_note, skipped_train_images, steps_per_epoch,
+                         with_batch_size)
 from data.erasing import NormalizedFill
 from data.mixing import BatchMix
 from data.transforms import DeviceNormalize
@@ -57,8 +58,8 @@ from engine.evaluation import validate_epoch, validation_precision
 from engine.hooks import EmaUpdate, IntervalTracking, StepCheckpoint
 from engine.losses import build_loss, heavy_weight_warning, set_loss_epoch
 from engine.lr_find import LABEL as LR_RULE_LABEL, range_test, write_results
-from engine.optim import (build_optimizer, build_scheduler, check_optimizer, check_scheduler, scaled_lr_note,
-                          with_global_batch, with_scaled_lr)
+from engine.optim import (build_optimizer, build_scheduler, check_optimizer, check_scheduler, with_batch_and_lr,
+                          with_scaled_lr)
 from engine.precision import Precision, resolve_precision
 from engine.profiling import FOLDER as PROFILE_FOLDER, ProfileSteps, check_trace_folder, window_warnings
 from engine.speed import InputAdvice
@@ -139,9 +140,7 @@ def resolve_start(cfg: Config, info: DistInfo, fresh: bool = False) -> tuple[Con
     pretrained = start.pretrained(cfg.model)
     hub_cfg = None if start.ckpt else rank0_decides(lambda: pretrained_cfg_of(cfg.model))  # model.pretrained=true
     cfg = resolve_preprocessing(cfg, pretrained, start.ckpt["config"] if start.ckpt else None, hub_cfg)
-    if cfg.train.batch_size != "auto":
-        cfg = with_global_batch(cfg, info.world_size)
-        cfg = with_scaled_lr(cfg, info.world_size)  # after resolve_preprocessing, which reads the keys the user set
+    cfg = with_batch_and_lr(cfg, info.world_size)  # after resolve_preprocessing, which reads the keys the user set
     start.check_continuation(cfg)
     return cfg, start, StartingWeights(pretrained, hub_cfg)
 
@@ -187,6 +186,9 @@ def build_start(cfg: Config, start: Resume, weights: StartingWeights,
                     + window_warnings(cfg.logging.profile_steps, *steps)):
         if info.is_main:
             log.warning(warning)
+    if info.is_main and (note := dropped_images_note(data.train, info.world_size, cfg.train.accum_steps,
+                                                     cfg.train.drop_last_accum)):
+        log.log(*note)
     start.load_model(model, cfg, data.class_names, info.world_size)
     loss = build_loss(cfg.train, mixing(cfg.data), data.class_counts, data.class_names)  # checked before any write
     global_batch = cfg.train.batch_size * info.world_size * cfg.train.accum_steps
@@ -220,7 +222,8 @@ def with_auto_batch(cfg: Config, data: DataBundle, model: nn.Module, precision: 
         raise UserError(f"train.batch_size=auto: not even a batch of {UNIT} fits ({cfg.model.name} at "
                         f"data.img_size {cfg.data.img_size}, amp={cfg.amp}); lower data.img_size, set "
                         "model.grad_checkpointing=true, or use a smaller model", all_ranks=True)
-    cfg = replace_section(cfg, "train", **resolved_batch(cfg.train, largest, info.world_size, mixing(cfg.data)))
+    cfg = replace_section(cfg, "train", **resolved_batch(cfg.train, largest, info.world_size, mixing(cfg.data),
+                                                         "train.accum_steps" in command_line_keys(cfg)))
     cfg = with_scaled_lr(cfg, info.world_size)
     if info.is_main:
         log.info("train.batch_size=auto: %d per process (%s)%s", cfg.train.batch_size, how,
@@ -254,7 +257,7 @@ def dry_run(cfg: Config, info: DistInfo) -> str:
     taught = f", distilled from {teacher[2]} ({cfg.distill.type})" if teacher else ""
     return (f"dry run passed: {cfg.model.name}{taught} on {len(data.train.dataset)} train / {len(data.val.dataset)} "
             f"val images, {data.num_classes} classes{', multi-label' if cfg.data.multi_label else ''}; the run "
-            f"{resumed}; {out} is writable; nothing was written")
+            f"{resumed}; {out} is writable; nothing was written\nthe run uses: {run_values(cfg, info.world_size)}")
 
 
 def find_lr(cfg: Config, info: DistInfo) -> dict:
@@ -292,8 +295,6 @@ def fit(cfg: Config, info: DistInfo, lock: FolderLock | None = None) -> TrainSta
         return None
     cfg, data, precision, model = build_start(cfg, start, weights, info)
     cfg, teacher = load_teacher(cfg, start, model, data.num_classes)
-    if cfg.optim.lr_base and info.is_main:
-        log.info(scaled_lr_note(cfg, info.world_size))
     model = prepare_model(model, cfg.model, info.device, info.world_size)
     parts, loop, ema = build_parts(cfg, info, data, precision, model, teacher, start)
     optimizer, normalize = parts.optimizer, loop.normalize
@@ -496,8 +497,9 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     cfg = load_config(config_file(args.config, args.overrides), args.overrides)
     if args.print_config:
-        if read_launch_env()[0] == 0:
-            print(config_yaml(cfg), end="")
+        rank, world_size, *_ = read_launch_env()
+        if rank == 0:  # the batch and lr for this launch's processes; preprocessing: --dry-run shows it
+            print(f"# as {world_size} process(es) run it\n{config_yaml(with_batch_and_lr(cfg, world_size))}", end="")
         return 0
     setup_logging(read_launch_env()[0], cfg.logging.level)  # before the rendezvous, which may wait
     info = init_distributed(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.rendezvous_timeout_s)

@@ -226,19 +226,30 @@ def given_keys(cfg: Config) -> frozenset[str]:
     return getattr(cfg, "given", frozenset())
 
 
+def command_line_keys(cfg: Config) -> frozenset[str]:
+    """The dotted keys set on the command line (key=value overrides): a value a start-up rule derives (optim.lr from
+    optim.lr_base, train.batch_size from train.global_batch_size) never replaces one of these; the config file's
+    own values it may."""
+    return getattr(cfg, "from_command_line", frozenset())
+
+
+def with_origins(resolved: Config, cfg: Config) -> Config:
+    """`resolved` keeping which keys of `cfg` the user gave, and where (attributes, not fields: dataclasses.replace
+    drops them)."""
+    resolved.given, resolved.from_command_line = given_keys(cfg), command_line_keys(cfg)
+    return resolved
+
+
 def replace_section(cfg: Config, section: str, **changes: Any) -> Config:
     """cfg with fields of one section changed, keeping the keys the user gave: every start-up derivation goes
-    through here, so none of them forgets what was set (`given` is not a field; dataclasses.replace drops it)."""
-    resolved = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **changes)})
-    resolved.given = given_keys(cfg)
-    return resolved
+    through here, so none of them forgets what was set."""
+    return with_origins(dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **changes)}),
+                        cfg)
 
 
 def replace_keys(cfg: Config, **changes: Any) -> Config:
     """cfg with top-level keys changed (output_dir resolved), keeping the keys the user gave, as replace_section."""
-    resolved = dataclasses.replace(cfg, **changes)
-    resolved.given = given_keys(cfg)
-    return resolved
+    return with_origins(dataclasses.replace(cfg, **changes), cfg)
 
 
 def mixing(cfg: DataConfig) -> bool:
@@ -305,6 +316,15 @@ def keys_markdown() -> str:
 def config_yaml(cfg: Config) -> str:
     """The resolved config as YAML (config.yaml's text, and --print-config's)."""
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def run_values(cfg: Config, world_size: int) -> str:
+    """The derived values a run uses, resolved (--dry-run's second line): the batch, the lr, the preprocessing."""
+    train, data = cfg.train, cfg.data
+    return (f"train.batch_size {train.batch_size} x {world_size} process(es) x train.accum_steps {train.accum_steps} = "
+            f"global batch {train.batch_size * world_size * train.accum_steps}, optim.lr {cfg.optim.lr:g}, "
+            f"data.img_size {data.img_size}, data.mean {data.mean}, data.std {data.std}, data.interpolation "
+            f"{data.interpolation}, data.crop_pct {data.crop_pct}, amp {cfg.amp}, eval_amp {cfg.eval_amp}")
 
 
 def best_metric(cfg: Config) -> str:

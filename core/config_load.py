@@ -77,10 +77,14 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
             raise UserError(f"{file}:{where} is not valid YAML ({getattr(err, 'problem', err)})") from None
         if not isinstance(raw, dict):
             raise UserError(f"{file}: expected a mapping of config sections, got {type(raw).__name__}")
+    on_command_line = []
     for item in overrides:
         key, value = parse_override(item)
         set_dotted(raw, key, value)
-    return config_from_dict(raw)
+        on_command_line += dotted_keys({key: value}) if isinstance(value, dict) else [key]
+    cfg = config_from_dict(raw)
+    cfg.from_command_line = frozenset(on_command_line)  # core/config.command_line_keys
+    return cfg
 
 
 def read_text(file: Path) -> str:

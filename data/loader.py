@@ -422,6 +422,29 @@ def skipped_train_images(loader: DataLoader, world_size: int, seen: int) -> int:
     return loader.sampler.num_samples // batch_size * batch_size * world_size - seen
 
 
+DROP_NOTE_SHARE = 0.01  # an epoch that leaves out more than this share of the training set says so at start-up
+TINY_EPOCH = 10  # batches per process under which the note is a warning
+
+
+def dropped_images_note(loader: DataLoader, world_size: int, accum_steps: int,
+                        drop_last_accum: bool) -> tuple[int, str] | None:
+    """(log level, line) when an epoch leaves out more than DROP_NOTE_SHARE of the training images: each process's
+    last partial batch (drop_last, as torch's DistributedSampler and timm), the images past a whole batch on every
+    process, and with train.drop_last_accum the micro-batches short of a step; a warning when an epoch is under
+    TINY_EPOCH batches. None: nothing worth saying."""
+    total, batches = len(loader.dataset), len(loader) + loader.sampler.start // loader.batch_size
+    if drop_last_accum:
+        batches -= batches % accum_steps
+    trained = batches * loader.batch_size * world_size
+    if total - trained <= DROP_NOTE_SHARE * total:
+        return None
+    level = logging.WARNING if batches < TINY_EPOCH else logging.INFO
+    return level, (f"each epoch trains on {trained} of the {total} training images ({100 * trained / total:.0f}%): "
+                   f"{world_size} process(es) x {batches} batch(es) of train.batch_size={loader.batch_size}, the "
+                   "rest (a last partial batch) is left out, other images each epoch; a train.batch_size (or "
+                   "train.global_batch_size) that divides the set, or fewer processes, leave out fewer")
+
+
 def build_eval_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: int, info: DistInfo,
                       collate_fn: Callable = collate_channels_last) -> DataLoader:
     """In-order loader over this rank's block of whole batches of the validation set (see shard_bounds)."""

@@ -50,16 +50,24 @@ def largest_batch(fits: Callable[[int], bool], cap: int, unit: int = UNIT) -> in
     return low
 
 
-def resolved_batch(train: TrainConfig, largest: int, world_size: int, even: bool) -> dict[str, int]:
+def resolved_batch(train: TrainConfig, largest: int, world_size: int, even: bool,
+                   fixed_accum: bool = False) -> dict[str, int]:
     """train.batch_size (and train.accum_steps) for a per-process `largest` batch: `largest` itself, or with
-    train.global_batch_size the fewest accumulation steps (from train.accum_steps up) whose batch fits and splits
-    the global batch evenly over the processes; `even`: mixing needs an even batch."""
+    train.global_batch_size the fewest accumulation steps (from train.accum_steps up; only it when `fixed_accum`,
+    a train.accum_steps given on the command line) whose batch fits and splits the global batch evenly over the
+    processes; `even`: mixing needs an even batch."""
     if not train.global_batch_size:
         return {"batch_size": largest}
-    for accum in range(train.accum_steps, train.global_batch_size // world_size + 1):
+    last = train.accum_steps if fixed_accum else train.global_batch_size // world_size
+    for accum in range(train.accum_steps, last + 1):
         batch, left = divmod(train.global_batch_size, world_size * accum)
         if not left and batch <= largest and not (even and batch % 2):
             return {"batch_size": batch, "accum_steps": accum}
+    if fixed_accum:
+        raise UserError(f"train.batch_size=auto found at most {largest} images per process, and "
+                        f"train.accum_steps={train.accum_steps} as given does not split train.global_batch_size="
+                        f"{train.global_batch_size} into such batches on {world_size} process(es); leave "
+                        "train.accum_steps out (auto then raises it) or lower train.global_batch_size")
     raise UserError(f"train.batch_size=auto found at most {largest} images per process, and no accumulation of "
                     f"train.accum_steps={train.accum_steps} or more splits train.global_batch_size="
                     f"{train.global_batch_size} into such batches on {world_size} process(es); set "

@@ -121,7 +121,7 @@ def exact_mean(values: list[torch.Tensor], device: torch.device) -> float:
     if whole is not None and len(whole):
         mean.fill_(math.fsum(whole.tolist()) / len(whole))
     broadcast_tensors([mean])
-    return mean.item()
+    return mean.cpu().tolist()[0]  # one copy to the host at the end, as global_sums_with reads the sums
 
 
 def validate_epoch(model: nn.Module, ema: nn.Module | None, loader: DataLoader, precision: Precision, info: DistInfo,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 
 import torch
 from timm.optim import create_optimizer_v2, get_optimizer_class, get_optimizer_info
@@ -11,9 +12,10 @@ from timm.scheduler.scheduler import Scheduler
 from torch import nn
 from torchvision.ops._utils import split_normalization_params  # torchvision's own norm/other split (pinned 0.29.1)
 
-from core.config import Config, OptimConfig, SchedConfig, mixing, replace_section
+from core.config import Config, OptimConfig, SchedConfig, command_line_keys, given_keys, mixing, replace_section
 from core.errors import UserError
 
+log = logging.getLogger(__name__)
 
 # torch optimizers with a fused step on both CPU and CUDA (one kernel per step instead of one per tensor).
 FUSED_CLASSES = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
@@ -61,10 +63,16 @@ def check_optimizer(cfg: OptimConfig) -> None:
 
 def with_global_batch(cfg: Config, world_size: int) -> Config:
     """cfg with train.batch_size from train.global_batch_size, if set: a run restarted on another number of processes
-    (torchrun --nnodes=MIN:MAX) keeps its global batch, so its mid-epoch checkpoints stay resumable."""
-    train = cfg.train
+    (torchrun --nnodes=MIN:MAX) keeps its global batch, so its mid-epoch checkpoints stay resumable. A
+    train.batch_size given on the command line wins over the config file's global batch (said in the log)."""
+    train, typed = cfg.train, command_line_keys(cfg)
     if not train.global_batch_size:
         return cfg
+    if "train.batch_size" in typed and "train.global_batch_size" not in typed:
+        log.info("train.batch_size=%s given: the config file's train.global_batch_size=%d is not applied (global "
+                 "batch %s x %d process(es) x train.accum_steps=%d)", train.batch_size, train.global_batch_size,
+                 train.batch_size, world_size, train.accum_steps)
+        return replace_section(cfg, "train", global_batch_size=0)
     per_step = world_size * train.accum_steps
     batch, left = divmod(train.global_batch_size, per_step)
     if left or (batch % 2 and mixing(cfg.data)):
@@ -72,27 +80,43 @@ def with_global_batch(cfg: Config, world_size: int) -> Config:
         raise UserError(f"config key 'train.global_batch_size' is {train.global_batch_size}, which does not give "
                         f"{what} on {world_size} process(es) x train.accum_steps={train.accum_steps}; use a multiple "
                         f"of {per_step * (2 if mixing(cfg.data) else 1)}")
+    if "train.batch_size" in typed and train.batch_size != batch:  # both given, and they disagree
+        raise UserError(f"train.batch_size={train.batch_size} and train.global_batch_size={train.global_batch_size} "
+                        f"are both given, but the global batch sets {batch} per process on {world_size} process(es) "
+                        f"x train.accum_steps={train.accum_steps}; give one of the two")
     return replace_section(cfg, "train", batch_size=batch)
 
 
 def with_scaled_lr(cfg: Config, world_size: int) -> Config:
-    """cfg with optim.lr computed from optim.lr_base for the global batch (timm's train.py rule), if lr_base is set.
-
-    The computed lr replaces optim.lr, so config.yaml and the checkpoints show the lr the run used.
-    """
-    optim = cfg.optim
+    """cfg with optim.lr computed from optim.lr_base for the global batch (timm's train.py rule), if lr_base is set;
+    the start-up log says how. The computed lr replaces optim.lr, so config.yaml and the checkpoints show the lr the
+    run used, but never an optim.lr given on the command line: that one is used, lr_base set to 0 (said in the log);
+    both given there is refused."""
+    optim, typed = cfg.optim, command_line_keys(cfg)
     if not optim.lr_base:
         return cfg
-    ratio = cfg.train.batch_size * world_size * cfg.train.accum_steps / optim.lr_base_size
+    if "optim.lr" in typed:
+        if "optim.lr_base" in typed:
+            raise UserError(f"optim.lr={optim.lr:g} and optim.lr_base={optim.lr_base:g} are both given; optim.lr_base "
+                            "derives optim.lr from the global batch: give one of the two")
+        log.info("optim.lr %g as given: the config file's optim.lr_base %g (scaled by the global batch) is not "
+                 "applied", optim.lr, optim.lr_base)
+        return replace_section(cfg, "optim", lr_base=0.0)
+    global_batch = cfg.train.batch_size * world_size * cfg.train.accum_steps
+    ratio = global_batch / optim.lr_base_size
     lr = optim.lr_base * (ratio ** 0.5 if optim.lr_base_scale == "sqrt" else ratio)
+    replaced = f"; the config file's optim.lr {optim.lr:g} is not used" if "optim.lr" in given_keys(cfg) else ""
+    log.info("optim.lr %g = optim.lr_base %g x global batch %d / %d (%s)%s", lr, optim.lr_base, global_batch,
+             optim.lr_base_size, optim.lr_base_scale, replaced)
     return replace_section(cfg, "optim", lr=lr)
 
 
-def scaled_lr_note(cfg: Config, world_size: int) -> str:
-    """How with_scaled_lr got optim.lr, for the start-up log."""
-    global_batch = cfg.train.batch_size * world_size * cfg.train.accum_steps
-    return (f"optim.lr {cfg.optim.lr:g} = optim.lr_base {cfg.optim.lr_base:g} x global batch {global_batch} / "
-            f"{cfg.optim.lr_base_size} ({cfg.optim.lr_base_scale})")
+def with_batch_and_lr(cfg: Config, world_size: int) -> Config:
+    """The batch per process and the lr the run uses on `world_size` processes (with_global_batch, then
+    with_scaled_lr); train.batch_size=auto's are found once the model is built (train.py with_auto_batch)."""
+    if cfg.train.batch_size == "auto":
+        return cfg
+    return with_scaled_lr(with_global_batch(cfg, world_size), world_size)
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, grad_scaler: bool = False,

@@ -85,24 +85,46 @@ def test_a_pretrained_name_without_model_pretrained_is_one_line(args, expected, 
     check_one_line(args, expected, tmp_path, tmp_path, capsys, monkeypatch)
 
 
-@pytest.mark.slow  # 224 px, a real training epoch and predict.py: ~3 s
-def test_the_first_pages_own_photos_commands_train_and_predict(cached, tmp_path):
-    """README's "Train on your own photos": `--config finetune data.root=<folder>` (a pretrained timm model, here
-    timm's tiny test tag from the session's cache) on a folder of JPEG photos in class folders, then predict.py on
-    new photos. Only what a test must shrink is overridden: the model tag, epochs, batch, workers and log."""
+def make_photos(root: Path, per_class: dict[str, int]) -> Path:
+    """JPEG photos of two classes (cat darker than dog) in root/<split>/<class>/, 60 x 80 px."""
     import cv2
     import numpy as np
 
-    import predict
-
     rng = np.random.default_rng(0)
-    root = tmp_path / "photos"
-    for split, count in (("train", 6), ("val", 2)):
+    for split, count in per_class.items():
         for c, name in enumerate(("cat", "dog")):
             (root / split / name).mkdir(parents=True)
             for i in range(count):
                 photo = np.clip(rng.normal(80 + 90 * c, 40, (60, 80, 3)), 0, 255).astype(np.uint8)
                 cv2.imwrite(str(root / split / name / f"{i}.jpg"), photo)
+    return root
+
+
+@pytest.mark.slow  # two short runs at the config's 224 px, one on 2 ranks
+def test_the_finetune_config_trains_the_same_model_on_1_and_2_processes(cached, tmp_path):
+    """README's "8 GPUs, same model" (issue 46 item 4): configs/finetune.yaml as shipped (its global batch of 32,
+    SyncBN, lr_base, pretrained weights) trains the same model on 1 and 2 processes; only what a test must shrink
+    is overridden (the model tag, the steps, workers, fp32 arithmetic)."""
+    from tests.compare import assert_same_model
+
+    root = make_photos(tmp_path / "photos", {"train": 32, "val": 16})  # 64 images: 2 steps of the global 32
+    args = ["--config", "finetune", f"data.root={root}", f"model.name={TAG}", "train.epochs=1", "amp=off",
+            "data.num_workers=0", "logging.progress=false"]
+    train_here(*args, f"output_dir={tmp_path}/one")
+    run_on_ranks("train.py", *args, f"output_dir={tmp_path}/two", nproc=2)
+    assert_same_model(tmp_path / "one", tmp_path / "two", steps=2)
+    one, two = (torch.load(tmp_path / name / "last.pth", weights_only=True)["config"] for name in ("one", "two"))
+    assert (one["train"]["batch_size"], two["train"]["batch_size"], one["optim"]["lr"]) == (32, 16, two["optim"]["lr"])
+
+
+@pytest.mark.slow  # 224 px, a real training epoch and predict.py: ~3 s
+def test_the_first_pages_own_photos_commands_train_and_predict(cached, tmp_path):
+    """README's "Train on your own photos": `--config finetune data.root=<folder>` (a pretrained timm model, here
+    timm's tiny test tag from the session's cache) on a folder of JPEG photos in class folders, then predict.py on
+    new photos. Only what a test must shrink is overridden: the model tag, epochs, batch, workers and log."""
+    import predict
+
+    root = make_photos(tmp_path / "photos", {"train": 6, "val": 2})
     out = tmp_path / "run"
     train_here("--config", "finetune", f"data.root={root}", f"model.name={TAG}", "train.epochs=1",
                "train.batch_size=4", "data.num_workers=0", "logging.progress=false", f"output_dir={out}")

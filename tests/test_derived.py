@@ -1,0 +1,91 @@
+"""Issue 46 items 2-3: a key the user gave is never silently replaced by a start-up rule, --print-config and
+--dry-run show the values the run uses, and an epoch that leaves images out says so. One test per derivation."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import yaml
+
+import train
+from core.cli import report_errors
+from core.config_load import load_config
+from core.dist import DistInfo
+from core.errors import UserError
+from data.loader import build_data, dropped_images_note
+from engine.batch_size import resolved_batch
+from engine.optim import with_batch_and_lr
+from tests.helpers import TINY
+
+FINETUNE = ["data.root=photos"]  # configs/finetune.yaml: optim.lr_base 1e-3 (sqrt rule), train.global_batch_size 32
+
+
+def test_an_lr_given_on_the_command_line_is_the_lr_used(caplog):
+    """--find-lr's suggestion, given as optim.lr with a config that sets optim.lr_base, trains at that lr."""
+    with caplog.at_level(logging.INFO, logger="engine.optim"):
+        cfg = with_batch_and_lr(load_config("finetune", [*FINETUNE, "optim.lr=0.00475"]), world_size=2)
+    assert (cfg.optim.lr, cfg.optim.lr_base) == (0.00475, 0.0)  # config.yaml then says how the lr came about
+    assert "optim.lr 0.00475 as given: the config file's optim.lr_base 0.001" in caplog.text
+    ruled = with_batch_and_lr(load_config("finetune", FINETUNE), world_size=2)  # no lr given: the file's rule
+    assert ruled.optim.lr == pytest.approx(1e-3 * (32 / 256) ** 0.5) and ruled.optim.lr_base == 1e-3
+    with pytest.raises(UserError, match=r"optim.lr=0.1 and optim.lr_base=0.002 are both given; .* give one"):
+        with_batch_and_lr(load_config("finetune", [*FINETUNE, "optim.lr=0.1", "optim.lr_base=0.002"]), 1)
+
+
+def test_a_batch_given_on_the_command_line_is_the_batch_used(caplog):
+    """train.batch_size given beside the config file's train.global_batch_size: per process, as given."""
+    with caplog.at_level(logging.INFO, logger="engine.optim"):
+        cfg = with_batch_and_lr(load_config("finetune", [*FINETUNE, "train.batch_size=8"]), world_size=2)
+    assert (cfg.train.batch_size, cfg.train.global_batch_size) == (8, 0)
+    assert "train.batch_size=8 given: the config file's train.global_batch_size=32 is not applied" in caplog.text
+    assert cfg.optim.lr == pytest.approx(1e-3 * (16 / 256) ** 0.5)  # lr_base follows the batch in use
+    assert with_batch_and_lr(load_config("finetune", FINETUNE), 2).train.batch_size == 16  # the file's rule
+    both = ["train.batch_size=8", "train.global_batch_size=32"]
+    assert with_batch_and_lr(load_config("finetune", [*FINETUNE, *both]), 4).train.batch_size == 8  # they agree
+    with pytest.raises(UserError, match=r"train.batch_size=8 and train.global_batch_size=32 are both given, but the "
+                                        r"global batch sets 16 per process on 2 process\(es\)"):
+        with_batch_and_lr(load_config("finetune", [*FINETUNE, *both]), 2)
+
+
+def test_an_accumulation_given_on_the_command_line_is_kept_by_the_auto_batch():
+    """train.batch_size=auto raises train.accum_steps until the global batch fits, unless the user gave it."""
+    train_cfg = load_config(None, ["train.global_batch_size=64", "train.accum_steps=2"]).train
+    assert resolved_batch(train_cfg, 8, 1, even=False) == {"batch_size": 8, "accum_steps": 8}
+    with pytest.raises(UserError, match="train.accum_steps=2 as given does not split train.global_batch_size=64"):
+        resolved_batch(train_cfg, 8, 1, even=False, fixed_accum=True)
+    assert resolved_batch(train_cfg, 32, 1, even=False, fixed_accum=True) == {"batch_size": 32, "accum_steps": 2}
+
+
+def test_print_config_shows_the_batch_and_lr_the_launch_will_use(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert report_errors(train.main, ["--config", "finetune", *FINETUNE, "--print-config"]) == 0
+    out = capsys.readouterr().out
+    printed = yaml.safe_load(out)
+    assert out.startswith("# as 2 process(es) run it\n")
+    assert printed["train"]["batch_size"] == 16 and printed["optim"]["lr"] == pytest.approx(1e-3 * (32 / 256) ** 0.5)
+
+
+def test_dry_run_says_the_values_the_run_uses(tmp_path, capsys):
+    assert report_errors(train.main, [*TINY, f"output_dir={tmp_path}/run", "optim.lr_base=0.1", "--dry-run"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("the run uses: train.batch_size 8 x 1 process(es) x train.accum_steps 1 = global batch 8, "
+                           "optim.lr 0.003125, data.img_size 16, data.mean [0.485, 0.456, 0.406]"), last
+
+
+@pytest.mark.parametrize("images, batch, world, expected", [
+    (180, 64, 1, (logging.WARNING, "each epoch trains on 128 of the 180 training images (71%): 1 process(es) x 2 "
+                                   "batch(es) of train.batch_size=64")),
+    (180, 32, 2, (logging.WARNING, "each epoch trains on 128 of the 180 training images (71%): 2 process(es) x 2")),
+    (1100, 50, 1, None),  # 1,100 / 50: nothing left out
+    (1010, 50, 1, None),  # 10 of 1,010 left out: under 1%
+    (1200, 50, 2, None),
+    (1150, 100, 1, (logging.INFO, "each epoch trains on 1100 of the 1150 training images (96%)")),
+])
+def test_an_epoch_that_leaves_images_out_says_so(images, batch, world, expected):
+    cfg = load_config("dummy", [f"data.dummy_train_size={images}", "data.num_workers=0"])
+    data = build_data(cfg.data, batch, 0, DistInfo(0, world, 0, world, torch.device("cpu")))  # rank 0's loader
+    note = dropped_images_note(data.train, world, 1, False)
+    assert note == expected if expected is None else note[0] == expected[0] and note[1].startswith(expected[1])
