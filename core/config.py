@@ -107,7 +107,7 @@ class OptimConfig:
     eps: float | None = None  # the optimizer's epsilon; null = its default
     nesterov: bool | None = None  # SGD-family Nesterov momentum; null = optimizer default (timm: sgd yes, momentum no)
     layer_decay: float = 0.0  # layer-wise lr decay (ViT, ConvNeXt: 0.65-0.8), lr x decay^(blocks above); 0 = off
-    lr_base: float = 0.0  # > 0: optim.lr = lr_base x global batch / lr_base_size (optim.lr ignored); 0 = off
+    lr_base: float = 0.0  # > 0: optim.lr = lr_base x global batch / lr_base_size (over a config file's optim.lr; an optim.lr given on the command line wins); 0 = off
     lr_base_size: int = 256  # the batch lr_base is given for
     lr_base_scale: str = "linear"  # linear | sqrt: how lr_base follows the global batch (timm: sqrt for lamb)
     kwargs: dict[str, Any] = field(default_factory=dict)  # more optimizer options, e.g. kwargs.trust_clip=true (lamb)
@@ -134,7 +134,7 @@ class SchedConfig:
 class TrainConfig:
     epochs: int = 10  # a resumed run may raise it
     batch_size: int | str = 64  # per process; the global batch is batch_size x world size x accum_steps; auto: the largest that fits
-    global_batch_size: int = 0  # set: batch_size = this / (world size x accum_steps), the same global batch on any number of processes; 0 = off
+    global_batch_size: int = 0  # set: batch_size = this / (world size x accum_steps), the same global batch on any number of processes (a train.batch_size given on the command line wins); 0 = off
     accum_steps: int = 1  # micro-batches per optimizer step
     drop_last_accum: bool = False  # an epoch's last micro-batches, fewer than accum_steps, are skipped, not stepped as a shorter group (ConvNeXt's images // global batch steps)
     label_smoothing: float = 0.0  # cross-entropy label smoothing, in [0, 1)
