@@ -141,6 +141,7 @@ def average_checkpoints(paths: list[Path]) -> dict[str, Any]:
         "best_metric": newest.get("best_metric", "val_top1"),
         "class_names": list(newest["class_names"]),
         "config": newest["config"],
+        **{key: newest[key] for key in ("data_sizes", "started_from") if key in newest},  # the model card's
     }
 
 

@@ -67,7 +67,8 @@ from engine.state import TrainState
 from engine.tracking import TensorBoardWriter, WandbTracker
 from engine.trainer import LoopConfig, TrainParts, train_one_epoch
 from models.ema import create_ema
-from models.factory import check_model_name, compile_warning, create_model, prepare_model, pretrained_cfg_of
+from models.factory import (check_model_name, compile_warning, create_model, hub_origin, prepare_model,
+                            pretrained_cfg_of)
 from models.parallel import shard_for_training, wrap_for_training
 
 log = logging.getLogger("train")
@@ -317,7 +318,9 @@ def fit(cfg: Config, info: DistInfo, lock: FolderLock | None = None) -> TrainSta
                                 wandb_id=tracker.run_id or start.wandb_id,  # kept for a resume with tracking on
                                 best_metric=chosen_on, sharded=cfg.train.ckpt_format == "sharded",
                                 async_save=cfg.train.async_save, lock=lock,
-                                run_id=start.run_id or broadcast_object(uuid.uuid4().hex))  # a fresh run's: rank 0's
+                                run_id=start.run_id or broadcast_object(uuid.uuid4().hex),  # a fresh run's: rank 0's
+                                data_sizes=data.sizes(), started_from=start.started_from(
+                                    weights.pretrained, hub_origin(cfg.model.name, weights.hub_cfg)))  # model card
     # Nothing in output_dir changes before the run's first write (record.start): a run that fails to
     # start leaves the previous run's config.yaml, metrics.jsonl and checkpoints as they were.
     record = RunRecord(out, to_dict(cfg), first_epoch=state.epoch, lock=lock)

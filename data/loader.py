@@ -466,6 +466,10 @@ class DataBundle:
     class_names: list[str]
     class_counts: list[int]  # training images per class (class weights, logit adjustment); multi-label: positives
 
+    def sizes(self) -> dict[str, int]:
+        """Images in each split (the checkpoints record them for the model card)."""
+        return {"train": len(self.train.dataset), "val": len(self.val.dataset)}
+
 
 def build_data(cfg: DataConfig, batch_size: int, seed: int, info: DistInfo, accum_steps: int = 1) -> DataBundle:
     """Everything training needs from data/: both loaders and the class list."""

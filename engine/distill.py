@@ -27,10 +27,8 @@ renormalization). DeiT's own soft loss divides its KL by images x classes; timm'
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -40,8 +38,8 @@ from torch.nn import functional as F
 
 from core.config import DistillConfig
 from core.errors import UserError
-from engine.checkpoint.formats import is_sharded
-from engine.checkpoint.weights import Pretrained, load_weights, read_pretrained, usable, weights_value
+from engine.checkpoint.weights import (Pretrained, load_weights, read_pretrained, usable, weights_files, weights_sha256,
+                                       weights_value)
 
 log = logging.getLogger(__name__)
 
@@ -116,29 +114,6 @@ def read_teacher(cfg: DistillConfig) -> tuple[Pretrained, str]:
         raise UserError(f"{pretrained.source} holds a {pretrained.architecture} but distill.teacher_name is {name}; "
                         f"set distill.teacher_name={named}")
     return pretrained, name
-
-
-def weights_files(path: str) -> list[Path]:
-    """The files holding the teacher's tensors: a model folder's weights file, every file of a sharded
-    checkpoint folder (last.dcp: its index, shards and plain data), or the file itself."""
-    path = Path(path)
-    if is_sharded(path):
-        return sorted(p for p in path.iterdir() if p.is_file())
-    if path.is_dir():
-        return [next(path / name for name in ("model.safetensors", "pytorch_model.bin") if (path / name).is_file())]
-    return [path]
-
-
-def weights_sha256(paths: list[Path]) -> str:
-    """One file's sha256; for several (a sharded folder), of their names and contents in order."""
-    digest = hashlib.sha256()
-    for path in paths:
-        if len(paths) > 1:
-            digest.update(path.name.encode() + b"\0")
-        with path.open("rb") as f:
-            while chunk := f.read(1 << 20):
-                digest.update(chunk)
-    return digest.hexdigest()
 
 
 def teacher_sha256(cfg: DistillConfig, given: bool, resumed: dict[str, Any] | None) -> str:

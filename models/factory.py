@@ -10,11 +10,13 @@ from __future__ import annotations
 import difflib
 import logging
 import re
+from pathlib import Path
 from typing import Any
 
 import timm
 import torch
 from huggingface_hub import constants as hub_constants
+from huggingface_hub import try_to_load_from_cache
 from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 from torch import nn
 
@@ -182,6 +184,32 @@ def pretrained_cfg_of(cfg: ModelConfig) -> dict[str, Any] | None:
         raise UserError(f"model.pretrained=true but timm has no pretrained weights for {cfg.name}; choose a model "
                         f"timm.list_pretrained() lists, or set model.pretrained=false")
     return found.to_dict()
+
+
+HUB_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "open_clip_model.safetensors",
+                    "open_clip_pytorch_model.bin")  # what timm's load_state_dict_from_hf reads, safetensors first
+
+
+def hub_origin(name: str, pretrained_cfg: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What a fresh model.pretrained=true run started from, for its checkpoints (the model card): timm's weights, their
+    Hub repository and the commit the Hugging Face cache resolved for them (snapshots/<sha>/), read once the weights
+    are in the cache; None without pretrained_cfg (another start)."""
+    if pretrained_cfg is None:
+        return None
+    tag = pretrained_cfg.get("tag")
+    named = name if "." in name or name.startswith(HUB_PREFIX) or not tag else f"{name}.{tag}"  # timm's default tag
+    origin: dict[str, Any] = {"kind": "timm", "name": named}
+    hub_id = pretrained_cfg.get("hf_hub_id") or (name[len(HUB_PREFIX):] if name.startswith(HUB_PREFIX) else None)
+    if not hub_id:
+        return {**origin, "url": pretrained_cfg.get("url")}  # torch.hub's cache keeps no revision
+    repo, _, revision = hub_id.partition("@")
+    origin.update(hf_hub_id=repo, revision=None, file=None)
+    for file in HUB_WEIGHT_FILES:
+        cached = try_to_load_from_cache(repo, file, revision=revision or None)
+        if isinstance(cached, str):  # .../models--org--name/snapshots/<commit sha>/<file>
+            origin.update(revision=Path(cached).parent.name, file=file)
+            break
+    return origin
 
 
 def hub_error(name: str, err: Exception) -> UserError:

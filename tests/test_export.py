@@ -150,7 +150,7 @@ def test_safetensors_folder_loads_in_timm_and_predict(resnet18_run, tmp_path, ca
 
 def test_the_model_folder_holds_a_model_card_by_timms_writer(resnet18_run, tmp_path, capsys, monkeypatch, no_hub):
     """README.md (timm's generate_readme): the model, its classes, the metrics its checkpoint records, the training
-    config and preprocessing, and usage code that runs; an export written before the card is replaced, a README.md
+    config (its one absolute path, output_dir, cut: tests/test_model_card.py) and preprocessing, and usage code that runs; an export written before the card is replaced, a README.md
     of the user's is refused and kept."""
     import re
 
@@ -168,13 +168,14 @@ def test_the_model_folder_holds_a_model_card_by_timms_writer(resnet18_run, tmp_p
     header = yaml.safe_load(card.split("---\n")[1])
     assert header["library_name"] == "timm" and header["pipeline_tag"] == "image-classification", header
     assert header["license"] == "other" and "set the license of these weights" in card  # not a claimed license
-    assert "# Model card for my-model" in card and "**Architecture:** timm resnet18" in card
+    assert "# Model card for resnet18 trained from scratch on synthetic dummy data (10 classes)" in card
+    assert "**Architecture:** timm resnet18" in card and "**Started from:** random initialisation" in card
     assert f"**Classes:** 10: {', '.join(ckpt['class_names'])}" in card
     assert f"  - {ckpt['best_metric']}: {round(ckpt['val_top1'], 4)}\n" in card
     assert f"  - optimizer steps: {ckpt['global_step']}\n" in card
     data = ckpt["config"]["data"]
     assert f"normalize: mean {data['mean']}, std {data['std']}" in card and f"({data['interpolation']})" in card
-    assert yaml.safe_load(card.split("```yaml\n")[1].split("```")[0]) == ckpt["config"]
+    assert yaml.safe_load(card.split("```yaml\n")[1].split("```")[0]) == {**ckpt["config"], "output_dir": "run"}
 
     monkeypatch.chdir(tmp_path)  # the card's usage code, on the folder (local-dir: where the Hub id would be)
     cv2.imwrite("photo.jpg", np.random.default_rng(0).integers(0, 256, (40, 40, 3), np.uint8))

@@ -40,6 +40,11 @@ def check_started_from(out: Path, weights: dict[str, torch.Tensor]) -> None:
     assert (data["mean"], data["std"], data["interpolation"], data["crop_pct"]) == ([0.5] * 3, [0.5] * 3,
                                                                                       "bilinear", 1.0)
     assert ckpt["config"]["model"]["pretrained"] is True
+    assert ckpt["started_from"] == STARTED_FROM  # the model card names them by it
+
+
+STARTED_FROM = {"kind": "timm", "name": TAG, "hf_hub_id": f"timm/{TAG}", "revision": f"{0:040x}",  # cache_hub_weights'
+                "file": "model.safetensors"}
 
 
 def test_one_process_starts_from_the_cached_weights_and_later_tools_never_ask(cached, tmp_path):
@@ -49,7 +54,8 @@ def test_one_process_starts_from_the_cached_weights_and_later_tools_never_ask(ca
     shutil.rmtree(repo)  # the cache is empty again: evaluate and resume find the weights in last.pth
     assert report_errors(evaluate.main, [str(tmp_path / "run" / "last.pth"), "--output-dir", str(tmp_path / "ev")]) == 0
     train_here(*PRETRAINED, "train.epochs=2", f"output_dir={tmp_path / 'run'}")  # resumes: the weights are in last.pth
-    assert torch.load(tmp_path / "run" / "last.pth", weights_only=True)["epoch"] == 2
+    resumed = torch.load(tmp_path / "run" / "last.pth", weights_only=True)
+    assert resumed["epoch"] == 2 and resumed["started_from"] == STARTED_FROM  # kept, though the cache is empty now
 
 
 @pytest.mark.slow  # two ranks: ~6 s

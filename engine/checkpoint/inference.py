@@ -40,7 +40,10 @@ class Trained:
     best_metric: str = "val_top1"  # what the checkpoint was chosen on: ema_val_top1 with train.best_on_ema
     multi_label: bool = False  # one sigmoid per class (data.multi_label), not a softmax over the classes
     threshold: float = 0.5  # multi-label: a class is predicted at sigmoid >= this (data.multi_label_threshold)
-    metrics: dict[str, Any] = field(default_factory=dict)  # what a checkpoint records of its evaluation (model card)
+    metrics: dict[str, Any] = field(default_factory=dict)  # what a checkpoint records of these weights' evaluation
+    data_sizes: dict[str, int] | None = None  # images per split the run recorded (model card); None: not recorded
+    started_from: dict[str, Any] | None = None  # the run's starting weights (Resume.started_from); None: not recorded
+    selected: bool = False  # best.pth: kept because of its validation metric (the model card says so)
 
 
 INFERENCE_AMP = "off"  # eval_amp of a run that predates the key: its validation computed in fp32 on CPUs without bf16
@@ -97,19 +100,41 @@ def load_trained(path: str | os.PathLike, ema: bool = False) -> Trained:
     data = ckpt["config"].get("data", {})
     return Trained(json.loads(json.dumps(ckpt["config"])), ckpt[key], list(ckpt["class_names"]),
                    f"checkpoint {path}", ckpt.get("best_metric", "val_top1"), bool(data.get("multi_label", False)),
-                   float(data.get("multi_label_threshold", 0.5)), recorded_metrics(ckpt))
+                   float(data.get("multi_label_threshold", 0.5)), recorded_metrics(ckpt, ema),
+                   ckpt.get("data_sizes"), ckpt.get("started_from"), path.name == "best.pth")
 
 
-def recorded_metrics(ckpt: dict[str, Any]) -> dict[str, Any]:
-    """What a checkpoint says of its own evaluation: the value of the metric best.pth follows (stored as "val_top1"
-    whatever the metric) at its last evaluation, the run's best value of it, and how far it trained."""
+# Where a checkpoint keeps the value of train.best_metric at its evaluation and the run's best value of it: their
+# names, then the names checkpoints written before had (the first present is read).
+VALUE_KEYS = ("metric_value", "val_top1")
+BEST_KEYS = ("best_value", "best_top1")
+
+
+def stored_number(ckpt: dict[str, Any], keys: Sequence[str]) -> float | None:
+    """The first of `keys` the checkpoint holds as a finite number (None: none recorded)."""
+    for key in keys:
+        value = ckpt.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+    return None
+
+
+def recorded_metrics(ckpt: dict[str, Any], ema: bool = False) -> dict[str, Any]:
+    """What a checkpoint says of the evaluation of the weights in use (`ema`: its EMA weights): the value of the
+    metric best.pth follows at its last evaluation and the run's best value of it, when they measured these weights
+    (else "not recorded", naming what was), and how far it trained."""
     name = ckpt.get("best_metric", "val_top1")
+    value, best = stored_number(ckpt, VALUE_KEYS), stored_number(ckpt, BEST_KEYS)
     metrics: dict[str, Any] = {}
-    if isinstance(ckpt.get("val_top1"), (int, float)):
-        metrics[name] = round(float(ckpt["val_top1"]), 4)
-    best = ckpt.get("best_top1")
-    if isinstance(best, (int, float)) and math.isfinite(best):
-        metrics[f"best {name} of the run"] = round(float(best), 4)
+    if name.startswith("ema_") != ema:  # the recorded value measured the other set of weights
+        own = f"ema_{name}" if ema else name.removeprefix("ema_")
+        other = "non-EMA weights' {}, exported without --ema" if ema else "EMA weights' {}, exported with --ema"
+        metrics[own] = f"not recorded (the checkpoint records only its {other.format(name)})"
+        value = best = None
+    if value is not None:
+        metrics[name] = round(value, 4)
+    if best is not None:
+        metrics[f"best {name} of the run"] = round(best, 4)
     for key, label in (("epoch", "finished epochs"), ("epoch_step", "steps into the next epoch"),
                        ("global_step", "optimizer steps")):
         if isinstance(ckpt.get(key), int) and (ckpt[key] or key != "epoch_step"):

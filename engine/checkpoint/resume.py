@@ -27,7 +27,8 @@ from core.errors import UnreadableCheckpoint, UserError
 from engine.checkpoint import sharded
 from engine.checkpoint.formats import PLAIN, is_sharded, read_checkpoint, set_aside
 from engine.checkpoint.saver import EPOCH_FILE
-from engine.checkpoint.weights import Pretrained, check_architecture, load_weights, read_pretrained
+from engine.checkpoint.weights import (Pretrained, check_architecture, load_weights, read_pretrained, weights_files,
+                                      weights_sha256)
 
 log = logging.getLogger(__name__)
 TRAINING_KEYS = ("model", "optimizer", "epoch", "global_step", "config", "class_names", "rng")
@@ -340,6 +341,16 @@ class Resume:
         pretrained = read_pretrained(cfg.init_from)
         check_architecture(pretrained, cfg.name)
         return pretrained
+
+    def started_from(self, pretrained: Pretrained | None, hub: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The run's starting weights as its checkpoints record them (the model card says them): a resumed run keeps its
+        checkpoint's record (None: written before runs kept one), a fresh one names model.init_from's file and sha256,
+        timm's weights (`hub`: models.factory.hub_origin), or a random initialisation."""
+        if self.ckpt is not None:
+            return self.ckpt.get("started_from")
+        if pretrained is not None:
+            return {"kind": "file", "path": pretrained.path, "sha256": weights_sha256(weights_files(pretrained.path))}
+        return hub or {"kind": "random"}
 
     def load_model(self, model: nn.Module, cfg: Config, class_names: list[str], world_size: int) -> None:
         """The checkpoint's weights, exactly, once it is known to fit this run (a fresh run: nothing to do)."""

@@ -3,9 +3,10 @@
 A training checkpoint (`Checkpointer.save`) holds everything a resumed run needs to continue bit for bit:
 model, EMA weights (if any), optimizer, scheduler, GradScaler, the loop state (any object with `state_dict()`:
 epoch, global step, steps and train sums of an unfinished epoch, best val_top1), the resolved config, the class
-names, the W&B run id, the run's own id (made fresh, kept by resumes) and every rank's RNG states
-(`Checkpointer.plain_contents` lists the keys; engine/checkpoint/resume.py, beside it, reads them back). The
-data order needs no state: the sampler is seeded by (seed, epoch) and each augmentation by (seed, epoch, index).
+names, the W&B run id, the run's own id (made fresh, kept by resumes), every rank's RNG states and what the
+model card reports (images per split, the starting weights) (`Checkpointer.plain_contents` lists the keys;
+engine/checkpoint/resume.py, beside it, reads them back). The data order needs no state: the sampler is seeded
+by (seed, epoch) and each augmentation by (seed, epoch, index).
 
 Files (`last.pth`, `best.pth`, `epoch_NNNN.pth`) are written through core/files.save_atomic (a temp file moved
 into place: a crash mid-write leaves the previous file intact); with train.async_save rank 0 writes a copy of
@@ -158,7 +159,8 @@ class Checkpointer:
                  optimizer: torch.optim.Optimizer, scheduler, scaler: torch.amp.GradScaler | None,
                  config: dict[str, Any], class_names: list[str], ema: nn.Module | None = None,
                  wandb_id: str | None = None, best_metric: str = "val_top1", sharded: bool = False,
-                 async_save: bool = False, lock: FolderLock | None = None, run_id: str | None = None) -> None:
+                 async_save: bool = False, lock: FolderLock | None = None, run_id: str | None = None,
+                 data_sizes: dict[str, int] | None = None, started_from: dict[str, Any] | None = None) -> None:
         self.out_dir, self.info, self.keep_last_k = Path(out_dir), info, keep_last_k
         self.lock = lock  # rank 0's lock on out_dir (train.py): each save first checks it still holds the path
         self.sharded = sharded  # train.ckpt_format=sharded: last.dcp/ written by every rank instead of last.pth
@@ -175,6 +177,8 @@ class Checkpointer:
         self.wandb_id = wandb_id  # the W&B run a later resume continues (kept even when tracking is now off)
         self.run_id = run_id  # made by a fresh run, kept by its resumes: which files are of one run (averaging)
         self.saved_step: int | None = None  # global step of the last checkpoint this run wrote
+        self.data_sizes = data_sizes  # images per split, {"train": n, "val": m}: the model card says them
+        self.started_from = started_from  # the starting weights (Resume.started_from): the model card says them
 
     def contents(self, fields: dict[str, Any], rng: list[dict[str, Any]], val_top1: float | None,
                  gathered: dict[str, Any] | None = None, copy: bool = False) -> dict[str, Any]:
@@ -207,6 +211,8 @@ class Checkpointer:
             "config": self.config,
             "wandb_id": self.wandb_id,
             "run_id": self.run_id,
+            "data_sizes": self.data_sizes,
+            "started_from": self.started_from,
         }
 
     def save(self, state: Stateful, val_top1: float | None = None, best: bool = False,

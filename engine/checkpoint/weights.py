@@ -6,6 +6,7 @@ mismatch is a UserError that names the file and the first differing tensors.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -164,6 +165,29 @@ def read_model_folder(folder: Path, key: str = "model.init_from") -> Pretrained:
     preprocessing = {k: pretrained_cfg[k] for k in PREPROCESSING if pretrained_cfg.get(k) is not None}
     architecture = meta.get("architecture") if isinstance(meta.get("architecture"), str) else None
     return Pretrained(state_dict, str(folder), architecture, preprocessing, key)
+
+
+def weights_files(path: str | os.PathLike) -> list[Path]:
+    """The files holding a weights source's tensors (a teacher, model.init_from): a model folder's weights file,
+    every file of a sharded checkpoint folder (last.dcp: its index, shards and plain data), or the file itself."""
+    path = Path(path)
+    if is_sharded(path):
+        return sorted(p for p in path.iterdir() if p.is_file())
+    if path.is_dir():
+        return [next(path / name for name in (MODEL_WEIGHTS, "pytorch_model.bin") if (path / name).is_file())]
+    return [path]
+
+
+def weights_sha256(paths: list[Path]) -> str:
+    """One file's sha256; for several (a sharded folder), of their names and contents in order."""
+    digest = hashlib.sha256()
+    for path in paths:
+        if len(paths) > 1:
+            digest.update(path.name.encode() + b"\0")
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def check_architecture(pretrained: Pretrained, model_name: str) -> None:

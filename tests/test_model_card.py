@@ -1,0 +1,83 @@
+"""The model card export.py writes into a model folder says what the exported weights are: the data they were trained
+and validated on, where they started, the metrics of these weights (never the other set's), and no local path."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import export
+from core.cli import report_errors
+from core.files import save_atomic
+from engine.checkpoint.inference import VALUE_KEYS, stored_number
+from tests.helpers import TINY, make_image_folder, train_here
+
+CLASSES = {"daisy": 6, "rose": 5, "tulip": 5}  # 16 training images
+VAL = {"daisy": 2, "rose": 2, "tulip": 3}  # 7 validation images
+
+
+@pytest.fixture(scope="module")
+def ema_run(tmp_path_factory, tiny_run) -> Path:
+    """An ImageFolder run (3 classes) from model.init_from=tiny_run's last.pth, keeping best.pth on its EMA weights."""
+    base = tmp_path_factory.mktemp("card")
+    root = make_image_folder(base / "flowers", {"train": CLASSES, "val": VAL}, size=20)
+    train_here(*TINY, "data.name=imagefolder", f"data.root={root}", f"model.init_from={tiny_run / 'last.pth'}",
+               "model.ema_decay=0.9", "train.best_on_ema=true", f"output_dir={base / 'run'}")
+    return base / "run"
+
+
+def card_of(checkpoint: Path, out: Path, *flags: str) -> str:
+    """export.py --format safetensors of `checkpoint` into `out`; its README.md."""
+    assert report_errors(export.main, [str(checkpoint), "--format", "safetensors", "--output", str(out), *flags]) == 0
+    return (out / "README.md").read_text()
+
+
+def strings_in(value) -> list[str]:
+    """Every string in a nested config."""
+    if isinstance(value, dict):
+        return [s for item in value.values() for s in strings_in(item)]
+    if isinstance(value, list):
+        return [s for item in value for s in strings_in(item)]
+    return [value] if isinstance(value, str) else []
+
+
+def test_card_names_the_data_its_sizes_classes_start_and_holds_no_local_path(ema_run, tiny_run, tmp_path,
+                                                                              tmp_path_factory):
+    card = card_of(ema_run / "best.pth", tmp_path / "out", "--ema")
+    ckpt = torch.load(ema_run / "best.pth", weights_only=True, map_location="cpu")
+    assert "# Model card for test_resnet fine-tuned on flowers (3 classes)\n" in card
+    assert "**Data:** flowers: 16 training images (split train), 7 validation images (split val)" in card
+    assert "**Classes:** 3: daisy, rose, tulip\n" in card
+    assert f"  - ema_val_top1: {round(stored_number(ckpt, VALUE_KEYS), 4)}\n" in card  # --ema: what chose best.pth
+    assert "also chose this checkpoint (best.pth" in card and "so they are optimistic" in card
+    digest = hashlib.sha256((tiny_run / "last.pth").read_bytes()).hexdigest()
+    assert f"**Started from:** the file last.pth (model.init_from, sha256 {digest})" in card
+    assert "## Limitations\n" in card and "(7 images)" in card
+    assert str(tmp_path_factory.getbasetemp()) not in card  # neither the run's folders nor init_from's
+    config = yaml.safe_load(card.split("```yaml\n")[1].split("```")[0])
+    assert config["output_dir"] == "run" and config["data"]["root"] == "flowers"
+    assert config["model"]["init_from"] == "last.pth"
+    assert [s for s in strings_in(config) if os.path.isabs(s)] == []
+    absolute = [s for s in strings_in(ckpt["config"]) if os.path.isabs(s)]
+    assert len(absolute) == 3 and not [s for s in absolute if s in card], absolute  # output_dir, root, init_from
+
+
+def test_plain_export_of_an_ema_chosen_checkpoint_reports_its_own_metric_not_the_emas(ema_run, tmp_path):
+    """best.pth chose on the EMA weights: exported without --ema, its plain weights' metric is not recorded, and the
+    card says so instead of the EMA's. A checkpoint from before runs recorded their data and start says that too."""
+    ckpt = torch.load(ema_run / "best.pth", weights_only=True, map_location="cpu")
+    assert ckpt["best_metric"] == "ema_val_top1" and ckpt["data_sizes"] == {"train": 16, "val": 7}
+    older = {k: v for k, v in ckpt.items() if k not in ("data_sizes", "started_from")}
+    save_atomic(older, tmp_path / "best.pth")
+    card = card_of(tmp_path / "best.pth", tmp_path / "out")
+    assert ("  - val_top1: not recorded (the checkpoint records only its EMA weights' ema_val_top1, exported with "
+            "--ema)\n") in card
+    assert "ema_val_top1:" not in card  # the EMA's value, under its name, as the card listed it before
+    assert "**Data:** flowers: images per split not recorded" in card
+    assert "**Started from:** not recorded (a checkpoint written before runs recorded it); its config sets " \
+           "model.init_from" in card
