@@ -231,23 +231,26 @@ def test_sigusr1_to_one_rank_and_its_workers_stops_every_rank_at_the_same_step(t
 
 
 @pytest.mark.slow
-def test_sigterm_outside_training_steps_still_stops_at_once_with_one_line(tmp_path):
-    # Evaluation has no step to finish: SIGTERM stops it at once (exit 143), DataLoader workers stay quiet.
+@pytest.mark.parametrize("signum, code, line", [(signal.SIGTERM, 143, "stopped by SIGTERM"),
+                                                (signal.SIGINT, 130, "interrupted")])
+def test_a_stop_signal_outside_training_steps_still_stops_at_once_with_one_line(tmp_path, signum, code, line):
+    # Evaluation has no step to finish: SIGTERM (to the process) or Ctrl-C (to its process group, DataLoader
+    # workers being forked included) stops it at once, DataLoader workers stay quiet.
     out = tmp_path / "run"
     log = tmp_path / "run.log"
-    with log.open("w") as f:
-        proc = subprocess.Popen([sys.executable, "train.py", *TINY, "data.dummy_train_size=64", "data.num_workers=2",
-                                 "data.dummy_val_size=8000", "train.epochs=1", "logging.interval=1",
-                                 f"output_dir={out}"], cwd=REPO, env=script_env(), stdout=f, stderr=subprocess.STDOUT)
+    proc = in_terminal([sys.executable, "train.py", *TINY, "data.dummy_train_size=64", "data.num_workers=2",
+                        "data.dummy_val_size=8000", "train.epochs=1", "logging.interval=1", f"output_dir={out}"], log)
     try:
         wait_for(log, r"epoch 0 step 8/8", [proc])  # the last step: evaluation of 8000 images follows
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=60)
+        if signum == signal.SIGINT:
+            ctrl_c(proc)
+        else:
+            proc.send_signal(signum)
+        assert proc.wait(timeout=60) == code, log.read_text()[-3000:]
     finally:
         proc.kill()
     text = log.read_text()
-    assert code == 143, text[-3000:]
-    assert text.strip().splitlines()[-1].startswith("stopped by SIGTERM"), text[-3000:]
+    assert text.strip().splitlines()[-1].startswith(line), text[-3000:]
     assert "Traceback" not in text and "DataLoader worker" not in text
     assert not (out / "last.pth").exists()
 
@@ -275,9 +278,10 @@ def test_dataloader_workers_start_shielded_and_a_sigterm_meanwhile_waits_for_the
     batches = built[0]
     (worker,) = set(children(os.getpid())) - before
     blocked = int(re.search(r"^SigBlk:\s*([0-9a-f]+)$", Path(f"/proc/{worker}/status").read_text(), re.M)[1], 16)
-    assert blocked >> (signal.SIGTERM - 1) & 1 and blocked >> (signal.SIGUSR1 - 1) & 1
+    assert all(blocked >> (signum - 1) & 1 for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT))
     os.kill(worker, signal.SIGTERM)  # as torchrun and Slurm signal the whole process group
     os.kill(worker, signal.SIGUSR1)
+    os.kill(worker, signal.SIGINT)  # as a terminal's Ctrl-C does
     assert [int(b.sum()) for b in batches] == [4 * i * 4 + 6 for i in range(16)]  # the worker still serves
     del batches
 
@@ -464,3 +468,13 @@ def test_workers_stop_with_a_checkpoint_when_torchrun_dies(tmp_path):
     text = log.read_text()
     assert_stopped_mid_epoch(out, text, "SIGTERM")
     assert "Traceback" not in text, text[-3000:]
+
+
+def test_the_printed_command_names_a_templated_folder_and_resume_auto_only_where_needed(tmp_path):
+    # Run again as it was, output_dir=runs/{timestamp} would start a new folder, resume=<file> restart from the file.
+    from engine.checkpoint.run_dir import continue_with, resolve_output_dir
+
+    folder = resolve_output_dir(f"{tmp_path}/{{model.name}}-{{timestamp}}", "test_resnet", "auto")
+    assert continue_with(folder, "auto") == [f"output_dir={folder}"]
+    assert continue_with(str(tmp_path), "auto") == []
+    assert continue_with(str(tmp_path), f"{tmp_path}/epoch_0001.pth") == ["resume=auto"]
