@@ -185,8 +185,8 @@ def raise_for(signum: int) -> None:
 def training_steps() -> Iterator[None]:
     """Inside: SIGTERM and SIGINT ask for a stop at the next step boundary instead of raising.
 
-    A SIGTERM or SIGINT that came after the last step's check (the ranks agreed to go on) has no boundary left in the block:
-    it is acted on as the block ends, as one that arrives outside training steps.
+    A SIGTERM or SIGINT that came after the last step's check (the ranks agreed to go on) has no boundary left in
+    the block: it is acted on as the block ends, as one that arrives outside training steps.
     """
     global _in_steps
     _in_steps += 1
