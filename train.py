@@ -50,7 +50,8 @@ from data.transforms import DeviceNormalize
 from engine.batch_size import (CPU_BATCH, MAX_BATCH, UNIT, largest_batch, on_device_fits, resolved_batch,
                                 whole_groups)
 from engine.checkpoint.resume import Resume, config_changes
-from engine.checkpoint.run_dir import FolderLock, RunRecord, check_shared, check_writable, locked, resolve_output_dir
+from engine.checkpoint.run_dir import (FolderLock, RunRecord, check_shared, check_writable, continue_with, locked,
+                                      resolve_output_dir)
 from engine.checkpoint.saver import Checkpointer
 from engine.checkpoint.weights import Pretrained, check_pretrained, resolve_preprocessing
 from engine.distill import build_distillation, check_teacher_needed, freeze_teacher, read_teacher, teacher_sha256
@@ -343,10 +344,10 @@ def fit(cfg: Config, info: DistInfo, lock: FolderLock | None = None) -> TrainSta
             set_loss_epoch(parts.loss_fn, state.epoch)  # train.class_weights_from_epoch
             try:
                 train_stats = train_one_epoch(parts, data.train, state, loop, info, hooks)
-            except Preempted as stopped:  # SIGTERM or SIGUSR1: every rank stopped after the same step
+            except Preempted as stopped:  # SIGTERM, SIGUSR1 or SIGINT: every rank stopped after the same step
                 step_checkpoint.save(state)  # mid-epoch: resume=auto continues the epoch where it stopped
                 checkpointer.wait()
-                stopped.checkpoint = checkpointer.last
+                stopped.checkpoint, stopped.overrides = checkpointer.last, continue_with(cfg.output_dir, cfg.resume)
                 raise
             input_advice.after_epoch(state.epoch, train_stats)
             if is_fsdp(model):  # DDP broadcasts rank 0's buffers (BatchNorm statistics) at each forward; FSDP never

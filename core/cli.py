@@ -8,7 +8,9 @@ A rank whose peer died (its collective fails with a lost connection or a timeout
 and exits 1: the peer's own error is the one that explains the failure. Any other collective error (CUDA,
 out of memory inside NCCL) is this rank's own: one line saying so, then its traceback. A run stopped by
 SIGTERM or SIGUSR1 during training exits 124 once last.pth holds the step every rank stopped at (core/signals.py);
-SIGTERM outside training ends the run with one line and exit code 143. DataLoader workers stay quiet.
+SIGTERM outside training ends the run with one line and exit code 143. A run stopped by SIGINT (Ctrl-C) during
+training exits 130 once last.pth is written, rank 0 printing the command that continues it (`continue_command`);
+outside training SIGINT prints `interrupted` and exits 130 too. DataLoader workers stay quiet.
 
 Under torchrun each of these lines also goes to the rank's error file (TORCHELASTIC_ERROR_FILE), so that
 torchrun's failure summary shows it instead of "<N/A>"; `run_main` adds torch's `record`, which writes the
@@ -22,6 +24,8 @@ import dataclasses
 import json
 import math
 import os
+import shlex
+import shutil
 import signal
 import sys
 import time
@@ -30,7 +34,7 @@ from typing import Callable, NoReturn
 
 from core.config import Config
 from core.errors import UserError
-from core.signals import PREEMPTED, Preempted, Terminated, stop_on_sigterm
+from core.signals import INTERRUPTED, PREEMPTED, Preempted, Terminated, launcher_pid, stop_on_sigterm
 
 # What a collective says when another rank is gone or stuck: gloo's TCP errors and timeouts, NCCL's watchdog
 # timeout and remote error. Any other collective error (a CUDA error, an out-of-memory inside NCCL, invalid
@@ -114,20 +118,52 @@ def report_errors(main: Callable[[list[str]], int | None], argv: list[str] | Non
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         tell_torchrun("interrupted", caused_here=False)
-        return 130
+        return INTERRUPTED
     except Terminated as err:
         line = f"{prefix()}stopped by SIGTERM ({err}); {after_sigterm}"
         print(line, file=sys.stderr, flush=True)
         tell_torchrun(line, caused_here=False)
         return 128 + signal.SIGTERM
     except Preempted as stopped:
-        line = f"{stopped}: {stopped.checkpoint} written; resume=auto continues"
+        interrupted = stopped.signum == signal.SIGINT
+        line = f"{stopped}: {stopped.checkpoint} written; " + (how_to_continue(stopped) if interrupted
+                                                                 else "resume=auto continues")
         if not dist.is_initialized() or dist.get_rank() == 0:  # every rank stopped at the same step
             print(line, file=sys.stderr, flush=True)
         tell_torchrun(line, caused_here=True)
-        return PREEMPTED
+        return INTERRUPTED if interrupted else PREEMPTED
     finally:
         cleanup()  # only now: the messages above need to know whether a process group existed
+
+
+def how_to_continue(stopped: Preempted) -> str:
+    """The end of the line of a run stopped by Ctrl-C: the command that continues it, when this process can see
+    the whole command (one process, or torchrun on one node), else what to run."""
+    command = continue_command(stopped.overrides)
+    if command is not None:
+        return f"to continue, run in {os.getcwd()}: {command}"
+    added = f" with {' '.join(stopped.overrides)} added" if stopped.overrides else ""
+    return f"to continue, launch the same command again{added}: resume=auto continues from it"
+
+
+def continue_command(overrides: list[str]) -> str | None:
+    """The command line that started this process, or its torchrun's (one node), with `overrides` added at the end
+    (the last value of a key wins); None under another launcher or several nodes (srun, torchrun per node)."""
+    if launcher_pid():
+        if os.environ.get("WORLD_SIZE") != os.environ.get("LOCAL_WORLD_SIZE"):
+            return None  # other nodes' torchrun commands differ (--node-rank) and are not ours to see
+        try:
+            argv = Path(f"/proc/{launcher_pid()}/cmdline").read_bytes().decode().split("\0")[:-1]
+        except OSError:
+            return None
+        script = shutil.which("torchrun")
+        if len(argv) > 1 and script and os.path.realpath(argv[1]) == os.path.realpath(script):
+            argv = ["torchrun", *argv[2:]]  # run through its #! line: `torchrun` on PATH is that same file
+    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return None
+    else:
+        argv = list(sys.orig_argv)
+    return shlex.join([*argv, *overrides])
 
 
 def tell_torchrun(line: str, caused_here: bool) -> None:

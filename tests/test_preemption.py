@@ -11,6 +11,7 @@ import fcntl
 import os
 import pty
 import re
+import shlex
 import signal
 import struct
 import subprocess
@@ -36,6 +37,9 @@ STEP_LINE = re.compile(r"epoch (\d+) step (\d+)/(\d+) \| loss (\d+\.\d+) \| lr (
                        r"step (\d+\.\d) ms, input wait (\d+)% \| ETA epoch (\d+:\d\d:\d\d), run (\d+:\d\d:\d\d)$", re.M)
 STOP_LINE = re.compile(r"^preempted by (SIGTERM|SIGUSR1) at global step (\d+): (\S+) written; resume=auto continues$",
                        re.M)
+INTERRUPT_LINE = re.compile(r"^interrupted \(SIGINT\) at global step (\d+): (\S+) written; to continue, run in (\S+): "
+                            r"(.+)$", re.M)
+STOPPING = "stopping after this step to write last.pth (Ctrl-C again stops at once, without it)"
 
 
 def wait_for(log: Path, pattern: str, procs: list[subprocess.Popen], timeout: float = 240) -> None:
@@ -52,23 +56,64 @@ def torchrun(*args: str) -> list[str]:
             str(REPO / "train.py"), *args]
 
 
-def assert_stopped_mid_epoch(out: Path, text: str, signame: str) -> int:
+def assert_stopped_mid_epoch(out: Path, text: str, signame: str, steps: int = 128) -> int:
     """The one line rank 0 printed, and last.pth at the step it names (mid-epoch 0); returns that step."""
-    stops = STOP_LINE.findall(text)
+    stops = STOP_LINE.findall(text) if signame != "SIGINT" else [
+        ("SIGINT", step, path) for step, path, *_ in INTERRUPT_LINE.findall(text)]
     assert len(stops) == 1, text[-4000:]
     name, step, path = stops[0]
     assert (name, path) == (signame, str(out / "last.pth"))
     ckpt = load_checkpoint(out / "last.pth")
     assert (ckpt["epoch"], ckpt["global_step"], ckpt["epoch_step"]) == (0, int(step), int(step))
-    assert 2 <= int(step) < 128, text[-4000:]
+    assert 2 <= int(step) < steps, text[-4000:]
     assert not (out / "metrics.jsonl").exists() or read_jsonl(out / "metrics.jsonl") == []  # no half epoch row
     return int(step)
 
 
+def assert_same_run(whole: Path, resumed: Path) -> None:
+    """last.pth bitwise and the metrics.jsonl rows (timings aside) of an uninterrupted run and a resumed one."""
+    assert_same(load_checkpoint(whole / "last.pth"), load_checkpoint(resumed / "last.pth"))
+    rows = [{k: v for k, v in row.items() if k not in TIMING_KEYS}
+            for run in (whole, resumed) for row in read_jsonl(run / "metrics.jsonl")]
+    assert rows[:2] == rows[2:] and [row["epoch"] for row in rows[:2]] == [0, 1]
+
+
+@pytest.fixture(scope="module")
+def whole_two_ranks(tmp_path_factory) -> Path:
+    """PREEMPTIBLE on 2 ranks, uninterrupted: what a stopped and resumed run must end with."""
+    out = tmp_path_factory.mktemp("whole") / "run"
+    run_script("train.py", *PREEMPTIBLE, f"output_dir={out}", nproc=2)
+    return out
+
+
+def sigint_default() -> None:
+    """In the child before exec: a background job of a shell script (as CI may run pytest) starts with SIGINT
+    ignored, which the training process keeps; a terminal's foreground job has the default."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def in_terminal(cmd: list[str], log: Path, cwd: Path = REPO) -> subprocess.Popen:
+    """`cmd` as the foreground job of a terminal: a process group of its own, which Ctrl-C signals as a whole."""
+    with log.open("w") as f:
+        return subprocess.Popen(cmd, cwd=cwd, env=script_env(), stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=sigint_default)
+
+
+def ctrl_c(proc: subprocess.Popen) -> None:
+    """What a terminal does on Ctrl-C: SIGINT to every process of the foreground process group."""
+    os.killpg(proc.pid, signal.SIGINT)
+
+
+def continue_as_printed(text: str, log: Path) -> subprocess.Popen:
+    """Start the command rank 0 printed to continue an interrupted run, where it said to."""
+    (_, _, cwd, command), = INTERRUPT_LINE.findall(text)
+    return in_terminal(shlex.split(command), log, Path(cwd))
+
+
 @pytest.mark.slow
-def test_sigterm_to_torchrun_stops_both_ranks_at_one_step_and_resume_equals_an_uninterrupted_run(tmp_path):
-    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
-    run_script("train.py", *PREEMPTIBLE, f"output_dir={whole}", nproc=2)
+def test_sigterm_to_torchrun_stops_both_ranks_at_one_step_and_resume_equals_an_uninterrupted_run(tmp_path,
+                                                                                                 whole_two_ranks):
+    stopped = tmp_path / "stopped"
     log = tmp_path / "stopped.log"
     with log.open("w") as f:
         proc = subprocess.Popen(torchrun(*PREEMPTIBLE, f"output_dir={stopped}"), cwd=REPO, env=script_env(),
@@ -85,10 +130,74 @@ def test_sigterm_to_torchrun_stops_both_ranks_at_one_step_and_resume_equals_an_u
     assert "DataLoader worker" not in text and "ConnectionResetError" not in text
 
     run_script("train.py", *PREEMPTIBLE, f"output_dir={stopped}", "resume=auto", nproc=2)
-    assert_same(load_checkpoint(whole / "last.pth"), load_checkpoint(stopped / "last.pth"))
-    rows = [{k: v for k, v in row.items() if k not in TIMING_KEYS}
-            for run in (whole, stopped) for row in read_jsonl(run / "metrics.jsonl")]
-    assert rows[:2] == rows[2:] and [row["epoch"] for row in rows[:2]] == [0, 1]
+    assert_same_run(whole_two_ranks, stopped)
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_torchrun_stops_both_ranks_and_the_printed_command_continues_bitwise(tmp_path, whole_two_ranks):
+    # Ctrl-C reaches torchrun alone (it starts each worker in a session of its own); torchrun sends SIGINT to each
+    # worker's process group and waits for them (30 s, --shutdown-timeout) before SIGKILL.
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    proc = in_terminal(torchrun(*PREEMPTIBLE, f"output_dir={out}"), log)
+    try:
+        wait_for(log, r"epoch 0 step 2/128", [proc])
+        assert all(os.getpgid(worker) != proc.pid for worker in children(proc.pid))
+        ctrl_c(proc)
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    text = log.read_text()
+    assert_stopped_mid_epoch(out, text, "SIGINT")
+    assert text.count(STOPPING) == 1, text[-4000:]  # rank 0 alone, at once
+    assert "[rank0]: Traceback" not in text and "[rank1]: Traceback" not in text, text[-4000:]
+    assert "DataLoader worker" not in text and "ConnectionResetError" not in text
+    command = INTERRUPT_LINE.findall(text)[0][3]
+    assert command == shlex.join(torchrun(*PREEMPTIBLE, f"output_dir={out}")), command  # resume=auto: the same
+
+    resumed = continue_as_printed(text, tmp_path / "resumed.log")
+    assert resumed.wait(timeout=HANG) == 0, (tmp_path / "resumed.log").read_text()[-3000:]
+    assert_same_run(whole_two_ranks, out)
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_one_process_a_second_stops_it_at_once_and_the_printed_command_continues_bitwise(tmp_path):
+    # 32 steps per epoch on one process; DataLoader workers in the terminal's process group until they leave it.
+    args = [*PREEMPTIBLE, "data.dummy_train_size=256", "train.ckpt_every_steps=4"]
+    whole, out, log = tmp_path / "whole", tmp_path / "run", tmp_path / "run.log"
+    run_script("train.py", *args, f"output_dir={whole}")
+    proc = in_terminal([sys.executable, "train.py", *args, f"output_dir={out}"], log)
+    try:
+        wait_for(log, r"epoch 0 step 2/32", [proc])
+        ctrl_c(proc)
+        assert proc.wait(timeout=120) == 130
+    finally:
+        proc.kill()
+    text = log.read_text()
+    first = assert_stopped_mid_epoch(out, text, "SIGINT", steps=32)
+    assert text.count(STOPPING) == 1 and "Traceback" not in text and "DataLoader worker" not in text, text[-3000:]
+    assert INTERRUPT_LINE.findall(text)[0][2:] == (str(REPO), shlex.join([sys.executable, "train.py", *args,
+                                                                           f"output_dir={out}"]))
+
+    # The printed command continues; Ctrl-C twice: the second ends it at once, writing nothing more.
+    log = tmp_path / "again.log"
+    again = continue_as_printed(text, log)
+    try:
+        wait_for(log, rf"epoch 0 step {first + 1}/32", [again])
+        ctrl_c(again)
+        wait_for(log, re.escape(STOPPING), [again])  # the first was handled: the next takes the default action
+        os.kill(again.pid, signal.SIGSTOP)  # whatever it is doing now (finishing the step, writing last.pth)
+        before = (out / "last.pth").read_bytes()
+        ctrl_c(again)
+        os.kill(again.pid, signal.SIGCONT)
+        assert again.wait(timeout=60) == -signal.SIGINT, log.read_text()[-3000:]
+    finally:
+        again.kill()
+    assert (out / "last.pth").read_bytes() == before  # nothing written after the second Ctrl-C
+    assert load_checkpoint(out / "last.pth")["epoch"] == 0  # whole: mid-epoch, from a step checkpoint or the stop
+
+    resumed = continue_as_printed(text, tmp_path / "resumed.log")
+    assert resumed.wait(timeout=HANG) == 0, (tmp_path / "resumed.log").read_text()[-3000:]
+    assert_same_run(whole, out)
 
 
 def srun_like(rank: int, port: int, args: list[str], log: Path) -> subprocess.Popen:
@@ -122,23 +231,26 @@ def test_sigusr1_to_one_rank_and_its_workers_stops_every_rank_at_the_same_step(t
 
 
 @pytest.mark.slow
-def test_sigterm_outside_training_steps_still_stops_at_once_with_one_line(tmp_path):
-    # Evaluation has no step to finish: SIGTERM stops it at once (exit 143), DataLoader workers stay quiet.
+@pytest.mark.parametrize("signum, code, line", [(signal.SIGTERM, 143, "stopped by SIGTERM"),
+                                                (signal.SIGINT, 130, "interrupted")])
+def test_a_stop_signal_outside_training_steps_still_stops_at_once_with_one_line(tmp_path, signum, code, line):
+    # Evaluation has no step to finish: SIGTERM (to the process) or Ctrl-C (to its process group, DataLoader
+    # workers being forked included) stops it at once, DataLoader workers stay quiet.
     out = tmp_path / "run"
     log = tmp_path / "run.log"
-    with log.open("w") as f:
-        proc = subprocess.Popen([sys.executable, "train.py", *TINY, "data.dummy_train_size=64", "data.num_workers=2",
-                                 "data.dummy_val_size=8000", "train.epochs=1", "logging.interval=1",
-                                 f"output_dir={out}"], cwd=REPO, env=script_env(), stdout=f, stderr=subprocess.STDOUT)
+    proc = in_terminal([sys.executable, "train.py", *TINY, "data.dummy_train_size=64", "data.num_workers=2",
+                        "data.dummy_val_size=8000", "train.epochs=1", "logging.interval=1", f"output_dir={out}"], log)
     try:
         wait_for(log, r"epoch 0 step 8/8", [proc])  # the last step: evaluation of 8000 images follows
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=60)
+        if signum == signal.SIGINT:
+            ctrl_c(proc)
+        else:
+            proc.send_signal(signum)
+        assert proc.wait(timeout=60) == code, log.read_text()[-3000:]
     finally:
         proc.kill()
     text = log.read_text()
-    assert code == 143, text[-3000:]
-    assert text.strip().splitlines()[-1].startswith("stopped by SIGTERM"), text[-3000:]
+    assert text.strip().splitlines()[-1].startswith(line), text[-3000:]
     assert "Traceback" not in text and "DataLoader worker" not in text
     assert not (out / "last.pth").exists()
 
@@ -166,9 +278,10 @@ def test_dataloader_workers_start_shielded_and_a_sigterm_meanwhile_waits_for_the
     batches = built[0]
     (worker,) = set(children(os.getpid())) - before
     blocked = int(re.search(r"^SigBlk:\s*([0-9a-f]+)$", Path(f"/proc/{worker}/status").read_text(), re.M)[1], 16)
-    assert blocked >> (signal.SIGTERM - 1) & 1 and blocked >> (signal.SIGUSR1 - 1) & 1
+    assert all(blocked >> (signum - 1) & 1 for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT))
     os.kill(worker, signal.SIGTERM)  # as torchrun and Slurm signal the whole process group
     os.kill(worker, signal.SIGUSR1)
+    os.kill(worker, signal.SIGINT)  # as a terminal's Ctrl-C does
     assert [int(b.sum()) for b in batches] == [4 * i * 4 + 6 for i in range(16)]  # the worker still serves
     del batches
 
@@ -355,3 +468,13 @@ def test_workers_stop_with_a_checkpoint_when_torchrun_dies(tmp_path):
     text = log.read_text()
     assert_stopped_mid_epoch(out, text, "SIGTERM")
     assert "Traceback" not in text, text[-3000:]
+
+
+def test_the_printed_command_names_a_templated_folder_and_resume_auto_only_where_needed(tmp_path):
+    # Run again as it was, output_dir=runs/{timestamp} would start a new folder, resume=<file> restart from the file.
+    from engine.checkpoint.run_dir import continue_with, resolve_output_dir
+
+    folder = resolve_output_dir(f"{tmp_path}/{{model.name}}-{{timestamp}}", "test_resnet", "auto")
+    assert continue_with(folder, "auto") == [f"output_dir={folder}"]
+    assert continue_with(str(tmp_path), "auto") == []
+    assert continue_with(str(tmp_path), f"{tmp_path}/epoch_0001.pth") == ["resume=auto"]

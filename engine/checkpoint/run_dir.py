@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 LOCK = ".lock"
 PLACEHOLDERS = ("{model.name}", "{timestamp}", "{run_id}")
 RUN_ID_CHARS = string.ascii_lowercase + string.digits  # as W&B's own run ids
+_filled: dict[str, str] = {}  # resolve_output_dir's folders made from placeholders -> the template (for continue_with)
 
 
 def resolve_output_dir(template: str, model_name: str, resume: str) -> str:
@@ -60,7 +61,16 @@ def resolve_output_dir(template: str, model_name: str, resume: str) -> str:
                         f"{', '.join(PLACEHOLDERS)}, or a folder name without braces")
     if not any(name in template for name in PLACEHOLDERS):
         return template
-    return rank0_decides(lambda: fill_placeholders(template, model_name, resume, run_id))
+    folder = rank0_decides(lambda: fill_placeholders(template, model_name, resume, run_id))
+    _filled[folder] = template
+    return folder
+
+
+def continue_with(output_dir: str, resume: str) -> list[str]:
+    """The overrides that make the command that started a run continue it: `output_dir=<folder>` where the command
+    names a template (run again, it would fill it anew) and `resume=auto` where it gives another resume."""
+    return [*([f"output_dir={output_dir}"] if output_dir in _filled else []),
+            *(["resume=auto"] if resume != "auto" else [])]
 
 
 def fill_placeholders(template: str, model_name: str, resume: str, run_id: str | None) -> str:
