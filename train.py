@@ -368,13 +368,14 @@ def fit(cfg: Config, info: DistInfo, lock: FolderLock | None = None) -> TrainSta
             record.append(row)
             if info.is_main:
                 for sink in sinks:
-                    sink.log_epoch(state.global_step, row, state.best_top1)
+                    sink.log_epoch(state.global_step, row, {chosen_on: state.best_value})
                 log.info(epoch_line(row))
-            checkpointer.save(state, val_top1=row[chosen_on], best=is_best, epoch_file=finished)
+            checkpointer.save(state, metric_value=row[chosen_on], best=is_best, epoch_file=finished)
             if is_best and tracker.logs_checkpoints and checkpointer.written():  # a model version per best.pth,
                 # so a preempted run keeps its best model in W&B
                 tracker.log_checkpoint(out / "best.pth", {"epoch": row["epoch"], "global_step": state.global_step,
-                                                          "val_top1": state.best_top1, "model": cfg.model.name})
+                                                          "best_metric": chosen_on, chosen_on: state.best_value,
+                                                          "model": cfg.model.name})
         checkpointer.wait()  # every rank learns that the last write worked
         if profile is not None:  # the run ended inside the profiled steps: write what it recorded
             profile.finish(state.global_step)
@@ -382,7 +383,7 @@ def fit(cfg: Config, info: DistInfo, lock: FolderLock | None = None) -> TrainSta
             sink.finish()
     finally:
         checkpointer.close()
-    log.info("done: best %s %.2f, outputs in %s", chosen_on, state.best_top1, out)
+    log.info("done: best %s %.2f, outputs in %s", chosen_on, state.best_value, out)
     return state
 
 
@@ -446,7 +447,7 @@ def stop_reason(cfg: Config, state: TrainState, chosen_on: str) -> str | None:
     if patience and state.epochs_without_best >= patience:
         return (f"stopping early before epoch {state.epoch}: {chosen_on} has not improved for "
                 f"{state.epochs_without_best} epochs (train.early_stop_patience={patience}); best {chosen_on} "
-                f"{state.best_top1:.4f}")
+                f"{state.best_value:.4f}")
     return None
 
 

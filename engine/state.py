@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from engine.metrics import SumMeter
 
 TRAIN_SUMS = ("loss_sum", "correct", "count")
-CHECKPOINTED = ("epoch", "global_step", "best_top1", "epoch_step", "epoch_sums", "epoch_seconds",
+CHECKPOINTED = ("epoch", "global_step", "best_value", "best_epoch", "epoch_step", "epoch_sums", "epoch_seconds",
                 "epochs_without_best", "best_in_epoch")
 
 
@@ -25,12 +25,13 @@ CHECKPOINTED = ("epoch", "global_step", "best_top1", "epoch_step", "epoch_sums",
 class TrainState:
     epoch: int = 0  # the next epoch to run (or the one in progress, when epoch_step > 0)
     global_step: int = 0  # optimizer steps done
-    best_top1: float = -math.inf  # the best value of train.best_metric so far (-inf: none yet); named before it
+    best_value: float = -math.inf  # the best value of train.best_metric so far (-inf: none yet)
+    best_epoch: int | None = None  # the epoch of that value (None: none yet, or a checkpoint older than this field)
     epoch_step: int = 0  # optimizer steps done in `epoch`; > 0 in a mid-epoch checkpoint
     epoch_sums: dict[str, float] = field(default_factory=dict)  # train sums over all ranks, as of the last sync
     epoch_seconds: float = 0.0  # training time of the epoch's steps
-    epochs_without_best: int = 0  # finished epochs in which best_top1 did not improve (train.early_stop_patience)
-    best_in_epoch: bool = False  # best_top1 improved during `epoch` (also at an evaluation before a mid-epoch stop)
+    epochs_without_best: int = 0  # finished epochs in which best_value did not improve (train.early_stop_patience)
+    best_in_epoch: bool = False  # best_value improved during `epoch` (also at an evaluation before a mid-epoch stop)
     meter: SumMeter | None = field(default=None, repr=False, compare=False)  # this rank's sums while training
 
     def start_epoch(self, device: torch.device, is_main: bool) -> SumMeter:
@@ -74,14 +75,15 @@ class TrainState:
         """Record a validation metric; True when it beats every earlier one (strictly: a tie is no improvement)."""
         if math.isnan(value):
             return False
-        better = self.best_top1 == -math.inf or (value < self.best_top1 if lower_is_better else value > self.best_top1)
+        best = self.best_value
+        better = best == -math.inf or (value < best if lower_is_better else value > best)
         if better:
-            self.best_top1, self.best_in_epoch = value, True
+            self.best_value, self.best_epoch, self.best_in_epoch = value, self.epoch, True
         return better
 
     def forget_best(self) -> None:
         """The best value so far measured another metric (train.best_metric changed at a resume): start over."""
-        self.best_top1, self.epochs_without_best = -math.inf, 0
+        self.best_value, self.best_epoch, self.epochs_without_best = -math.inf, None, 0
 
     def schedule_position(self, updates_per_epoch: int) -> int:
         """Where the lr schedule stands: epochs done in this run's updates, plus the epoch's own steps.
@@ -106,8 +108,10 @@ class TrainState:
         return {name: getattr(self, name) for name in CHECKPOINTED}
 
     def load_state_dict(self, ckpt: dict[str, Any]) -> None:
-        """Put back what state_dict() stored (older checkpoints may lack the mid-epoch fields)."""
-        self.epoch, self.global_step, self.best_top1 = ckpt["epoch"], ckpt["global_step"], ckpt["best_top1"]
+        """Put back what state_dict() stored (older checkpoints may lack the mid-epoch fields and best_epoch; their
+        best_top1 is read as best_value: engine.checkpoint.formats.current_names)."""
+        self.epoch, self.global_step, self.best_value = ckpt["epoch"], ckpt["global_step"], ckpt["best_value"]
+        self.best_epoch = ckpt.get("best_epoch")
         self.epoch_step = ckpt.get("epoch_step", 0)
         self.epoch_sums = dict(ckpt.get("epoch_sums") or {})
         self.epoch_seconds = ckpt.get("epoch_seconds", 0.0)

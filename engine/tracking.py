@@ -52,8 +52,9 @@ class Sink:
     def log_interval(self, step: int, stats: dict[str, float]) -> None:
         """Train loss, lr and img/s over the last `logging.interval` steps (all-reduced by the caller)."""
 
-    def log_epoch(self, step: int, row: dict[str, Any], best_top1: float) -> None:
-        """The epoch's metrics.jsonl row, at the global step that ends the epoch."""
+    def log_epoch(self, step: int, row: dict[str, Any], best: dict[str, float]) -> None:
+        """The epoch's metrics.jsonl row, at the global step that ends the epoch; `best`: {train.best_metric's
+        column: its best value so far}."""
 
     def finish(self) -> None:
         """Write out what is pending and close."""
@@ -117,17 +118,18 @@ class WandbTracker(Sink):
         """Train loss, lr and img/s over the last `logging.interval` steps (all-reduced by the caller)."""
         self.log(step, {f"interval/{k}": v for k, v in stats.items()})
 
-    def log_epoch(self, step: int, row: dict[str, Any], best_top1: float) -> None:
-        """The epoch's metrics.jsonl row, and the best val_top1 so far in the run summary.
+    def log_epoch(self, step: int, row: dict[str, Any], best: dict[str, float]) -> None:
+        """The epoch's metrics.jsonl row, and the best value so far of train.best_metric in the run summary as
+        `best_<metric>` (best_val_top1, best_ema_val_top1, best_val_loss, ...).
 
-        `best_val_top1` comes from the training state, which checkpoints keep: it stays right across a resume,
-        where W&B's own maximum (`val_top1.max`) sees only the epochs logged since the process started.
+        It comes from the training state, which checkpoints keep: it stays right across a resume, where W&B's own
+        maximum (`val_top1.max`) sees only the epochs logged since the process started.
         """
         if self.active:
             with self._guard("defining the epoch metrics"):
                 self.define_epoch_metrics(row)
         self.log(step, row)
-        self.summary({"best_val_top1": best_top1})
+        self.summary({f"best_{name}": value for name, value in best.items()})
 
     def define_epoch_metrics(self, keys: Iterable[str]) -> None:
         """`epoch` as the x axis of the epoch-level metrics; the summary keeps the best and the last val metrics."""
@@ -272,7 +274,7 @@ class TensorBoardWriter(Sink):
     def log_interval(self, step: int, stats: dict[str, float]) -> None:
         self.write({f"interval/{k}": v for k, v in stats.items()}, step)
 
-    def log_epoch(self, step: int, row: dict[str, Any], best_top1: float) -> None:
+    def log_epoch(self, step: int, row: dict[str, Any], best: dict[str, float]) -> None:
         self.write(row, step, flush=True)
 
     def write(self, values: dict[str, Any], step: int = 0, flush: bool = False) -> None:

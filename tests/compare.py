@@ -81,6 +81,15 @@ def rows_without_timing(run: Path) -> list[dict]:
     return model_rows(read_jsonl(run / "metrics.jsonl"))
 
 
+def allow_best_of_the_stop(expected: dict, resumed: dict, stop_value: float, stop_epoch: int) -> None:
+    """A run stopped mid-epoch evaluated at the stop, which the uninterrupted run did not: its best value (and that
+    value's epoch) may come from that evaluation, the only allowed difference; then `resumed` takes expected's."""
+    stop_won = stop_value > expected["best_value"]  # train.best_metric here: a top-1, higher is better
+    assert resumed["best_value"] == (stop_value if stop_won else expected["best_value"])
+    assert resumed["best_epoch"] == (stop_epoch if stop_won else expected["best_epoch"])
+    resumed["best_value"], resumed["best_epoch"] = expected["best_value"], expected["best_epoch"]
+
+
 def assert_same(a, b, where: str = "checkpoint") -> None:
     """Every tensor equal (torch.equal), every other value equal, recursively."""
     if isinstance(a, torch.Tensor):

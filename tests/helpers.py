@@ -180,6 +180,15 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def as_written_before_the_rename(ckpt: dict) -> dict:
+    """A checkpoint dict laid out as train.py wrote it before issue 46: the best value of train.best_metric as
+    "best_top1", that metric's value at the save as "val_top1", and no "best_epoch"."""
+    old = dict(ckpt)
+    old["best_top1"], old["val_top1"] = old.pop("best_value"), old.pop("metric_value")
+    del old["best_epoch"]
+    return old
+
+
 def make_image_folder(root: Path, counts: dict[str, dict[str, int]], size: int = 24, seed: int = 0) -> Path:
     """root/<split>/<class>/<i>.png with class-coloured noisy images; counts[split][class] = n."""
     rng = np.random.default_rng(seed)

@@ -21,11 +21,12 @@ from core.files import save_atomic
 from core.logs import MetricsFile
 from data.loader import EpochSampler, ShardSampler
 from engine.checkpoint.formats import load_checkpoint
+from engine.checkpoint.inference import load_trained
 from engine.checkpoint.resume import check_resumable, set_rng_state
 from engine.checkpoint.saver import Checkpointer, rng_state
 from engine.checkpoint.weights import load_weights, read_pretrained
 from engine.state import TrainState
-from tests.helpers import start_from, REPO, script_env
+from tests.helpers import as_written_before_the_rename, start_from, REPO, script_env
 
 
 class Unpicklable:
@@ -221,6 +222,22 @@ def test_metrics_rows_of_resumed_epochs_are_dropped(tmp_path):
     metrics.keep_epochs_before(2)
     assert metrics.rows() == [{"epoch": 0, "val_top1": 0.1}, {"epoch": 1, "val_top1": 10.1}]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
+def test_a_checkpoint_written_before_the_rename_loads_with_todays_names(tiny_run, tmp_path):
+    """best_top1 and val_top1 of an older checkpoint (the best and the last value of train.best_metric, whatever the
+    metric) are read as best_value and metric_value: by the loop state, and by evaluate/predict/export."""
+    today = load_checkpoint(tiny_run / "best.pth")
+    torch.save(as_written_before_the_rename(today), tmp_path / "best.pth")
+    old = load_checkpoint(tmp_path / "best.pth")
+    assert (old["best_value"], old["metric_value"]) == (today["best_value"], today["metric_value"])
+    assert not {"best_top1", "val_top1"} & set(old)
+    state = TrainState()
+    state.load_state_dict(old)
+    assert (state.epoch, state.best_value, state.best_epoch) == (today["epoch"], today["best_value"], None)
+    recorded = load_trained(tmp_path / "best.pth").metrics
+    assert recorded == load_trained(tiny_run / "best.pth").metrics
+    assert recorded[f"best {today['best_metric']} of the run"] == round(today["best_value"], 4)
 
 
 @pytest.mark.parametrize("content", [b"hello", bytes(np.random.default_rng(0).integers(0, 256, 1000, dtype=np.uint8)),

@@ -44,12 +44,12 @@ def test_best_pth_is_chosen_on_the_ema_metric(best_on_ema, tmp_path, capsys):
     best_row = max(rows, key=lambda row: row[chosen])  # the first of equals, as the run keeps the first
     best = torch.load(out / "best.pth", weights_only=True)
     assert [r[chosen] for r in rows] != [r[other] for r in rows]  # else this test could not tell them apart
-    assert (best["val_top1"], best["best_top1"], best["epoch"] - 1) == (best_row[chosen], best_row[chosen],
-                                                                        best_row["epoch"])
+    assert (best["metric_value"], best["best_value"], best["best_epoch"], best["epoch"] - 1) == (
+        best_row[chosen], best_row[chosen], best_row["epoch"], best_row["epoch"])
     assert best["best_metric"] == chosen and "ema" in best and "model" in best
     if best_on_ema:  # evaluate.py --ema on best.pth gives the top-1 it was chosen on; without --ema it says so
         assert report_errors(evaluate.main, [str(out / "best.pth"), "--ema", "--output-dir", str(tmp_path / "e")]) == 0
-        assert evaluate_top1(tmp_path / "e") == best["val_top1"]
+        assert evaluate_top1(tmp_path / "e") == best["metric_value"]
         capsys.readouterr()
         assert report_errors(evaluate.main, [str(out / "best.pth"), "--output-dir", str(tmp_path / "m")]) == 0
         assert "add --ema" in capsys.readouterr().err
@@ -63,18 +63,18 @@ def evaluate_top1(out) -> float:
 
 @pytest.mark.slow
 def test_a_resume_that_changes_the_best_metric_restarts_the_best(tmp_path, capsys):
-    """best_top1 measured the model's val_top1; a resume choosing on ema_val_top1 must not compare the two."""
+    """best_value measured the model's val_top1; a resume choosing on ema_val_top1 must not compare the two."""
     out = tmp_path / "run"
     base = [*TINY, "model.ema_decay=0.5", f"output_dir={out}"]
     assert report_errors(train.main, [*base, "train.best_on_ema=false"]) == 0
     last = torch.load(out / "last.pth", weights_only=True)
     assert last["best_metric"] == "val_top1"
-    last["best_top1"] = 100.0  # unbeatable, were it compared with the EMA's top-1
+    last["best_value"] = 100.0  # unbeatable, were it compared with the EMA's top-1
     torch.save(last, out / "last.pth")
     assert report_errors(train.main, [*base, "train.epochs=2", "train.best_on_ema=true"]) == 0
     best = torch.load(out / "best.pth", weights_only=True)
     row = read_jsonl(out / "metrics.jsonl")[-1]
-    assert (best["epoch"], best["best_metric"], best["val_top1"]) == (2, "ema_val_top1", row["ema_val_top1"])
+    assert (best["epoch"], best["best_metric"], best["metric_value"]) == (2, "ema_val_top1", row["ema_val_top1"])
     assert "best.pth is now chosen on ema_val_top1" in capsys.readouterr().err
 
 

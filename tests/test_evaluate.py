@@ -67,7 +67,7 @@ def test_evaluate_is_identical_for_1_2_3_processes(checkpoint, tmp_path):
     assert image.shape[0] >= 400 and image.shape[1] >= 400
     # The training run evaluated the same weights on the same batches in the same precision: the same top-1, though
     # it trained in bf16 (issue 46: its validation followed amp then, and differed).
-    assert result["top1"] == load_checkpoint(checkpoint)["val_top1"]
+    assert result["top1"] == load_checkpoint(checkpoint)["metric_value"]
     [row] = [json.loads(line) for line in (checkpoint.parent / "metrics.jsonl").read_text().splitlines()]
     assert (result["loss"], result["top1"], result["precision"]) == (row["val_loss"], row["val_top1"], "fp32")
 

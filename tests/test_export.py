@@ -171,7 +171,7 @@ def test_the_model_folder_holds_a_model_card_by_timms_writer(resnet18_run, tmp_p
     assert "# Model card for resnet18 trained from scratch on synthetic dummy data (10 classes)" in card
     assert "**Architecture:** timm resnet18" in card and "**Started from:** random initialisation" in card
     assert f"**Classes:** 10: {', '.join(ckpt['class_names'])}" in card
-    assert f"  - {ckpt['best_metric']}: {round(ckpt['val_top1'], 4)}\n" in card
+    assert f"  - {ckpt['best_metric']}: {round(ckpt['metric_value'], 4)}\n" in card
     assert f"  - optimizer steps: {ckpt['global_step']}\n" in card
     data = ckpt["config"]["data"]
     assert f"normalize: mean {data['mean']}, std {data['std']}" in card and f"({data['interpolation']})" in card

@@ -263,7 +263,7 @@ def test_checkpoint_of_a_cuda_run_holds_only_cpu_tensors(tmp_path):
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
         checkpointer = Checkpointer(tmp_path, CPU, 0, model=model, optimizer=optimizer, scheduler=scheduler,
                                     scaler=None, config={}, class_names=["a", "b"])
-        contents = checkpointer.contents(TrainState().state_dict(), rng=[], val_top1=None)
+        contents = checkpointer.contents(TrainState().state_dict(), rng=[], metric_value=None)
     devices = {str(t.device) for t in _tensors(contents)}
     assert devices == {"cpu"}, devices
 

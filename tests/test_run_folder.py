@@ -104,10 +104,10 @@ def test_best_and_epoch_files_are_links_to_last_and_keep_their_step(tmp_path):
     checkpointer = Checkpointer(tmp_path, DistInfo(0, 1, 0, 1, torch.device("cpu")), 2, model=model,
                                 optimizer=optimizer, scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1),
                                 scaler=None, config={}, class_names=["a", "b"])
-    checkpointer.save(TrainState(epoch=1, global_step=3), val_top1=50.0, best=True, epoch_file=True)
+    checkpointer.save(TrainState(epoch=1, global_step=3), metric_value=50.0, best=True, epoch_file=True)
     inodes = {p.name: p.stat().st_ino for p in tmp_path.glob("*.pth")}
     assert inodes.keys() == {"last.pth", "best.pth", "epoch_0000.pth"} and len(set(inodes.values())) == 1
-    checkpointer.save(TrainState(epoch=2, global_step=6), val_top1=40.0, best=False, epoch_file=True)
+    checkpointer.save(TrainState(epoch=2, global_step=6), metric_value=40.0, best=False, epoch_file=True)
     steps = {p.name: torch.load(p, weights_only=True)["global_step"] for p in tmp_path.glob("*.pth")}
     assert steps == {"last.pth": 6, "best.pth": 3, "epoch_0000.pth": 3, "epoch_0001.pth": 6}
 

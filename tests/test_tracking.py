@@ -71,12 +71,12 @@ def staged_files(artifact) -> dict[str, Path]:
     return {entry.path: Path(entry.local_path) for entry in artifact.manifest.contents}
 
 
-def improvements(rows: list[dict]) -> list[int]:
-    """The epochs whose val_top1 beat every earlier one: those wrote best.pth."""
+def improvements(rows: list[dict], key: str = "val_top1", sign: int = 1) -> list[int]:
+    """The epochs whose `key` beat every earlier one (sign -1: lower is better): those wrote best.pth."""
     best, epochs = -math.inf, []
     for row in rows:
-        if row["val_top1"] > best:
-            best = row["val_top1"]
+        if sign * row[key] > best:
+            best = sign * row[key]
             epochs.append(row["epoch"])
     return epochs
 
@@ -101,7 +101,8 @@ def tensorboard_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
 def test_two_rank_job_makes_one_run_whose_values_equal_metrics_jsonl(tmp_path):
     wandb_dir, out = tmp_path / "wandb", tmp_path / "run"
     wandb_dir.mkdir()
-    proc = run_on_ranks("train.py", *TINY, f"output_dir={out}", "train.epochs=2", "logging.wandb=true",
+    proc = run_on_ranks("train.py", *TINY, f"output_dir={out}", "train.epochs=2", "train.best_metric=val_loss",
+                        "logging.wandb=true",
                         "logging.wandb_log_checkpoints=true", "logging.wandb_project=tests",
                         "logging.wandb_group=g1", "logging.wandb_tags=[tiny,ddp]", "logging.wandb_notes=two ranks",
                         "logging.tensorboard=true",
@@ -132,7 +133,8 @@ def test_two_rank_job_makes_one_run_whose_values_equal_metrics_jsonl(tmp_path):
 
     resolved = yaml.safe_load((out / "config.yaml").read_text())
     assert {k: v for k, v in run.config.items() if k != "_wandb"} == {**resolved, "world_size": 2}
-    assert run.summary["best_val_top1"] == max(r["val_top1"] for r in rows)
+    # the best of train.best_metric, named for it
+    assert run.summary["best_val_loss"] == min(r["val_loss"] for r in rows) and "best_val_top1" not in run.summary
     assert (run.run.project, run.run.run_group, list(run.run.tags), run.run.notes, run.run.job_type,
             run.run.display_name) == ("tests", "g1", ["tiny", "ddp"], "two ranks", "train", "run")
     assert checkpoint(out / "last.pth")["wandb_id"] == checkpoint(out / "best.pth")["wandb_id"] == run.run_id
@@ -141,12 +143,14 @@ def test_two_rank_job_makes_one_run_whose_values_equal_metrics_jsonl(tmp_path):
     assert tensorboard_scalars(out / "tensorboard")["val_top1"] == run.values("val_top1")
 
     # rank 0 alone logs a model version each time best.pth is written; the last holds the final best.pth
-    assert len(model_versions(run)) == len(improvements(rows))
+    assert len(model_versions(run)) == len(improvements(rows, "val_loss", -1))
     artifact = model_versions(run)[-1]
     [entry] = artifact.manifest.contents
     assert (artifact.type, artifact.name, entry.path, entry.digest) == (
         "model", f"model-{run.run_id}", "best.pth", md5_b64(out / "best.pth"))
-    assert json.loads(artifact.metadata)["val_top1"] == max(r["val_top1"] for r in rows)
+    metadata = json.loads(artifact.metadata)
+    assert (metadata["best_metric"], metadata["val_loss"]) == ("val_loss", min(r["val_loss"] for r in rows))
+    assert "val_top1" not in metadata
 
 
 def test_no_api_key_and_no_mode_runs_offline_and_says_so_once(tmp_path):
@@ -346,7 +350,7 @@ def test_every_new_best_is_a_model_version_with_aliases_best_and_latest(tracked)
         [entry] = artifact.manifest.contents
         assert (artifact.name, sorted(artifact.aliases), entry.path) == (
             f"model-{run.run_id}", ["best", "latest"], "best.pth")
-        assert json.loads(artifact.metadata)["val_top1"] == rows[epoch]["val_top1"]
+        assert json.loads(artifact.metadata)["val_top1"] == rows[epoch]["val_top1"]  # best_metric's name: its value
         # the staged copy is the best.pth of that epoch: a later best.pth did not replace it
         assert md5_b64(staged_files(artifact)["best.pth"]) == entry.digest
         assert checkpoint(staged_files(artifact)["best.pth"])["epoch"] == epoch + 1

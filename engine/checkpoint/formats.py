@@ -225,7 +225,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         raise UserError(f"checkpoint {path} is not a checkpoint: torch.save files start with a zip header, "
                         f"this one with {head!r}; check the path") from None
     try:
-        return torch.load(path, weights_only=True, map_location="cpu")
+        return current_names(torch.load(path, weights_only=True, map_location="cpu"))
     except pickle.UnpicklingError as err:
         text = ANSI_ESCAPE.sub("", str(err))
         if named := CODE_GLOBAL.search(text):
@@ -239,6 +239,17 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         raise UnreadableCheckpoint(f"checkpoint {path} cannot be read ({type(err).__name__}: "
                                    f"{text.splitlines()[0] if text else 'truncated?'}); "
                                    "it is truncated or not a checkpoint") from None
+
+
+def current_names(ckpt: Any) -> Any:
+    """A checkpoint written before the keys were named for what they hold, read with today's names: its "best_top1"
+    (the best value of train.best_metric, whatever the metric) as "best_value" and its "val_top1" (that metric's
+    value at the checkpoint's evaluation) as "metric_value"; anything else as it is."""
+    if isinstance(ckpt, dict) and "best_top1" in ckpt and "best_value" not in ckpt:
+        ckpt["best_value"] = ckpt.pop("best_top1")
+        if "val_top1" in ckpt:
+            ckpt["metric_value"] = ckpt.pop("val_top1")
+    return ckpt
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:

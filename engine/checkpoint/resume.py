@@ -389,7 +389,7 @@ class Resume:
             scaler.load_state_dict(ckpt["scaler"])
         state.load_state_dict(ckpt)
         then, now = ckpt.get("best_metric", "val_top1"), best_metric(cfg)
-        if then != now:  # best_top1 measured another metric: comparing the two would pick best.pth wrongly
+        if then != now:  # best_value measured another metric: comparing the two would pick best.pth wrongly
             state.forget_best()
             if info.is_main:
                 log.info("checkpoint %s chose best.pth on %s; best.pth is now chosen on %s, from the next evaluation "

@@ -2,11 +2,12 @@
 
 A training checkpoint (`Checkpointer.save`) holds everything a resumed run needs to continue bit for bit:
 model, EMA weights (if any), optimizer, scheduler, GradScaler, the loop state (any object with `state_dict()`:
-epoch, global step, steps and train sums of an unfinished epoch, best val_top1), the resolved config, the class
-names, the W&B run id, the run's own id (made fresh, kept by resumes), every rank's RNG states and what the
-model card reports (images per split, the starting weights) (`Checkpointer.plain_contents` lists the keys;
-engine/checkpoint/resume.py, beside it, reads them back). The data order needs no state: the sampler is seeded
-by (seed, epoch) and each augmentation by (seed, epoch, index).
+epoch, global step, steps and train sums of an unfinished epoch, the best value of train.best_metric and its
+epoch), that metric's value at the save (`metric_value`), the resolved config, the class names, the W&B run id,
+the run's own id (made fresh, kept by resumes), every rank's RNG states and what the model card reports (images
+per split, the starting weights) (`Checkpointer.plain_contents` lists the keys; engine/checkpoint/resume.py,
+beside it, reads them back). The data order needs no state: the sampler is seeded by (seed, epoch) and each
+augmentation by (seed, epoch, index).
 
 Files (`last.pth`, `best.pth`, `epoch_NNNN.pth`) are written through core/files.save_atomic (a temp file moved
 into place: a crash mid-write leaves the previous file intact); with train.async_save rank 0 writes a copy of
@@ -172,7 +173,7 @@ class Checkpointer:
         self.last = self.out_dir / ("last.dcp" if sharded else "last.pth")
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.ema = ema
-        self.best_metric = best_metric  # what val_top1 and best_top1 measure: val_top1, or ema_val_top1 (EMA weights)
+        self.best_metric = best_metric  # what metric_value and best_value measure: val_top1, ema_val_top1, val_loss...
         self.config, self.class_names = config, class_names
         self.wandb_id = wandb_id  # the W&B run a later resume continues (kept even when tracking is now off)
         self.run_id = run_id  # made by a fresh run, kept by its resumes: which files are of one run (averaging)
@@ -180,7 +181,7 @@ class Checkpointer:
         self.data_sizes = data_sizes  # images per split, {"train": n, "val": m}: the model card says them
         self.started_from = started_from  # the starting weights (Resume.started_from): the model card says them
 
-    def contents(self, fields: dict[str, Any], rng: list[dict[str, Any]], val_top1: float | None,
+    def contents(self, fields: dict[str, Any], rng: list[dict[str, Any]], metric_value: float | None,
                  gathered: dict[str, Any] | None = None, copy: bool = False) -> dict[str, Any]:
         """The checkpoint dict (`fields`: the loop state's state_dict(); `gathered`: a sharded model's gather_sharded):
         plain tensors, numbers, strings, lists, dicts; `copy`: sharing no memory with the live run."""
@@ -188,9 +189,9 @@ class Checkpointer:
         return {"model": gathered["model"] if "model" in gathered else cpu_state_dict(self.model, copy),
                 "optimizer": (gathered["optimizer"] if "optimizer" in gathered
                               else on_cpu(self.optimizer.state_dict(), copy)),
-                **self.plain_contents(fields, rng, val_top1, gathered, copy)}
+                **self.plain_contents(fields, rng, metric_value, gathered, copy)}
 
-    def plain_contents(self, fields: dict[str, Any], rng: list[dict[str, Any]], val_top1: float | None,
+    def plain_contents(self, fields: dict[str, Any], rng: list[dict[str, Any]], metric_value: float | None,
                        gathered: dict[str, Any] | None = None, copy: bool = False) -> dict[str, Any]:
         """Everything but the model and optimizer state (a sharded folder's train_state.pth)."""
         gathered = gathered or {}
@@ -202,8 +203,8 @@ class Checkpointer:
             **ema,  # the EMA weights, only when the run keeps an EMA
             "scheduler": own(self.scheduler.state_dict()),
             "scaler": on_cpu(self.scaler.state_dict(), copy) if self.scaler else {},
-            **own(fields),  # epoch, global_step, best_top1, epoch_step, epoch_sums, epoch_seconds
-            "val_top1": val_top1,
+            **own(fields),  # epoch, global_step, best_value (of best_metric), best_epoch, epoch_step, epoch_sums, ...
+            "metric_value": metric_value,  # best_metric's value at this checkpoint's evaluation (None: none yet)
             "best_metric": self.best_metric,  # ema_val_top1: best.pth was chosen on its EMA weights (evaluate --ema)
             "world_size": self.info.world_size,
             "rng": rng,  # one entry per rank
@@ -215,7 +216,7 @@ class Checkpointer:
             "started_from": self.started_from,
         }
 
-    def save(self, state: Stateful, val_top1: float | None = None, best: bool = False,
+    def save(self, state: Stateful, metric_value: float | None = None, best: bool = False,
              epoch_file: bool = False) -> None:
         """Write last.pth (and best.pth, and an epoch file for a finished epoch); a collective."""
         fields = state.state_dict()  # syncs the epoch's running sums: a collective too
@@ -224,18 +225,18 @@ class Checkpointer:
         # sharded folder (DCP writes the model and optimizer) the EMA only, unless best.pth is written too.
         gathered = gather_sharded(self.model, self.optimizer, self.ema, whole=not self.sharded or best)
         if self.sharded:
-            self.save_sharded(fields, rng, val_top1, gathered)
+            self.save_sharded(fields, rng, metric_value, gathered)
             if not best:
                 return
-        rank0_decides(lambda: self.write(fields, rng, val_top1, best, epoch_file, gathered))
+        rank0_decides(lambda: self.write(fields, rng, metric_value, best, epoch_file, gathered))
 
-    def save_sharded(self, fields: dict[str, Any], rng: list[dict[str, Any]], val_top1: float | None,
+    def save_sharded(self, fields: dict[str, Any], rng: list[dict[str, Any]], metric_value: float | None,
                      gathered: dict[str, Any] | None = None) -> None:
         """last.dcp/: every rank writes its shards (engine/checkpoint/sharded.py); inf/NaN on any rank refuses it on all."""
         broken = nonfinite_tensors(sharded.trained_module(self.model).state_dict())
         if max_over_ranks(int(bool(broken)), self.info.device):
             raise self.diverged(broken, fields)
-        plain = self.plain_contents(fields, rng, val_top1, gathered) if self.info.is_main else {}  # rank 0 writes it
+        plain = self.plain_contents(fields, rng, metric_value, gathered) if self.info.is_main else {}  # rank 0's
         rank0_decides(self.check_folder)
         sharded.save(self.last, self.model, self.optimizer, plain)
         self.saved_step = fields["global_step"]
@@ -247,14 +248,14 @@ class Checkpointer:
                          f"step {fields['global_step']}; {self.kept_state()}. Lower optim.lr or set optim.clip_grad, "
                          f"{then}", all_ranks=True)
 
-    def write(self, fields: dict[str, Any], rng: list[dict[str, Any]], val_top1: float | None, best: bool,
+    def write(self, fields: dict[str, Any], rng: list[dict[str, Any]], metric_value: float | None, best: bool,
               epoch_file: bool, gathered: dict[str, Any] | None = None) -> None:
         """Rank 0's part of save(): finish the previous write, refuse inf/NaN weights, then write the files
         (in the background with async_save)."""
         self.finish_write()
         self.check_folder()
         remove_dead_temps(self.out_dir, is_checkpoint_name)  # a killed earlier run's (the folder is ours alone)
-        ckpt = self.contents(fields, rng, val_top1, gathered, copy=self.async_save)
+        ckpt = self.contents(fields, rng, metric_value, gathered, copy=self.async_save)
         broken = nonfinite_tensors(ckpt["model"])
         if broken:
             raise self.diverged(broken, fields)
