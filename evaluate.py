@@ -249,7 +249,7 @@ def summarize(rows: list[dict[str, str]], metrics: dict[str, float], class_names
                        np.bincount(labels, minlength=num_classes), np.bincount(preds, minlength=num_classes)])
     if round(metrics["val_top1"] * len(rows) / 100.0) != int(counts[0].sum()):
         raise RuntimeError("predictions.csv disagrees with the all-reduced top-1 count")
-    if any(metrics.get(key) != value for key, value in class_metrics(torch.from_numpy(counts)).items()):
+    if any(metrics.get(key) != value for key, value in class_metrics(torch.from_numpy(counts), class_names).items()):
         raise RuntimeError("predictions.csv disagrees with the all-reduced per-class counts")
     per_class = []
     for c, name in enumerate(class_names):

@@ -97,7 +97,7 @@ def main() -> None:
             seconds = time.perf_counter() - began
             last = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
             print(f"| {name} | {seed} | {last['val_balanced_acc']:.2f} | {last['val_macro_f1']:.2f} | "
-                  f"{last['val_top1']:.2f} | {last.get('val_recall_9', float('nan')):.1f} | {seconds:.0f} |",
+                  f"{last['val_top1']:.2f} | {last.get('val_recall/9', float('nan')):.1f} | {seconds:.0f} |",
                   flush=True)
 
 

@@ -109,7 +109,8 @@ def evaluate(model: nn.Module, loader: DataLoader, precision: Precision, info: D
     sums, counts = meter.global_sums_with(counts)
     count = sums["count"]
     return {"val_loss": exact_mean(losses, info.device), "val_top1": 100.0 * sums["top1"] / count,
-            "val_top5": 100.0 * sums["top5"] / count, "val_count": int(count), **class_metrics(counts)}
+            "val_top5": 100.0 * sums["top5"] / count, "val_count": int(count),
+            **class_metrics(counts, loader.dataset.classes)}
 
 
 def exact_mean(values: list[torch.Tensor], device: torch.device) -> float:

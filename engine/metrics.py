@@ -8,6 +8,8 @@ classes was 477M int64 on the device (3.8 GB, ~11 GB transient with its float64 
 
 from __future__ import annotations
 
+import re
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -69,6 +71,22 @@ class SumMeter:
 
 
 PER_CLASS_RECALL_MAX = 20  # classes up to which each class's val recall gets its own metrics column
+UNSAFE = re.compile(r"[^\w-]")  # kept: letters and digits (any script), "_" and "-"; "/" would open a W&B section,
+# "." is define_metric's nesting separator, spaces and symbols break W&B's queries
+
+
+def metric_names(class_names: Sequence[str]) -> list[str]:
+    """Each class's name as a metric key part (val_recall/<name>): characters other than letters, digits, "_" and "-"
+    become "_"; in class order, a name already taken gets "_<class index>" appended until it is unique."""
+    taken: set[str] = set()
+    names = []
+    for index, name in enumerate(class_names):
+        safe = UNSAFE.sub("_", str(name)) or "_"
+        while safe in taken:
+            safe = f"{safe}_{index}"
+        taken.add(safe)
+        names.append(safe)
+    return names
 
 
 def add_class_counts(counts: torch.Tensor, targets: torch.Tensor, predicted: torch.Tensor) -> None:
@@ -85,11 +103,11 @@ def confusion_counts(confusion: torch.Tensor) -> torch.Tensor:
     return torch.stack([confusion.diagonal(), confusion.sum(1), confusion.sum(0)])
 
 
-def class_metrics(counts: torch.Tensor) -> dict[str, float]:
+def class_metrics(counts: torch.Tensor, class_names: Sequence[str]) -> dict[str, float]:
     """val_balanced_acc (mean recall over the classes present), val_macro_f1 (mean F1 over the classes present or
     predicted), in percent as scikit-learn's balanced_accuracy_score and f1_score(average='macro') define them,
-    and val_recall_<c> of each class present when there are at most PER_CLASS_RECALL_MAX classes; from the 3 x C
-    per-class counts (add_class_counts, confusion_counts).
+    and val_recall/<class name> (metric_names) of each class present when there are at most PER_CLASS_RECALL_MAX
+    classes; from the 3 x C per-class counts (add_class_counts, confusion_counts) of the C `class_names`.
 
     The counts come to the host once (one copy, as the sums' tolist()); the arithmetic is numpy's.
     """
@@ -100,6 +118,9 @@ def class_metrics(counts: torch.Tensor) -> dict[str, float]:
     metrics = {"val_balanced_acc": 100.0 * float(recall.mean()) if len(recall) else 0.0,
                "val_macro_f1": 100.0 * float(f1.mean()) if len(f1) else 0.0}
     if len(hit) <= PER_CLASS_RECALL_MAX:
+        if len(class_names) != len(hit):
+            raise ValueError(f"{len(class_names)} class names for {len(hit)} classes counted")
+        names = metric_names(class_names)
         for c in np.flatnonzero(present).tolist():
-            metrics[f"val_recall_{c}"] = 100.0 * float(hit[c] / true[c])
+            metrics[f"val_recall/{names[c]}"] = 100.0 * float(hit[c] / true[c])
     return metrics

@@ -21,7 +21,7 @@ from core.errors import UserError
 from data.loader import EpochSampler
 from engine.checkpoint.formats import load_checkpoint
 from engine.losses import build_loss, class_weights
-from engine.metrics import PER_CLASS_RECALL_MAX, add_class_counts, class_metrics, confusion_counts
+from engine.metrics import PER_CLASS_RECALL_MAX, add_class_counts, class_metrics, confusion_counts, metric_names
 from engine.state import TrainState
 from tests.compare import allow_best_of_the_stop, assert_same, rows_without_timing
 from tests.helpers import TINY, make_image_folder, read_jsonl, run_on_ranks, train_here
@@ -199,16 +199,25 @@ def test_class_metrics_are_scikit_learns():
     for part in np.array_split(np.arange(300), 7):
         add_class_counts(counts, torch.from_numpy(y_true[part]), torch.from_numpy(y_pred[part]))
     assert torch.equal(counts, confusion_counts(confusion))
-    metrics = class_metrics(counts)
+    names = ["chat-noir_猫", "dog/puppy", "dog puppy", "never true", "v1.0", "neither"]  # "/" and " " collide
+    metrics = class_metrics(counts, names)
     with pytest.warns(UserWarning):  # sklearn warns that class 3 is predicted but never true
         assert math.isclose(metrics["val_balanced_acc"], 100 * balanced_accuracy_score(y_true, y_pred), rel_tol=1e-12)
     assert math.isclose(metrics["val_macro_f1"], 100 * f1_score(y_true, y_pred, average="macro"), rel_tol=1e-12)
     recalls = recall_score(y_true, y_pred, labels=[0, 1, 2, 4], average=None)
-    assert [metrics[f"val_recall_{c}"] for c in (0, 1, 2, 4)] == pytest.approx(100 * recalls, rel=1e-12)
-    assert "val_recall_3" not in metrics and "val_recall_5" not in metrics  # no true images: no recall
+    recall_keys = ["val_recall/chat-noir_猫", "val_recall/dog_puppy", "val_recall/dog_puppy_2", "val_recall/v1_0"]
+    assert [metrics[key] for key in recall_keys] == pytest.approx(100 * recalls, rel=1e-12)
+    assert [k for k in metrics if k.startswith("val_recall")] == recall_keys  # no true images (3, 5): no recall
     many = PER_CLASS_RECALL_MAX + 1
     identity = confusion_counts(torch.eye(many, dtype=torch.int64))
-    assert not any(k.startswith("val_recall_") for k in class_metrics(identity))
+    assert not any(k.startswith("val_recall") for k in class_metrics(identity, [str(c) for c in range(many)]))
+
+
+def test_metric_names_are_safe_and_unique_in_class_order():
+    """Only letters, digits, "_" and "-" survive; a taken name gets "_<class index>" until it is free, so a name
+    that a suffix produced is not taken twice either."""
+    names = ["a b", "a_b", "a_b_1", "x.y/z", "é,ü", ""]
+    assert metric_names(names) == ["a_b", "a_b_1", "a_b_1_2", "x_y_z", "é_ü", "_"]
 
 
 class Batches(list):
@@ -330,7 +339,8 @@ def test_evaluate_writes_the_class_metrics_of_its_predictions(tiny_run, tmp_path
     assert math.isclose(result["macro_f1"], 100 * f1_score(y_true, y_pred, average="macro"), rel_tol=1e-12)
     row = read_jsonl(tiny_run / "metrics.jsonl")[-1]
     assert (row["val_balanced_acc"], row["val_macro_f1"]) == (result["balanced_acc"], result["macro_f1"])
-    assert [row.get(f"val_recall_{c}") for c in range(10)] == [c["top1"] for c in result["per_class"]]
+    names = metric_names([c["class"] for c in result["per_class"]])
+    assert [row.get(f"val_recall/{name}") for name in names] == [c["top1"] for c in result["per_class"]]
 
 
 # ---- trained runs (slow): the sampler under DDP and across a resume, early stopping across a resume ----
