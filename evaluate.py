@@ -61,6 +61,8 @@ log = logging.getLogger("evaluate")
 COLUMNS = ("index", "path", "label", "pred", "confidence", "top5", "label_name", "pred_name", "loss")
 CONFUSION_MAX = 1000  # classes up to which confusion_matrix.png is drawn (C x C counts on the host: 8 MB at 1000)
 ML_COLUMNS = ("index", "path", "labels", "pred", "label_names", "pred_names", "probs", "loss")  # multi-label
+NUMBERS = {"index": int, "label": int, "pred": int, "confidence": float, "loss": float}  # as numbers in W&B's table
+ML_NUMBERS = {"index": int, "loss": float}  # multi-label: labels, pred and probs are lists of numbers (text)
 OUTPUTS = {"eval.json": starts_with(b'{\n  "checkpoint": '), "predictions.csv": CSV_OUTPUT,  # as written here
            "confusion_matrix.png": starts_with(b"\x89PNG\r\n\x1a\n"),
            "per_class.csv": starts_with(b"class,positives,ap,")}  # multi-label
@@ -411,7 +413,7 @@ def log_to_wandb(cfg: Config, args: argparse.Namespace, result: dict[str, Any], 
     tracker.start({**to_dict(cfg), "checkpoint": str(args.checkpoint), "ema": args.ema}, out, job_type="eval")
     per_class = {c["class"]: c["ap"] if multi else c["top1"] for c in result["per_class"]}
     matrix = out / "confusion_matrix.png" if not multi and len(per_class) <= CONFUSION_MAX else None
-    tracker.log_evaluation({**result, "per_class": per_class}, matrix, rows)
+    tracker.log_evaluation({**result, "per_class": per_class}, matrix, rows, ML_NUMBERS if multi else NUMBERS)
     tracker.use_model(args.checkpoint, trained_run_id)
     tracker.finish()
 

@@ -219,16 +219,19 @@ class WandbTracker(Sink):
             self.run._log_artifact(artifact, is_user_created=True, use_after_commit=True)
 
     def log_evaluation(self, metrics: dict[str, Any], confusion_png: str | os.PathLike | None,
-                       rows: list[dict[str, Any]]) -> None:
+                       rows: list[dict[str, Any]], numbers: dict[str, type] | None = None) -> None:
         """evaluate.py's results: metrics in the summary under eval/, the confusion matrix (none for multi-label),
-        a predictions table."""
+        a predictions table. `numbers`: the columns whose text (predictions.csv's) is an int or float, stored as
+        numbers so that W&B sorts and filters them as numbers."""
         if not self.active:
             return
         with self._guard("logging the evaluation"):
             import wandb
 
             columns = list(rows[0]) if rows else []
-            table = wandb.Table(columns=columns, data=[[table_cell(row[c]) for c in columns] for row in rows])
+            kinds = numbers or {}
+            table = wandb.Table(columns=columns,
+                                data=[[table_cell(row[c], kinds.get(c)) for c in columns] for row in rows])
             image = {} if confusion_png is None else {"eval/confusion_matrix": wandb.Image(str(confusion_png))}
             self.run.log({**image, "eval/predictions": table})
             self.run.summary.update({f"eval/{k}": v for k, v in metrics.items()})
@@ -328,7 +331,10 @@ def timeouts() -> dict[str, float]:
     return {key: value for key, value in defaults.items() if f"WANDB_{key.upper()}" not in os.environ}
 
 
-def table_cell(value: Any) -> Any:
-    """Scalars stay as they are; anything else (a top-5 list) becomes its text, which a W&B table can hold."""
+def table_cell(value: Any, kind: type | None = None) -> Any:
+    """A number's text as `kind` (int, float); other scalars as they are; anything else (a top-5 list) as its text,
+    which a W&B table can hold."""
+    if kind is not None and isinstance(value, str):
+        return kind(value)
     return value if value is None or isinstance(value, (str, int, float, bool)) else str(value)
 

@@ -77,7 +77,11 @@ def test_evaluate_is_identical_for_1_2_3_processes(checkpoint, tmp_path):
     assert run.summary["eval/per_class"] == {c["class"]: c["top1"] for c in result["per_class"]}
     [logged] = [h for h in run.history if "eval/predictions" in h]
     table = json.loads((path.parent / "files" / logged["eval/predictions"]["path"]).read_text())
-    assert len(table["data"]) == VAL_SIZE
+    # predictions.csv's cells, numbers as numbers: W&B sorts confidence and loss numerically, not as text
+    numbers = {"index": int, "label": int, "pred": int, "confidence": float, "loss": float}
+    assert table["columns"] == list(rows[0])
+    assert table["data"] == [[numbers.get(c, str)(row[c]) for c in table["columns"]] for row in rows]
+    assert all(type(cell) is numbers.get(c, str) for line in table["data"] for c, cell in zip(table["columns"], line))
 
 
 def test_evaluate_errors_are_one_line(checkpoint, tmp_path, capsys):

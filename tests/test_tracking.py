@@ -376,6 +376,7 @@ def test_sample_table_holds_the_augmented_images_the_model_is_fed(tracked):
     cfg = load_config(str(out / "config.yaml"))
     train_set, _ = build_datasets(cfg.data, seed=cfg.seed)  # the run's own seed
     for index, image, label, name in table["data"]:
+        assert (type(index), image["_type"], type(label), type(name)) == (int, "image-file", int, str)  # typed cells
         expected, expected_label = train_set[(0, index)]  # epoch 0's augmentation of sample `index`
         png = cv2.imread(str(files[image["path"]]), cv2.IMREAD_UNCHANGED)
         assert (png[..., ::-1] == expected.permute(1, 2, 0).numpy()).all()  # PNG is lossless; cv2 reads BGR
