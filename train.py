@@ -21,6 +21,7 @@ import copy
 import dataclasses
 import logging
 import random
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ from core.config_load import load_config
 from core.dist import (DistInfo, all_gather_object, broadcast_object, broadcast_tensors, init_distributed, is_fsdp,
                        main_first, min_over_ranks, rank0_decides, read_launch_env, replicated_tensors)
 from core.errors import UserError
-from core.logs import setup_logging
+from core.logs import run_summary, setup_logging
 from core.signals import Preempted
 from data.loader import (DataBundle, build_data, dropped_images_note, skipped_train_images, steps_per_epoch,
                          with_batch_size)
@@ -288,7 +289,7 @@ def seed_everything(seed: int) -> None:
 
 def fit(cfg: Config, info: DistInfo, lock: FolderLock | None = None) -> TrainState | None:
     """The run; `lock`: rank 0's lock on output_dir (main holds it), checked before each write there."""
-    out = Path(cfg.output_dir)
+    out, started = Path(cfg.output_dir), time.monotonic()
     cfg, start, weights = resolve_start(cfg, info)
     if (reason := finished_reason(cfg, start.ckpt)) is not None:
         log.info("the run in %s is finished (%s): nothing was trained or written; raise train.epochs (or "
@@ -383,7 +384,9 @@ def fit(cfg: Config, info: DistInfo, lock: FolderLock | None = None) -> TrainSta
             sink.finish()
     finally:
         checkpointer.close()
-    log.info("done: best %s %.2f, outputs in %s", chosen_on, state.best_value, out)
+    if info.is_main:
+        log.info(run_summary(record.rows(), chosen_on, state.best_value, state.best_epoch, time.monotonic() - started,
+                             out))
     return state
 
 

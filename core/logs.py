@@ -1,4 +1,4 @@
-"""Rank 0 speaks: log setup, the per-epoch metrics.jsonl file and the training progress.
+"""Rank 0 speaks: log setup, the per-epoch metrics.jsonl file, the training progress and the end-of-run summary.
 
 Progress goes to a terminal as a tqdm bar; to a file (stderr redirected, as under a scheduler) as one plain
 log line every `logging.interval` steps, which a bar's carriage returns would turn into one endless line.
@@ -93,3 +93,38 @@ class MetricsFile:
         if not self.path.exists():
             return []
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+
+MAIN_COLUMNS = ("train_loss", "val_loss", "val_top1", "val_top5", "val_balanced_acc", "val_macro_f1",  # single-label
+                "val_map", "val_f1")  # multi-label
+
+
+def shown(name: str, value: float | None) -> str:
+    """A metric as the epoch lines show it: losses to 4 decimals, percentages to 2."""
+    if value is None:
+        return f"{name} n/a"
+    return f"{name} {value:.4f}" if name.endswith("loss") else f"{name} {value:.2f}"
+
+
+def run_summary(rows: list[dict], metric: str, best_value: float, best_epoch: int | None, wall_s: float,
+                out: str | Path) -> str:
+    """The end of a run in three lines (as timm's `*** Best metric` and Lightning's results table): the best value
+    of `metric` (train.best_metric, the one best.pth follows) and its epoch, the last metrics.jsonl row's main
+    metrics, the training speed over `rows` (total images / total training seconds, not a mean of the epochs'
+    img/s) and this process's wall time, and the output folder."""
+    if math.isfinite(best_value):
+        at = f" at epoch {best_epoch}" if best_epoch is not None else ""
+        best = f"*** best {shown(metric, best_value)}{at} (best.pth)"
+    else:
+        best = f"*** no best {metric}: no evaluation gave a number"
+    if not rows:
+        return f"{best}\n*** no epoch in metrics.jsonl; wall time {duration(wall_s)}; outputs in {out}"
+    last = rows[-1]
+    columns = [c for c in MAIN_COLUMNS if c in last] + ([metric] if metric not in MAIN_COLUMNS and metric in last
+                                                       else [])
+    timed = [r for r in rows if r.get("train_images") is not None and r.get("epoch_time_s")]
+    seconds = sum(r["epoch_time_s"] for r in timed)
+    speed = f"{sum(r['train_images'] for r in timed) / seconds:.0f} img/s" if seconds else "img/s n/a"
+    return (f"{best}\n*** last epoch {last['epoch']}: {' '.join(shown(c, last[c]) for c in columns)}\n"
+            f"*** {len(rows)} epoch(s) in metrics.jsonl, training at {speed}; wall time {duration(wall_s)}; outputs "
+            f"in {out}")

@@ -18,7 +18,7 @@ from core.config import Config, ModelConfig, TrainConfig, to_dict
 from core.dist import DistInfo
 from core.errors import UserError
 from core.files import save_atomic
-from core.logs import MetricsFile
+from core.logs import MetricsFile, run_summary
 from data.loader import EpochSampler, ShardSampler
 from engine.checkpoint.formats import load_checkpoint
 from engine.checkpoint.inference import load_trained
@@ -238,6 +238,21 @@ def test_a_checkpoint_written_before_the_rename_loads_with_todays_names(tiny_run
     recorded = load_trained(tmp_path / "best.pth").metrics
     assert recorded == load_trained(tiny_run / "best.pth").metrics
     assert recorded[f"best {today['best_metric']} of the run"] == round(today["best_value"], 4)
+
+
+def test_run_summary_names_the_best_metric_its_epoch_and_the_speed():
+    rows = [{"epoch": 0, "train_loss": 2.0, "val_loss": 1.5, "val_top1": 40.0, "val_top5": 90.0, "ema_val_loss": 1.6,
+             "train_images": 1000, "epoch_time_s": 10.0, "train_img_per_s": 100.0},
+            {"epoch": 1, "train_loss": 1.0, "val_loss": 1.25, "val_top1": 50.0, "val_top5": 95.0, "ema_val_loss": 1.2,
+             "train_images": 1000, "epoch_time_s": 30.0, "train_img_per_s": 33.3}]
+    text = run_summary(rows, "ema_val_loss", 1.2, 1, 3725.0, "runs/x")
+    assert text.splitlines() == [
+        "*** best ema_val_loss 1.2000 at epoch 1 (best.pth)",
+        "*** last epoch 1: train_loss 1.0000 val_loss 1.2500 val_top1 50.00 val_top5 95.00 ema_val_loss 1.2000",
+        "*** 2 epoch(s) in metrics.jsonl, training at 50 img/s; wall time 1:02:05; outputs in runs/x"]  # 2000 / 40 s
+    assert run_summary([], "val_top1", float("-inf"), None, 1.0, "runs/x").splitlines() == [
+        "*** no best val_top1: no evaluation gave a number", "*** no epoch in metrics.jsonl; wall time 0:00:01; "
+        "outputs in runs/x"]
 
 
 @pytest.mark.parametrize("content", [b"hello", bytes(np.random.default_rng(0).integers(0, 256, 1000, dtype=np.uint8)),

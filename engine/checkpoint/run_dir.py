@@ -266,6 +266,11 @@ class RunRecord:
         self.start()
         self.write(lambda: self.metrics.append(row))
 
+    def rows(self) -> list[dict[str, Any]]:
+        """metrics.jsonl's rows of this run, read on rank 0 (before its first write: the rows start_files keeps)."""
+        rows = self.metrics.rows()
+        return rows if self.started else [row for row in rows if row["epoch"] < self.first_epoch]
+
     def start_files(self) -> None:
         """metrics.jsonl keeps the epochs before this run's first (each epoch's row is written once); config.yaml."""
         self.folder.mkdir(parents=True, exist_ok=True)
