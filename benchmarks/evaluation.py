@@ -47,6 +47,7 @@ def main() -> None:
     from engine.evaluation import evaluate
     from engine.precision import resolve_precision
     from models.factory import create_model, prepare_model
+    from tests.helpers import Batches
 
     torch.set_num_threads(args.threads)
     keep_freed_memory()  # as evaluate.py's tune_cpu_process does on CPU (`GLIBC_TUNABLES= ...` measures without)
@@ -57,8 +58,8 @@ def main() -> None:
     model = prepare_model(create_model(cfg, num_classes=1000), cfg, info.device, world_size=1).eval()
     precision = resolve_precision("auto", info.device)
     shape = (args.batch_size, 3, args.img_size, args.img_size)
-    raw = [(torch.randint(0, 256, shape, dtype=torch.uint8).contiguous(memory_format=torch.channels_last),
-            torch.randint(0, 1000, (args.batch_size,))) for _ in range(args.batches)]
+    raw = Batches([(torch.randint(0, 256, shape, dtype=torch.uint8).contiguous(memory_format=torch.channels_last),
+                    torch.randint(0, 1000, (args.batch_size,))) for _ in range(args.batches)], 1000)
     data = DataConfig()
     normalize = DeviceNormalize(data.mean, data.std, info.device, cfg.channels_last)
     batches = [(normalize(x), y) for x, y in raw]

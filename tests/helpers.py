@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -178,6 +179,15 @@ def dump_stacks_and_kill(popen: subprocess.Popen) -> str:
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+class Batches(list):
+    """A list of (uint8 images, labels) batches that evaluation takes for a DataLoader: with its dataset's class
+    names (str(index)), which the per-class metrics are keyed by."""
+
+    def __init__(self, batches: list, classes: int) -> None:
+        super().__init__(batches)
+        self.dataset = types.SimpleNamespace(classes=[str(c) for c in range(classes)])
 
 
 def as_written_before_the_rename(ckpt: dict) -> dict:

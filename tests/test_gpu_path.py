@@ -40,7 +40,7 @@ from engine.state import TrainState
 from engine.trainer import LoopConfig, TrainParts, train_one_epoch
 from models.ema import create_ema
 from models.factory import prepare_model
-from tests.helpers import HANG, REPO, TINY, op_counter, run_ranks, run_script, script_env
+from tests.helpers import HANG, REPO, TINY, Batches, op_counter, run_ranks, run_script, script_env
 from models.parallel import wrap_for_training
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
@@ -199,7 +199,7 @@ def test_training_and_evaluation_steps_make_no_hidden_host_device_traffic():
     normalize = DeviceNormalize([0.5] * 3, [0.5] * 3, CPU.device, channels_last=False)
     model, batches = timm.create_model("test_resnet", num_classes=4), _batches(STEPS)
     with op_counter() as eval_traffic:
-        run_evaluation(model, batches, Precision("cpu", None), CPU, normalize)
+        run_evaluation(model, Batches(batches, 4), Precision("cpu", None), CPU, normalize)
     assert train_traffic["lift_fresh"] == 0 and eval_traffic.ops["lift_fresh"] == 0
     # The one documented per-step read: the inf/NaN gradient check fused with the stop flag. None in evaluation.
     assert train_traffic["_local_scalar_dense"] == STEPS

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import types
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +23,7 @@ from engine.losses import build_loss, class_weights
 from engine.metrics import PER_CLASS_RECALL_MAX, add_class_counts, class_metrics, confusion_counts, metric_names
 from engine.state import TrainState
 from tests.compare import allow_best_of_the_stop, assert_same, rows_without_timing
-from tests.helpers import TINY, make_image_folder, read_jsonl, run_on_ranks, train_here
+from tests.helpers import TINY, Batches, make_image_folder, read_jsonl, run_on_ranks, train_here
 
 # 100 : 10 : 5 : 1 images: a class-balanced draw must still give each class a quarter of an epoch.
 LABELS = np.repeat(np.arange(4), [100, 10, 5, 1])
@@ -218,14 +217,6 @@ def test_metric_names_are_safe_and_unique_in_class_order():
     that a suffix produced is not taken twice either."""
     names = ["a b", "a_b", "a_b_1", "x.y/z", "é,ü", ""]
     assert metric_names(names) == ["a_b", "a_b_1", "a_b_1_2", "x_y_z", "é_ü", "_"]
-
-
-class Batches(list):
-    """A list of (uint8 images, labels) batches that evaluation takes for a DataLoader."""
-
-    def __init__(self, batches: list, classes: int) -> None:
-        super().__init__(batches)
-        self.dataset = types.SimpleNamespace(classes=list(range(classes)))
 
 
 def refuse_large_allocations(limit: int):
