@@ -252,6 +252,11 @@ def replace_keys(cfg: Config, **changes: Any) -> Config:
     return with_origins(dataclasses.replace(cfg, **changes), cfg)
 
 
+def global_batch(world_size: int, batch_size: int, accum_steps: int) -> int:
+    """Images per optimizer step over all processes: the one place it is computed."""
+    return world_size * batch_size * accum_steps
+
+
 def mixing(cfg: DataConfig) -> bool:
     """Whether training mixes pairs of images (mixup or cutmix)."""
     return cfg.mixup_alpha > 0 or cfg.cutmix_alpha > 0
@@ -321,8 +326,9 @@ def config_yaml(cfg: Config) -> str:
 def run_values(cfg: Config, world_size: int) -> str:
     """The derived values a run uses, resolved (--dry-run's second line): the batch, the lr, the preprocessing."""
     train, data = cfg.train, cfg.data
+    images = global_batch(world_size, train.batch_size, train.accum_steps)
     return (f"train.batch_size {train.batch_size} x {world_size} process(es) x train.accum_steps {train.accum_steps} = "
-            f"global batch {train.batch_size * world_size * train.accum_steps}, optim.lr {cfg.optim.lr:g}, "
+            f"global batch {images}, optim.lr {cfg.optim.lr:g}, "
             f"data.img_size {data.img_size}, data.mean {data.mean}, data.std {data.std}, data.interpolation "
             f"{data.interpolation}, data.crop_pct {data.crop_pct}, amp {cfg.amp}, eval_amp {cfg.eval_amp}")
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Sampler, default_collate
 
-from core.config import DataConfig, mixing
+from core.config import DataConfig, global_batch, mixing
 from core.dist import DistInfo, local_main_first
 from core.errors import UserError
 from core.signals import worker_signals
@@ -353,7 +353,7 @@ def build_train_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: i
                        info: DistInfo, accum_steps: int = 1) -> DataLoader:
     """Shuffled, drop_last loader over this rank's share of the training set (with mixing, batches carry
     their mixes: data.mixing)."""
-    step = batch_size * info.world_size * accum_steps
+    step = global_batch(info.world_size, batch_size, accum_steps)
     group = mix_group(cfg, batch_size, step)
     sampler = EpochSampler(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=seed,
                            drop_last=True, unit=min(group, batch_size) if group else 2 if mixing(cfg) else 1,
@@ -416,10 +416,11 @@ def collate_readable(samples: list) -> tuple[torch.Tensor, torch.Tensor]:
     return collate_channels_last(kept)
 
 
-def skipped_train_images(loader: DataLoader, world_size: int, seen: int) -> int:
-    """Training images of a whole epoch dropped as unreadable (seen: the epoch's image count over all ranks)."""
+def full_epoch_images(loader: DataLoader, world_size: int) -> int:
+    """The images a whole epoch trains on over all ranks (those it did not, with data.skip_corrupt, were
+    unreadable)."""
     batch_size = loader.batch_size
-    return loader.sampler.num_samples // batch_size * batch_size * world_size - seen
+    return loader.sampler.num_samples // batch_size * batch_size * world_size
 
 
 DROP_NOTE_SHARE = 0.01  # an epoch that leaves out more than this share of the training set says so at start-up
@@ -465,30 +466,32 @@ class DataBundle:
     num_classes: int
     class_names: list[str]
     class_counts: list[int]  # training images per class (class weights, logit adjustment); multi-label: positives
+    steps_per_epoch: int = 0  # optimizer steps in a whole epoch (train.accum_steps, train.drop_last_accum)
 
     def sizes(self) -> dict[str, int]:
         """Images in each split (the checkpoints record them for the model card)."""
         return {"train": len(self.train.dataset), "val": len(self.val.dataset)}
 
 
-def build_data(cfg: DataConfig, batch_size: int, seed: int, info: DistInfo, accum_steps: int = 1) -> DataBundle:
-    """Everything training needs from data/: both loaders and the class list."""
+def build_data(cfg: DataConfig, batch_size: int, seed: int, info: DistInfo, accum_steps: int = 1,
+               drop_last_accum: bool = False) -> DataBundle:
+    """Everything training needs from data/: both loaders, the class list, and the optimizer steps per epoch."""
     train_set, val_set = build_datasets(cfg, seed, info.local_rank)
     train_set.tensor_transform = tensor_augment(cfg)  # data.auto_augment, data.random_erase: for any data format
     train_set.erasing = deferred_erasing(cfg)  # data.random_erase_fill=normalized: boxes drawn, filled on the device
     log.info("data %s: train %d images, val %d images, %d classes%s", cfg.name, len(train_set), len(val_set),
              len(train_set.classes), ", multi-label (data.multi_label=true)" if cfg.multi_label else "")
-    return loaders(train_set, val_set, cfg, batch_size, seed, info, accum_steps)
+    return loaders(train_set, val_set, cfg, batch_size, seed, info, accum_steps, drop_last_accum)
 
 
 def with_batch_size(data: DataBundle, cfg: DataConfig, batch_size: int, seed: int, info: DistInfo,
-                    accum_steps: int = 1) -> DataBundle:
+                    accum_steps: int = 1, drop_last_accum: bool = False) -> DataBundle:
     """The same datasets in loaders of another batch (train.batch_size=auto, once the search found it)."""
-    return loaders(data.train.dataset, data.val.dataset, cfg, batch_size, seed, info, accum_steps)
+    return loaders(data.train.dataset, data.val.dataset, cfg, batch_size, seed, info, accum_steps, drop_last_accum)
 
 
 def loaders(train_set: AugmentedDataset, val_set: AugmentedDataset, cfg: DataConfig, batch_size: int, seed: int,
-            info: DistInfo, accum_steps: int = 1) -> DataBundle:
+            info: DistInfo, accum_steps: int = 1, drop_last_accum: bool = False) -> DataBundle:
     """Both loaders of the datasets and the class list, with every rank given a validation batch."""
     val = build_eval_loader(val_set, cfg, batch_size, info)
     val_batches = math.ceil(len(val_set) / batch_size)
@@ -496,13 +499,10 @@ def loaders(train_set: AugmentedDataset, val_set: AugmentedDataset, cfg: DataCon
         raise UserError(f"the validation set has {len(val_set)} images, {val_batches} batch(es) of train.batch_size "
                         f"{batch_size} for {info.world_size} processes, and each process needs one; use fewer "
                         "processes or a smaller train.batch_size")
-    return DataBundle(
-        train=build_train_loader(train_set, cfg, batch_size, seed, info, accum_steps),
-        val=val,
-        num_classes=len(train_set.classes),
-        class_names=list(train_set.classes),
-        class_counts=class_counts(train_set.labels, len(train_set.classes)),
-    )
+    train = build_train_loader(train_set, cfg, batch_size, seed, info, accum_steps)
+    return DataBundle(train=train, val=val, num_classes=len(train_set.classes), class_names=list(train_set.classes),
+                      class_counts=class_counts(train_set.labels, len(train_set.classes)),
+                      steps_per_epoch=steps_per_epoch(train, accum_steps, drop_last_accum))
 
 
 def class_counts(labels: np.ndarray, num_classes: int) -> list[int]:

@@ -1,32 +1,73 @@
-"""Per-step side effects of training, as small objects the loop calls in list order.
+"""Training's side effects, as small objects the loop calls in list order (detectron2's HookBase, with epochs).
 
-The loop calls `after_step(state)` after every optimizer step and `after_interval(state, stats)` every
-`logging.interval` steps with the all-reduced interval stats (train_loss, lr, img_per_s), on every rank.
-fit() orders them on purpose: the EMA is updated before a step checkpoint saves it.
+Per step: `after_step(state)` after every optimizer step, `after_interval(state, stats)` every `logging.interval`
+steps with the all-reduced interval stats (train_loss, lr, img_per_s). Per epoch: `before_epoch(state)`, and
+`after_epoch(state, end)` once the epoch is trained and validated, with its metrics.jsonl row (a hook may add a
+column; the ones after it see it). At the end of a run that was not stopped by an error: `after_train(state)`.
+Every call happens on every rank (a hook that runs a collective is safe). assembly/fit.py orders them on purpose:
+the EMA is updated before a step checkpoint saves it; after an epoch the skipped-image count joins the row, the
+epoch is closed, the row is recorded, then logged by the sinks, then checkpointed (best.pth), then uploaded.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
 
 from torch import nn
 
+from engine.losses import set_loss_epoch
 from engine.state import TrainState
 
 if TYPE_CHECKING:  # the loop needs only Hook: keep checkpoint/tracking out of its imports
     from engine.checkpoint.run_dir import RunRecord
     from engine.checkpoint.saver import Checkpointer
-    from engine.tracking import Sink
+    from engine.tracking import Sink, WandbTracker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EpochEnd:
+    """What an epoch's end hands its hooks: its metrics.jsonl row, whether it beat the best of train.best_metric,
+    and whether every step of it ran (train.max_steps can stop a run mid-epoch: resume continues that epoch)."""
+
+    row: dict[str, Any]
+    is_best: bool
+    finished: bool
 
 
 class Hook:
-    """Override what you need; both calls happen on every rank (a hook that runs a collective is safe)."""
+    """Override what you need; every call happens on every rank (a hook that runs a collective is safe)."""
+
+    def before_epoch(self, state: TrainState) -> None:
+        pass
 
     def after_step(self, state: TrainState) -> None:
         pass
 
     def after_interval(self, state: TrainState, stats: dict[str, float]) -> None:
         pass
+
+    def after_epoch(self, state: TrainState, end: EpochEnd) -> None:
+        pass
+
+    def after_train(self, state: TrainState) -> None:
+        pass
+
+
+class EpochInputs(Hook):
+    """Before each epoch: the training loader at that epoch, past the batches this rank already trained on in it
+    (a mid-epoch resume), and the loss at it (train.class_weights_from_epoch)."""
+
+    def __init__(self, loader: Any, accum_steps: int, loss_fn: Any) -> None:
+        self.loader, self.accum_steps, self.loss_fn = loader, accum_steps, loss_fn
+
+    def before_epoch(self, state: TrainState) -> None:
+        state.set_loader_epoch(self.loader, self.accum_steps)
+        set_loss_epoch(self.loss_fn, state.epoch)
 
 
 class EmaUpdate(Hook):
@@ -73,12 +114,108 @@ class StepCheckpoint(Hook):
             self.saved_step = state.global_step
 
 
-class IntervalTracking(Hook):
-    """The `interval/` curves of the tracking sinks, W&B and TensorBoard (no-ops off rank 0 or when off)."""
+class Tracking(Hook):
+    """The tracking sinks, W&B and TensorBoard (no-ops off rank 0 or when off): the `interval/` curves, and each
+    epoch's row with the best value of `chosen_on` so far, and the epoch's log line (rank 0)."""
 
-    def __init__(self, sinks: Sequence[Sink]) -> None:
-        self.sinks = sinks
+    def __init__(self, sinks: Sequence[Sink], chosen_on: str, is_main: bool) -> None:
+        self.sinks, self.chosen_on, self.is_main = sinks, chosen_on, is_main
 
     def after_interval(self, state: TrainState, stats: dict[str, float]) -> None:
         for sink in self.sinks:
             sink.log_interval(state.global_step, stats)
+
+    def after_epoch(self, state: TrainState, end: EpochEnd) -> None:
+        if self.is_main:
+            for sink in self.sinks:
+                sink.log_epoch(state.global_step, end.row, {self.chosen_on: state.best_value})
+            log.info(epoch_line(end.row))
+
+
+class FinishSinks(Hook):
+    """Last of all at the end of a run, once its last checkpoint write is known to have worked: the W&B run and the
+    TensorBoard writer are closed."""
+
+    def __init__(self, sinks: Sequence[Sink]) -> None:
+        self.sinks = sinks
+
+    def after_train(self, state: TrainState) -> None:
+        for sink in self.sinks:
+            sink.finish()
+
+
+def epoch_line(row: dict) -> str:
+    """The log line of an epoch's metrics.jsonl row (multi-label: no top-1, mAP and F1 instead)."""
+    if "val_map" in row:
+        shown = (f"train_loss {row['train_loss']:.4f} | val_loss {row['val_loss']:.4f} val_map {row['val_map']:.2f} "
+                 f"val_map_micro {row['val_map_micro']:.2f} val_f1 {row['val_f1']:.2f}")
+    else:
+        shown = (f"train_loss {row['train_loss']:.4f} train_top1 {row['train_top1']:.2f} | val_loss "
+                 f"{row['val_loss']:.4f} val_top1 {row['val_top1']:.2f} val_top5 {row['val_top5']:.2f} "
+                 f"bal_acc {row['val_balanced_acc']:.2f} macro_f1 {row['val_macro_f1']:.2f}")
+    return f"epoch {row['epoch']}: {shown} | {row['train_img_per_s']:.0f} img/s, {row['epoch_time_s']:.1f}s"
+
+
+class SkippedImages(Hook):
+    """data.skip_corrupt: a finished epoch's row says how many of its `expected` images (over all ranks) were
+    dropped as unreadable, and rank 0 warns when any was."""
+
+    def __init__(self, expected: int, is_main: bool) -> None:
+        self.expected, self.is_main = expected, is_main
+
+    def after_epoch(self, state: TrainState, end: EpochEnd) -> None:
+        if not end.finished:
+            return
+        end.row["skipped_images"] = skipped = self.expected - end.row["train_images"]
+        if skipped and self.is_main:
+            log.warning("epoch %d: %d unreadable training image(s) skipped (data.skip_corrupt=true)", state.epoch,
+                        skipped)
+
+
+class CloseEpoch(Hook):
+    """A finished epoch moves the state to the next one (before the row is recorded and the checkpoint saved, so
+    that resume=auto starts there); an unfinished one (train.max_steps) stays open for resume to continue."""
+
+    def after_epoch(self, state: TrainState, end: EpochEnd) -> None:
+        if end.finished:
+            state.finish_epoch()
+
+
+class RecordRow(Hook):
+    """metrics.jsonl: each epoch's row (rank 0 writes; the run's folder starts at its first write)."""
+
+    def __init__(self, record: RunRecord) -> None:
+        self.record = record
+
+    def after_epoch(self, state: TrainState, end: EpochEnd) -> None:
+        self.record.append(end.row)
+
+
+class EpochCheckpoint(Hook):
+    """last.pth after each evaluation, best.pth when it beat the best of `chosen_on`, epoch_NNNN.pth after a
+    finished epoch; at the end every rank learns that the last write worked."""
+
+    def __init__(self, checkpointer: Checkpointer, chosen_on: str) -> None:
+        self.checkpointer, self.chosen_on = checkpointer, chosen_on
+
+    def after_epoch(self, state: TrainState, end: EpochEnd) -> None:
+        self.checkpointer.save(state, metric_value=end.row[self.chosen_on], best=end.is_best, epoch_file=end.finished)
+
+    def after_train(self, state: TrainState) -> None:
+        self.checkpointer.wait()
+
+
+class BestArtifact(Hook):
+    """logging.wandb_log_checkpoints: a W&B model version per best.pth as soon as it is written, so that a
+    preempted run keeps its best model in W&B."""
+
+    def __init__(self, tracker: WandbTracker, checkpointer: Checkpointer, best: Path, chosen_on: str,
+                 model_name: str) -> None:
+        self.tracker, self.checkpointer, self.best = tracker, checkpointer, best
+        self.chosen_on, self.model_name = chosen_on, model_name
+
+    def after_epoch(self, state: TrainState, end: EpochEnd) -> None:
+        if end.is_best and self.tracker.logs_checkpoints and self.checkpointer.written():
+            self.tracker.log_checkpoint(self.best, {"epoch": end.row["epoch"], "global_step": state.global_step,
+                                                    "best_metric": self.chosen_on, self.chosen_on: state.best_value,
+                                                    "model": self.model_name})

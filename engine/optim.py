@@ -12,7 +12,8 @@ from timm.scheduler.scheduler import Scheduler
 from torch import nn
 from torchvision.ops._utils import split_normalization_params  # torchvision's own norm/other split (pinned 0.29.1)
 
-from core.config import Config, OptimConfig, SchedConfig, command_line_keys, given_keys, mixing, replace_section
+from core.config import (Config, OptimConfig, SchedConfig, command_line_keys, given_keys, global_batch, mixing,
+                         replace_section)
 from core.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -102,11 +103,11 @@ def with_scaled_lr(cfg: Config, world_size: int) -> Config:
         log.info("optim.lr %g as given: the config file's optim.lr_base %g (scaled by the global batch) is not "
                  "applied", optim.lr, optim.lr_base)
         return replace_section(cfg, "optim", lr_base=0.0)
-    global_batch = cfg.train.batch_size * world_size * cfg.train.accum_steps
-    ratio = global_batch / optim.lr_base_size
+    images = global_batch(world_size, cfg.train.batch_size, cfg.train.accum_steps)
+    ratio = images / optim.lr_base_size
     lr = optim.lr_base * (ratio ** 0.5 if optim.lr_base_scale == "sqrt" else ratio)
     replaced = f"; the config file's optim.lr {optim.lr:g} is not used" if "optim.lr" in given_keys(cfg) else ""
-    log.info("optim.lr %g = optim.lr_base %g x global batch %d / %d (%s)%s", lr, optim.lr_base, global_batch,
+    log.info("optim.lr %g = optim.lr_base %g x global batch %d / %d (%s)%s", lr, optim.lr_base, images,
              optim.lr_base_size, optim.lr_base_scale, replaced)
     return replace_section(cfg, "optim", lr=lr)
 

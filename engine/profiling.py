@@ -63,6 +63,10 @@ class ProfileSteps(Hook):
         elif state.global_step == self.end:
             self.finish(state.global_step)
 
+    def after_train(self, state: TrainState) -> None:
+        """The run ended inside the profiled steps: write what it recorded."""
+        self.finish(state.global_step)
+
     def finish(self, step: int) -> None:
         """Stop after optimizer step `step` (`end`, or the run's last when it ended first: then the trace also holds
         its evaluation) and write the trace (a collective: every rank calls it); a no-op once done."""

@@ -15,6 +15,8 @@ import time
 from typing import Callable, Iterator, TypeVar
 
 from core.config import DataConfig
+from engine.hooks import EpochEnd, Hook
+from engine.state import TrainState
 
 log = logging.getLogger(__name__)
 
@@ -74,19 +76,19 @@ def share(waited: float, wall: float) -> float:
     return min(waited / wall, 1.0) if wall > 0 else 0.0
 
 
-class InputAdvice:
+class InputAdvice(Hook):
     """Rank 0 says once per run what to change when an epoch waited for its input more than INPUT_BOUND."""
 
     def __init__(self, cfg: DataConfig, cores: int, is_main: bool) -> None:
         self.cfg, self.cores, self.is_main = cfg, cores, is_main
         self.given = False
 
-    def after_epoch(self, epoch: int, stats: dict[str, float]) -> None:
-        wait = stats["train_input_wait"]
+    def after_epoch(self, state: TrainState, end: EpochEnd) -> None:
+        wait = end.row["train_input_wait"]
         if self.given or not self.is_main or wait <= INPUT_BOUND:
             return
         self.given = True
-        log.warning(advice(self.cfg, self.cores, epoch, wait, stats["train_step_s"]))
+        log.warning(advice(self.cfg, self.cores, state.epoch, wait, end.row["train_step_s"]))
 
 
 def advice(cfg: DataConfig, cores: int, epoch: int, wait: float, step_s: float) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from core.config import TrainConfig
 from engine.metrics import SumMeter
 
 TRAIN_SUMS = ("loss_sum", "correct", "count")
@@ -118,3 +119,16 @@ class TrainState:
         self.epochs_without_best = ckpt.get("epochs_without_best", 0)
         self.best_in_epoch = ckpt.get("best_in_epoch", False)
         self.meter = None
+
+
+def stop_reason(train: TrainConfig, state: TrainState, chosen_on: str) -> str | None:
+    """train.max_steps reached, or train.early_stop_patience run out (checked before each epoch, so that a resumed
+    run stops alike); None: the run goes on."""
+    if train.max_steps and state.global_step >= train.max_steps:
+        return f"stopping at train.max_steps={train.max_steps}"
+    patience = train.early_stop_patience
+    if patience and state.epochs_without_best >= patience:
+        return (f"stopping early before epoch {state.epoch}: {chosen_on} has not improved for "
+                f"{state.epochs_without_best} epochs (train.early_stop_patience={patience}); best {chosen_on} "
+                f"{state.best_value:.4f}")
+    return None

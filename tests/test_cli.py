@@ -8,6 +8,7 @@ import typing
 import yaml
 
 import train
+from assembly import launch
 from core.cli import report_errors
 from core.config import FIRST_KEYS, Config
 from core.config_load import config_from_dict, load_config
@@ -114,4 +115,4 @@ def test_other_data_without_config_is_refused_not_trained_at_the_quickstarts_set
         assert report_errors(train.main, [*data, "--dry-run"]) == 2
         line = capsys.readouterr().err.strip().splitlines()[-1]
         assert "without --config, whose default is the digits quickstart" in line and "--config finetune" in line
-    assert train.config_file(None, ["optim.lr=0.2"]) == "configs/digits.yaml"  # the quickstart stays the default
+    assert launch.config_file(None, ["optim.lr=0.2"]) == "configs/digits.yaml"  # the quickstart stays the default

@@ -181,7 +181,7 @@ def keys_read_by_fit(rank: int, world: int, runs: list[list[str]]) -> list[list[
     from core.config_load import load_config
     from core.dist import DistInfo
     from data.datasets import AugmentedDataset
-    from train import fit
+    from assembly.fit import fit
 
     calls: list[list[tuple[int, int]]] = []
     read = AugmentedDataset.__getitem__

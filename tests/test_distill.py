@@ -17,6 +17,7 @@ import torch
 from timm.task import LogitDistillationTask, TokenDistillationTask
 
 import train
+from assembly.start import load_teacher
 from core.cli import report_errors
 from core.config import DistillConfig, OptimConfig, SchedConfig
 from core.config_load import load_config
@@ -87,7 +88,7 @@ def test_teacher_is_frozen_and_bitwise_unchanged_by_training(tmp_path):
     cfg = load_config("dummy", [f"distill.teacher_weights={tmp_path / 'teacher.pth'}",
                                 "distill.teacher_name=test_resnet"])
     student = timm.create_model("test_resnet", num_classes=10)
-    cfg, teacher = train.load_teacher(cfg, Resume(None, None), student, 10)
+    cfg, teacher = load_teacher(cfg, Resume(None, None), student, 10)
     assert cfg.distill.teacher_sha256 == teacher_sha256(DistillConfig(str(tmp_path / "teacher.pth")), False, None)
     distill = build_distillation(cfg.distill, *teacher, student, *IMAGENET, CPU, channels_last=False)
     before = copy.deepcopy(student.state_dict())

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import train
+from assembly.start import check_same_config
 from core.cli import report_errors
 from core.dist import DistInfo
 from core.errors import UserError
@@ -313,7 +314,7 @@ def rank_config_check(rank: int, world: int) -> str:
     from core.config_load import load_config
 
     try:
-        train.check_same_config(load_config("dummy", [f"seed={rank}"]))
+        check_same_config(load_config("dummy", [f"seed={rank}"]))
     except UserError as err:
         return str(err)
     return ""

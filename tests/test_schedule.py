@@ -208,7 +208,7 @@ def lr_of_a_run(rank: int, world: int, out: str) -> dict:
     import logging
 
     from core.dist import DistInfo
-    from train import fit
+    from assembly.fit import fit
 
     lines: list[str] = []
     handler = logging.Handler()

@@ -21,7 +21,7 @@ from timm.scheduler.scheduler import Scheduler
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-from core.config import Config, ModelConfig, best_metric, mixing, to_dict
+from core.config import Config, ModelConfig, best_metric, global_batch, mixing, to_dict
 from core.dist import DistInfo, is_fsdp, rank0_decides
 from core.errors import UnreadableCheckpoint, UserError
 from engine.checkpoint import sharded
@@ -182,11 +182,6 @@ def check_resumable(ckpt: dict[str, Any], path: Path, cfg: Config, class_names: 
                         f"{old_classes[first]!r} vs {class_names[first]!r}); resume on the same data")
     if ckpt.get("epoch_step", 0) > 0:
         check_global_batch(ckpt, path, cfg, world_size)
-
-
-def global_batch(world_size: int, batch_size: int, accum_steps: int) -> int:
-    """Images per optimizer step over all processes: what fixes which samples each step trains on."""
-    return world_size * batch_size * accum_steps
 
 
 def saved_global_batch(ckpt: dict[str, Any]) -> int:

@@ -1,0 +1,86 @@
+"""The training run: fit() is the loop over epochs, its per-step and per-epoch side effects are hooks
+(engine/hooks.py); --find-lr's range test; the stop rules."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from assembly.parts import build_parts
+from assembly.run import assemble
+from assembly.start import load_teacher, start_up
+from core.config import Config, lower_is_better
+from core.dist import DistInfo, rank0_decides
+from core.logs import run_summary
+from core.signals import Preempted
+from engine.checkpoint.run_dir import FolderLock, continue_with
+from engine.hooks import EpochEnd
+from engine.lr_find import LABEL as LR_RULE_LABEL, range_test, write_results
+from engine.state import TrainState, stop_reason
+from engine.tracking import WandbTracker
+from engine.trainer import train_one_epoch
+from models.factory import prepare_model
+
+log = logging.getLogger(__name__)
+
+
+def find_lr(cfg: Config, info: DistInfo) -> dict:
+    """--find-lr: the LR range test on the run's data, fresh model, optimizer, precision and loss (never a checkpoint
+    of output_dir, which it leaves as it is); rank 0 writes lr_find.json and lr_find.png to output_dir."""
+    cfg, start, data, precision, model = start_up(cfg, info, fresh=True)
+    cfg, teacher = load_teacher(cfg, start, model, data.num_classes)
+    model = prepare_model(model, cfg.model, info.device, info.world_size)
+    parts, loop, _ = build_parts(cfg, info, data, precision, model, teacher, start=None)
+    result = {**range_test(parts, data.train, loop, info, cfg.tune), "world_size": info.world_size,
+              "batch_size": cfg.train.batch_size, "accum_steps": cfg.train.accum_steps}
+    rank0_decides(lambda: write_results(result, Path(cfg.output_dir)))  # every rank learns whether it could
+    if info.is_main:
+        log.info("LR range test: %d steps (%s); suggested optim.lr %.3g (%s; its steepest descent at lr %.3g); "
+                 "lr_find.json and lr_find.png in %s", result["steps"], result["stopped"], result["suggested_lr"],
+                 LR_RULE_LABEL, result["steepest_lr"], cfg.output_dir)
+    return result
+
+
+def fit(cfg: Config, info: DistInfo, lock: FolderLock | None = None) -> TrainState | None:
+    """The run: epochs of training steps, each validated; what happens around them is `hooks` (assemble). `lock`:
+    rank 0's lock on output_dir (launch.train holds it), checked before each write there."""
+    run = assemble(cfg, info, lock)
+    if run is None:  # a finished run: nothing to train
+        return None
+    cfg, state, parts, data, hooks = run.cfg, run.state, run.parts, run.data, run.hooks
+    try:  # close(): however the run ends, its last checkpoint write (train.async_save) finishes first
+        while state.epoch < cfg.train.epochs and not stop_before_epoch(cfg, state, run.chosen_on, run.tracker):
+            for hook in hooks:
+                hook.before_epoch(state)
+            try:
+                train_stats = train_one_epoch(parts, data.train, state, run.loop, info, hooks)
+            except Preempted as stopped:  # SIGTERM, SIGUSR1 or SIGINT: every rank stopped after the same step
+                stopped.checkpoint = run.save_now(state)  # mid-epoch: resume=auto continues where it stopped
+                stopped.overrides = continue_with(cfg.output_dir, cfg.resume)
+                raise
+            row = {"epoch": state.epoch, **train_stats, **run.validate(), "lr": parts.optimizer.param_groups[0]["lr"]}
+            end = EpochEnd(row, is_best=state.update_best(row[run.chosen_on], lower_is_better(run.chosen_on)),
+                           finished=state.epoch_finished(data.steps_per_epoch))
+            for hook in hooks:
+                hook.after_epoch(state, end)
+        for hook in hooks:
+            hook.after_train(state)
+    finally:
+        run.checkpointer.close()
+    if info.is_main:
+        log.info(run_summary(run.record.rows(), run.chosen_on, state.best_value, state.best_epoch,
+                             time.monotonic() - run.started, Path(cfg.output_dir)))
+    return state
+
+
+def stop_before_epoch(cfg: Config, state: TrainState, chosen_on: str, tracker: WandbTracker) -> bool:
+    """Whether the run stops before its next epoch (stop_reason); says why on rank 0, and keeps an early stop in
+    the W&B summary."""
+    reason = stop_reason(cfg.train, state, chosen_on)
+    if reason is None:
+        return False
+    log.info(reason)
+    if reason.startswith("stopping early"):
+        tracker.summary({"early_stopped_before_epoch": state.epoch})
+    return True

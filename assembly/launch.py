@@ -1,0 +1,62 @@
+"""What each command does once its arguments are parsed: the one call train.py (and, in later modules,
+evaluate.py, predict.py, export.py) makes. The process group, the CPU threads and the run folder are set up here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from assembly.fit import find_lr, fit
+from assembly.start import check_same_config, dry_run, with_run_folder
+from core.config import config_yaml
+from core.config_load import load_config
+from core.dist import init_distributed, read_launch_env
+from core.errors import UserError
+from core.logs import setup_logging
+from core.startup import cpu_share, tune_cpu_process
+from engine.checkpoint.run_dir import check_shared, locked
+from engine.optim import with_batch_and_lr
+
+QUICKSTART = "configs/digits.yaml"  # --config's default: the quickstart's own data and 32 px settings
+
+
+def train(config: str | None, overrides: list[str], print_config: bool = False, dry: bool = False,
+          lr_test: bool = False) -> int:
+    """train.py: print the resolved config, make a dry run, run the LR range test, or train (`fit`); every rank
+    calls it. `main` of train.py holds nothing else."""
+    cfg = load_config(config_file(config, overrides), overrides)
+    if print_config:
+        rank, world_size, *_ = read_launch_env()
+        if rank == 0:  # the batch and lr for this launch's processes; preprocessing: --dry-run shows it
+            print(f"# as {world_size} process(es) run it\n{config_yaml(with_batch_and_lr(cfg, world_size))}", end="")
+        return 0
+    setup_logging(read_launch_env()[0], cfg.logging.level)  # before the rendezvous, which may wait
+    info = init_distributed(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.rendezvous_timeout_s)
+    if info.device.type == "cpu":
+        tune_cpu_process(cpu_share(info.local_world_size))
+    cfg = with_run_folder(cfg)
+    check_same_config(cfg)
+    if dry:
+        summary = dry_run(cfg, info)
+        if info.is_main:
+            print(summary)
+        return 0
+    with locked(Path(cfg.output_dir)) as lock:  # one live run per output_dir
+        check_shared(Path(cfg.output_dir))  # every process writes into rank 0's folder: one folder for all
+        if lr_test:
+            find_lr(cfg, info)
+        else:
+            fit(cfg, info, lock)  # report_errors leaves the process group, after reporting any error
+    return 0
+
+
+def config_file(given: str | None, overrides: list[str]) -> str:
+    """--config, or the quickstart's; other data without --config is refused in one line: the digits config's
+    32 px and mean/std 0.5 would silently apply to the user's photos."""
+    if given is not None:
+        return given
+    data = [item.split("=", 1)[0] for item in overrides if item.split("=", 1)[0] in ("data.root", "data.name")]
+    if data:
+        raise UserError(f"{' and '.join(data)} given without --config, whose default is the digits quickstart (32 px, "
+                        "its own mean/std); for your own images add --config finetune (a pretrained model at 224 px) "
+                        "or another config from configs/")
+    return QUICKSTART

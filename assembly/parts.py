@@ -1,0 +1,68 @@
+"""The parts a run trains with: the placed model's EMA and teacher, the model sharded and wrapped, its optimizer,
+schedule, loss and loop settings (what fit() and --find-lr step)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from core.config import Config, mixing
+from core.dist import DistInfo, is_fsdp
+from core.startup import training_kernels
+from data.erasing import NormalizedFill
+from data.loader import DataBundle
+from data.mixing import BatchMix
+from data.transforms import DeviceNormalize
+from engine.checkpoint.resume import Resume
+from engine.distill import build_distillation
+from engine.losses import build_loss
+from engine.optim import build_optimizer, build_scheduler
+from engine.precision import Precision
+from engine.trainer import LoopConfig, TrainParts
+from models.ema import create_ema
+from models.factory import compile_warning
+from models.parallel import shard_for_training, wrap_for_training
+
+log = logging.getLogger(__name__)
+
+
+def build_parts(cfg: Config, info: DistInfo, data: DataBundle, precision: Precision, model: nn.Module,
+                teacher: tuple | None, start: Resume | None) -> tuple[TrainParts, LoopConfig, Any]:
+    """The placed model's teacher and EMA (with `start`'s weights; no EMA without a `start`), the model sharded
+    (dist.strategy=fsdp) and wrapped, its optimizer, schedule, loss and loop settings: (parts, loop, EMA or None).
+    What fit() trains with, and what --find-lr's range test steps (engine/lr_find.py)."""
+    distill = build_distillation(cfg.distill, *teacher, model, cfg.data.mean, cfg.data.std, info.device,
+                                 cfg.model.channels_last) if teacher else None
+    ema = None
+    if start is not None:
+        ema = create_ema(model, cfg.model.ema_decay, cfg.model.ema_warmup)
+        start.load_ema(ema.module if ema is not None else None)
+    if cfg.dist.strategy == "fsdp":
+        shard_for_training(model, ema.module if ema is not None else None, precision.dtype, info.world_size,
+                           cfg.dist.fsdp_shard_size)
+    torch.manual_seed(cfg.seed + info.rank)  # dropout / drop-path differ per rank, reproducibly
+    training_kernels(info.device.type)  # cuDNN's autotuning on CUDA, as benchmark.py times it
+    optimizer = build_optimizer(model, cfg.optim, grad_scaler=precision.scaler is not None, sharded=is_fsdp(model))
+    updates_per_epoch = data.steps_per_epoch
+    if (warning := compile_warning(cfg.model, info.world_size)) and info.is_main:
+        log.warning(warning)
+    parts = TrainParts(wrap_for_training(model, info.device, info.world_size, cfg.model.compile), optimizer,
+                       build_scheduler(optimizer, cfg.sched, cfg.train.epochs, updates_per_epoch),
+                       build_loss(cfg.train, mixing(cfg.data), data.class_counts, data.class_names),
+                       precision, distill)
+    normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
+    erasing = data.train.dataset.erasing  # data.random_erase_fill=normalized: boxes to fill after normalize
+    total_steps = cfg.train.epochs * updates_per_epoch
+    loop = LoopConfig(normalize=normalize, accum_steps=cfg.train.accum_steps, drop_last_accum=cfg.train.drop_last_accum,
+                      clip_grad=cfg.optim.clip_grad,
+                      max_steps=cfg.train.max_steps, log_interval=cfg.logging.interval,
+                      show_progress=cfg.logging.progress, max_nonfinite=cfg.train.max_nonfinite,
+                      total_steps=min(total_steps, cfg.train.max_steps or total_steps),
+                      mix=BatchMix(data.num_classes, cfg.train.label_smoothing) if mixing(cfg.data) else None,
+                      erase=NormalizedFill(cfg.data.random_erase_mode, info.device) if erasing else None,
+                      clip_mode=cfg.optim.clip_mode, multi_label=cfg.data.multi_label,
+                      fsdp_accum_whole=cfg.dist.fsdp_accum_whole and is_fsdp(model) and cfg.train.accum_steps > 1)
+    return parts, loop, ema

@@ -1,0 +1,150 @@
+"""A run put together: start-up's config, data and model, the parts it trains with, its training state (resumed
+or fresh), its sinks, checkpointer and record, and the hooks that do each side effect, in their order."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from assembly.parts import build_parts
+from assembly.start import build_start, load_teacher, resolve_start
+from core.config import Config, best_metric, global_batch, to_dict
+from core.dist import DistInfo, broadcast_object, broadcast_tensors, is_fsdp, replicated_tensors
+from core.startup import cpu_share
+from data.loader import DataBundle, full_epoch_images
+from engine.checkpoint.run_dir import FolderLock, RunRecord
+from engine.checkpoint.saver import Checkpointer
+from engine.evaluation import validate_epoch, validation_precision
+from engine.hooks import (BestArtifact, CloseEpoch, EmaUpdate, EpochCheckpoint, EpochInputs, FinishSinks, Hook,
+                          RecordRow, SkippedImages, StepCheckpoint, Tracking)
+from engine.precision import Precision, resolve_precision
+from engine.profiling import FOLDER as PROFILE_FOLDER, ProfileSteps
+from engine.speed import InputAdvice
+from engine.state import TrainState, stop_reason
+from engine.tracking import TensorBoardWriter, WandbTracker
+from engine.trainer import LoopConfig, TrainParts
+from models.factory import hub_origin, prepare_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Run:
+    """Everything fit() loops with; `hooks` in the order they are called."""
+
+    cfg: Config
+    info: DistInfo
+    data: DataBundle
+    parts: TrainParts
+    loop: LoopConfig
+    ema: Any
+    state: TrainState
+    measured: Precision  # eval_amp's: every reported number is computed in it
+    chosen_on: str  # the metrics.jsonl column best.pth follows
+    tracker: WandbTracker
+    checkpointer: Checkpointer
+    record: RunRecord
+    step_checkpoint: StepCheckpoint
+    hooks: list[Hook] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+
+    def validate(self) -> dict[str, float]:
+        """The epoch's validation columns, of the model and its EMA (the same numbers on every rank)."""
+        model = self.parts.model
+        if is_fsdp(model):  # DDP broadcasts rank 0's buffers (BatchNorm statistics) at each forward; FSDP never
+            broadcast_tensors(replicated_tensors(model))
+        return validate_epoch(model, self.ema.module if self.ema is not None else None, self.data.val, self.measured,
+                              self.info, self.loop.normalize, self.cfg.data)
+
+    def save_now(self, state: TrainState) -> Path | None:
+        """last.pth at this step, written (a stopped run's); every rank learns that it worked."""
+        self.step_checkpoint.save(state)
+        self.checkpointer.wait()
+        return self.checkpointer.last
+
+
+def assemble(cfg: Config, info: DistInfo, lock: FolderLock | None = None) -> Run | None:
+    """The run fit() trains, or None when the resumed run has nothing left to train (said in the log)."""
+    started = time.monotonic()
+    cfg, start, weights = resolve_start(cfg, info)
+    if (reason := finished_reason(cfg, start.ckpt)) is not None:
+        log.info("the run in %s is finished (%s): nothing was trained or written; raise train.epochs (or "
+                 "train.max_steps, train.early_stop_patience) to continue it, or use another output_dir for a new run",
+                 start.path.parent, reason)  # the checkpoint's folder: output_dir, unless resume=<path> names another
+        return None
+    cfg, data, precision, model = build_start(cfg, start, weights, info)
+    cfg, teacher = load_teacher(cfg, start, model, data.num_classes)
+    model = prepare_model(model, cfg.model, info.device, info.world_size)
+    parts, loop, ema = build_parts(cfg, info, data, precision, model, teacher, start)
+    state = TrainState()
+    start.load_training(state, cfg, info, data.steps_per_epoch, model=parts.model, optimizer=parts.optimizer,
+                        scheduler=parts.scheduler, scaler=precision.scaler)
+    measured = resolve_precision(cfg.eval_amp, info.device, key="eval_amp")
+    log.info("model %s (%.1fM params), %d process(es) on %s, training in %s, validating in %s, global batch %d, "
+             "%d steps/epoch", cfg.model.name, sum(p.numel() for p in model.parameters()) / 1e6, info.world_size,
+             info.device.type, precision.name, validation_precision(measured, precision, model),
+             global_batch(info.world_size, cfg.train.batch_size, cfg.train.accum_steps), data.steps_per_epoch)
+    out, chosen_on = Path(cfg.output_dir), best_metric(cfg)
+    tracker = WandbTracker(cfg.logging, info.is_main)  # W&B on rank 0; never raises
+    tracker.start({**to_dict(cfg), "world_size": info.world_size}, out, resume_id=start.wandb_id)
+    checkpointer = Checkpointer(out, info, cfg.train.keep_last_k, model=model, optimizer=parts.optimizer,
+                                scheduler=parts.scheduler, scaler=precision.scaler, config=to_dict(cfg),
+                                class_names=data.class_names, ema=ema.module if ema is not None else None,
+                                wandb_id=tracker.run_id or start.wandb_id,  # kept for a resume with tracking on
+                                best_metric=chosen_on, sharded=cfg.train.ckpt_format == "sharded",
+                                async_save=cfg.train.async_save, lock=lock,
+                                run_id=start.run_id or broadcast_object(uuid.uuid4().hex),  # a fresh run's: rank 0's
+                                data_sizes=data.sizes(), started_from=start.started_from(
+                                    weights.pretrained, hub_origin(cfg.model.name, weights.hub_cfg)))  # model card
+    # Nothing in output_dir changes before the run's first write (record.start): a run that fails to
+    # start leaves the previous run's config.yaml, metrics.jsonl and checkpoints as they were.
+    record = RunRecord(out, to_dict(cfg), first_epoch=state.epoch, lock=lock)
+    board = TensorBoardWriter(cfg.logging, info.is_main)  # TensorBoard on rank 0; never raises
+    board.start({**to_dict(cfg), "world_size": info.world_size}, out, state.global_step, lambda: record.started)
+    if state.global_step == 0:
+        tracker.log_samples(data.train.dataset, cfg.logging.wandb_samples)
+    run = Run(cfg, info, data, parts, loop, ema, state, measured, chosen_on, tracker, checkpointer, record,
+              StepCheckpoint(record, checkpointer, cfg.train.ckpt_every_steps), started=started)
+    run.hooks = hooks_of(run, model, [tracker, board])
+    return run
+
+
+def hooks_of(run: Run, model: Any, sinks: list) -> list[Hook]:
+    """The run's side effects in the order they must happen (engine/hooks.py says why this order)."""
+    cfg, info, state = run.cfg, run.info, run.state
+    out = Path(cfg.output_dir)
+    profile = ([ProfileSteps(cfg.logging.profile_steps, out / PROFILE_FOLDER, info.device, run.record, info.is_main,
+                             state)] if cfg.logging.profile_steps else [])  # off: torch.profiler never starts
+    skipped = ([SkippedImages(full_epoch_images(run.data.train, info.world_size), info.is_main)]
+               if cfg.data.skip_corrupt else [])
+    ema = [EmaUpdate(run.ema, model, cfg.model.ema_reset_epochs)] if run.ema is not None else []
+    return [EpochInputs(run.data.train, cfg.train.accum_steps, run.parts.loss_fn),
+            *ema,  # before the checkpoint that saves it
+            run.step_checkpoint,
+            InputAdvice(cfg.data, cpu_share(info.local_world_size), info.is_main),
+            *skipped,  # in the row before it is recorded
+            CloseEpoch(),  # before the record and the checkpoint: resume=auto starts at the next epoch
+            RecordRow(run.record),
+            Tracking(sinks, run.chosen_on, info.is_main),
+            EpochCheckpoint(run.checkpointer, run.chosen_on),  # at the end: the last write is known to have worked
+            BestArtifact(run.tracker, run.checkpointer, out / "best.pth", run.chosen_on, cfg.model.name),
+            *profile,
+            FinishSinks(sinks)]  # last: after the last write and the profile
+
+
+def finished_reason(cfg: Config, ckpt: dict | None) -> str | None:
+    """Why the resumed checkpoint's run has nothing left to train under cfg, so that starting a finished run again
+    trains and writes nothing; None for a fresh run or one with work left."""
+    if ckpt is None or (ckpt.get("config") or {}).get("model", {}).get("name") != cfg.model.name:
+        return None  # (another model: build_start refuses the checkpoint with its own line)
+    state, chosen_on = TrainState(), best_metric(cfg)
+    state.load_state_dict(ckpt)
+    if ckpt.get("best_metric", "val_top1") != chosen_on:
+        state.forget_best()  # as Resume.load_training does: the best (and the epochs without it) start again
+    if state.epoch >= cfg.train.epochs:
+        return f"all {cfg.train.epochs} epochs of train.epochs done"
+    return stop_reason(cfg.train, state, chosen_on)

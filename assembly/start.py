@@ -1,0 +1,208 @@
+"""Run start-up: everything fit(), --dry-run and --find-lr check and build before training.
+
+The checkpoint to resume and the config resolved against it (the batch, the lr, the preprocessing), the data, the
+precision, the model with its starting weights, the teacher. Nothing in output_dir is written here.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from core.config import (Config, ModelConfig, command_line_keys, given_keys, global_batch, mixing, replace_keys,
+                         replace_section, run_values, to_dict)
+from core.dist import DistInfo, all_gather_object, main_first, min_over_ranks, rank0_decides
+from core.errors import UserError
+from data.loader import DataBundle, build_data, dropped_images_note, with_batch_size
+from engine.batch_size import CPU_BATCH, MAX_BATCH, UNIT, largest_batch, on_device_fits, resolved_batch, whole_groups
+from engine.checkpoint.resume import Resume, config_changes
+from engine.checkpoint.run_dir import check_writable, resolve_output_dir
+from engine.checkpoint.weights import Pretrained, check_pretrained, resolve_preprocessing
+from engine.distill import check_teacher_needed, freeze_teacher, read_teacher, teacher_sha256
+from engine.losses import build_loss, heavy_weight_warning
+from engine.optim import build_optimizer, check_optimizer, check_scheduler, with_batch_and_lr, with_scaled_lr
+from engine.precision import Precision, resolve_precision
+from engine.profiling import check_trace_folder, window_warnings
+from models.factory import check_model_name, create_model, prepare_model, pretrained_cfg_of
+
+log = logging.getLogger(__name__)
+
+
+def start_up(cfg: Config, info: DistInfo,
+             fresh: bool = False) -> tuple[Config, Resume, DataBundle, Precision, nn.Module]:
+    """What fit() checks and builds before anything is placed on the device: the checkpoint to resume and the config
+    resolved against it (resolve_start), then the data, the precision, the model with its starting weights (resumed,
+    model.init_from's through timm's loading, or timm's pretrained weights) and train.batch_size=auto's batch.
+    --dry-run stops after it. `fresh` (--find-lr): from a new model whatever output_dir and resume say."""
+    cfg, start, weights = resolve_start(cfg, info, fresh)
+    cfg, data, precision, model = build_start(cfg, start, weights, info)
+    return cfg, start, data, precision, model
+
+
+def resolve_start(cfg: Config, info: DistInfo, fresh: bool = False) -> tuple[Config, Resume, StartingWeights]:
+    """The checkpoint to resume (resume=auto: only the folder's own run, Resume.check_continuation), model.init_from's
+    weights, and the config with the preprocessing (unset keys: resumed, the weights', or defaults), the batch per
+    process from train.global_batch_size and optim.lr from optim.lr_base resolved (train.batch_size=auto: later,
+    once the model is built)."""
+    check_optimizer(cfg.optim)
+    if cfg.logging.profile_steps:
+        rank0_decides(lambda: check_trace_folder(Path(cfg.output_dir)))
+    start = Resume(None, None) if fresh else Resume.find(cfg.resume, Path(cfg.output_dir))
+    pretrained = start.pretrained(cfg.model)
+    hub_cfg = None if start.ckpt else rank0_decides(lambda: pretrained_cfg_of(cfg.model))  # model.pretrained=true
+    cfg = resolve_preprocessing(cfg, pretrained, start.ckpt["config"] if start.ckpt else None, hub_cfg)
+    cfg = with_batch_and_lr(cfg, info.world_size)  # after resolve_preprocessing, which reads the keys the user set
+    start.check_continuation(cfg)
+    return cfg, start, StartingWeights(pretrained, hub_cfg)
+
+
+@dataclasses.dataclass
+class StartingWeights:
+    """Where a fresh run's weights come from: model.init_from's file, or (model.pretrained) timm's weights' config."""
+
+    pretrained: Pretrained | None = None
+    hub_cfg: dict | None = None
+
+
+def build_start(cfg: Config, start: Resume, weights: StartingWeights,
+                info: DistInfo) -> tuple[Config, DataBundle, Precision, nn.Module]:
+    """The data, the precision and the model with its starting weights, checked against the resumed checkpoint; the
+    config with train.batch_size=auto's batch found."""
+    pretrained, hub_cfg = weights.pretrained, weights.hub_cfg
+    auto_batch = cfg.train.batch_size == "auto"  # found once the model is built: with_auto_batch
+    seed_everything(cfg.seed)
+    if auto_batch:  # loaders of UNIT images only count this rank's share: draws per group wait for the batch
+        data = build_data(dataclasses.replace(cfg.data, mix_mode="pair"), UNIT, cfg.seed, info)
+    else:
+        data = build_data(cfg.data, cfg.train.batch_size, cfg.seed, info, cfg.train.accum_steps,
+                          cfg.train.drop_last_accum)
+    precision = resolve_precision(cfg.amp, info.device, cfg.loss_scale)
+    if cfg.dist.strategy == "fsdp" and precision.scaler is not None:  # amp=fp16 itself: core/config_checks.py
+        raise UserError(f"amp={cfg.amp} chose fp16 on this GPU, which dist.strategy=fsdp cannot use (the GradScaler "
+                        "would see only each process's shard of the gradients); use amp=off, or dist.strategy=ddp")
+    if hub_cfg is not None:  # rank 0 fills the Hugging Face cache, the others read it
+        model = main_first(lambda: create_model(cfg.model, data.num_classes, from_hub=True))
+        log.info("model.pretrained: the weights of %s (%s) from the Hugging Face cache%s", cfg.model.name,
+                 hub_cfg.get("hf_hub_id") or hub_cfg.get("url"), "" if hub_cfg.get("num_classes") == data.num_classes
+                 else f"; classifier freshly initialised for {data.num_classes} classes")
+    elif pretrained is None:
+        model = create_model(cfg.model, data.num_classes)
+    else:
+        model = create_model(cfg.model, data.num_classes, pretrained.state_dict, pretrained.source)
+        check_pretrained(model, pretrained)
+    if auto_batch:
+        cfg, data = with_auto_batch(cfg, data, model, precision, info)
+    per_epoch = data.steps_per_epoch
+    steps = start.step_range(cfg.train.epochs, per_epoch, cfg.train.max_steps)
+    for warning in (check_scheduler(cfg.sched, cfg.train.epochs, per_epoch)
+                    + window_warnings(cfg.logging.profile_steps, *steps)):
+        if info.is_main:
+            log.warning(warning)
+    if info.is_main and (note := dropped_images_note(data.train, info.world_size, cfg.train.accum_steps,
+                                                     cfg.train.drop_last_accum)):
+        log.log(*note)
+    start.load_model(model, cfg, data.class_names, info.world_size)
+    loss = build_loss(cfg.train, mixing(cfg.data), data.class_counts, data.class_names)  # checked before any write
+    images = global_batch(info.world_size, cfg.train.batch_size, cfg.train.accum_steps)
+    if info.is_main and (warning := heavy_weight_warning(loss, data.class_names, images)):
+        log.warning(warning)
+    return cfg, data, precision, model
+
+
+def with_auto_batch(cfg: Config, data: DataBundle, model: nn.Module, precision: Precision,
+                    info: DistInfo) -> tuple[Config, DataBundle]:
+    """train.batch_size=auto: the largest batch every rank fits (engine/batch_size.py), train.accum_steps for
+    train.global_batch_size, optim.lr from optim.lr_base, and the loaders rebuilt for that batch."""
+    cap = len(data.train.sampler)  # this rank's training images: no batch may be larger
+    if info.device.type == "cuda":
+        probe = prepare_model(copy.deepcopy(model), cfg.model, info.device, world_size=1)
+        optimizer = build_optimizer(probe, cfg.optim, grad_scaler=precision.scaler is not None)
+        fits = on_device_fits(probe, optimizer, precision, cfg.data.img_size, data.num_classes,
+                              cfg.model.channels_last)
+        largest = largest_batch(fits, min(cap, MAX_BATCH))
+        del probe, optimizer, fits
+        torch.cuda.empty_cache()
+        how = f"the largest {precision.name} training step that fits on every GPU"
+    else:
+        largest = largest_batch(lambda batch: batch <= CPU_BATCH, cap)
+        how = (f"{CPU_BATCH} on the CPU, where host memory is not the limit and the speed per image hardly changes "
+               "with the batch; set train.batch_size to choose")
+    largest = min_over_ranks(largest, info.device)
+    if mixing(cfg.data) and cfg.data.mix_mode == "batch" and cfg.data.mix_group:  # each batch whole draws
+        largest = whole_groups(largest, cfg.data.mix_group)
+    if not largest:
+        raise UserError(f"train.batch_size=auto: not even a batch of {UNIT} fits ({cfg.model.name} at "
+                        f"data.img_size {cfg.data.img_size}, amp={cfg.amp}); lower data.img_size, set "
+                        "model.grad_checkpointing=true, or use a smaller model", all_ranks=True)
+    cfg = replace_section(cfg, "train", **resolved_batch(cfg.train, largest, info.world_size, mixing(cfg.data),
+                                                         "train.accum_steps" in command_line_keys(cfg)))
+    cfg = with_scaled_lr(cfg, info.world_size)
+    if info.is_main:
+        log.info("train.batch_size=auto: %d per process (%s)%s", cfg.train.batch_size, how,
+                 f", x train.accum_steps={cfg.train.accum_steps} for train.global_batch_size="
+                 f"{cfg.train.global_batch_size}" if cfg.train.global_batch_size else "")
+    return cfg, with_batch_size(data, cfg.data, cfg.train.batch_size, cfg.seed, info, cfg.train.accum_steps,
+                                cfg.train.drop_last_accum)
+
+
+def load_teacher(cfg: Config, start: Resume, model: nn.Module, num_classes: int) -> tuple[Config, tuple | None]:
+    """distill.*: (cfg with distill.teacher_sha256 recorded, (teacher model frozen with its file's weights, the
+    file, its model name)); (cfg, None) without a teacher. engine/distill.py says what the teacher does."""
+    check_teacher_needed(cfg.distill, model, cfg.model.name)
+    if not cfg.distill.teacher_weights:
+        return cfg, None
+    pretrained, name = read_teacher(cfg.distill)
+    digest = teacher_sha256(cfg.distill, "distill.teacher_sha256" in given_keys(cfg),
+                            start.ckpt["config"] if start.ckpt else None)
+    check_model_name(name, key="distill.teacher_name")
+    teacher = freeze_teacher(create_model(ModelConfig(name=name, kwargs=cfg.distill.teacher_kwargs), num_classes),
+                             pretrained, name)
+    return replace_section(cfg, "distill", teacher_sha256=digest), (teacher, pretrained, name)
+
+
+def dry_run(cfg: Config, info: DistInfo) -> str:
+    """fit()'s checks up to the first training step, with nothing written to output_dir; returns a summary."""
+    out = Path(cfg.output_dir)
+    cfg, start, data, _, model = start_up(cfg, info)
+    cfg, teacher = load_teacher(cfg, start, model, data.num_classes)
+    rank0_decides(lambda: check_writable(out))
+    resumed = f"resumes {start.path}" if start.path else "starts fresh"
+    taught = f", distilled from {teacher[2]} ({cfg.distill.type})" if teacher else ""
+    return (f"dry run passed: {cfg.model.name}{taught} on {len(data.train.dataset)} train / {len(data.val.dataset)} "
+            f"val images, {data.num_classes} classes{', multi-label' if cfg.data.multi_label else ''}; the run "
+            f"{resumed}; {out} is writable; nothing was written\nthe run uses: {run_values(cfg, info.world_size)}")
+
+
+def seed_everything(seed: int) -> None:
+    """Same seed on every rank, so models start identical (DDP also broadcasts rank 0's weights)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def with_run_folder(cfg: Config) -> Config:
+    """cfg with output_dir's placeholders resolved once for every rank (run_dir.resolve_output_dir), said on rank 0;
+    config.yaml and the checkpoints keep the folder, so the run resumes there."""
+    folder = resolve_output_dir(cfg.output_dir, cfg.model.name, cfg.resume)
+    if folder != cfg.output_dir:
+        log.info("output_dir %s: %s", cfg.output_dir, folder)
+    return replace_keys(cfg, output_dir=folder)
+
+
+def check_same_config(cfg: Config) -> None:
+    """Every process trains the same resolved config: processes launched with other arguments or environment (a
+    sweep agent per node, a script that varies by rank) would otherwise train a mix of runs as one."""
+    configs = all_gather_object(to_dict(cfg))
+    for rank, other in enumerate(configs):
+        if other != configs[0]:
+            differ = ", ".join(config_changes(configs[0], other))
+            raise UserError(f"process {rank} has another config than process 0 ({differ}); launch every process with "
+                            "the same arguments and environment (one W&B sweep agent per job, which starts torchrun)",
+                            all_ranks=True)
