@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Sequence
 
 from assembly.parts import build_parts
 from assembly.run import assemble
@@ -15,7 +16,7 @@ from core.dist import DistInfo, rank0_decides
 from core.logs import run_summary
 from core.signals import Preempted
 from engine.checkpoint.run_dir import FolderLock, continue_with
-from engine.hooks import EpochEnd
+from engine.hooks import EpochEnd, Hook
 from engine.lr_find import LABEL as LR_RULE_LABEL, range_test, write_results
 from engine.state import TrainState, stop_reason
 from engine.tracking import WandbTracker
@@ -42,10 +43,11 @@ def find_lr(cfg: Config, info: DistInfo) -> dict:
     return result
 
 
-def fit(cfg: Config, info: DistInfo, lock: FolderLock | None = None) -> TrainState | None:
-    """The run: epochs of training steps, each validated; what happens around them is `hooks` (assemble). `lock`:
-    rank 0's lock on output_dir (launch.train holds it), checked before each write there."""
-    run = assemble(cfg, info, lock)
+def fit(cfg: Config, info: DistInfo, lock: FolderLock | None = None,
+        hooks: Sequence[Hook] = ()) -> TrainState | None:
+    """The run: epochs of training steps, each validated; what happens around them is the run's hooks (assemble),
+    then `hooks`. `lock`: rank 0's lock on output_dir (launch.train holds it), checked before each write there."""
+    run = assemble(cfg, info, lock, hooks)
     if run is None:  # a finished run: nothing to train
         return None
     cfg, state, parts, data, hooks = run.cfg, run.state, run.parts, run.data, run.hooks

@@ -4,6 +4,7 @@ evaluate.py, predict.py, export.py) makes. The process group, the CPU threads an
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 from assembly.fit import find_lr, fit
 from assembly.start import check_same_config, dry_run, with_run_folder
@@ -14,15 +15,16 @@ from core.errors import UserError
 from core.logs import setup_logging
 from core.startup import cpu_share, tune_cpu_process
 from engine.checkpoint.run_dir import check_shared, locked
+from engine.hooks import Hook
 from engine.optim import with_batch_and_lr
 
 QUICKSTART = "configs/digits.yaml"  # --config's default: the quickstart's own data and 32 px settings
 
 
 def train(config: str | None, overrides: list[str], print_config: bool = False, dry: bool = False,
-          lr_test: bool = False) -> int:
-    """train.py: print the resolved config, make a dry run, run the LR range test, or train (`fit`); every rank
-    calls it. `main` of train.py holds nothing else."""
+          lr_test: bool = False, hooks: Sequence[Hook] = ()) -> int:
+    """train.py: print the resolved config, make a dry run, run the LR range test, or train (`fit`, with `hooks`
+    after the run's own: benchmarks time epochs so); every rank calls it. `main` of train.py holds nothing else."""
     cfg = load_config(config_file(config, overrides), overrides)
     if print_config:
         rank, world_size, *_ = read_launch_env()
@@ -45,7 +47,7 @@ def train(config: str | None, overrides: list[str], print_config: bool = False, 
         if lr_test:
             find_lr(cfg, info)
         else:
-            fit(cfg, info, lock)  # report_errors leaves the process group, after reporting any error
+            fit(cfg, info, lock, hooks)  # report_errors leaves the process group, after reporting any error
     return 0
 
 

@@ -8,7 +8,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from assembly.parts import build_parts
 from assembly.start import build_start, load_teacher, resolve_start
@@ -67,8 +67,9 @@ class Run:
         return self.checkpointer.last
 
 
-def assemble(cfg: Config, info: DistInfo, lock: FolderLock | None = None) -> Run | None:
-    """The run fit() trains, or None when the resumed run has nothing left to train (said in the log)."""
+def assemble(cfg: Config, info: DistInfo, lock: FolderLock | None = None, extra: Sequence[Hook] = ()) -> Run | None:
+    """The run fit() trains, with `extra` hooks after its own, or None when the resumed run has nothing left to
+    train (said in the log)."""
     started = time.monotonic()
     cfg, start, weights = resolve_start(cfg, info)
     if (reason := finished_reason(cfg, start.ckpt)) is not None:
@@ -109,7 +110,7 @@ def assemble(cfg: Config, info: DistInfo, lock: FolderLock | None = None) -> Run
         tracker.log_samples(data.train.dataset, cfg.logging.wandb_samples)
     run = Run(cfg, info, data, parts, loop, ema, state, measured, chosen_on, tracker, checkpointer, record,
               StepCheckpoint(record, checkpointer, cfg.train.ckpt_every_steps), started=started)
-    run.hooks = hooks_of(run, model, [tracker, board])
+    run.hooks = [*hooks_of(run, model, [tracker, board]), *extra]
     return run
 
 
