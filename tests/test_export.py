@@ -11,6 +11,7 @@ import torch
 
 import export
 import predict
+from assembly.export import check_images
 from core.cli import report_errors
 from tests.helpers import train_here
 
@@ -53,7 +54,7 @@ def trained_model_and_batch(run: Path) -> tuple[torch.nn.Module, torch.Tensor]:
     cfg = inference_config(trained)
     model = create_model(cfg.model, len(trained.class_names))
     load_weights(model, trained.weights, "best.pth")
-    batch, _ = export.check_images(cfg, None, 16)
+    batch, _ = check_images(cfg, None, 16)
     return model.eval(), batch
 
 

@@ -20,11 +20,12 @@ import torch.distributed as dist
 from timm.optim import create_optimizer_v2
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import evaluate
+from assembly.evaluate import PredictionWriter, summarize
 from core.cli import collective_failure_line, peer_lost_error
 from core.config import DataConfig, ModelConfig, OptimConfig, SchedConfig, TrainConfig
 from core.dist import DistInfo, cuda_device_index, nccl_watchdog_env, unusable_gpu
 from core.errors import UserError
+from core.files import merge_parts, part_file
 from data.datasets import DummyDataset
 from data.loader import build_eval_loader
 from data.mixing import BatchMix, MixCollate
@@ -40,8 +41,8 @@ from engine.state import TrainState
 from engine.trainer import LoopConfig, TrainParts, train_one_epoch
 from models.ema import create_ema
 from models.factory import prepare_model
-from tests.helpers import HANG, REPO, TINY, Batches, op_counter, run_ranks, run_script, script_env
 from models.parallel import wrap_for_training
+from tests.helpers import HANG, REPO, TINY, Batches, op_counter, run_ranks, run_script, script_env
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 
@@ -113,12 +114,12 @@ def test_tied_logits_give_one_prediction_for_the_metrics_and_the_csv(tmp_path):
     dataset = DummyDataset(4, 1000, 8, eval_transform(cfg), seed=0, offset=997)
     loader = build_eval_loader(dataset, cfg, 4, CPU)
     names = [f"c{i}" for i in range(1000)]
-    writer = evaluate.PredictionWriter(dataset, 0, names)
+    writer = PredictionWriter(dataset, 0, names)
     normalize = DeviceNormalize(cfg.mean, cfg.std, CPU.device, channels_last=False)
     metrics = run_evaluation(TiedLogits(), loader, Precision("cpu", None), CPU, normalize, on_batch=writer)
-    writer.write(evaluate.part_file(tmp_path, "predictions", 0))
-    rows = evaluate.merge_parts(tmp_path, "predictions", 1, len(dataset))
-    result, _ = evaluate.summarize(rows, metrics, names, "tied.pth", ema=False)  # raised on disagreement
+    writer.write(part_file(tmp_path, "predictions", 0))
+    rows = merge_parts(tmp_path, "predictions", 1, len(dataset))
+    result, _ = summarize(rows, metrics, names, "tied.pth", ema=False)  # raised on disagreement
     csv_top1 = 100.0 * sum(row["pred"] == row["label"] for row in rows) / len(rows)
     assert result["top1"] == csv_top1
     assert all(row["top5"].split()[0] == row["pred"] for row in rows)

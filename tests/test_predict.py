@@ -15,6 +15,7 @@ import pytest
 
 import evaluate
 import predict
+from assembly.predict import class_thresholds
 from core.cli import report_errors
 from core.errors import UserError
 from data.datasets import list_images
@@ -191,10 +192,10 @@ def test_per_class_thresholds_get_the_range_check_of_threshold(tuned, shown, tmp
                                                     {"class": "dog", "threshold": tuned}]}))
     with pytest.raises(UserError, match=rf"^--thresholds {tuned_file}: class 'dog''s threshold must be in \(0, 1\], "
                                         rf"got {shown}$"):
-        predict.class_thresholds(predict.parse_args(["x.pth", "in", "--thresholds", str(tuned_file)]), trained)
+        class_thresholds(predict.parse_args(["x.pth", "in", "--thresholds", str(tuned_file)]), trained)
     with pytest.raises(UserError, match=rf"^--threshold must be in \(0, 1\], got {shown}$"):
-        predict.class_thresholds(predict.parse_args(["x.pth", "in", "--threshold", shown]), trained)
+        class_thresholds(predict.parse_args(["x.pth", "in", "--threshold", shown]), trained)
     tuned_file.write_text(json.dumps({"per_class": [{"class": "cat", "threshold": 1.0},
                                                     {"class": "dog", "threshold": 0.25}]}))
-    chosen = predict.class_thresholds(predict.parse_args(["x.pth", "in", "--thresholds", str(tuned_file)]), trained)
+    chosen = class_thresholds(predict.parse_args(["x.pth", "in", "--thresholds", str(tuned_file)]), trained)
     assert chosen.tolist() == [1.0, 0.25]

@@ -44,6 +44,7 @@ class Trained:
     data_sizes: dict[str, int] | None = None  # images per split the run recorded (model card); None: not recorded
     started_from: dict[str, Any] | None = None  # the run's starting weights (Resume.started_from); None: not recorded
     selected: bool = False  # best.pth: kept because of its validation metric (the model card says so)
+    wandb_id: str | None = None  # the tracked training run (an evaluation's W&B run links its model artifact)
 
 
 INFERENCE_AMP = "off"  # eval_amp of a run that predates the key: its validation computed in fp32 on CPUs without bf16
@@ -101,7 +102,7 @@ def load_trained(path: str | os.PathLike, ema: bool = False) -> Trained:
     return Trained(json.loads(json.dumps(ckpt["config"])), ckpt[key], list(ckpt["class_names"]),
                    f"checkpoint {path}", ckpt.get("best_metric", "val_top1"), bool(data.get("multi_label", False)),
                    float(data.get("multi_label_threshold", 0.5)), recorded_metrics(ckpt, ema),
-                   ckpt.get("data_sizes"), ckpt.get("started_from"), path.name == "best.pth")
+                   ckpt.get("data_sizes"), ckpt.get("started_from"), path.name == "best.pth", ckpt.get("wandb_id"))
 
 
 # Where a checkpoint keeps the value of train.best_metric at its evaluation and the run's best value of it: their
