@@ -6,50 +6,14 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from core.config import Config, LoggingConfig, OptimConfig, SchedConfig, TrainConfig, TuneConfig, mixing
+from core.config import (Config, LoggingConfig, OptimConfig, SchedConfig, TrainConfig, TuneConfig, key_facts,
+                         mixing)
 from core.errors import UserError
 
 
-CHOICES = {
-    "amp": ("auto", "bf16", "fp16", "off"),
-    "eval_amp": ("off", "bf16", "fp16", "auto"),
-    "data.name": ("imagefolder", "dummy", "digits", "wds", "listfile", "hf"),
-    "model.freeze": ("none", "backbone"),
-    "model.conv_init": ("", "fan_in", "fan_out"),
-    "data.interpolation": ("bilinear", "bicubic", "nearest", "area", "lanczos"),
-    "data.random_erase_mode": ("pixel", "rand", "const"),
-    "data.random_erase_box": ("timm", "torchvision"),
-    "data.random_erase_fill": ("uint8", "normalized"),
-    "data.train_interpolation": ("", "random", "bilinear", "bicubic", "nearest", "area", "lanczos"),
-    "dist.backend": ("auto", "nccl", "gloo"),
-    "dist.strategy": ("ddp", "fsdp"),
-    "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
-    "train.loss": ("ce", "bce"),
-    "train.ckpt_format": ("file", "sharded"),
-    "data.sampler": ("uniform", "class_balanced"),
-    "train.best_metric": ("val_top1", "val_balanced_acc", "val_macro_f1", "val_map", "val_loss"),
-    "optim.clip_mode": ("norm", "value", "agc"),
-    "data.mix_mode": ("pair", "batch"),
-    "data.mix_partner": ("flip", "roll"),
-    "data.cutmix_rounding": ("timm", "symmetric"),
-    "distill.type": ("soft", "hard"),
-    "sched.warmup_shape": ("timm", "nvidia"),
-    "optim.lr_base_scale": ("linear", "sqrt"),
-    "sched.name": ("cosine", "tanh", "poly", "wsd", "rsqrt", "step", "multistep", "constant"),
-}
 ENDLESS_SCHEDULES = ("step", "multistep", "constant")  # no end to cool down after
-POSITIVE = ("train.epochs", "train.accum_steps", "data.img_size",
-            "logging.interval", "dist.rendezvous_timeout_s", "train.max_nonfinite", "data.prefetch_factor",
-            "data.dummy_train_size", "data.dummy_val_size", "data.dummy_num_classes", "data.dummy_image_size",
-            "data.max_image_pixels", "sched.decay_rate", "optim.lr_base_size", "data.random_erase_count", "distill.tau")
-NON_NEGATIVE = ("dist.timeout_s", "train.global_batch_size", "logging.wandb_samples", "optim.lr", "optim.weight_decay", "optim.clip_grad",
-                "train.max_steps", "data.num_workers", "train.ckpt_every_steps", "train.keep_last_k",
-                "data.color_jitter", "data.val_img_size", "sched.warmup_epochs", "sched.warmup_lr", "sched.min_lr",
-                "data.mixup_alpha", "data.cutmix_alpha", "data.aug_repeats", "data.mix_group",
-                "sched.warmup_steps", "sched.decay_epochs", "sched.cooldown_epochs", "optim.lr_base",
-                "train.early_stop_patience", "model.ema_reset_epochs", "model.cls_token_std",
-                "model.head_init_std", "sched.epoch_lag")
-FRACTIONS = ("model.drop_rate", "model.drop_path_rate", "train.label_smoothing", "model.ema_decay")  # in [0, 1)
+IN_RANGE = {"> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0, "[0, 1]": lambda v: 0 <= v <= 1,
+            "[0, 1)": lambda v: 0 <= v < 1}  # each range a schema field may name (core/config.py Within)
 MAX_SEED = 2**32 - 1  # np.random.seed (train.py) takes nothing larger
 OPENCV_MAX_PIXELS = 2**30  # OpenCV refuses larger images (CV_IO_MAX_IMAGE_PIXELS)
 
@@ -62,24 +26,13 @@ def _get(cfg: Config, key: str) -> Any:
 
 
 def validate(cfg: Config) -> None:
+    """Reject values that type-check but cannot work (negative lr, batch size 0, unknown modes)."""
     if cfg.loss_scale < 0:
         raise UserError(f"config key 'loss_scale' must be >= 0 (0 = a dynamic scale), got {cfg.loss_scale}")
-    """Reject values that type-check but cannot work (negative lr, batch size 0, unknown modes)."""
-    if cfg.sched.name == "plateau":  # before CHOICES: say why it is missing
+    if cfg.sched.name == "plateau":  # before the choices: say why it is missing
         raise UserError("sched.name 'plateau' is not supported: it steps on a validation metric and timm does not "
                         "checkpoint its state (a resumed run would not continue it); use cosine, step or multistep")
-    for key, allowed in CHOICES.items():
-        if _get(cfg, key) not in allowed:
-            raise UserError(f"config key {key!r} is {_get(cfg, key)!r}; choose one of {', '.join(allowed)}")
-    for key in POSITIVE:
-        if _get(cfg, key) <= 0:
-            raise UserError(f"config key {key!r} must be > 0, got {_get(cfg, key)!r}")
-    for key in NON_NEGATIVE:
-        if _get(cfg, key) < 0:
-            raise UserError(f"config key {key!r} must be >= 0, got {_get(cfg, key)!r}")
-    for key in ("data.hflip", "data.random_erase", "data.mixup_prob", "data.mixup_switch_prob", "distill.alpha"):
-        if not 0 <= _get(cfg, key) <= 1:
-            raise UserError(f"config key {key!r} must be in [0, 1], got {_get(cfg, key)!r}")
+    validate_facts(cfg)
     parse_auto_augment(cfg.data.auto_augment)
     steps = cfg.logging.profile_steps
     if steps and not (len(steps) == 2 and 1 <= steps[0] <= steps[1]):
@@ -102,9 +55,6 @@ def validate(cfg: Config) -> None:
         raise UserError(f"config key 'train.keep_last_k' is {cfg.train.keep_last_k}, but with "
                         "train.ckpt_format=sharded only last.dcp is kept (an epoch file would gather the whole model "
                         "on rank 0); set train.keep_last_k=0, or train.ckpt_format=file")
-    for key in FRACTIONS:
-        if not 0 <= _get(cfg, key) < 1:
-            raise UserError(f"config key {key!r} must be in [0, 1), got {_get(cfg, key)!r}")
     if not 0 <= cfg.seed <= MAX_SEED:
         raise UserError(f"config key 'seed' must be in [0, {MAX_SEED}], got {cfg.seed}")
     if not cfg.output_dir.strip():  # an unset shell variable: checkpoints would land in the current folder
@@ -152,6 +102,17 @@ def validate(cfg: Config) -> None:
     if len(cfg.data.mean) != 3 or len(cfg.data.std) != 3 or min(cfg.data.std) <= 0:
         raise UserError("config keys 'data.mean' and 'data.std' need 3 values each (RGB), std > 0")
 
+
+
+def validate_facts(cfg: Config) -> None:
+    """Each key's choices and range, as its schema field states them (core/config.py key())."""
+    for key, facts in key_facts().items():
+        value = _get(cfg, key)
+        if facts.choices and value not in facts.choices:
+            raise UserError(f"config key {key!r} is {value!r}; choose one of {', '.join(facts.choices)}")
+        if facts.within and not IN_RANGE[facts.within](value):
+            where = f"in {facts.within}" if facts.within.startswith("[") else facts.within
+            raise UserError(f"config key {key!r} must be {where}, got {value!r}")
 
 AUTO_AUGMENT_FORMS = ("rand-m<magnitude 0-10>[-n<ops>][-mstd<std>][-p<op probability>][-inc1] (e.g. "
                       "rand-m9-mstd0.5-inc1), "
