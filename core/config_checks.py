@@ -3,8 +3,7 @@ would quietly default): each refused at load time, in one line naming the key an
 
 from __future__ import annotations
 
-import re
-from typing import Any
+from typing import Any, Callable
 
 from core.config import (Config, LoggingConfig, OptimConfig, SchedConfig, TrainConfig, TuneConfig, key_facts,
                          mixing)
@@ -14,8 +13,16 @@ from core.errors import UserError
 ENDLESS_SCHEDULES = ("step", "multistep", "constant")  # no end to cool down after
 IN_RANGE = {"> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0, "[0, 1]": lambda v: 0 <= v <= 1,
             "[0, 1)": lambda v: 0 <= v < 1}  # each range a schema field may name (core/config.py Within)
+LAYER_CHECKS: list[Callable[[Config], None]] = []  # added by add_check from the layers above core (core imports none)
 MAX_SEED = 2**32 - 1  # np.random.seed (train.py) takes nothing larger
 OPENCV_MAX_PIXELS = 2**30  # OpenCV refuses larger images (CV_IO_MAX_IMAGE_PIXELS)
+
+
+def add_check(check: Callable[[Config], None]) -> None:
+    """Run `check` in every validate (load time), after the keys' choices and ranges: a layer above core (data/)
+    registers here what only it knows of its keys, as core may not import it."""
+    if check not in LAYER_CHECKS:
+        LAYER_CHECKS.append(check)
 
 
 def _get(cfg: Config, key: str) -> Any:
@@ -33,7 +40,8 @@ def validate(cfg: Config) -> None:
         raise UserError("sched.name 'plateau' is not supported: it steps on a validation metric and timm does not "
                         "checkpoint its state (a resumed run would not continue it); use cosine, step or multistep")
     validate_facts(cfg)
-    parse_auto_augment(cfg.data.auto_augment)
+    for check in LAYER_CHECKS:  # what the layers above core know of their keys (data/config_checks.py)
+        check(cfg)
     steps = cfg.logging.profile_steps
     if steps and not (len(steps) == 2 and 1 <= steps[0] <= steps[1]):
         raise UserError(f"config key 'logging.profile_steps' must be [start, end] with 1 <= start <= end (optimizer "
@@ -114,39 +122,6 @@ def validate_facts(cfg: Config) -> None:
             where = f"in {facts.within}" if facts.within.startswith("[") else facts.within
             raise UserError(f"config key {key!r} must be {where}, got {value!r}")
 
-AUTO_AUGMENT_FORMS = ("rand-m<magnitude 0-10>[-n<ops>][-mstd<std>][-p<op probability>][-inc1] (e.g. "
-                      "rand-m9-mstd0.5-inc1), "
-                      "trivialaugment, "
-                      "augmix[-m<severity 1-10>][-w<width>][-d<depth>], autoaugment, or \"\" for none")
-AUTO_AUGMENT_OPTIONS = {"rand": {"m": 9.0, "n": 2.0, "mstd": 0.0, "p": 0.5, "inc": 0.0},
-                        "augmix": {"m": 3.0, "w": 3.0, "d": -1.0},
-                        "trivialaugment": {}, "autoaugment": {}}
-
-
-def parse_auto_augment(text: str) -> tuple[str, dict[str, float]]:
-    """timm-style policy string -> (policy, options with defaults); ("", {}) for none."""
-    if not text:
-        return "", {}
-    name, *parts = text.split("-")
-    if name not in AUTO_AUGMENT_OPTIONS:
-        raise UserError(f"config key 'data.auto_augment' is {text!r}; use {AUTO_AUGMENT_FORMS}")
-    options = dict(AUTO_AUGMENT_OPTIONS[name])
-    for part in parts:
-        match = re.fullmatch(r"(mstd|[a-z]+?)(\d+(?:\.\d*)?)", part)
-        integer_only = match and match.group(1) not in ("mstd", "p")
-        if not match or match.group(1) not in options or (integer_only and "." in match.group(2)):
-            raise UserError(f"config key 'data.auto_augment' is {text!r}: cannot read {part!r}; use "
-                            f"{AUTO_AUGMENT_FORMS}")
-        options[match.group(1)] = float(match.group(2))
-    if name == "rand" and not (options["m"] <= 10 and options["n"] >= 1 and options["p"] <= 1
-                               and options["inc"] in (0, 1)):
-        raise UserError(f"config key 'data.auto_augment' is {text!r}: rand needs m in 0-10, n >= 1, p in [0, 1] "
-                        f"and inc 0 or 1")
-    if name == "augmix" and not (1 <= options["m"] <= 10 and options["w"] >= 1):
-        raise UserError(f"config key 'data.auto_augment' is {text!r}: augmix needs m in 1-10 and w >= 1")
-    return name, options
-
-
 def validate_sched(cfg: SchedConfig, epochs: int) -> None:
     """Schedule settings timm would ignore or take a default for (step's is 90 epochs), refused at load time."""
     if cfg.name == "step" and cfg.decay_epochs <= 0:
@@ -215,20 +190,12 @@ def validate_bce(cfg: TrainConfig) -> None:
         raise UserError(f"config key 'train.bce_pos_weight' must be > 0 (or null: 1), got {cfg.bce_pos_weight}")
 
 
-MULTI_LABEL_FORMATS = ("listfile", "hf", "wds")  # the formats whose samples can carry a set of labels
-
-
 def validate_multi_label(cfg: Config) -> None:
-    """data.multi_label needs a format that can hold a set of labels, and trains with one sigmoid per class."""
+    """data.multi_label trains with one sigmoid per class (which formats hold a set of labels: data/config_checks.py)."""
     if not 0 < cfg.data.multi_label_threshold < 1:
         raise UserError(f"config key 'data.multi_label_threshold' must be in (0, 1), got "
                         f"{cfg.data.multi_label_threshold}")
-    if not cfg.data.multi_label:
-        return
-    if cfg.data.name not in MULTI_LABEL_FORMATS:
-        raise UserError(f"data.multi_label=true needs data.name {', '.join(MULTI_LABEL_FORMATS)}: data.name="
-                        f"{cfg.data.name} gives each image one class (write a list file: path,labels with a|b)")
-    if cfg.train.loss != "bce":
+    if cfg.data.multi_label and cfg.train.loss != "bce":
         raise UserError(f"data.multi_label=true trains one sigmoid per class: set train.loss=bce (train.loss is "
                         f"{cfg.train.loss!r})")
 
