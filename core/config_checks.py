@@ -191,7 +191,7 @@ def validate_bce(cfg: TrainConfig) -> None:
 
 
 def validate_multi_label(cfg: Config) -> None:
-    """data.multi_label trains with one sigmoid per class (which formats hold a set of labels: data/config_checks.py)."""
+    """data.multi_label trains one sigmoid per class (the formats that hold label sets: data/config_checks.py)."""
     if not 0 < cfg.data.multi_label_threshold < 1:
         raise UserError(f"config key 'data.multi_label_threshold' must be in (0, 1), got "
                         f"{cfg.data.multi_label_threshold}")

@@ -4,8 +4,8 @@
 when both exist), `resume=<path>` from that file or folder, `resume=none` never. resume=auto continues the folder's
 run only with its config, but for the keys a continuation may change (CONTINUATION_KEYS: those whose schema field
 says continues=True: train.epochs, logging, checkpoint writing, processes, ...). A fresh run (resume=none, or auto
-without last.pth) refuses an output_dir that holds another run's record, naming its files. A checkpoint that does not fit (another model, other classes,
-another optimizer) stops the run before anything in output_dir is touched.
+without last.pth) refuses an output_dir that holds another run's record, naming its files. A checkpoint that does
+not fit (another model, other classes, another optimizer) stops the run before anything in output_dir is touched.
 """
 
 from __future__ import annotations
