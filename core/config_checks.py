@@ -3,55 +3,26 @@ would quietly default): each refused at load time, in one line naming the key an
 
 from __future__ import annotations
 
-import re
-from typing import Any
+from typing import Any, Callable
 
-from core.config import Config, LoggingConfig, OptimConfig, SchedConfig, TrainConfig, TuneConfig, mixing
+from core.config import (Config, LoggingConfig, OptimConfig, SchedConfig, TrainConfig, TuneConfig, key_facts,
+                         mixing)
 from core.errors import UserError
 
 
-CHOICES = {
-    "amp": ("auto", "bf16", "fp16", "off"),
-    "eval_amp": ("off", "bf16", "fp16", "auto"),
-    "data.name": ("imagefolder", "dummy", "digits", "wds", "listfile", "hf"),
-    "model.freeze": ("none", "backbone"),
-    "model.conv_init": ("", "fan_in", "fan_out"),
-    "data.interpolation": ("bilinear", "bicubic", "nearest", "area", "lanczos"),
-    "data.random_erase_mode": ("pixel", "rand", "const"),
-    "data.random_erase_box": ("timm", "torchvision"),
-    "data.random_erase_fill": ("uint8", "normalized"),
-    "data.train_interpolation": ("", "random", "bilinear", "bicubic", "nearest", "area", "lanczos"),
-    "dist.backend": ("auto", "nccl", "gloo"),
-    "dist.strategy": ("ddp", "fsdp"),
-    "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
-    "train.loss": ("ce", "bce"),
-    "train.ckpt_format": ("file", "sharded"),
-    "data.sampler": ("uniform", "class_balanced"),
-    "train.best_metric": ("val_top1", "val_balanced_acc", "val_macro_f1", "val_map", "val_loss"),
-    "optim.clip_mode": ("norm", "value", "agc"),
-    "data.mix_mode": ("pair", "batch"),
-    "data.mix_partner": ("flip", "roll"),
-    "data.cutmix_rounding": ("timm", "symmetric"),
-    "distill.type": ("soft", "hard"),
-    "sched.warmup_shape": ("timm", "nvidia"),
-    "optim.lr_base_scale": ("linear", "sqrt"),
-    "sched.name": ("cosine", "tanh", "poly", "wsd", "rsqrt", "step", "multistep", "constant"),
-}
 ENDLESS_SCHEDULES = ("step", "multistep", "constant")  # no end to cool down after
-POSITIVE = ("train.epochs", "train.accum_steps", "data.img_size",
-            "logging.interval", "dist.rendezvous_timeout_s", "train.max_nonfinite", "data.prefetch_factor",
-            "data.dummy_train_size", "data.dummy_val_size", "data.dummy_num_classes", "data.dummy_image_size",
-            "data.max_image_pixels", "sched.decay_rate", "optim.lr_base_size", "data.random_erase_count", "distill.tau")
-NON_NEGATIVE = ("dist.timeout_s", "train.global_batch_size", "logging.wandb_samples", "optim.lr", "optim.weight_decay", "optim.clip_grad",
-                "train.max_steps", "data.num_workers", "train.ckpt_every_steps", "train.keep_last_k",
-                "data.color_jitter", "data.val_img_size", "sched.warmup_epochs", "sched.warmup_lr", "sched.min_lr",
-                "data.mixup_alpha", "data.cutmix_alpha", "data.aug_repeats", "data.mix_group",
-                "sched.warmup_steps", "sched.decay_epochs", "sched.cooldown_epochs", "optim.lr_base",
-                "train.early_stop_patience", "model.ema_reset_epochs", "model.cls_token_std",
-                "model.head_init_std", "sched.epoch_lag")
-FRACTIONS = ("model.drop_rate", "model.drop_path_rate", "train.label_smoothing", "model.ema_decay")  # in [0, 1)
+IN_RANGE = {"> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0, "[0, 1]": lambda v: 0 <= v <= 1,
+            "[0, 1)": lambda v: 0 <= v < 1}  # each range a schema field may name (core/config.py Within)
+LAYER_CHECKS: list[Callable[[Config], None]] = []  # added by add_check from the layers above core (core imports none)
 MAX_SEED = 2**32 - 1  # np.random.seed (train.py) takes nothing larger
 OPENCV_MAX_PIXELS = 2**30  # OpenCV refuses larger images (CV_IO_MAX_IMAGE_PIXELS)
+
+
+def add_check(check: Callable[[Config], None]) -> None:
+    """Run `check` in every validate (load time), after the keys' choices and ranges: a layer above core (data/)
+    registers here what only it knows of its keys, as core may not import it."""
+    if check not in LAYER_CHECKS:
+        LAYER_CHECKS.append(check)
 
 
 def _get(cfg: Config, key: str) -> Any:
@@ -62,25 +33,15 @@ def _get(cfg: Config, key: str) -> Any:
 
 
 def validate(cfg: Config) -> None:
+    """Reject values that type-check but cannot work (negative lr, batch size 0, unknown modes)."""
     if cfg.loss_scale < 0:
         raise UserError(f"config key 'loss_scale' must be >= 0 (0 = a dynamic scale), got {cfg.loss_scale}")
-    """Reject values that type-check but cannot work (negative lr, batch size 0, unknown modes)."""
-    if cfg.sched.name == "plateau":  # before CHOICES: say why it is missing
+    if cfg.sched.name == "plateau":  # before the choices: say why it is missing
         raise UserError("sched.name 'plateau' is not supported: it steps on a validation metric and timm does not "
                         "checkpoint its state (a resumed run would not continue it); use cosine, step or multistep")
-    for key, allowed in CHOICES.items():
-        if _get(cfg, key) not in allowed:
-            raise UserError(f"config key {key!r} is {_get(cfg, key)!r}; choose one of {', '.join(allowed)}")
-    for key in POSITIVE:
-        if _get(cfg, key) <= 0:
-            raise UserError(f"config key {key!r} must be > 0, got {_get(cfg, key)!r}")
-    for key in NON_NEGATIVE:
-        if _get(cfg, key) < 0:
-            raise UserError(f"config key {key!r} must be >= 0, got {_get(cfg, key)!r}")
-    for key in ("data.hflip", "data.random_erase", "data.mixup_prob", "data.mixup_switch_prob", "distill.alpha"):
-        if not 0 <= _get(cfg, key) <= 1:
-            raise UserError(f"config key {key!r} must be in [0, 1], got {_get(cfg, key)!r}")
-    parse_auto_augment(cfg.data.auto_augment)
+    validate_facts(cfg)
+    for check in LAYER_CHECKS:  # what the layers above core know of their keys (data/config_checks.py)
+        check(cfg)
     steps = cfg.logging.profile_steps
     if steps and not (len(steps) == 2 and 1 <= steps[0] <= steps[1]):
         raise UserError(f"config key 'logging.profile_steps' must be [start, end] with 1 <= start <= end (optimizer "
@@ -102,9 +63,6 @@ def validate(cfg: Config) -> None:
         raise UserError(f"config key 'train.keep_last_k' is {cfg.train.keep_last_k}, but with "
                         "train.ckpt_format=sharded only last.dcp is kept (an epoch file would gather the whole model "
                         "on rank 0); set train.keep_last_k=0, or train.ckpt_format=file")
-    for key in FRACTIONS:
-        if not 0 <= _get(cfg, key) < 1:
-            raise UserError(f"config key {key!r} must be in [0, 1), got {_get(cfg, key)!r}")
     if not 0 <= cfg.seed <= MAX_SEED:
         raise UserError(f"config key 'seed' must be in [0, {MAX_SEED}], got {cfg.seed}")
     if not cfg.output_dir.strip():  # an unset shell variable: checkpoints would land in the current folder
@@ -153,38 +111,16 @@ def validate(cfg: Config) -> None:
         raise UserError("config keys 'data.mean' and 'data.std' need 3 values each (RGB), std > 0")
 
 
-AUTO_AUGMENT_FORMS = ("rand-m<magnitude 0-10>[-n<ops>][-mstd<std>][-p<op probability>][-inc1] (e.g. "
-                      "rand-m9-mstd0.5-inc1), "
-                      "trivialaugment, "
-                      "augmix[-m<severity 1-10>][-w<width>][-d<depth>], autoaugment, or \"\" for none")
-AUTO_AUGMENT_OPTIONS = {"rand": {"m": 9.0, "n": 2.0, "mstd": 0.0, "p": 0.5, "inc": 0.0},
-                        "augmix": {"m": 3.0, "w": 3.0, "d": -1.0},
-                        "trivialaugment": {}, "autoaugment": {}}
 
-
-def parse_auto_augment(text: str) -> tuple[str, dict[str, float]]:
-    """timm-style policy string -> (policy, options with defaults); ("", {}) for none."""
-    if not text:
-        return "", {}
-    name, *parts = text.split("-")
-    if name not in AUTO_AUGMENT_OPTIONS:
-        raise UserError(f"config key 'data.auto_augment' is {text!r}; use {AUTO_AUGMENT_FORMS}")
-    options = dict(AUTO_AUGMENT_OPTIONS[name])
-    for part in parts:
-        match = re.fullmatch(r"(mstd|[a-z]+?)(\d+(?:\.\d*)?)", part)
-        integer_only = match and match.group(1) not in ("mstd", "p")
-        if not match or match.group(1) not in options or (integer_only and "." in match.group(2)):
-            raise UserError(f"config key 'data.auto_augment' is {text!r}: cannot read {part!r}; use "
-                            f"{AUTO_AUGMENT_FORMS}")
-        options[match.group(1)] = float(match.group(2))
-    if name == "rand" and not (options["m"] <= 10 and options["n"] >= 1 and options["p"] <= 1
-                               and options["inc"] in (0, 1)):
-        raise UserError(f"config key 'data.auto_augment' is {text!r}: rand needs m in 0-10, n >= 1, p in [0, 1] "
-                        f"and inc 0 or 1")
-    if name == "augmix" and not (1 <= options["m"] <= 10 and options["w"] >= 1):
-        raise UserError(f"config key 'data.auto_augment' is {text!r}: augmix needs m in 1-10 and w >= 1")
-    return name, options
-
+def validate_facts(cfg: Config) -> None:
+    """Each key's choices and range, as its schema field states them (core/config.py key())."""
+    for key, facts in key_facts().items():
+        value = _get(cfg, key)
+        if facts.choices and value not in facts.choices:
+            raise UserError(f"config key {key!r} is {value!r}; choose one of {', '.join(facts.choices)}")
+        if facts.within and not IN_RANGE[facts.within](value):
+            where = f"in {facts.within}" if facts.within.startswith("[") else facts.within
+            raise UserError(f"config key {key!r} must be {where}, got {value!r}")
 
 def validate_sched(cfg: SchedConfig, epochs: int) -> None:
     """Schedule settings timm would ignore or take a default for (step's is 90 epochs), refused at load time."""
@@ -254,20 +190,12 @@ def validate_bce(cfg: TrainConfig) -> None:
         raise UserError(f"config key 'train.bce_pos_weight' must be > 0 (or null: 1), got {cfg.bce_pos_weight}")
 
 
-MULTI_LABEL_FORMATS = ("listfile", "hf", "wds")  # the formats whose samples can carry a set of labels
-
-
 def validate_multi_label(cfg: Config) -> None:
-    """data.multi_label needs a format that can hold a set of labels, and trains with one sigmoid per class."""
+    """data.multi_label trains one sigmoid per class (the formats that hold label sets: data/config_checks.py)."""
     if not 0 < cfg.data.multi_label_threshold < 1:
         raise UserError(f"config key 'data.multi_label_threshold' must be in (0, 1), got "
                         f"{cfg.data.multi_label_threshold}")
-    if not cfg.data.multi_label:
-        return
-    if cfg.data.name not in MULTI_LABEL_FORMATS:
-        raise UserError(f"data.multi_label=true needs data.name {', '.join(MULTI_LABEL_FORMATS)}: data.name="
-                        f"{cfg.data.name} gives each image one class (write a list file: path,labels with a|b)")
-    if cfg.train.loss != "bce":
+    if cfg.data.multi_label and cfg.train.loss != "bce":
         raise UserError(f"data.multi_label=true trains one sigmoid per class: set train.loss=bce (train.loss is "
                         f"{cfg.train.loss!r})")
 

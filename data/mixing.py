@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from core.config import DataConfig
+from data.collate import collate_readable
 
 MIX_STREAM = 0x4D4958  # ends a pair's seed sequence, apart from the augmentation's (seed, epoch, index[, repeat])
 NONE, MIXUP, CUTMIX = 0, 1, 2
@@ -74,8 +75,6 @@ class MixCollate:
         self.roll = cfg.mix_mode == "batch" and cfg.mix_partner == "roll"
 
     def __call__(self, samples: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        from data.loader import collate_readable  # (data.loader imports this module)
-
         images, labels = collate_readable([sample and sample[:2] for sample in samples])  # drops unreadable ones
         kept = [sample for sample in samples if sample is not None]
         height, width = images.shape[-2:]

@@ -35,7 +35,7 @@ from PIL import Image
 from torchvision.transforms import v2
 
 from core.config import DataConfig
-from core.config_checks import parse_auto_augment
+from data.config_checks import parse_auto_augment
 
 TensorTransform = Callable[[torch.Tensor], torch.Tensor]  # uint8 CHW -> uint8 CHW
 

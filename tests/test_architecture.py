@@ -7,7 +7,10 @@ place checkpoints are read, written and put back) on core/ alone; the entry poin
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
+
+import pytest
 
 from tests.helpers import REPO
 
@@ -91,3 +94,63 @@ def test_package_inits_do_nothing_on_import():
     for init in [REPO / package / "__init__.py" for package in APP_PACKAGES] + [REPO / "engine/checkpoint/__init__.py"]:
         tree = ast.parse(init.read_text())
         assert all(isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) for node in tree.body), init
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Each app module (dotted) with the app modules it imports, at any depth (deferred imports included)."""
+    graph = {}
+    for package in APP_PACKAGES:
+        for name, imports in modules(package).items():
+            graph[name.removesuffix(".py").replace("/", ".")] = {i for i in imports
+                                                                 if (REPO / f"{i.replace('.', '/')}.py").is_file()}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import circle of `graph` (a list that starts and ends with the same module), or [] when there is none."""
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> list[str]:
+        if node in path:
+            return path[path.index(node):] + [node]
+        if node in done:
+            return []
+        for imported in sorted(graph.get(node, ())):
+            if cycle := visit(imported, path + [node]):
+                return cycle
+        done.add(node)
+        return []
+
+    return next((cycle for node in sorted(graph) if (cycle := visit(node, []))), [])
+
+
+def test_no_import_circle():
+    """No app module reaches itself through its imports (data.loader and data.mixing did, one import deferred)."""
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]  # it sees one
+    assert find_cycle(module_graph()) == []
+
+
+def test_each_fact_on_a_schema_field_is_what_the_app_uses():
+    """The choices and ranges on the fields are what loading refuses, and continues= is what a resume may change:
+    every field, in a loop over the schema (no table beside it can drift)."""
+    from core.config import Config, key_facts, to_dict
+    from core.config_load import load_config
+    from core.errors import UserError
+    from engine.checkpoint.resume import continuation_changes
+
+    outside = {"> 0": 0, ">= 0": -1, "[0, 1]": 1.5, "[0, 1)": 1}
+    for key, facts in key_facts().items():
+        refused = ([(f"{key}=nonsense", f"config key {key!r} is 'nonsense'; choose one of {', '.join(facts.choices)}")]
+                   if facts.choices else [])
+        if facts.within:
+            where = f"in {facts.within}" if facts.within.startswith("[") else facts.within
+            refused.append((f"{key}={outside[facts.within]}", f"config key {key!r} must be {where}, got "))
+        for override, message in refused:
+            with pytest.raises(UserError) as err:
+                load_config(None, [override])
+            assert str(err.value).startswith(message), (override, str(err.value))
+        if key != "resume":  # how the run was started: never a change (resume.config_diff)
+            saved = to_dict(Config())
+            *sections, leaf = key.split(".")
+            functools.reduce(dict.__getitem__, sections, saved)[leaf] = "another value"
+            assert (continuation_changes(saved, Config()) == []) == facts.continues, key

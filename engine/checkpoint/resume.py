@@ -2,10 +2,10 @@
 
 `resume=auto` continues from <output_dir>/last.pth or last.dcp/ (train.ckpt_format=sharded; the newer of the two
 when both exist), `resume=<path>` from that file or folder, `resume=none` never. resume=auto continues the folder's
-run only with its config, but for the keys a continuation may change (CONTINUATION_KEYS: train.epochs, logging,
-checkpoint writing, processes, ...). A fresh run (resume=none, or auto without last.pth) refuses an output_dir that
-holds another run's record, naming its files. A checkpoint that does not fit (another model, other classes,
-another optimizer) stops the run before anything in output_dir is touched.
+run only with its config, but for the keys a continuation may change (CONTINUATION_KEYS: those whose schema field
+says continues=True: train.epochs, logging, checkpoint writing, processes, ...). A fresh run (resume=none, or auto
+without last.pth) refuses an output_dir that holds another run's record, naming its files. A checkpoint that does
+not fit (another model, other classes, another optimizer) stops the run before anything in output_dir is touched.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from timm.scheduler.scheduler import Scheduler
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-from core.config import Config, ModelConfig, best_metric, global_batch, mixing, to_dict
+from core.config import Config, ModelConfig, best_metric, global_batch, key_facts, mixing, to_dict
 from core.dist import DistInfo, is_fsdp, rank0_decides
 from core.errors import UnreadableCheckpoint, UserError
 from engine.checkpoint import sharded
@@ -34,24 +34,15 @@ log = logging.getLogger(__name__)
 TRAINING_KEYS = ("model", "optimizer", "epoch", "global_step", "config", "class_names", "rng")
 RUN_FILES = ("config.yaml", "metrics.jsonl", "last.pth", "last.dcp", "best.pth")  # and epoch_NNNN.pth
 OPTIMIZER_KEYS = ("name", "no_decay_norm_bias", "layer_decay")  # what the optimizer state's layout depends on
-# The keys a run continued by resume=auto may change: how long it goes on, how its work is split over processes,
-# how it reads data, writes checkpoints and logs. Any other change (optim.lr, an augmentation, the seed, the data)
-# makes another run, which resume=auto refuses (resume=<path> continues or branches it on purpose). "x." is a section.
-CONTINUATION_KEYS = (
-    "output_dir",  # the same folder, named another way (relative, absolute, placeholders)
-    "train.epochs", "train.max_steps", "train.early_stop_patience", "train.max_nonfinite",  # how long it goes on
-    # The global batch over processes: a mid-epoch checkpoint keeps it (check_global_batch); at an epoch boundary
-    # it may change, and the schedule continues at its epoch (an elastic restart, tests/test_schedule.py).
-    "train.batch_size", "train.accum_steps", "train.global_batch_size",
-    "train.ckpt_format", "train.ckpt_every_steps", "train.keep_last_k", "train.async_save",  # checkpoint writing
-    "train.best_metric", "train.best_on_ema",  # what best.pth follows from now on (the best restarts)
-    "data.num_workers", "data.persistent_workers", "data.prefetch_factor", "data.shard_cache",  # input speed
-    "model.compile", "model.channels_last", "model.grad_checkpointing",  # speed and memory of the same model
-    "model.init_from",  # not read by a resumed run
-    "distill.teacher_sha256",  # recorded at start-up: engine/distill.py checks the teacher file against it
-    "logging.", "dist.",  # what it logs; how processes meet and talk (backend, timeouts, ddp or fsdp)
-    "tune.",  # --find-lr's range, which never trains this run
-)
+# The keys a run continued by resume=auto may change (continues=True on their schema field, core/config.py): how
+# long it goes on, the global batch over processes (a mid-epoch checkpoint keeps it: check_global_batch; at an epoch
+# boundary it may change and the schedule continues at its epoch, tests/test_schedule.py), how it reads data, writes
+# checkpoints and logs, how its processes meet and talk, what best.pth follows from now on, the speed and memory of
+# the same model, output_dir named another way, model.init_from (not read by a resumed run),
+# distill.teacher_sha256 (recorded at start-up; engine/distill.py checks the teacher against it) and tune.* (--find-lr
+# never trains this run). Any other change (optim.lr, an augmentation, the seed, the data) makes another run, which
+# resume=auto refuses (resume=<path> continues or branches it on purpose).
+CONTINUATION_KEYS = tuple(key for key, facts in key_facts().items() if facts.continues)
 
 
 class LoopState(Protocol):
@@ -266,7 +257,7 @@ def continuation_changes(saved: dict[str, Any], cfg: Config) -> list[str]:
     new = to_dict(cfg)
     derived = ("optim.lr",) if cfg.optim.lr_base else ()
     return [f"{key} {yaml_value(a)} -> {yaml_value(b)}" for key, a, b in config_diff(with_defaults(saved), new)
-            if not any(key == k or (k.endswith(".") and key.startswith(k)) for k in (*CONTINUATION_KEYS, *derived))]
+            if not any(key == k or key.startswith(f"{k}.") for k in (*CONTINUATION_KEYS, *derived))]
 
 
 def with_defaults(saved: dict[str, Any], defaults: dict[str, Any] | None = None) -> dict[str, Any]:

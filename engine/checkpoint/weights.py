@@ -17,8 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from core.config import Config, given_keys, replace_section
-from core.config_checks import CHOICES
+from core.config import Config, given_keys, key_facts, replace_section
 from core.errors import UserError
 from engine.checkpoint.formats import is_sharded, load_checkpoint, read_checkpoint
 
@@ -267,7 +266,7 @@ def weights_value(pretrained: Pretrained, model_name: str, key: str) -> tuple[An
 def usable(key: str, value: Any) -> bool:
     """Whether a weights' preprocessing value fits this app's config (else the default stays)."""
     if key == "interpolation":
-        return value in CHOICES["data.interpolation"]
+        return value in key_facts()["data.interpolation"].choices
     if key == "crop_pct":
         return isinstance(value, (int, float)) and 0 < value <= 1
     return isinstance(value, (list, tuple)) and len(value) == 3 and all(isinstance(v, (int, float)) for v in value) \
