@@ -1,7 +1,8 @@
 """The layers of docs/architecture.md, checked on the source by folder: no import runs the wrong way.
 
 core/ is the ground floor; data/ and models/ stand on it; engine/ on core/ alone; engine/checkpoint/ (the one
-place checkpoints are read, written and put back) on core/ alone; the entry points at the top use them all.
+place checkpoints are read, written and put back) on core/ alone; assembly/ (the one package that combines data,
+models and engine into runs) on all of them; the entry points at the top make one call into assembly/.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import pytest
 
 from tests.helpers import REPO
 
-APP_PACKAGES = ("core", "data", "engine", "models")
+APP_PACKAGES = ("core", "data", "engine", "models", "assembly")
+ENTRY_POINTS = ("train.py", "evaluate.py", "predict.py", "export.py")
 
 
 def app_imports(path: Path) -> set[str]:
@@ -62,6 +64,29 @@ def test_engine_imports_only_core_and_itself():
 
 def test_the_checkpoint_wing_imports_only_core_and_itself():
     assert not outside("engine/checkpoint", ("core.", "engine.checkpoint."))
+
+
+def combined(imports: set[str]) -> set[str]:
+    """Which of data/, models/ and engine/ a module's imports reach."""
+    return {name.split(".")[0] for name in imports} & {"data", "models", "engine"}
+
+
+def test_only_the_assembly_floor_combines_data_models_and_engine():
+    """Any module that needs two of data/, models/ and engine/ belongs in assembly/; the entry points use assembly/
+    and core/ alone, and nothing below assembly/ imports it."""
+    below = {name: combined(imports) for folder in ("core", "data", "models", "engine")
+             for name, imports in modules(folder).items()}
+    assert not {name: found for name, found in below.items() if len(found) > 1}
+    assert not {name: bad for folder in ("core", "data", "models", "engine")
+                for name, bad in outside(folder, ("core.", "data.", "models.", "engine.")).items()}
+    entries = {name: sorted(i for i in app_imports(REPO / name) if i.split(".")[0] not in ("assembly", "core"))
+               for name in ENTRY_POINTS}
+    assert not {name: bad for name, bad in entries.items() if bad}
+
+
+def test_the_entry_points_are_thin():
+    """Argument parsing and one call: each entry point well under 150 lines (issue 47)."""
+    assert {name: n for name in ENTRY_POINTS if (n := len((REPO / name).read_text().splitlines())) >= 150} == {}
 
 
 def test_the_rules_see_a_wrong_import(tmp_path, monkeypatch):

@@ -63,3 +63,20 @@ def test_the_slug_rule_is_githubs():
     assert slug("Outputs, resume and what is exact") == "outputs-resume-and-what-is-exact"
     assert slug("`train.py --find-lr`: the LR range test") == "trainpy---find-lr-the-lr-range-test"
     assert slug("9. The suite at 2bba924 (fast_tier)") == "9-the-suite-at-2bba924-fast_tier"
+
+
+MODULE = re.compile(r"\b((?:assembly|core|data|engine|models)(?:/checkpoint)?/[a-z_]+)(?:\.py)?(?:\.([A-Za-z_]+))?")
+
+
+def test_every_module_docs_architecture_names_exists():
+    """docs/architecture.md drawn from the tree: each `folder/module` it names is a file, and each
+    `folder/module.name` a definition in it (a function, class or constant)."""
+    missing = []
+    for module, name in MODULE.findall((REPO / "docs" / "architecture.md").read_text()):
+        path = REPO / f"{module}.py"
+        if not path.is_file() and not (REPO / module).is_dir():
+            missing.append(module)
+        elif name and name not in ("py",) and path.is_file() and not re.search(
+                rf"^(?:def|class) {name}\b|^{name}\s*[:=]|^\s+def {name}\b", path.read_text(), re.M):
+            missing.append(f"{module}.{name}")
+    assert not missing

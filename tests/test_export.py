@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 
+import evaluate
 import export
 import predict
 from assembly.export import check_images
 from core.cli import report_errors
-from tests.helpers import train_here
+from tests.helpers import make_image_folder, train_here
 
 pytestmark = [pytest.mark.slow,  # trains a resnet18 for a few steps, then exports it three ways
               pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning")]
@@ -147,6 +148,19 @@ def test_safetensors_folder_loads_in_timm_and_predict(resnet18_run, tmp_path, ca
         assert json.loads((out / "predictions.json").read_text())["precision"] == "bf16"
     assert (tmp_path / "q-ckpt/predictions.csv").read_bytes() == (tmp_path / "q-dir/predictions.csv").read_bytes()
     assert (tmp_path / "q-ckpt/predictions.csv").read_bytes() == (tmp_path / "p-bf16/predictions.csv").read_bytes()
+
+    # evaluate.py opens the exported folder as it opens the checkpoint (one path, issue 47): the same results.
+    labelled = make_image_folder(tmp_path / "labelled", {"val": {"class_0": 3, "class_3": 2}}, size=36)
+    for source, out in ((ckpt, "e-ckpt"), (str(folder), "e-dir")):
+        assert report_errors(evaluate.main, [source, "--data-dir", str(labelled), "--output-dir",
+                                             str(tmp_path / out)]) == 0
+    assert (tmp_path / "e-ckpt/predictions.csv").read_bytes() == (tmp_path / "e-dir/predictions.csv").read_bytes()
+    results = [json.loads((tmp_path / out / "eval.json").read_text()) for out in ("e-ckpt", "e-dir")]
+    assert [{k: v for k, v in r.items() if k != "checkpoint"} for r in results][0] == \
+        {k: v for k, v in results[1].items() if k != "checkpoint"} and results[1]["n"] == 5
+    capsys.readouterr()
+    assert report_errors(evaluate.main, [str(folder), "--output-dir", str(tmp_path / "e-none")]) == 2
+    assert "records no data set; give --data-dir" in capsys.readouterr().err
 
 
 def test_the_model_folder_holds_a_model_card_by_timms_writer(resnet18_run, tmp_path, capsys, monkeypatch, no_hub):

@@ -20,6 +20,7 @@ import pytest
 import evaluate
 import export
 import predict
+from assembly.export import is_model_folder_export
 from core.cli import report_errors
 from data import make_shards
 from tests.helpers import REPO, make_image_folder, script_env
@@ -239,7 +240,7 @@ def test_a_failed_folder_swap_puts_the_earlier_export_back(tmp_path):
     new = Path(shutil.copytree(out, other / f"new-{os.getpid()}"))
     try:
         with pytest.raises(OSError):
-            replace_with(new, out, export.is_model_folder_export, "a model folder", "--output")
+            replace_with(new, out, is_model_folder_export, "a model folder", "--output")
     finally:
         shutil.rmtree(new)
     assert snapshot(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["model-hf"]

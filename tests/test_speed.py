@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import train
+from assembly import launch, run
 from core.cli import report_errors
 from core.config import OptimConfig, SchedConfig
 from core.dist import DistInfo
@@ -37,7 +38,8 @@ def one_thread(monkeypatch):
     """train.main computes with one thread: on a loaded 2-core machine two threads make a tiny step's time erratic
     (seen: 15 ms per step with one thread, 0.5-2.5 s with two), and these tests measure waiting, not compute."""
     threads = torch.get_num_threads()
-    monkeypatch.setattr(train, "cpu_share", lambda processes_per_node: 1)
+    for module in (launch, run):  # the process's threads, and the input advice's count of cores
+        monkeypatch.setattr(module, "cpu_share", lambda processes_per_node: 1)
     yield
     torch.set_num_threads(threads)
 

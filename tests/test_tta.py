@@ -161,7 +161,7 @@ def test_a_checkpoint_without_the_keys_evaluates_at_its_training_size(tiny_run):
 
 
 def test_export_metadata_gives_the_test_resolution(tiny_run):
-    from export import metadata
+    from assembly.export import metadata
     from engine.checkpoint.inference import inference_config, load_trained
 
     trained = load_trained(tiny_run / "best.pth")
