@@ -415,7 +415,7 @@ def test_auto_batch_is_the_largest_training_step_that_fits(tmp_path):
     """train.batch_size=auto on CUDA (engine/batch_size.py): the real search's batch fits and a larger one runs out of
     memory; train.py trains with what it finds (here the data's 256 images cap it) and records it in config.yaml."""
     from core.config import ModelConfig, OptimConfig
-    from engine.batch_size import largest_batch, on_device_fits
+    from engine.batch_size import capacity, input_bytes_per_image, largest_batch, on_device_fits, with_headroom
     from engine.optim import build_optimizer
     from engine.precision import resolve_precision
     from models.factory import create_model, prepare_model
@@ -428,6 +428,9 @@ def test_auto_batch_is_the_largest_training_step_that_fits(tmp_path):
     found = largest_batch(fits, cap=16384)
     assert 128 <= found < 16384  # the recipe's batch fits on any GPU the tier runs on; the search hit the memory
     assert not fits(found + 64)  # the bisection saw found + 2 fail; a clearly larger step fails again
+    kept = with_headroom(fits, found, 224, speak=False)  # the memory per image measured from the trials' peaks
+    assert capacity(found, fits.peaks).bytes_per_image > input_bytes_per_image(224)  # an image's step > its input
+    assert 0.8 * found <= kept < found and fits(kept)  # kept back (fails if no headroom is left), not halved
     del model, optimizer, fits
     torch.cuda.empty_cache()
     out = train(tmp_path / "run", "train.batch_size=auto", "train.max_steps=1")
