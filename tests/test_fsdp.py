@@ -235,6 +235,7 @@ def meshes_and_groups(rank: int, world: int) -> dict:
             "ema_on_model_mesh": ema.module._get_fsdp_state()._fsdp_param_group.mesh_info.mesh is mesh}
 
 
+@pytest.mark.slow  # 4 real processes
 def test_hsdp_ema_shares_the_models_mesh_and_process_groups(tmp_path):
     """Issue 50 item 4: the EMA is sharded on the model's device mesh: the 2-D mesh's two process groups are made
     once (were twice: 1 -> 3 -> 5 groups; on NCCL two more communicators and their memory)."""
