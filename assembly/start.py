@@ -21,7 +21,8 @@ from core.config import (Config, ModelConfig, command_line_keys, given_keys, glo
 from core.dist import DistInfo, all_gather_object, main_first, min_over_ranks, rank0_decides
 from core.errors import UserError
 from data.loader import DataBundle, build_data, dropped_images_note, with_batch_size
-from engine.batch_size import CPU_BATCH, MAX_BATCH, UNIT, largest_batch, on_device_fits, resolved_batch, whole_groups
+from engine.batch_size import (CPU_BATCH, MAX_BATCH, UNIT, largest_batch, on_device_fits, resolved_batch,
+                               whole_groups, with_headroom)
 from engine.checkpoint.resume import Resume, config_changes
 from engine.checkpoint.run_dir import check_writable, resolve_output_dir
 from engine.checkpoint.weights import Pretrained, check_pretrained, resolve_preprocessing
@@ -127,6 +128,7 @@ def with_auto_batch(cfg: Config, data: DataBundle, model: nn.Module, precision: 
         fits = on_device_fits(probe, optimizer, precision, cfg.data.img_size, data.num_classes,
                               cfg.model.channels_last)
         largest = largest_batch(fits, min(cap, MAX_BATCH))
+        largest = with_headroom(fits, largest, cfg.data.img_size, info.is_main)
         del probe, optimizer, fits
         torch.cuda.empty_cache()
         how = f"the largest {precision.name} training step that fits on every GPU"

@@ -289,10 +289,21 @@ def step_flags_over_ranks(nonfinite: torch.Tensor, stop_signal: int) -> tuple[bo
 
 
 def broadcast_tensors(tensors: Iterable[torch.Tensor], src: int = 0) -> None:
-    """Overwrite every rank's tensors with rank `src`'s, in place."""
-    if dist.is_initialized():
-        for tensor in tensors:
-            dist.broadcast(tensor, src=src)
+    """Overwrite every rank's tensors with rank `src`'s, in place: one broadcast per dtype and device (the tensors
+    flattened into one buffer), not one per tensor, since each call is a latency-bound collective."""
+    if not dist.is_initialized():
+        return
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    for group in by_kind.values():
+        if len(group) == 1 and group[0].is_contiguous():
+            dist.broadcast(group[0], src=src)
+            continue
+        flat = torch.cat([t.reshape(-1) for t in group])
+        dist.broadcast(flat, src=src)
+        torch._foreach_copy_(group, [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in group]),
+                                                                           group)])
 
 
 def gather_rows(local: torch.Tensor) -> torch.Tensor | None:
@@ -377,6 +388,12 @@ def local_main_first(local_rank: int) -> Iterator[None]:
 def is_fsdp(model: nn.Module) -> bool:
     """The one test for "is this model sharded": FSDP2 shards its parameters (its state dicts then hold DTensors)."""
     return isinstance(model, FSDPModule)
+
+
+def rank_local_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """The tensors no collective keeps equal across ranks: buffers (BatchNorm's running statistics), not sharded
+    ones. Parameters are equal already (DDP all-reduces their gradients; an EMA of them follows) or sharded."""
+    return [t for t in model.buffers() if not isinstance(t, DTensor)]
 
 
 def replicated_tensors(model: nn.Module) -> list[torch.Tensor]:

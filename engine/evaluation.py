@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from core.config import DataConfig
-from core.dist import DistInfo, broadcast_tensors, gather_rows, is_fsdp, max_over_ranks, replicated_tensors
+from core.dist import DistInfo, broadcast_tensors, gather_rows, is_fsdp, max_over_ranks, rank_local_tensors
 from core.signals import workers_shielded
 from engine.metrics import SumMeter, add_class_counts, class_metrics, hits, ranked_classes
 from engine.precision import Precision
@@ -130,12 +130,17 @@ def validate_epoch(model: nn.Module, ema: nn.Module | None, loader: DataLoader, 
     """The epoch's validation columns: the model's metrics, and its EMA's prefixed `ema_`."""
     row = validate(model, loader, precision, info, normalize, cfg)
     if ema is not None:
-        # BatchNorm buffers differ per rank between DDP's broadcasts, and so do the EMAs of them:
-        # every rank evaluates rank 0's EMA, the one the checkpoint saves.
-        broadcast_tensors(replicated_tensors(ema))  # sharded (fsdp): each rank keeps its own shards
+        like_rank0(ema)
         ema_stats = validate(ema, loader, precision, info, normalize, cfg)
         row.update({f"ema_{k}": v for k, v in ema_stats.items() if k != "val_count"})
     return row
+
+
+def like_rank0(ema: nn.Module) -> None:
+    """Every rank evaluates rank 0's EMA, the one the checkpoint saves. Only its buffers can differ (BatchNorm
+    statistics differ per rank between DDP's broadcasts, and so do their averages); its parameters average
+    all-reduced ones, or are sharded (fsdp): one broadcast per buffer dtype, not one per tensor."""
+    broadcast_tensors(rank_local_tensors(ema))
 
 
 def validate(model: nn.Module, loader: DataLoader, precision: Precision, info: DistInfo, normalize: Normalize,

@@ -405,15 +405,16 @@ def corrupt_in_batch(root: Path, rank: int, batch: int, batch_size: int, seed: i
     return files[index]
 
 
-def documented_figures(gpu: str, text: str | None = None) -> dict[str, float] | None:
-    """This GPU's row of docs/gpu.md's "Measured on GPUs" table, or None where it is missing or "to measure"."""
+def documented_figures(test: str, gpu: str, text: str | None = None) -> dict[str, float] | None:
+    """`test`'s row for this GPU in docs/gpu.md's "Measured on GPUs" table, or None where it is missing or still
+    "to measure on first run"."""
     text = (REPO / "docs" / "gpu.md").read_text() if text is None else text
     for line in text.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if len(cells) == 3 and cells[0] == gpu:
+        if len(cells) == 4 and cells[0] == f"`{test}`" and cells[1] == gpu:
             if "to measure" in line:
                 return None
-            return {"img_per_s": float(cells[1].replace(",", "")), "peak_memory_gib": float(cells[2])}
+            return {"img_per_s": float(cells[2].replace(",", "")), "peak_memory_gib": float(cells[3])}
     return None
 
 

@@ -174,6 +174,75 @@ def test_bf16_fsdp_keeps_batchnorm_in_fp32_and_the_ema_works_on_shards(tmp_path)
         assert result["ema_halfway"]
 
 
+COLLECTIVE_OPS = ("_allgather_base_", "_reduce_scatter_base_")  # FSDP2's all-gather and reduce-scatter (c10d ops)
+
+
+def units_and_collectives(rank: int, world: int) -> dict:
+    """test_resnet (a stem BatchNorm, 4 blocks of 2-3 BatchNorms) sharded under each policy: FSDP units, and the
+    all-gathers and reduce-scatters of one SGD step (dispatch recorder); the weights after it, gathered whole."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from tests.helpers import op_counter
+
+    found = {}
+    for name, dtype in (("fp32", None), ("bf16", torch.bfloat16), ("fp32 weights, BatchNorm units", torch.float32)):
+        torch.manual_seed(0)
+        model = shard_model(timm.create_model("test_resnet", num_classes=3), dtype)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(rank)
+        images = torch.randn(4, 3, 16, 16)
+        with op_counter() as counter:
+            model(images).float().square().mean().backward()
+        optimizer.step()
+        states = {id(m._get_fsdp_state()) for m in model.modules() if isinstance(m, FSDPModule)}  # a list: one
+        found[name] = {"units": len(states),
+                       **{op: counter.ops[op] for op in COLLECTIVE_OPS},
+                       "weights": {k: v.full_tensor() for k, v in model.state_dict().items() if isinstance(v, DTensor)}}
+    return found
+
+
+def test_bf16_fsdp_shards_each_blocks_batchnorms_as_one_unit_and_steps_as_fp32(tmp_path):
+    """Issue 50 item 3: under a bf16 policy each block's BatchNorms are one fp32 unit (was: one unit each, 15 on
+    test_resnet, 53 on resnet50), so a step's all-gathers and reduce-scatters grow by the blocks, not the
+    BatchNorms. The grouping changes the communication only: with fp32 weights through the same BatchNorm units
+    one step's weights equal the plain fp32 policy's to fp32 rounding."""
+    for ranks in run_ranks(units_and_collectives, 2, tmp_path):
+        fp32, bf16, grouped = ranks["fp32"], ranks["bf16"], ranks["fp32 weights, BatchNorm units"]
+        # fp32: 4 blocks + the root; each unit gathered for forward and backward, the root once (kept gathered).
+        assert (fp32["units"], fp32["_allgather_base_"], fp32["_reduce_scatter_base_"]) == (5, 9, 5)
+        # bf16: + 4 blocks' BatchNorms + the stem's = 10 units (was 20: 39 all-gathers, 20 reduce-scatters).
+        for counts in (bf16, grouped):
+            assert (counts["units"], counts["_allgather_base_"], counts["_reduce_scatter_base_"]) == (10, 19, 10)
+        assert grouped["weights"].keys() == fp32["weights"].keys()
+        for key, value in fp32["weights"].items():
+            torch.testing.assert_close(grouped["weights"][key], value, rtol=1e-6, atol=1e-7)
+
+
+def meshes_and_groups(rank: int, world: int) -> dict:
+    """HSDP (shard size 2 on 4 ranks) through shard_for_training with an EMA: the process groups that exist
+    before and after sharding both; whether the EMA's FSDP state holds the model's mesh object."""
+    from torch.distributed import distributed_c10d
+
+    from models.ema import create_ema
+    from models.parallel import shard_for_training
+
+    model = timm.create_model("test_resnet", num_classes=3)
+    ema = create_ema(model, 0.5)
+    before = len(distributed_c10d._world.pg_map)
+    shard_for_training(model, ema.module, None, world, shard_size=2)
+    mesh = model._get_fsdp_state()._fsdp_param_group.mesh_info.mesh
+    return {"before": before, "after": len(distributed_c10d._world.pg_map), "mesh": mesh.shape,
+            "ema_on_model_mesh": ema.module._get_fsdp_state()._fsdp_param_group.mesh_info.mesh is mesh}
+
+
+@pytest.mark.slow  # 4 real processes
+def test_hsdp_ema_shares_the_models_mesh_and_process_groups(tmp_path):
+    """Issue 50 item 4: the EMA is sharded on the model's device mesh: the 2-D mesh's two process groups are made
+    once (were twice: 1 -> 3 -> 5 groups; on NCCL two more communicators and their memory)."""
+    for found in run_ranks(meshes_and_groups, 4, tmp_path):
+        assert found == {"before": 1, "after": 3, "mesh": (2, 2), "ema_on_model_mesh": True}
+
+
 def clipping_ops(rank: int, world: int) -> dict:
     """Norm and clip of a sharded ViT's gradients (1 and 3 blocks): the ops each took, the norm and the clipped
     gradients beside torch's whole-tensor reference (the same on every rank)."""

@@ -309,6 +309,23 @@ def test_the_installed_wheel_is_the_one_docs_gpu_md_describes():
     assert torch.version.cuda == "13.0" and torch.cuda.get_arch_list() == CU130_ARCHS
 
 
+def collected(marks: str) -> int:
+    """How many tests `python -m pytest -m <marks> --collect-only -q` collects (the GPU tier lives in test_gpu.py)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "pytest", "-m", marks, "--collect-only", "-q", "tests/test_gpu.py"],
+                         cwd=REPO, capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"^(\d+)(?:/\d+)? tests? collected", out, re.M).group(1))
+
+
+@pytest.mark.slow  # two pytest processes collecting the GPU tier
+def test_docs_gpu_md_counts_the_gpu_tier_as_pytest_collects_it():
+    """docs/gpu.md's "1 GPU: N tests; 2 or more GPUs: M" is what --collect-only finds (it said 18 and 28 at 29)."""
+    one, two = collected("gpu and not two_gpus"), collected("gpu")
+    assert f"1 GPU: {one} tests; 2 or more GPUs: {two}" in (REPO / "docs" / "gpu.md").read_text(), (one, two)
+
+
 # 7. a GPU torch cannot use stops the run -------------------------------------------------------------------
 
 @pytest.mark.parametrize("driver, wheel, available, visible, expected", [
@@ -419,11 +436,17 @@ def test_evaluation_asks_cudnn_for_deterministic_algorithms_on_cuda(device, dete
 
 
 def test_the_documented_gpu_figures_are_read_by_the_smoke_test():
-    """The GPU tier's resnet50 smoke test reads docs/gpu.md's table: a measured row gives numbers, 'to measure' none."""
+    """The GPU tier's figure checks read docs/gpu.md's table, a row per test and GPU: a measured row gives numbers,
+    'to measure on first run' none; every test the table names exists in the tier."""
     from tests.helpers import documented_figures
 
-    assert documented_figures("NVIDIA H100 80GB HBM3") is None  # "to measure" until a GPU run fills it in
-    assert documented_figures("no such GPU") is None
-    table = "| GPU | img/s | GiB |\n| NVIDIA X | 2,512.5 | 21.25 |\n| NVIDIA Y | to measure | to measure |"
-    assert documented_figures("NVIDIA X", table) == {"img_per_s": 2512.5, "peak_memory_gib": 21.25}
-    assert documented_figures("NVIDIA Y", table) is None
+    smoke = "test_resnet50_recipe_smoke_run_meets_the_documented_figures"
+    assert documented_figures(smoke, "NVIDIA H100 80GB HBM3") is None  # until a GPU run fills it in
+    assert documented_figures(smoke, "no such GPU") is None
+    table = ("| test | GPU | img/s | GiB |\n| `t` | NVIDIA X | 2,512.5 | 21.25 |\n"
+             "| `t` | NVIDIA Y | to measure on first run | to measure on first run |")
+    assert documented_figures("t", "NVIDIA X", table) == {"img_per_s": 2512.5, "peak_memory_gib": 21.25}
+    assert documented_figures("t", "NVIDIA Y", table) is None and documented_figures("u", "NVIDIA X", table) is None
+    named = set(re.findall(r"^\| `(test_\w+)` \|", (REPO / "docs" / "gpu.md").read_text(), re.M))
+    tier = (REPO / "tests" / "test_gpu.py").read_text()
+    assert named and all(f"def {name}(" in tier and f'check_figures("{name}"' in tier for name in named), named

@@ -19,7 +19,8 @@ import torch
 from core.config import TrainConfig, TuneConfig
 from core.dist import min_over_ranks
 from core.errors import UserError
-from engine.batch_size import largest_batch, resolved_batch, whole_groups
+from engine.batch_size import (MARGIN, Capacity, capacity, headroom_note, input_bytes_per_image, kept_batch,
+                               largest_batch, resolved_batch, whole_groups)
 from engine.lr_find import RULE, Diverged, LrRamp, suggest
 from engine.state import TrainState
 from tests.helpers import TINY, run_on_ranks, run_ranks, train_here
@@ -103,6 +104,44 @@ def test_largest_batch_finds_the_largest_even_batch_that_fits_in_few_probes(limi
     assert found == min(limit, 4096) // 2 * 2
     assert len(probes) <= 2 * math.log2(4096) + 1 and all(batch % 2 == 0 and batch <= 4096 for batch in probes)
     assert largest_batch(lambda batch: False, cap=4096) == 0  # not even 2 fits: train.py says so in one line
+
+
+GIB, MIB = 2**30, 2**20
+
+
+@pytest.mark.parametrize("per_image_mib, img_size", [(80, 224), (6, 224), (300, 512)])
+def test_auto_batch_keeps_back_the_batch_read_ahead_and_the_margin(per_image_mib, img_size):
+    """Issue 50 item 1 on a memory model of a GPU (80 GiB; 1.5 GiB of weights and optimizer state; each image's
+    step memory): the probe's largest step sits at the memory's edge, where the batch the prefetcher reads ahead
+    no longer fits; the kept batch holds it and the margin in the memory the found step proved, and is the largest
+    that does."""
+    limit, fixed, per_image = 80 * GIB, 1.5 * GIB, per_image_mib * MIB
+    peaks: dict[int, int | None] = {}
+
+    def fits(batch: int) -> bool:  # what DeviceFits records on CUDA
+        peak = int(fixed + batch * per_image)
+        peaks[batch] = peak if peak <= limit else None
+        return peak <= limit
+
+    found = capacity(largest_batch(fits, cap=16384), peaks)
+    ahead = input_bytes_per_image(img_size)
+    kept = kept_batch(found, ahead)
+
+    def real_run(batch: int) -> float:  # the step, the batch read ahead, and the margin kept for NCCL
+        return fixed + batch * (per_image + ahead) + MARGIN * found.batch * per_image
+
+    assert found.limited and found.bytes_per_image == pytest.approx(per_image, rel=1e-6)
+    assert fixed + found.batch * (per_image + ahead) > limit - MARGIN * found.batch * per_image  # the edge
+    proven = fixed + found.batch * per_image  # the memory the found step took: it fit
+    assert kept % 2 == 0 and real_run(kept) <= proven < real_run(kept + 2)
+    assert f"the largest step that fit was {found.batch}" in headroom_note(found, kept, ahead)
+    assert f"kept {kept}" in headroom_note(found, kept, ahead)
+
+
+def test_auto_batch_capped_by_the_data_keeps_what_it_found():
+    """No step ran out of memory (the images per process capped the search): the edge was never reached."""
+    assert kept_batch(Capacity(256, 80 * MIB, limited=False), input_bytes_per_image(224)) == 256
+    assert kept_batch(Capacity(0, 0.0, limited=True), input_bytes_per_image(224)) == 0
 
 
 def test_resolved_batch_keeps_the_global_batch_with_the_fewest_accumulation_steps():

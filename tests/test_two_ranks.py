@@ -69,16 +69,17 @@ def ema_of_a_sharded_model(rank: int) -> dict[str, Any]:
 def ema_evaluated_as_rank0s(rank: int) -> dict[str, Any]:
     """validate_epoch with an EMA whose BatchNorm statistics differ per rank (as DDP leaves them): rank 0's EMA is
     the model itself, rank 1's has 4 x its running variances. Its ema_ metrics must be rank 0's EMA's (the one the
-    checkpoint saves), so the model's own."""
+    checkpoint saves), so the model's own; the broadcasts it took besides the two evaluations', and the EMA after."""
     import copy
 
     from core.config import DataConfig, ModelConfig
     from core.dist import DistInfo
     from data.loader import build_datasets, build_eval_loader
     from data.transforms import DeviceNormalize
-    from engine.evaluation import validate_epoch
+    from engine.evaluation import validate, validate_epoch
     from engine.precision import Precision
     from models.factory import create_model
+    from tests.helpers import op_counter
 
     cfg = DataConfig(name="dummy", img_size=16, crop_pct=1.0, dummy_image_size=16, dummy_train_size=8,
                      dummy_val_size=12, num_workers=0)
@@ -93,8 +94,12 @@ def ema_evaluated_as_rank0s(rank: int) -> dict[str, Any]:
     for name, buffer in ema.named_buffers():
         if name.endswith("running_var"):
             buffer.mul_(4.0 if rank == 1 else 1.0)
-    row = validate_epoch(model, ema, loader, Precision("cpu", None), info, normalize, cfg)
-    return {"ema_val_loss": row["ema_val_loss"], "val_loss": row["val_loss"]}
+    with op_counter() as alone:
+        validate(model, loader, Precision("cpu", None), info, normalize, cfg)
+    with op_counter() as both:
+        row = validate_epoch(model, ema, loader, Precision("cpu", None), info, normalize, cfg)
+    return {"ema_val_loss": row["ema_val_loss"], "val_loss": row["val_loss"], "ema": ema.state_dict(),
+            "ema_broadcasts": both.ops["broadcast_"] - 2 * alone.ops["broadcast_"]}  # besides the two evaluations
 
 
 def gathered_probabilities(rank: int) -> list[list] | None:
@@ -172,8 +177,14 @@ def test_fsdp_shards_the_ema_like_the_model_and_averages_it(measured):
 
 def test_every_rank_evaluates_rank0s_ema(measured):
     """The EMA's ema_val_loss is rank 0's EMA's (the checkpoint's), though rank 1's BatchNorm statistics differed."""
-    for outcome in result(measured, "ema buffers"):
+    outcomes = result(measured, "ema buffers")
+    for outcome in outcomes:
         assert outcome["ema_val_loss"] == pytest.approx(outcome["val_loss"], rel=1e-6)
+        # Issue 50 item 5: only the buffers, one broadcast per dtype (float32 statistics, int64 batch counts);
+        # it was one per state_dict tensor (parameters included: 92 on test_resnet)
+        assert outcome["ema_broadcasts"] == 2
+        for key, value in outcome["ema"].items():
+            assert torch.equal(value, outcomes[0]["ema"][key]), key
 
 
 def test_multi_label_probabilities_are_gathered_in_rank_order(measured):
