@@ -29,7 +29,7 @@ def train(config: str | None, overrides: list[str], print_config: bool = False, 
     if print_config:
         rank, world_size, *_ = read_launch_env()
         if rank == 0:  # the batch and lr for this launch's processes; preprocessing: --dry-run shows it
-            print(f"# as {world_size} process(es) run it\n{config_yaml(with_batch_and_lr(cfg, world_size))}", end="")
+            print(f"# as {world_size} process(es) run it\n{config_yaml(with_batch_and_lr(cfg, world_size, False))}", end="")
         return 0
     setup_logging(read_launch_env()[0], cfg.logging.level)  # before the rendezvous, which may wait
     info = init_distributed(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.rendezvous_timeout_s)

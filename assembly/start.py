@@ -59,7 +59,7 @@ def resolve_start(cfg: Config, info: DistInfo, fresh: bool = False) -> tuple[Con
     pretrained = start.pretrained(cfg.model)
     hub_cfg = None if start.ckpt else rank0_decides(lambda: pretrained_cfg_of(cfg.model))  # model.pretrained=true
     cfg = resolve_preprocessing(cfg, pretrained, start.ckpt["config"] if start.ckpt else None, hub_cfg)
-    cfg = with_batch_and_lr(cfg, info.world_size)  # after resolve_preprocessing, which reads the keys the user set
+    cfg = with_batch_and_lr(cfg, info.world_size, info.is_main)  # after resolve_preprocessing (keys the user set)
     start.check_continuation(cfg)
     return cfg, start, StartingWeights(pretrained, hub_cfg)
 
@@ -145,7 +145,7 @@ def with_auto_batch(cfg: Config, data: DataBundle, model: nn.Module, precision: 
                         "model.grad_checkpointing=true, or use a smaller model", all_ranks=True)
     cfg = replace_section(cfg, "train", **resolved_batch(cfg.train, largest, info.world_size, mixing(cfg.data),
                                                          "train.accum_steps" in command_line_keys(cfg)))
-    cfg = with_scaled_lr(cfg, info.world_size)
+    cfg = with_scaled_lr(cfg, info.world_size, info.is_main)
     if info.is_main:
         log.info("train.batch_size=auto: %d per process (%s)%s", cfg.train.batch_size, how,
                  f", x train.accum_steps={cfg.train.accum_steps} for train.global_batch_size="

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from typing import Callable
 
 import torch
 from timm.optim import create_optimizer_v2, get_optimizer_class, get_optimizer_info
@@ -62,7 +63,12 @@ def check_optimizer(cfg: OptimConfig) -> None:
                             "(SGD-family optimizers take it: sgd, momentum, sgdw, lars)")
 
 
-def with_global_batch(cfg: Config, world_size: int) -> Config:
+def say(speak: bool) -> Callable[..., None]:
+    """How a start-up rule says what it did: in the log on rank 0 (`speak`), not at all elsewhere."""
+    return log.info if speak else (lambda *_: None)
+
+
+def with_global_batch(cfg: Config, world_size: int, speak: bool = True) -> Config:
     """cfg with train.batch_size from train.global_batch_size, if set: a run restarted on another number of processes
     (torchrun --nnodes=MIN:MAX) keeps its global batch, so its mid-epoch checkpoints stay resumable. A
     train.batch_size given on the command line wins over the config file's global batch (said in the log)."""
@@ -70,7 +76,7 @@ def with_global_batch(cfg: Config, world_size: int) -> Config:
     if not train.global_batch_size:
         return cfg
     if "train.batch_size" in typed and "train.global_batch_size" not in typed:
-        log.info("train.batch_size=%s given: the config file's train.global_batch_size=%d is not applied (global "
+        say(speak)("train.batch_size=%s given: the config file's train.global_batch_size=%d is not applied (global "
                  "batch %s x %d process(es) x train.accum_steps=%d)", train.batch_size, train.global_batch_size,
                  train.batch_size, world_size, train.accum_steps)
         return replace_section(cfg, "train", global_batch_size=0)
@@ -88,7 +94,7 @@ def with_global_batch(cfg: Config, world_size: int) -> Config:
     return replace_section(cfg, "train", batch_size=batch)
 
 
-def with_scaled_lr(cfg: Config, world_size: int) -> Config:
+def with_scaled_lr(cfg: Config, world_size: int, speak: bool = True) -> Config:
     """cfg with optim.lr computed from optim.lr_base for the global batch (timm's train.py rule), if lr_base is set;
     the start-up log says how. The computed lr replaces optim.lr, so config.yaml and the checkpoints show the lr the
     run used, but never an optim.lr given on the command line: that one is used, lr_base set to 0 (said in the log);
@@ -100,24 +106,24 @@ def with_scaled_lr(cfg: Config, world_size: int) -> Config:
         if "optim.lr_base" in typed:
             raise UserError(f"optim.lr={optim.lr:g} and optim.lr_base={optim.lr_base:g} are both given; optim.lr_base "
                             "derives optim.lr from the global batch: give one of the two")
-        log.info("optim.lr %g as given: the config file's optim.lr_base %g (scaled by the global batch) is not "
+        say(speak)("optim.lr %g as given: the config file's optim.lr_base %g (scaled by the global batch) is not "
                  "applied", optim.lr, optim.lr_base)
         return replace_section(cfg, "optim", lr_base=0.0)
     images = global_batch(world_size, cfg.train.batch_size, cfg.train.accum_steps)
     ratio = images / optim.lr_base_size
     lr = optim.lr_base * (ratio ** 0.5 if optim.lr_base_scale == "sqrt" else ratio)
     replaced = f"; the config file's optim.lr {optim.lr:g} is not used" if "optim.lr" in given_keys(cfg) else ""
-    log.info("optim.lr %g = optim.lr_base %g x global batch %d / %d (%s)%s", lr, optim.lr_base, images,
+    say(speak)("optim.lr %g = optim.lr_base %g x global batch %d / %d (%s)%s", lr, optim.lr_base, images,
              optim.lr_base_size, optim.lr_base_scale, replaced)
     return replace_section(cfg, "optim", lr=lr)
 
 
-def with_batch_and_lr(cfg: Config, world_size: int) -> Config:
+def with_batch_and_lr(cfg: Config, world_size: int, speak: bool = True) -> Config:
     """The batch per process and the lr the run uses on `world_size` processes (with_global_batch, then
     with_scaled_lr); train.batch_size=auto's are found once the model is built (train.py with_auto_batch)."""
     if cfg.train.batch_size == "auto":
         return cfg
-    return with_scaled_lr(with_global_batch(cfg, world_size), world_size)
+    return with_scaled_lr(with_global_batch(cfg, world_size, speak), world_size, speak)
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, grad_scaler: bool = False,

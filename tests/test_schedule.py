@@ -213,8 +213,8 @@ def lr_of_a_run(rank: int, world: int, out: str) -> dict:
     lines: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
-    logging.getLogger("train").addHandler(handler)
-    logging.getLogger("train").setLevel(logging.INFO)
+    logging.getLogger("engine.optim").addHandler(handler)  # the lr rule says how it got the lr (rank 0 only)
+    logging.getLogger("engine.optim").setLevel(logging.INFO)
     cfg = load_config("dummy", [*TINY[2:], "train.max_steps=1", "optim.lr_base=0.1", "optim.lr_base_size=32",
                                 "sched.name=constant", f"output_dir={out}"])
     fit(cfg, DistInfo(rank, world, rank, world, torch.device("cpu")))
