@@ -14,17 +14,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from assembly.inference import inference_model, open_trained, start_processes
+from assembly.inference import inference_model, open_trained, shared_output_dir, start_processes
 from core.config import Config, to_dict
 from core.config_load import parse_override
-from core.dist import DistInfo, barrier, rank0_decides
+from core.dist import DistInfo, barrier
 from core.errors import UserError
 from core.files import (CSV_OUTPUT, merge_parts, part_file, replace_with, starts_with, temp_beside, write_csv,
                         write_output)
 from data.datasets import AugmentedDataset
 from data.loader import build_eval_loader, build_val_dataset
 from data.transforms import DeviceNormalize, eval_size
-from engine.checkpoint.inference import Trained, ema_hint, make_output_dir, precision_line
+from engine.checkpoint.inference import Trained, ema_hint, precision_line
 from engine.checkpoint.weights import MODEL_CONFIG
 from engine.evaluation import best_thresholds, evaluate, evaluate_multilabel, multilabel_metrics
 from engine.metrics import class_metrics
@@ -265,7 +265,7 @@ def run(cfg: Config, trained: Trained, args: argparse.Namespace, info: DistInfo)
     """Evaluate on every rank; rank 0 returns the eval.json contents."""
     class_names = trained.class_names
     out = Path(args.output_dir or Path(args.checkpoint).parent / f"eval-{Path(args.checkpoint).stem}")
-    rank0_decides(lambda: make_output_dir(out, OUTPUTS))
+    shared_output_dir(out, OUTPUTS)  # every rank writes its part file there
     # Labelled with the checkpoint's class map: classes the data lacks are fine, unknown ones are refused.
     dataset = build_val_dataset(cfg.data, cfg.seed, info.local_rank, class_names, args.tta_crops)
     loader = build_eval_loader(dataset, cfg.data, cfg.train.batch_size, info)

@@ -4,19 +4,23 @@ to the config stored with it, and build its architecture with those weights, pla
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 
 from core.config import Config
-from core.dist import DistInfo, init_distributed, read_launch_env
+from core.dist import DistInfo, init_distributed, rank0_decides, read_launch_env
 from core.errors import UserError
+from core.files import Recognise
 from core.logs import setup_logging
 from core.startup import tune_cpu_process
-from engine.checkpoint.inference import Trained, inference_config, load_trained
+from engine.checkpoint.inference import Trained, inference_config, load_trained, make_output_dir
+from engine.checkpoint.run_dir import check_shared
 from engine.checkpoint.weights import load_weights
 from models.factory import create_model, prepare_model
 
@@ -51,3 +55,24 @@ def start_processes(cfg: Config) -> DistInfo:
     if info.device.type == "cpu":
         tune_cpu_process(threads=1)
     return info
+
+
+def shared_output_dir(out: Path, outputs: dict[str, Recognise]) -> None:
+    """--output-dir, made by rank 0 (each of `outputs` in it absent or an earlier output of the tool) and seen by
+    every rank, which each write a part file there: ranks that see another folder (a relative path on nodes
+    without shared storage) are refused in one line before any part is written, and a folder made here for
+    nothing is removed again."""
+    made = rank0_decides(lambda: not out.exists())
+    rank0_decides(lambda: make_output_dir(out, outputs))
+    try:
+        check_shared(out, "--output-dir")
+    except UserError:
+        if made:
+            rank0_decides(lambda: remove_empty(out))
+        raise
+
+
+def remove_empty(folder: Path) -> None:
+    """`folder`, if it is still empty (nothing of anyone's is removed)."""
+    with contextlib.suppress(OSError):
+        folder.rmdir()

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 import torch
 
-from assembly.inference import inference_model, open_trained, start_processes
+from assembly.inference import inference_model, open_trained, shared_output_dir, start_processes
 from core.config import Config
 from core.config_load import parse_override
 from core.dist import DistInfo, barrier, rank0_decides
@@ -18,7 +18,7 @@ from core.files import CSV_OUTPUT, merge_parts, part_file, starts_with, write_cs
 from data.datasets import ImageListDataset, find_images
 from data.loader import build_eval_loader, collate_channels_last
 from data.transforms import DeviceNormalize, eval_size, eval_transform
-from engine.checkpoint.inference import Trained, ema_hint, make_output_dir, precision_line
+from engine.checkpoint.inference import Trained, ema_hint, precision_line
 from engine.evaluation import exact_kernels
 from engine.precision import Precision, resolve_precision
 from models.tta import CROPS, TTAModel, describe
@@ -142,7 +142,7 @@ def run(trained: Trained, cfg: Config, args: argparse.Namespace, info: DistInfo)
     if trained.multi_label and (args.tta_flip or args.tta_crops > 1):
         raise UserError(f"{trained.source} is multi-label: --tta-flip and --tta-crops (averaged softmax "
                         "probabilities) do not apply to it; predict without them")
-    rank0_decides(lambda: make_output_dir(out, OUTPUTS))
+    shared_output_dir(out, OUTPUTS)  # every rank writes its part file there
     dataset = ImageListDataset(paths, eval_transform(cfg.data, args.tta_crops), cfg.data.max_image_pixels)
     loader = build_eval_loader(dataset, cfg.data, cfg.train.batch_size, info, collate_fn=collate_predictions)
     model = inference_model(trained, cfg, info.device)

@@ -16,7 +16,7 @@ from data.transforms import DeviceNormalize
 from engine.evaluation import evaluate
 from engine.precision import Precision
 from models.factory import create_model
-from tests.helpers import HANG, REPO, TINY, free_port, read_jsonl, run_ranks, run_script, script_env
+from tests.helpers import HANG, REPO, TINY, free_port, make_image_folder, read_jsonl, run_ranks, run_script, script_env
 
 pytestmark = pytest.mark.slow  # torchrun jobs
 
@@ -93,21 +93,29 @@ def test_user_error_is_one_line(tmp_path, nproc):
 
 
 @pytest.mark.slow
-def test_ranks_that_see_different_output_dirs_are_refused_before_training(tmp_path):
-    """A relative output_dir on two ranks started in different working directories (as on nodes whose disks are not
-    shared): not one folder for all, so checkpoints and shards would be split between them. Refused at start-up
-    in one line naming rank 1 and its host, exit 2, nothing written in either folder."""
+@pytest.mark.parametrize("tool", ["train", "evaluate", "predict"])
+def test_ranks_that_see_different_output_dirs_are_refused_before_training(tool, tiny_run, tmp_path):
+    """A relative output_dir (--output-dir for evaluate.py and predict.py, whose ranks each write a part file) on two
+    ranks started in different working directories (as on nodes whose disks are not shared): not one folder for
+    all, so checkpoints, shards or parts would be split between them. Refused at start-up in one line naming rank 1
+    and its host, exit 2, nothing written in either folder (issue 50 item 2: evaluate.py and predict.py crashed with
+    a traceback on rank 1 and left rank 0's part behind)."""
     port, cwds = free_port(), [tmp_path / "node0", tmp_path / "node1"]
+    args = {"train": [*TINY, "output_dir=run"],
+            "evaluate": [str(tiny_run / "best.pth"), "--output-dir", "run"],
+            "predict": [str(tiny_run / "best.pth"), str(make_image_folder(tmp_path / "images", {"x": {"a": 2}})),
+                        "--output-dir", "run"]}[tool]
+    key = "output_dir" if tool == "train" else "--output-dir"
     procs = []
     for rank, cwd in enumerate(cwds):
         cwd.mkdir()
         env = script_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, str(REPO / "train.py"), *TINY, "output_dir=run"], cwd=cwd,
+        procs.append(subprocess.Popen([sys.executable, str(REPO / f"{tool}.py"), *args], cwd=cwd,
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = [(proc.wait(timeout=HANG), proc.stderr.read()) for proc in procs]
     assert [code for code, _ in results] == [2, 2], results
     lines = [line for line in results[0][1].splitlines() if "error:" in line]
-    assert len(lines) == 1 and "error: output_dir run is not the same folder for every process: rank 1 on " in lines[0]
-    assert "error:" not in results[1][1]  # rank 0 speaks
+    assert len(lines) == 1 and f"error: {key} run is not the same folder for every process: rank 1 on " in lines[0]
+    assert "error:" not in results[1][1] and "Traceback" not in results[0][1] + results[1][1]  # rank 0 speaks
     assert [sorted(p.name for p in cwd.iterdir()) for cwd in cwds] == [[], []]

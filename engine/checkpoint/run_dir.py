@@ -125,10 +125,11 @@ def locked(folder: Path) -> Iterator[FolderLock | None]:
             lock.release()
 
 
-def check_shared(folder: Path) -> None:
-    """Every process sees rank 0's output_dir: rank 0 writes a probe file there, every rank reads it back. Rank 0
-    writes the checkpoints, metrics and the sharded folder's swap, and every rank writes its shards into it, so
-    output_dir must be one folder for all (a file system every node mounts, at a path that means it on each)."""
+def check_shared(folder: Path, key: str = "output_dir") -> None:
+    """Every process sees rank 0's output_dir (`key`: the option that named it, for the message): rank 0 writes a
+    probe file there, every rank reads it back. Rank 0 writes the checkpoints, metrics and the sharded folder's swap,
+    and every rank writes its shards (evaluate.py and predict.py: their part files) into it, so it must be one
+    folder for all (a file system every node mounts, at a path that means it on each)."""
     if get_world_size() == 1:
         return
     token = broadcast_object(secrets.token_hex(8) if is_main() else None)
@@ -142,8 +143,8 @@ def check_shared(folder: Path) -> None:
     rank0_decides(lambda: probe.unlink(missing_ok=True))
     blind = [f"rank {rank} on {host}" for rank, (host, ok) in enumerate(found) if not ok]
     if blind:
-        raise UserError(f"output_dir {folder} is not the same folder for every process: {', '.join(blind)} cannot "
-                        f"see the file rank 0 (on {found[0][0]}) wrote there; put output_dir on storage every node "
+        raise UserError(f"{key} {folder} is not the same folder for every process: {', '.join(blind)} cannot "
+                        f"see the file rank 0 (on {found[0][0]}) wrote there; put {key} on storage every node "
                         "shares, at a path that names it on each (an absolute path; docs/clusters.md)",
                         all_ranks=True)
 
