@@ -538,13 +538,32 @@ def config_yaml(cfg: Config) -> str:
 
 
 def run_values(cfg: Config, world_size: int) -> str:
-    """The derived values a run uses, resolved (--dry-run's second line): the batch, the lr, the preprocessing."""
+    """The derived values a run uses, resolved, each with where it came from (--dry-run's second line): the batch,
+    the lr, the preprocessing."""
     train, data = cfg.train, cfg.data
     images = global_batch(world_size, train.batch_size, train.accum_steps)
-    return (f"train.batch_size {train.batch_size} x {world_size} process(es) x train.accum_steps {train.accum_steps} = "
-            f"global batch {images}, optim.lr {cfg.optim.lr:g}, "
-            f"data.img_size {data.img_size}, data.mean {data.mean}, data.std {data.std}, data.interpolation "
-            f"{data.interpolation}, data.crop_pct {data.crop_pct}, amp {cfg.amp}, eval_amp {cfg.eval_amp}")
+    rules = {"train.batch_size": "train.global_batch_size" if train.global_batch_size else "",
+             "optim.lr": "optim.lr_base x the global batch" if cfg.optim.lr_base else ""}
+    shown = [("train.batch_size", train.batch_size), ("train.accum_steps", train.accum_steps),
+             ("optim.lr", f"{cfg.optim.lr:g}"), ("data.img_size", data.img_size), ("data.mean", data.mean),
+             ("data.std", data.std), ("data.interpolation", data.interpolation), ("data.crop_pct", data.crop_pct),
+             ("amp", cfg.amp), ("eval_amp", cfg.eval_amp)]
+    parts = [f"{key} {value} ({origin(cfg, key, rules.get(key, ''))})" for key, value in shown]
+    return f"global batch {images} = {world_size} process(es) x batch x accumulation; " + ", ".join(parts)
+
+
+def origin(cfg: Config, key: str, rule: str = "") -> str:
+    """Where a resolved value came from: the command line, the config file, a start-up rule, or the default (for
+    data.mean/std/interpolation/crop_pct: the weights' or the resumed run's, when neither gave them)."""
+    if key in command_line_keys(cfg):
+        return "command line"
+    if rule:
+        return f"rule: {rule}"
+    if key in given_keys(cfg):
+        return "config file"
+    if key in ("data.mean", "data.std", "data.interpolation", "data.crop_pct"):
+        return "the weights', the resumed run's, or the default"
+    return "default"
 
 
 def best_metric(cfg: Config) -> str:

@@ -19,8 +19,11 @@ import ctypes
 import logging
 import os
 import sys
+from pathlib import Path
 
 log = logging.getLogger(__name__)
+CGROUP_ROOT = Path("/sys/fs/cgroup")  # where the cgroup file systems are mounted
+MEMBERSHIP = Path("/proc/self/cgroup")  # this process's cgroups
 
 
 def import_timm_without_wandb() -> None:
@@ -39,12 +42,31 @@ def import_timm_without_wandb() -> None:
         del sys.modules["wandb"]
 
 
-def tune_cpu_process(threads: int) -> None:
-    """A CPU process computes with `threads` threads (torchrun would force one) and keeps freed memory."""
+def tune_cpu_process(threads: int, env: dict[str, str] | None = None) -> str:
+    """A CPU process computes with `threads` threads (torchrun would force one), unless the user set
+    OMP_NUM_THREADS, which wins, and keeps freed memory; returns what it chose and why, for the log."""
     import torch
 
-    torch.set_num_threads(threads)
+    user = user_threads(os.environ if env is None else env)
+    if user is not None:
+        torch.set_num_threads(user)
+        chosen = f"{user} thread(s) per process (OMP_NUM_THREADS={user}, as set)"
+    else:
+        torch.set_num_threads(threads)
+        chosen = f"{threads} thread(s) per process"
     keep_freed_memory()
+    return chosen
+
+
+def user_threads(env: dict[str, str] | os._Environ) -> int | None:
+    """OMP_NUM_THREADS as the user set it, or None: unset, not a positive number, or torchrun's own 1 (torchrun sets
+    OMP_NUM_THREADS=1 for several processes per node when the user did not, and a worker cannot tell them apart)."""
+    text = env.get("OMP_NUM_THREADS", "").strip()
+    if not text.isdigit() or int(text) < 1:
+        return None
+    if text == "1" and "TORCHELASTIC_RUN_ID" in env:
+        return None
+    return int(text)
 
 
 def training_kernels(device_type: str) -> None:
@@ -57,8 +79,74 @@ def training_kernels(device_type: str) -> None:
 
 
 def cpu_share(processes_per_node: int) -> int:
-    """This process's share of the cores it may run on."""
-    return max(1, len(os.sched_getaffinity(0)) // processes_per_node)
+    """This process's share of the CPUs it may use: the cores of its affinity mask, capped by its cgroup's CPU quota
+    (a container's limit, which the affinity mask does not show), divided among the processes on this node."""
+    return max(1, int(usable_cpus() // processes_per_node))
+
+
+def cpu_budget(processes_per_node: int, workers: int) -> str:
+    """Why a process got its threads, for the start-up log: what it may use, shared by how many."""
+    cores, quota = len(os.sched_getaffinity(0)), cgroup_cpu_limit()
+    limit = f"a cgroup CPU quota of {quota:g}" if quota is not None else "no cgroup CPU quota"
+    return (f"{min(cores, quota) if quota is not None else cores:g} CPU(s) usable ({cores} core(s) in the affinity "
+            f"mask, {limit}) for {processes_per_node} process(es) on this node, each with {workers} loader worker(s)")
+
+
+def usable_cpus(cgroup_root: Path = CGROUP_ROOT, membership: Path = MEMBERSHIP) -> float:
+    """The CPUs this process may use: its affinity mask, or fewer under a cgroup CPU quota."""
+    cores = len(os.sched_getaffinity(0))
+    quota = cgroup_cpu_limit(cgroup_root, membership)
+    return min(cores, quota) if quota is not None else cores
+
+
+def cgroup_cpu_limit(root: Path = CGROUP_ROOT, membership: Path = MEMBERSHIP) -> float | None:
+    """The CPUs a cgroup quota lets this process use (Kubernetes limits.cpu, docker --cpus, Slurm's cgroups): the
+    smallest quota / period on its cgroup's path, cgroup v2 (cpu.max: "QUOTA PERIOD", "max" = none) or v1
+    (cpu.cfs_quota_us, -1 = none, over cpu.cfs_period_us). None: no quota, or nothing readable. `root` is where
+    the cgroup file systems are mounted, `membership` this process's /proc/self/cgroup (tests pass a fake tree)."""
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if hierarchy == "0" and controllers == "":  # v2: one unified hierarchy
+            limits += [v2_limit(folder) for folder in along(root, path)]
+        elif "cpu" in controllers.split(","):  # v1: the cpu controller's own mount
+            mount = next((root / name for name in (controllers, "cpu,cpuacct", "cpu") if (root / name).is_dir()), None)
+            if mount is not None:
+                limits += [v1_limit(folder) for folder in along(mount, path)]
+    found = [limit for limit in limits if limit is not None]
+    return min(found) if found else None
+
+
+def along(mount: Path, path: str) -> list[Path]:
+    """The folders from `mount` down to the cgroup `path` under it (a quota anywhere on the way applies)."""
+    folders, folder = [mount], mount
+    for part in [p for p in path.split("/") if p]:
+        folder = folder / part
+        folders.append(folder)
+    return folders
+
+
+def v2_limit(folder: Path) -> float | None:
+    """cgroup v2 cpu.max: "QUOTA PERIOD" in microseconds; "max" is no quota."""
+    try:
+        quota, period = (folder / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
+def v1_limit(folder: Path) -> float | None:
+    """cgroup v1 cpu.cfs_quota_us over cpu.cfs_period_us; a quota of -1 is none."""
+    try:
+        quota = int((folder / "cpu.cfs_quota_us").read_text())
+        period = int((folder / "cpu.cfs_period_us").read_text())
+        return quota / period if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None
 
 
 M_TRIM_THRESHOLD = -1  # glibc's <malloc.h> constants

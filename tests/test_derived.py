@@ -71,8 +71,10 @@ def test_print_config_shows_the_batch_and_lr_the_launch_will_use(capsys, monkeyp
 def test_dry_run_says_the_values_the_run_uses(tmp_path, capsys):
     assert report_errors(train.main, [*TINY, f"output_dir={tmp_path}/run", "optim.lr_base=0.1", "--dry-run"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.startswith("the run uses: train.batch_size 8 x 1 process(es) x train.accum_steps 1 = global batch 8, "
-                           "optim.lr 0.003125, data.img_size 16, data.mean [0.485, 0.456, 0.406]"), last
+    assert last.startswith("the run uses: global batch 8 = 1 process(es) x batch x accumulation; train.batch_size 8 "
+                           "(command line), train.accum_steps 1 (default), optim.lr 0.003125 (rule: optim.lr_base x the "
+                           "global batch), data.img_size 16 (command line), data.mean [0.485, 0.456, 0.406] (the "
+                           "weights', the resumed run's, or the default)"), last
 
 
 @pytest.mark.parametrize("images, batch, world, expected", [

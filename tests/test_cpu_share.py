@@ -1,0 +1,68 @@
+"""Threads that fit the CPU the process really has (issue 52 item 1): the cgroup quota read from a fake tree (the
+reader takes its root and /proc/self/cgroup as arguments), and a user's OMP_NUM_THREADS winning."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.startup import cgroup_cpu_limit, tune_cpu_process, usable_cpus, user_threads
+
+
+def fake_tree(tmp_path: Path, membership: str, files: dict[str, str]) -> tuple[Path, Path]:
+    """A cgroup mount root holding `files` (relative path -> text) and a /proc/self/cgroup with `membership`."""
+    root = tmp_path / "cgroup"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    root.mkdir(exist_ok=True)
+    (tmp_path / "self-cgroup").write_text(membership)
+    return root, tmp_path / "self-cgroup"
+
+
+@pytest.mark.parametrize("membership, files, expected", [
+    ("0::/\n", {"cpu.max": "400000 100000\n"}, 4.0),  # v2 in a container: docker --cpus=4
+    ("0::/\n", {"cpu.max": "max 100000\n"}, None),  # v2, no quota
+    ("0::/kubepods/pod1/c1\n", {"kubepods/cpu.max": "max 100000\n", "kubepods/pod1/cpu.max": "250000 100000\n",
+                                "kubepods/pod1/c1/cpu.max": "max 100000\n"}, 2.5),  # the pod's limit, above the container
+    ("0::/job\n", {"job/cpu.max": "50000 100000\n"}, 0.5),  # below one core
+    ("4:cpu,cpuacct:/slurm/job7\n", {"cpu,cpuacct/slurm/job7/cpu.cfs_quota_us": "300000\n",
+                                     "cpu,cpuacct/slurm/job7/cpu.cfs_period_us": "100000\n"}, 3.0),  # v1
+    ("2:cpuacct:/\n1:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),  # v1 none
+    ("0::/\n", {}, None),  # nothing readable: no quota
+])
+def test_the_cgroup_quota_is_read_in_both_formats(tmp_path, membership, files, expected):
+    root, proc = fake_tree(tmp_path, membership, files)
+    assert cgroup_cpu_limit(root, proc) == expected
+    cores = len(os.sched_getaffinity(0))
+    assert usable_cpus(root, proc) == (cores if expected is None else min(cores, expected))
+
+
+def test_a_quota_below_one_core_still_gets_one_thread(tmp_path, monkeypatch):
+    from core import startup
+
+    root, proc = fake_tree(tmp_path, "0::/\n", {"cpu.max": "20000 100000\n"})
+    assert usable_cpus(root, proc) == 0.2
+    monkeypatch.setattr(startup, "usable_cpus", lambda: usable_cpus(root, proc))
+    assert startup.cpu_share(1) == 1 and startup.cpu_share(4) == 1
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"OMP_NUM_THREADS": "3"}, 3),
+    ({"OMP_NUM_THREADS": "1"}, 1),  # a user's 1, outside torchrun
+    ({"OMP_NUM_THREADS": "1", "TORCHELASTIC_RUN_ID": "x"}, None),  # torchrun's own default: the app's share
+    ({"OMP_NUM_THREADS": "4", "TORCHELASTIC_RUN_ID": "x"}, 4),
+    ({"OMP_NUM_THREADS": "0"}, None), ({"OMP_NUM_THREADS": "many"}, None), ({}, None),
+])
+def test_a_users_omp_num_threads_wins(env, expected):
+    assert user_threads(env) == expected
+    threads = torch.get_num_threads()
+    try:
+        chosen = tune_cpu_process(2, env)
+        assert torch.get_num_threads() == (expected or 2)
+        assert ("as set" in chosen) == (expected is not None)
+    finally:
+        torch.set_num_threads(threads)
