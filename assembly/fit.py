@@ -13,6 +13,7 @@ from assembly.run import assemble
 from assembly.start import load_teacher, start_up
 from core.config import Config, lower_is_better
 from core.dist import DistInfo, rank0_decides
+from core.errors import UserError
 from core.logs import run_summary
 from core.signals import Preempted
 from engine.checkpoint.run_dir import FolderLock, continue_with
@@ -36,6 +37,10 @@ def find_lr(cfg: Config, info: DistInfo) -> dict:
     result = {**range_test(parts, data.train, loop, info, cfg.tune), "world_size": info.world_size,
               "batch_size": cfg.train.batch_size, "accum_steps": cfg.train.accum_steps}
     rank0_decides(lambda: write_results(result, Path(cfg.output_dir)))  # every rank learns whether it could
+    if result["suggested_lr"] is None:  # every rank's curve is the same all-reduced one: all refuse together
+        raise UserError(f"--find-lr has no suggestion: {result['no_suggestion']} ({result['stopped']}); lower "
+                        f"tune.lr_min, or check that the data can be learnt (the curve: lr_find.json and lr_find.png "
+                        f"in {cfg.output_dir})", all_ranks=True)
     if info.is_main:
         log.info("LR range test: %d steps (%s); suggested optim.lr %.3g (%s; its steepest descent at lr %.3g); "
                  "lr_find.json and lr_find.png in %s", result["steps"], result["stopped"], result["suggested_lr"],

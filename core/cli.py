@@ -63,11 +63,21 @@ def as_overrides(argv: list[str], flags: set[str]) -> list[str]:
             out.append(item)
             continue
         if not eq:
-            if not rest or rest[0].startswith("--"):
+            if not rest or rest[0].startswith("--") or is_config_override(rest[0]):
                 raise UserError(f"{item} needs a value: {item}=VALUE or {name}=VALUE")
             value = rest.pop(0)
         out.append(f"{name}={value}")
     return out
+
+
+def is_config_override(item: str) -> bool:
+    """Whether item reads as `key=value` for a schema key (or an option under a `kwargs` mapping): after `--key`
+    it is the next override, not key's value (`--output_dir optim.lr=0.3` would take the text as a folder)."""
+    from core.config import key_facts
+
+    name, eq, _ = item.partition("=")
+    keys = key_facts()
+    return bool(eq) and (name in keys or any(name.startswith(f"{k}.") and k.endswith("kwargs") for k in keys))
 
 
 def run_main(main: Callable[[list[str]], int | None], after_sigterm: str) -> NoReturn:

@@ -239,6 +239,10 @@ def validate_long_tail(cfg: Config) -> None:
     if train.class_weights_from_epoch and train.class_weights == "none":
         raise UserError("train.class_weights_from_epoch defers class weights, and train.class_weights is none; set "
                         "train.class_weights (e.g. effective or balanced) or leave train.class_weights_from_epoch at 0")
+    if train.class_weights_from_epoch >= train.epochs:  # epochs count from 0: the last is epochs - 1
+        raise UserError(f"train.class_weights_from_epoch={train.class_weights_from_epoch} starts the class weights "
+                        f"after the last epoch (train.epochs={train.epochs}, numbered from 0), so they would never "
+                        f"apply; lower it below {train.epochs} or raise train.epochs")
     tau = train.logit_adjustment
     if tau < 0:
         raise UserError(f"config key 'train.logit_adjustment' must be >= 0 (0 = off, 1 = Menon et al.), got {tau}")

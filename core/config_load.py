@@ -23,8 +23,8 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
 class YamlLoader(yaml.SafeLoader):
-    """SafeLoader whose only booleans are true/false (YAML 1.2), so `amp: off` stays the string "off",
-    and which refuses a key given twice in one mapping (PyYAML keeps the last one silently)."""
+    """SafeLoader reading plain scalars as YAML 1.2's core schema does (only true/false are booleans, so `amp: off`
+    stays the string "off"; `010` is ten; `1:30` is text), and which refuses a key given twice in one mapping (PyYAML keeps the last one silently)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         first_line: dict[Any, int] = {}
@@ -38,13 +38,31 @@ class YamlLoader(yaml.SafeLoader):
             first_line[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
 
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        """A YAML 1.2 core integer: `010` is ten, not octal 8 (YAML 1.1); octal is written `0o10`."""
+        text = self.construct_scalar(node)
+        sign, digits = (-1 if text[0] == "-" else 1), text.lstrip("+-")
+        base = 16 if digits.startswith("0x") else 8 if digits.startswith("0o") else 10
+        return sign * int(digits[2:] if base != 10 else digits, base)
+
+
+# YAML 1.2 core schema for plain scalars: no yes/no/on/off booleans, no base-60 (`1:30` is text, not 90), no
+# leading-zero octal, no `1_000`, no timestamps (`2026-11-27` stays text).
+YAML11_ONLY = {"tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float",
+               "tag:yaml.org,2002:timestamp"}
 YamlLoader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in YAML11_ONLY]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
-
 YamlLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
                                  list("tTfF"))
+YamlLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"),
+                                 list("-+0123456789"))
+YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+.0123456789"))
+YamlLoader.add_constructor("tag:yaml.org,2002:int", YamlLoader.construct_yaml_int)
 
 
 def read_yaml(text: str) -> Any:
@@ -104,14 +122,16 @@ def read_text(file: Path) -> str:
 def parse_override(item: str) -> tuple[str, Any]:
     """`optim.lr=0.2` -> ("optim.lr", 0.2); the value is read as YAML (numbers, lists, booleans).
 
-    A value YAML would cut at a comment (`output_dir=runs/exp #1` -> `runs/exp`) stays the raw text:
-    intact for a string key, refused by the type check for any other.
+    A value YAML would cut at a comment (`output_dir=runs/exp #1` -> `runs/exp`) or read through an anchor, alias
+    or tag (`output_dir=&x y` -> `y`) stays the raw text: intact for a string key, refused by the type check for
+    any other.
     """
     if "=" not in item:
         raise UserError(f"override {item!r} must look like key=value, e.g. optim.lr=0.2")
     key, text = item.split("=", 1)
     try:
-        value = read_yaml(text) if text.strip() and not has_yaml_comment(text) else text
+        value = read_yaml(text) if text.strip() and not has_yaml_comment(text) and not has_yaml_node_marks(text) \
+            else text
     except yaml.YAMLError:
         value = text
     return key.strip(), value
@@ -123,6 +143,13 @@ def has_yaml_comment(text: str) -> bool:
         return False
     spans = [(token.start_mark.index, token.end_mark.index) for token in yaml.scan(text, Loader=YamlLoader)]
     return any(char == "#" and not any(start <= i < end for start, end in spans) for i, char in enumerate(text))
+
+
+def has_yaml_node_marks(text: str) -> bool:
+    """Whether YAML would read text through an anchor (`&x`), an alias (`*x`) or a tag (`!x`): never what a
+    command-line value means."""
+    marks = (yaml.AnchorToken, yaml.AliasToken, yaml.TagToken)
+    return any(isinstance(token, marks) for token in yaml.scan(text, Loader=YamlLoader))
 
 
 def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:

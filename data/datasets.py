@@ -186,7 +186,8 @@ def find_classes(split_dir: Path) -> list[str]:
 
 
 def scan_images(split_dir: Path, classes: list[str], skip_broken: bool = False) -> tuple[list[str], np.ndarray]:
-    """Relative paths and labels of every image under split_dir/<class>/, sorted.
+    """Relative paths and labels of every image under split_dir/<class>/, at any depth (hidden folders skipped),
+    in torchvision's ImageFolder order: folders by path, files by name within each.
 
     A broken symbolic link (target gone, or a loop) is an image that cannot be read: an error naming it,
     or with skip_broken (data.skip_corrupt, training only) a warning naming it.
@@ -195,15 +196,18 @@ def scan_images(split_dir: Path, classes: list[str], skip_broken: bool = False) 
     labels: list[int] = []
     broken: list[str] = []
     for label, name in enumerate(classes):
+        list_folder(split_dir / name)  # a class folder that cannot be listed: one line naming it
         files = []
-        for entry in list_folder(split_dir / name):
-            if not entry.name.lower().endswith(IMAGE_EXTENSIONS):
-                continue
-            if is_file(entry):
-                files.append(os.path.join(name, entry.name))
-            elif reason := broken_link(entry):
-                broken.append(f"{entry.path} is a broken symbolic link ({reason})")
-        paths += sorted(files)
+        for parent, names in walk_tree(split_dir / name):  # every depth, as torchvision's and timm's ImageFolder
+            for file in names:
+                full = os.path.join(parent, file)
+                if not file.lower().endswith(IMAGE_EXTENSIONS):
+                    continue
+                if os.path.isfile(full):
+                    files.append(os.path.relpath(full, split_dir))
+                elif os.path.islink(full) and (reason := link_failure(full)):
+                    broken.append(f"{full} is a broken symbolic link ({reason})")
+        paths += files
         labels += [label] * len(files)
     if broken:
         more = f", and {len(broken) - 1} more under {split_dir}" if len(broken) > 1 else ""
@@ -223,14 +227,6 @@ def list_folder(folder: Path) -> list[os.DirEntry]:
         raise UserError(f"cannot list folder {folder} ({err.strerror})") from None
 
 
-def is_file(entry: os.DirEntry) -> bool:
-    """entry.is_file(), False for a symbolic link loop (which raises)."""
-    try:
-        return entry.is_file()
-    except OSError:
-        return False
-
-
 def is_dir(entry: os.DirEntry) -> bool:
     """entry.is_dir(), False for a symbolic link loop (which raises)."""
     try:
@@ -241,10 +237,13 @@ def is_dir(entry: os.DirEntry) -> bool:
 
 def broken_link(entry: os.DirEntry) -> str | None:
     """Why a symbolic link leads nowhere (its target is gone, or links loop); None for anything else."""
-    if not entry.is_symlink():
-        return None
+    return link_failure(entry.path) if entry.is_symlink() else None
+
+
+def link_failure(path: str) -> str | None:
+    """Why the path cannot be followed (its target is gone, or links loop); None when it can."""
     try:
-        os.stat(entry.path)
+        os.stat(path)
     except OSError as err:
         return err.strerror
     return None
@@ -444,15 +443,29 @@ def list_images(folder: Path) -> list[str]:
     tree would be followed forever (2**40 paths for two links to `..`). The folders' own paths are taken
     first, so a link to a folder of the tree (or a loop) is the one skipped, named in a warning.
     """
-    seen: dict[tuple[int, int] | None, str] = {folder_id(str(folder)): str(folder)}
-    for parent, dirs, _ in os.walk(folder):  # without links: each folder's own path
-        dirs[:] = walk_once(parent, [d for d in dirs if not os.path.islink(os.path.join(parent, d))], seen)
     found = []
-    for parent, dirs, files in os.walk(folder, followlinks=True):
-        dirs[:] = walk_once(parent, dirs, seen)
+    for parent, files in walk_tree(folder):
         found += [os.path.join(parent, f) for f in files
                   if f.lower().endswith(IMAGE_EXTENSIONS) and not f.startswith(".")]
     return sorted(found)
+
+
+def walk_tree(folder: Path) -> list[tuple[str, list[str]]]:
+    """(folder, its file names sorted) for folder and every sub-folder not hidden, sorted by path (torchvision's
+    ImageFolder order); each real folder once, by its own path before any link to it (list_images says why)."""
+    seen: dict[tuple[int, int] | None, str] = {folder_id(str(folder)): str(folder)}
+    for parent, dirs, _ in os.walk(folder):  # without links: each folder's own path
+        dirs[:] = walk_once(parent, [d for d in dirs if not os.path.islink(os.path.join(parent, d))], seen)
+    walked = []
+    for parent, dirs, files in os.walk(folder, followlinks=True, onerror=unlistable):
+        dirs[:] = walk_once(parent, dirs, seen)
+        walked.append((parent, sorted(files)))
+    return sorted(walked)
+
+
+def unlistable(err: OSError) -> None:
+    """os.walk's onerror: a sub-folder that cannot be listed is named in one line, not skipped in silence."""
+    raise UserError(f"cannot list folder {err.filename} ({err.strerror})")
 
 
 def folder_id(path: str) -> tuple[int, int] | None:

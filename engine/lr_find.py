@@ -108,14 +108,24 @@ def suggest(lrs: list[float], smoothed: list[float]) -> dict[str, Any]:
     99.17 and 99.17, as the hand-tuned 0.1 did; lower lrs fell short: Lightning's steepest descent (0.0175) 98.06,
     the geometric mean of steepest and minimum (0.0335) 98.89, 0.0394 98.34 (fastai's minimum / 10: 0.0076). Always
     one of the lrs swept; the test stops only once the smoothed loss passes DIVERGED x this minimum, never before it.
+    A minimum at the first lr (the loss never fell) or no loss at all is no minimum: no suggestion, and why.
     """
     if not smoothed:
-        raise ValueError("no loss was recorded")
+        return no_suggestion("no finite loss was recorded (the first step's loss was not a number)")
     lowest = int(np.argmin(smoothed))
+    if lowest == 0:  # the loss never fell below the sweep's first value: no lr at which it still fell
+        return no_suggestion(f"the smoothed loss never fell below its value at the sweep's first lr {lrs[0]:.3g} "
+                             f"({smoothed[0]:.4g})")
     falling = smoothed[:lowest + 1]
     steepest = int(np.argmin(np.gradient(falling, np.log10(lrs[:lowest + 1])))) if len(falling) > 1 else 0
     return {"suggested_lr": lrs[lowest], "rule": RULE, "steepest_lr": lrs[steepest], "min_loss_lr": lrs[lowest],
             "min_smoothed_loss": smoothed[lowest]}
+
+
+def no_suggestion(why: str) -> dict[str, Any]:
+    """The result without a usable minimum: suggesting the sweep's first lr would pass for a finding."""
+    return {"suggested_lr": None, "no_suggestion": why, "rule": RULE, "steepest_lr": None, "min_loss_lr": None,
+            "min_smoothed_loss": None}
 
 
 def write_results(result: dict[str, Any], out: Path) -> None:
@@ -137,12 +147,13 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
     ax.plot(result["lrs"], result["losses"], color="0.75", linewidth=1, label="loss (all ranks)")
     ax.plot(result["lrs"], result["smoothed_losses"], color="C0", linewidth=2, label="smoothed loss")
-    ax.axvline(result["suggested_lr"], color="C3", linestyle="--",
-               label=f"suggested optim.lr {result['suggested_lr']:.3g} ({LABEL})")
-    ax.axvline(result["steepest_lr"], color="0.5", linestyle=":",
-               label=f"steepest descent {result['steepest_lr']:.3g} (a lower bound)")
+    if result["suggested_lr"] is not None:
+        ax.axvline(result["suggested_lr"], color="C3", linestyle="--",
+                   label=f"suggested optim.lr {result['suggested_lr']:.3g} ({LABEL})")
+        ax.axvline(result["steepest_lr"], color="0.5", linestyle=":",
+                   label=f"steepest descent {result['steepest_lr']:.3g} (a lower bound)")
     ax.set_xscale("log")
-    low, high = min(result["smoothed_losses"]), max(result["smoothed_losses"])
+    low, high = min(result["smoothed_losses"], default=0.0), max(result["smoothed_losses"], default=1.0)
     ax.set_ylim(low - 0.05 * (high - low), high + 0.05 * (high - low) + 1e-12)  # the smoothed curve, whole
     ax.set_xlabel("learning rate")
     ax.set_ylabel("training loss")

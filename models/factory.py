@@ -18,6 +18,7 @@ import torch
 from huggingface_hub import constants as hub_constants
 from huggingface_hub import try_to_load_from_cache
 from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+from safetensors import SafetensorError
 from torch import nn
 
 from core.config import ModelConfig
@@ -68,6 +69,10 @@ def create_model(cfg: ModelConfig, num_classes: int, weights: dict[str, torch.Te
         if not (from_hub or cfg.name.startswith(HUB_PREFIX)):
             raise
         raise hub_error(cfg.name, err) from None
+    except SafetensorError as err:  # the cache's model.safetensors cut short, empty or not one (from_hub)
+        if not from_hub:
+            raise
+        raise damaged_cache_error(cfg.name, err) from None
     except RuntimeError as err:  # load_state_dict: a tensor timm cannot adapt (another architecture's)
         raise UserError(f"{source} does not fit model {cfg.name} ({load_error_summary(str(err))}); is it a "
                         "checkpoint of model.name?") from None
@@ -226,6 +231,19 @@ def hub_error(name: str, err: Exception) -> UserError:
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return UserError(f"model.name={name}: cannot get its pretrained files ({where}) into {cache}: {first}; check "
                      "model.name (model.init_from takes local weights, with model.pretrained=false)")
+
+
+def damaged_cache_error(name: str, err: Exception) -> UserError:
+    """The cached weights file of `name` cannot be read as safetensors (a cut download, a disk error): one line naming
+    the file and how to fetch it again (removing the repository's cache folder; the blob would be re-linked else)."""
+    default = None if name.startswith(HUB_PREFIX) else timm.models.get_pretrained_cfg(name)
+    repo = (name[len(HUB_PREFIX):] if default is None else default.hf_hub_id or "").partition("@")[0]
+    cached = try_to_load_from_cache(repo, "model.safetensors") if repo else None
+    file = cached if isinstance(cached, str) else f"model.safetensors of {repo or name}"
+    folder = Path(hub_constants.HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}"
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return UserError(f"model.name={name}: the Hugging Face cache's copy of its weights, {file}, is damaged ({first}); "
+                     f"remove {folder} and run again where the Hub can be reached to download it afresh")
 
 
 def load_error_summary(message: str) -> str:

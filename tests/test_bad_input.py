@@ -286,6 +286,22 @@ def test_truncated_checkpoint(tmp_path, capsys):
     assert f"checkpoint {path} cannot be read" in line and "truncated" in line
 
 
+def test_an_inference_override_error_names_the_override_not_the_checkpoint():
+    """`evaluate.py last.pth amp=BF16` said `checkpoint .../last.pth: config key 'amp' is 'BF16'` (issue 51 item 17);
+    a stored config that is itself wrong still names the checkpoint."""
+    from engine.checkpoint.inference import Trained, inference_config
+
+    trained = Trained({"model": {"name": "test_resnet"}}, {}, ["a", "b"], "checkpoint x.pth")
+    for override, message in ((("amp", "BF16"), "command-line override amp=BF16: config key 'amp' is 'BF16'"),
+                              (("ampp", "bf16"), "command-line override ampp=bf16: unknown config key 'ampp'"),
+                              (("data.val_img_size", -3), "command-line override data.val_img_size=-3: config key")):
+        with pytest.raises(UserError, match=f"^{message}"):
+            inference_config(trained, [("seed", 1), override])
+    broken = Trained({"model": {"name": "test_resnet"}, "seed": -1}, {}, ["a", "b"], "checkpoint x.pth")
+    with pytest.raises(UserError, match="^checkpoint x.pth: config key 'seed'"):
+        inference_config(broken, [("amp", "bf16")])
+
+
 class FailsAtFive(torch.utils.data.Dataset):
     """Index 5 raises a UserError, as a dataset reading a bad file does."""
 

@@ -103,7 +103,12 @@ def test_overrides_in_any_form_and_place_give_one_config(capsys):
         args = tool.parse_args(["last.pth", *inputs, "--amp=bf16", "--output-dir", "out", "--data.num_workers", "0"])
         assert (args.overrides, args.output_dir) == (["amp=bf16", "data.num_workers=0"], "out"), args
     cases = [(["--optim.lrr=0.1"], "error: unknown config key 'optim.lrr'; did you mean 'optim.lr'?"),
-             (["--optim.lr"], "error: --optim.lr needs a value: --optim.lr=VALUE or optim.lr=VALUE")]
+             (["--optim.lr"], "error: --optim.lr needs a value: --optim.lr=VALUE or optim.lr=VALUE"),
+             (["--optim.lr", "--dry-run"], "error: --optim.lr needs a value: --optim.lr=VALUE or optim.lr=VALUE"),
+             (["--output_dir", "optim.lr=0.3"],  # the next override is not output_dir's value (issue 51 item 3)
+              "error: --output_dir needs a value: --output_dir=VALUE or output_dir=VALUE"),
+             (["--model.name", "model.kwargs.drop_rate=0.1"],
+              "error: --model.name needs a value: --model.name=VALUE or model.name=VALUE")]
     for args, line in cases:
         assert report_errors(train.main, ["--config", "dummy", "--print-config", *args]) == 2
         assert capsys.readouterr().err.strip().splitlines() == [line]

@@ -103,6 +103,23 @@ def test_override_values_with_a_hash_arrive_intact():
     assert load_config(None, ["amp='off'", "logging.wandb_tags=[a, 'b #2']"]).logging.wandb_tags == ["a", "b #2"]
 
 
+def test_leading_zero_is_decimal_not_octal():
+    """YAML 1.1 read `seed=010` as octal 8 (issue 51 item 6); YAML 1.2 core reads ten, and `0o10` is octal."""
+    assert [load_config(None, [f"seed={text}"]).seed for text in ("010", "0o10", "0x10")] == [10, 8, 16]
+
+
+def test_base_60_is_not_a_number():
+    """YAML 1.1 read `train.epochs=1:30` as 90 (base 60) and trained 90 epochs (issue 51 item 6)."""
+    with pytest.raises(UserError, match="config key 'train.epochs' must be int, got '1:30'"):
+        load_config(None, ["train.epochs=1:30"])
+
+
+def test_anchor_in_a_value_is_text():
+    """YAML read `output_dir='&x y'` as an anchor named x on `y` (issue 51 item 6); a tag the same way."""
+    cfg = load_config(None, ["output_dir=&x y", "logging.wandb_notes=!!int 3"])
+    assert (cfg.output_dir, cfg.logging.wandb_notes) == ("&x y", "!!int 3")
+
+
 def test_seed_and_probability_bounds_are_accepted():
     cfg = load_config(None, ["seed=4294967295", "data.hflip=1", "model.drop_rate=0.99", "optim.lr=1e-3"])
     assert cfg.seed == 2**32 - 1 and cfg.data.hflip == 1.0 and cfg.optim.lr == 0.001

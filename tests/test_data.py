@@ -127,6 +127,27 @@ def test_broken_symlinks_are_named_and_skipped_only_in_training(tmp_path, caplog
     assert f"{root}/train/a/gone.png is a broken symbolic link" in caplog.text
 
 
+def test_images_below_a_class_folder_count_as_torchvision_counts_them(tmp_path):
+    """train/a/2019/*.png trained as if absent (issue 51 item 4): torchvision's ImageFolder walks each class folder
+    at every depth; the same tree gives the same (path, label) list, in its order ('-' sorts before '/')."""
+    import shutil
+
+    from torchvision.datasets import ImageFolder
+
+    root = make_image_folder(tmp_path, {"train": {"a": 3, "b": 2}})
+    for sub, count in (("a/2019", 2), ("a/2019/deep", 1), ("a/2019-b", 1), ("b/x", 1)):
+        (root / "train" / sub).mkdir()
+        for i in range(count):
+            shutil.copy(root / "train/a/000.png", root / "train" / sub / f"{i:03d}.png")
+    dataset = ImageFolderDataset(root / "train", eval_transform(DataConfig(img_size=8)), 0)
+    assert len(dataset) == 10 and dataset.labels.tolist().count(0) == 7
+    ours = [(dataset.path(i), int(label)) for i, label in enumerate(dataset.labels)]
+    assert ours == ImageFolder(str(root / "train")).samples
+    os.symlink("nowhere.png", root / "train/a/2019/gone.png")  # a broken link below the first level is named too
+    with pytest.raises(UserError, match=f"{root}/train/a/2019/gone.png is a broken symbolic link"):
+        ImageFolderDataset(root / "train", eval_transform(DataConfig(img_size=8)), 0)
+
+
 def test_augmentation_is_seeded_by_seed_epoch_index():
     cfg = DataConfig(img_size=24)
     data = DummyDataset(8, 4, 40, train_transform(cfg), seed=3)

@@ -275,6 +275,8 @@ def test_best_metric_direction_and_ema_column():
     ("train.class_weights_beta=1", "'train.class_weights_beta' must be in [0, 1)"),
     ("train.class_weights_from_epoch=3", "train.class_weights_from_epoch defers class weights, and "
                                          "train.class_weights is none"),
+    ("train.class_weights=balanced train.class_weights_from_epoch=1 train.epochs=1",  # never weighted (issue 51)
+     "train.class_weights_from_epoch=1 starts the class weights after the last epoch (train.epochs=1"),
     ("train.logit_adjustment=-1", "'train.logit_adjustment' must be >= 0"),
     ("train.logit_adjustment=1 train.loss=bce", "train.logit_adjustment applies to softmax cross-entropy"),
     ("train.logit_adjustment=1 data.sampler=class_balanced", "data.sampler=class_balanced already draws every"),

@@ -75,6 +75,19 @@ def test_weights_missing_from_the_cache_offline_are_one_line(tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("damage", [b"", b"not a safetensors file", "truncated"])
+def test_a_damaged_cached_weights_file_is_one_line_naming_it(damage, cached, tmp_path, capsys):
+    """A cut, garbage or empty cached model.safetensors raised SafetensorError (issue 51 item 9)."""
+    _, repo = cached
+    (file,) = repo.glob("snapshots/*/model.safetensors")
+    file.write_bytes(file.read_bytes()[:100] if damage == "truncated" else damage)
+    for extra in ([], ["--dry-run"]):
+        line = last_error(capsys, report_errors(train.main, [*PRETRAINED, f"output_dir={tmp_path / 'r'}", *extra]))
+        assert line.startswith(f"error: model.name={TAG}: the Hugging Face cache's copy of its weights, {file}, is "
+                               f"damaged (") and f"remove {repo} and run again" in line, line
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize("args, expected", [
     ([f"model.name={TAG}"], f"model.name={TAG} names pretrained weights but model.pretrained is false, so the run "
                             "would start from random weights; set model.pretrained=true to start from them, or "

@@ -46,8 +46,12 @@ def test_find_lr_writes_its_curve_and_leaves_the_run_folder_alone(tiny_run, tmp_
     out = tmp_path / "run"
     shutil.copytree(tiny_run, out)  # a finished run: --find-lr must neither resume it nor change it
     before = {path.name: path.read_bytes() for path in out.iterdir() if path.is_file()}
-    train_here("--find-lr", *TINY, f"output_dir={out}", "tune.steps=12", "tune.lr_min=1e-4", "tune.lr_max=1.0")
-    check_lr_find(out, TuneConfig(lr_min=1e-4, lr_max=1.0, steps=12))
+    # 4 classes from 1e-2: a loss that falls, then rises (at 10 classes from 1e-4 the smoothed loss never fell
+    # below its first value in 12 steps, and the suggestion was the sweep's first lr: issue 51 item 5).
+    train_here("--find-lr", *TINY, f"output_dir={out}", "data.dummy_num_classes=4", "tune.steps=12",
+               "tune.lr_min=1e-2", "tune.lr_max=1.0")
+    result = check_lr_find(out, TuneConfig(lr_min=1e-2, lr_max=1.0, steps=12))
+    assert result["lrs"][0] < result["suggested_lr"] < result["lrs"][-1]
     after = {path.name: path.read_bytes() for path in out.iterdir() if path.is_file()}
     assert set(after) - set(before) == {"lr_find.json", "lr_find.png"}
     assert all(after[name] == data for name, data in before.items())
@@ -89,7 +93,26 @@ def test_the_suggestion_is_the_smoothed_minimum_not_the_steepest_descent():
     result = suggest(lrs, smoothed)
     assert result["suggested_lr"] == result["min_loss_lr"] == lrs[30]  # not the steepest descent's 1e-3
     assert result["steepest_lr"] == lrs[10]
-    assert suggest(lrs[:3], [1.0, 2.0, 3.0])["suggested_lr"] == lrs[0]  # rising from the start: the first lr
+    # No usable minimum, no suggestion (issue 51 items 5, 11): rising from the start, flat (one class: every loss
+    # 0), no finite loss at all (the first step NaN). Each said to be the sweep's first lr or raised ValueError.
+    for curve, why in (([1.0, 2.0, 3.0], "never fell below"), ([0.0, 0.0, 0.0], "never fell below"),
+                       ([], "no finite loss was recorded")):
+        result = suggest(lrs[:len(curve)], curve)
+        assert result["suggested_lr"] is None and why in result["no_suggestion"], result
+
+
+def test_find_lr_without_a_minimum_says_so_and_suggests_nothing(tmp_path, capsys):
+    """tune.lr_min=1e30: the loss is NaN from the second step, so its only value is the first lr's; --find-lr
+    suggested 1e+30 with exit code 0 (issue 51 item 5). Now one line, exit 2, and the curve kept for a look."""
+    from core.cli import report_errors
+    import train
+
+    argv = ["--find-lr", *TINY, f"output_dir={tmp_path}", "tune.steps=10", "tune.lr_min=1e30", "tune.lr_max=1e35"]
+    assert report_errors(train.main, argv) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("error: --find-lr has no suggestion: the smoothed loss never fell below its value at "
+                           "the sweep's first lr 1e+30") and "lower tune.lr_min" in line, line
+    assert json.loads((tmp_path / "lr_find.json").read_text())["suggested_lr"] is None
 
 
 @pytest.mark.parametrize("limit", [2, 3, 37, 64, 1000, 4096, 5000])

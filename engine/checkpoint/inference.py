@@ -11,6 +11,7 @@ evaluate.py repeats the run's numbers (docs/correctness.md, "One precision for e
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -181,14 +182,29 @@ def preprocessing_from_pretrained_cfg(pretrained: dict[str, Any]) -> dict[str, A
 
 
 def inference_config(trained: Trained, overrides: Sequence[tuple[str, Any]] = ()) -> Config:
-    """The stored config, computing in the run's eval_amp, with dotted overrides applied, validated."""
+    """The stored config, computing in the run's eval_amp, with dotted overrides applied, validated. A refusal names
+    the command line's overrides when the stored config alone passes (`amp=BF16` is the user's, not the file's)."""
     raw = for_inference(trained.config)
+    stored = copy.deepcopy(raw)
     for key, value in overrides:
         set_dotted(raw, key, value)
     try:
         return config_from_dict(raw)
     except UserError as err:
-        raise UserError(f"{trained.source}: {err}") from None
+        if not overrides or not passes(stored):
+            raise UserError(f"{trained.source}: {err}") from None
+        named = [(key, value) for key, value in overrides if key in str(err)] or list(overrides)
+        given = " ".join(f"{key}={value}" for key, value in named)
+        raise UserError(f"command-line override {given}: {err}") from None
+
+
+def passes(raw: dict[str, Any]) -> bool:
+    """Whether a raw config is valid as it is."""
+    try:
+        config_from_dict(raw)
+    except UserError:
+        return False
+    return True
 
 
 def check_same_architecture(cfg: Config, trained: Trained) -> None:
