@@ -96,6 +96,11 @@ class DataConfig:
                     first=1)
     train_split: str = key("train", "the split trained on: data.root/<split>/, <split>.json (wds), <split>.csv|tsv")
     val_split: str = key("val", "the split evaluated (e.g. test)")
+    val_fraction: float = key(0.0,
+                              "imagefolder: data.root holds the class folders; validate on this fraction of each "
+                              "class (train.txt/val.txt in the run folder); 0 = off",
+                              within="[0, 1)")
+    split_seed: int = key(0, "data.val_fraction: the seed of the split")
     image_column: str = key("image",
                             "hf: the column of images (an Image feature, bytes, or paths relative to data.root)")
     label_column: str = key("label", "hf: the column of labels (ClassLabel, integers or class names)")
