@@ -21,6 +21,7 @@ from core.config import (Config, ModelConfig, command_line_keys, given_keys, glo
 from core.dist import DistInfo, all_gather_object, main_first, min_over_ranks, rank0_decides
 from core.errors import UserError
 from data.loader import DataBundle, build_data, dropped_images_note, with_batch_size
+from data.pipeline import pipeline_hashes
 from data.split import run_split
 from engine.batch_size import (CPU_BATCH, MAX_BATCH, UNIT, largest_batch, on_device_fits, resolved_batch,
                                whole_groups, with_headroom)
@@ -61,6 +62,7 @@ def resolve_start(cfg: Config, info: DistInfo, fresh: bool = False) -> tuple[Con
     hub_cfg = None if start.ckpt else rank0_decides(lambda: pretrained_cfg_of(cfg.model))  # model.pretrained=true
     cfg = resolve_preprocessing(cfg, pretrained, start.ckpt["config"] if start.ckpt else None, hub_cfg)
     cfg = with_batch_and_lr(cfg, info.world_size)  # after resolve_preprocessing, which reads the keys the user set
+    cfg = replace_section(cfg, "data", **pipeline_hashes(cfg.data))  # a resume with another pipeline file: refused
     start.check_continuation(cfg)
     return cfg, start, StartingWeights(pretrained, hub_cfg)
 

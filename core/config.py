@@ -121,6 +121,12 @@ class DataConfig:
                                    'train crop, policies: "" = data.interpolation | random (bilinear/bicubic)',
                                    choices=("", "random", "bilinear", "bicubic", "nearest", "area", "lanczos"))
     augment: bool = key(True, "false: the train pipeline is the (deterministic) eval pipeline")
+    train_transform: str = key("",
+                               "an albumentations pipeline file (A.save, YAML or JSON) in place of the train preset; "
+                               "it must end at uint8 img_size x img_size")
+    eval_transform: str = key("", "as data.train_transform, in place of the eval preset (ending at the eval size)")
+    train_transform_sha256: str = key("", "data.train_transform's sha256, recorded (a resume with another is refused)")
+    eval_transform_sha256: str = key("", "data.eval_transform's sha256, recorded (a resume with another is refused)")
     scale: list[float] = key([0.08, 1.0], "RandomResizedCrop area")
     ratio: list[float] = key([0.75, 1.3333], "RandomResizedCrop aspect")
     hflip: float = key(0.5, "probability of a horizontal flip", within="[0, 1]")

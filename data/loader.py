@@ -474,6 +474,9 @@ def build_data(cfg: DataConfig, batch_size: int, seed: int, info: DistInfo, accu
                drop_last_accum: bool = False, split: Split | None = None) -> DataBundle:
     """Everything training needs from data/: both loaders, the class list, and the optimizer steps per epoch."""
     train_set, val_set = build_datasets(cfg, seed, info.local_rank, split)
+    for dataset, pipeline_file in ((train_set, cfg.train_transform), (val_set, cfg.eval_transform)):
+        if pipeline_file:
+            dataset[0]  # a pipeline file's first output checked (SizeCheck) in this process, before any write
     train_set.tensor_transform = tensor_augment(cfg)  # data.auto_augment, data.random_erase: for any data format
     train_set.erasing = deferred_erasing(cfg)  # data.random_erase_fill=normalized: boxes drawn, filled on the device
     log.info("data %s: train %d images, val %d images, %d classes%s", cfg.name, len(train_set), len(val_set),
