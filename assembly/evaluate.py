@@ -23,6 +23,7 @@ from core.files import (CSV_OUTPUT, merge_parts, part_file, replace_with, starts
                         write_output)
 from data.datasets import AugmentedDataset
 from data.loader import build_eval_loader, build_val_dataset
+from data.split import saved_split
 from data.transforms import DeviceNormalize, eval_size
 from engine.checkpoint.inference import Trained, ema_hint, precision_line
 from engine.checkpoint.weights import MODEL_CONFIG
@@ -267,7 +268,8 @@ def run(cfg: Config, trained: Trained, args: argparse.Namespace, info: DistInfo)
     out = Path(args.output_dir or Path(args.checkpoint).parent / f"eval-{Path(args.checkpoint).stem}")
     shared_output_dir(out, OUTPUTS)  # every rank writes its part file there
     # Labelled with the checkpoint's class map: classes the data lacks are fine, unknown ones are refused.
-    dataset = build_val_dataset(cfg.data, cfg.seed, info.local_rank, class_names, args.tta_crops)
+    dataset = build_val_dataset(cfg.data, cfg.seed, info.local_rank, class_names, args.tta_crops,
+                                saved_split(cfg.data, args.checkpoint))  # data.val_fraction: the run's val.txt
     loader = build_eval_loader(dataset, cfg.data, cfg.train.batch_size, info)
     model = inference_model(trained, cfg, info.device)
     if args.tta_flip or args.tta_crops > 1:

@@ -79,6 +79,10 @@ def split_sizes(sizes: dict[str, int] | None, data: dict[str, Any]) -> str:
     """The images trained and validated on, as the run recorded them."""
     if not sizes:
         return "images per split not recorded (a checkpoint written before runs recorded them)"
+    if data.get("val_fraction"):
+        return (f"{sizes['train']} training and {sizes['val']} validation images: data.val_fraction="
+                f"{data['val_fraction']} of each class (data.split_seed={data.get('split_seed', 0)}), listed in the "
+                "run folder's train.txt and val.txt")
     return (f"{sizes['train']} training images (split {data.get('train_split', 'train')}), {sizes['val']} "
             f"validation images (split {data.get('val_split', 'val')})")
 

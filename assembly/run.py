@@ -16,6 +16,7 @@ from core.config import Config, best_metric, global_batch, to_dict
 from core.dist import DistInfo, broadcast_object, broadcast_tensors, is_fsdp, replicated_tensors
 from core.startup import cpu_share
 from data.loader import DataBundle, full_epoch_images
+from data.pipeline import pipeline_copies
 from engine.checkpoint.run_dir import FolderLock, RunRecord
 from engine.checkpoint.saver import Checkpointer
 from engine.evaluation import validate_epoch, validation_precision
@@ -103,7 +104,9 @@ def assemble(cfg: Config, info: DistInfo, lock: FolderLock | None = None, extra:
                                     weights.pretrained, hub_origin(cfg.model.name, weights.hub_cfg)))  # model card
     # Nothing in output_dir changes before the run's first write (record.start): a run that fails to
     # start leaves the previous run's config.yaml, metrics.jsonl and checkpoints as they were.
-    record = RunRecord(out, to_dict(cfg), first_epoch=state.epoch, lock=lock)
+    record = RunRecord(out, to_dict(cfg), first_epoch=state.epoch, lock=lock,
+                       files={**(data.split.files() if data.split else {}),  # data.val_fraction's lists
+                              **pipeline_copies(cfg.data)})  # data.train_transform / eval_transform files
     board = TensorBoardWriter(cfg.logging, info.is_main)  # TensorBoard on rank 0; never raises
     board.start({**to_dict(cfg), "world_size": info.world_size}, out, state.global_step, lambda: record.started)
     if state.global_step == 0:

@@ -21,6 +21,8 @@ from core.config import (Config, ModelConfig, command_line_keys, given_keys, glo
 from core.dist import DistInfo, all_gather_object, main_first, min_over_ranks, rank0_decides
 from core.errors import UserError
 from data.loader import DataBundle, build_data, dropped_images_note, with_batch_size
+from data.pipeline import pipeline_hashes
+from data.split import run_split
 from engine.batch_size import (CPU_BATCH, MAX_BATCH, UNIT, largest_batch, on_device_fits, resolved_batch,
                                whole_groups, with_headroom)
 from engine.checkpoint.resume import Resume, config_changes
@@ -60,6 +62,7 @@ def resolve_start(cfg: Config, info: DistInfo, fresh: bool = False) -> tuple[Con
     hub_cfg = None if start.ckpt else rank0_decides(lambda: pretrained_cfg_of(cfg.model))  # model.pretrained=true
     cfg = resolve_preprocessing(cfg, pretrained, start.ckpt["config"] if start.ckpt else None, hub_cfg)
     cfg = with_batch_and_lr(cfg, info.world_size, info.is_main)  # after resolve_preprocessing (keys the user set)
+    cfg = replace_section(cfg, "data", **pipeline_hashes(cfg.data))  # a resume with another pipeline file: refused
     start.check_continuation(cfg)
     return cfg, start, StartingWeights(pretrained, hub_cfg)
 
@@ -79,11 +82,12 @@ def build_start(cfg: Config, start: Resume, weights: StartingWeights,
     pretrained, hub_cfg = weights.pretrained, weights.hub_cfg
     auto_batch = cfg.train.batch_size == "auto"  # found once the model is built: with_auto_batch
     seed_everything(cfg.seed)
+    split = run_split(cfg.data, start.path, start.ckpt["config"].get("data") if start.ckpt else None, info.is_main)
     if auto_batch:  # loaders of UNIT images only count this rank's share: draws per group wait for the batch
-        data = build_data(dataclasses.replace(cfg.data, mix_mode="pair"), UNIT, cfg.seed, info)
+        data = build_data(dataclasses.replace(cfg.data, mix_mode="pair"), UNIT, cfg.seed, info, split=split)
     else:
         data = build_data(cfg.data, cfg.train.batch_size, cfg.seed, info, cfg.train.accum_steps,
-                          cfg.train.drop_last_accum)
+                          cfg.train.drop_last_accum, split)
     precision = resolve_precision(cfg.amp, info.device, cfg.loss_scale)
     if cfg.dist.strategy == "fsdp" and precision.scaler is not None:  # amp=fp16 itself: core/config_checks.py
         raise UserError(f"amp={cfg.amp} chose fp16 on this GPU, which dist.strategy=fsdp cannot use (the GradScaler "

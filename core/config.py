@@ -96,6 +96,11 @@ class DataConfig:
                     first=1)
     train_split: str = key("train", "the split trained on: data.root/<split>/, <split>.json (wds), <split>.csv|tsv")
     val_split: str = key("val", "the split evaluated (e.g. test)")
+    val_fraction: float = key(0.0,
+                              "imagefolder: data.root holds the class folders; validate on this fraction of each "
+                              "class (train.txt/val.txt in the run folder); 0 = off",
+                              within="[0, 1)")
+    split_seed: int = key(0, "data.val_fraction: the seed of the split")
     image_column: str = key("image",
                             "hf: the column of images (an Image feature, bytes, or paths relative to data.root)")
     label_column: str = key("label", "hf: the column of labels (ClassLabel, integers or class names)")
@@ -116,6 +121,12 @@ class DataConfig:
                                    'train crop, policies: "" = data.interpolation | random (bilinear/bicubic)',
                                    choices=("", "random", "bilinear", "bicubic", "nearest", "area", "lanczos"))
     augment: bool = key(True, "false: the train pipeline is the (deterministic) eval pipeline")
+    train_transform: str = key("",
+                               "an albumentations pipeline file (A.save, YAML or JSON) in place of the train preset; "
+                               "it must end at uint8 img_size x img_size")
+    eval_transform: str = key("", "as data.train_transform, in place of the eval preset (ending at the eval size)")
+    train_transform_sha256: str = key("", "data.train_transform's sha256, recorded (a resume with another is refused)")
+    eval_transform_sha256: str = key("", "data.eval_transform's sha256, recorded (a resume with another is refused)")
     scale: list[float] = key([0.08, 1.0], "RandomResizedCrop area")
     ratio: list[float] = key([0.75, 1.3333], "RandomResizedCrop aspect")
     hflip: float = key(0.5, "probability of a horizontal flip", within="[0, 1]")

@@ -7,6 +7,7 @@ is padded or dropped, so every validation image is counted exactly once whatever
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import logging
@@ -34,6 +35,7 @@ from data.listfile import ListFileDataset
 from data.erasing import EraseCollate
 from data.mixing import MixCollate
 from data.shards import ShardDataset, split_index
+from data.split import Split, SplitDataset
 from data.transforms import deferred_erasing, eval_transform, tensor_augment, train_transform
 
 log = logging.getLogger(__name__)
@@ -200,25 +202,37 @@ def shard_bounds(size: int, rank: int, world_size: int, batch_size: int = 1) -> 
     return min(first * batch_size, size), min(last * batch_size, size)
 
 
-def build_datasets(cfg: DataConfig, seed: int, local_rank: int = 0) -> tuple[AugmentedDataset, AugmentedDataset]:
-    """(train, val) datasets for data.name; val is labelled with the training class map."""
+def build_datasets(cfg: DataConfig, seed: int, local_rank: int = 0,
+                   split: Split | None = None) -> tuple[AugmentedDataset, AugmentedDataset]:
+    """(train, val) datasets for data.name; val is labelled with the training class map; `split`: data.val_fraction's
+    lists (data/split.py)."""
     if cfg.name == "dummy":
         return DummyDataset(cfg.dummy_train_size, cfg.dummy_num_classes, cfg.dummy_image_size,
                             train_transform(cfg), seed), build_val_dataset(cfg, seed, local_rank)
     if cfg.skip_corrupt:
         log.info("data.skip_corrupt: unreadable training images are dropped from their batch and counted")
     prepare_digits(cfg, local_rank)
-    train = build_split(cfg, cfg.train_split, train_transform(cfg), seed, skip_corrupt=cfg.skip_corrupt)
-    return train, build_val_dataset(cfg, seed, local_rank, train.classes)
+    if split is not None:
+        train = SplitDataset(cfg.root, split.train, train_transform(cfg), seed, skip_corrupt=cfg.skip_corrupt,
+                             max_pixels=cfg.max_image_pixels)
+    else:
+        train = build_split(cfg, cfg.train_split, train_transform(cfg), seed, skip_corrupt=cfg.skip_corrupt)
+    return train, build_val_dataset(cfg, seed, local_rank, train.classes, split=split)
 
 
 def build_val_dataset(cfg: DataConfig, seed: int, local_rank: int = 0,
-                      classes: list[str] | None = None, crops: int = 1) -> AugmentedDataset:
+                      classes: list[str] | None = None, crops: int = 1, split: Split | None = None) -> AugmentedDataset:
     """The validation set alone (evaluate.py needs no training split); `classes`: the training class map;
-    `crops`: 5 for the stacked five crops of test-time augmentation."""
+    `crops`: 5 for the stacked five crops of test-time augmentation; `split`: data.val_fraction's lists."""
     if cfg.name == "dummy":
         return DummyDataset(cfg.dummy_val_size, num_classes=cfg.dummy_num_classes, image_size=cfg.dummy_image_size,
                             transform=eval_transform(cfg, crops), seed=seed, offset=cfg.dummy_train_size)
+    if cfg.val_fraction:
+        if split is None:
+            raise UserError(f"data.val_fraction={cfg.val_fraction}: the run's val.txt was not given; evaluate the "
+                            "run's checkpoint in its folder, or set data.val_fraction=0 and name a data.val_split")
+        return SplitDataset(cfg.root, split.val, eval_transform(cfg, crops), seed, classes,
+                            max_pixels=cfg.max_image_pixels)
     prepare_digits(cfg, local_rank)
     # skip_corrupt never for val: an evaluation counts every image
     return build_split(cfg, cfg.val_split, eval_transform(cfg, crops), seed, classes)
@@ -449,6 +463,7 @@ class DataBundle:
     class_names: list[str]
     class_counts: list[int]  # training images per class (class weights, logit adjustment); multi-label: positives
     steps_per_epoch: int = 0  # optimizer steps in a whole epoch (train.accum_steps, train.drop_last_accum)
+    split: Split | None = None  # data.val_fraction's lists, written to the run folder at its first write
 
     def sizes(self) -> dict[str, int]:
         """Images in each split (the checkpoints record them for the model card)."""
@@ -456,20 +471,25 @@ class DataBundle:
 
 
 def build_data(cfg: DataConfig, batch_size: int, seed: int, info: DistInfo, accum_steps: int = 1,
-               drop_last_accum: bool = False) -> DataBundle:
+               drop_last_accum: bool = False, split: Split | None = None) -> DataBundle:
     """Everything training needs from data/: both loaders, the class list, and the optimizer steps per epoch."""
-    train_set, val_set = build_datasets(cfg, seed, info.local_rank)
+    train_set, val_set = build_datasets(cfg, seed, info.local_rank, split)
+    for dataset, pipeline_file in ((train_set, cfg.train_transform), (val_set, cfg.eval_transform)):
+        if pipeline_file:
+            dataset[0]  # a pipeline file's first output checked (SizeCheck) in this process, before any write
     train_set.tensor_transform = tensor_augment(cfg)  # data.auto_augment, data.random_erase: for any data format
     train_set.erasing = deferred_erasing(cfg)  # data.random_erase_fill=normalized: boxes drawn, filled on the device
     log.info("data %s: train %d images, val %d images, %d classes%s", cfg.name, len(train_set), len(val_set),
              len(train_set.classes), ", multi-label (data.multi_label=true)" if cfg.multi_label else "")
-    return loaders(train_set, val_set, cfg, batch_size, seed, info, accum_steps, drop_last_accum)
+    return dataclasses.replace(loaders(train_set, val_set, cfg, batch_size, seed, info, accum_steps, drop_last_accum),
+                               split=split)
 
 
 def with_batch_size(data: DataBundle, cfg: DataConfig, batch_size: int, seed: int, info: DistInfo,
                     accum_steps: int = 1, drop_last_accum: bool = False) -> DataBundle:
     """The same datasets in loaders of another batch (train.batch_size=auto, once the search found it)."""
-    return loaders(data.train.dataset, data.val.dataset, cfg, batch_size, seed, info, accum_steps, drop_last_accum)
+    return dataclasses.replace(loaders(data.train.dataset, data.val.dataset, cfg, batch_size, seed, info, accum_steps,
+                                       drop_last_accum), split=data.split)
 
 
 def loaders(train_set: AugmentedDataset, val_set: AugmentedDataset, cfg: DataConfig, batch_size: int, seed: int,

@@ -35,7 +35,9 @@ from PIL import Image
 from torchvision.transforms import v2
 
 from core.config import DataConfig
+from core.errors import UserError
 from data.config_checks import parse_auto_augment
+from data.pipeline import FileTransform
 
 TensorTransform = Callable[[torch.Tensor], torch.Tensor]  # uint8 CHW -> uint8 CHW
 
@@ -100,8 +102,13 @@ def train_interpolation(cfg: DataConfig) -> str:
     return cfg.train_interpolation or cfg.interpolation
 
 
-def train_transform(cfg: DataConfig) -> A.Compose:
+def train_transform(cfg: DataConfig) -> A.Compose | FileTransform:
     """RandomResizedCrop + flip (+ colour jitter), as uint8; the eval preset when augment is off."""
+    if cfg.train_transform:
+        if not cfg.augment:
+            raise UserError(f"data.train_transform={cfg.train_transform} and data.augment=false: choose one (the "
+                            "file's pipeline, or the deterministic eval preset)")
+        return FileTransform(cfg.train_transform, "data.train_transform", cfg.img_size)
     if not cfg.augment:  # at the training size, whatever data.val_img_size says
         return A.Compose([ResizeCentreCrop(cfg.img_size, cfg.crop_pct, cfg.interpolation), ToTensorV2()])
     steps: list[A.BasicTransform] = [
@@ -396,10 +403,15 @@ def eval_size(cfg: DataConfig) -> tuple[int, float]:
     return cfg.val_img_size or cfg.img_size, cfg.val_crop_pct or cfg.crop_pct
 
 
-def eval_transform(cfg: DataConfig, crops: int = 1) -> A.Compose:
+def eval_transform(cfg: DataConfig, crops: int = 1) -> A.Compose | FileTransform:
     """Resize the short side to floor(size / crop_pct), centre crop size x size, as uint8 (timm's eval preset) at
     eval_size; crops=5: the centre and four corner crops of that resize, stacked (ResizeFiveCrop)."""
     size, crop_pct = eval_size(cfg)
+    if cfg.eval_transform:
+        if crops != 1:
+            raise UserError(f"data.eval_transform={cfg.eval_transform}: --tta-crops 5 crops with the app's eval "
+                            "preset; use --tta-crops 1 (or data.eval_transform=\"\")")
+        return FileTransform(cfg.eval_transform, "data.eval_transform", size)
     crop = ResizeFiveCrop if crops == 5 else ResizeCentreCrop
     return A.Compose([crop(size, crop_pct, cfg.interpolation), ToTensorV2()])
 

@@ -250,8 +250,10 @@ class RunRecord:
     Every method is a collective: rank 0 writes, every rank learns whether it could.
     """
 
-    def __init__(self, folder: Path, config: dict[str, Any], first_epoch: int, lock: FolderLock | None = None) -> None:
+    def __init__(self, folder: Path, config: dict[str, Any], first_epoch: int, lock: FolderLock | None = None,
+                 files: dict[str, bytes] | None = None) -> None:
         self.folder, self.config, self.first_epoch = folder, config, first_epoch
+        self.files = files or {}  # written beside config.yaml at the start (data.val_fraction's train.txt, val.txt)
         self.lock = lock  # rank 0's lock on the folder (train.py); each write first checks it still holds the path
         self.metrics = MetricsFile(folder / "metrics.jsonl")
         self.started = False
@@ -273,9 +275,13 @@ class RunRecord:
         return rows if self.started else [row for row in rows if row["epoch"] < self.first_epoch]
 
     def start_files(self) -> None:
-        """metrics.jsonl keeps the epochs before this run's first (each epoch's row is written once); config.yaml."""
+        """metrics.jsonl keeps the epochs before this run's first (each epoch's row is written once); the run's own
+        files (`files`); config.yaml."""
         self.folder.mkdir(parents=True, exist_ok=True)
         self.metrics.keep_epochs_before(self.first_epoch)
+        for name, content in self.files.items():
+            with atomic_file(self.folder / name) as f:
+                f.write(content)
         with atomic_file(self.folder / "config.yaml") as f:
             f.write(yaml.safe_dump(self.config, sort_keys=False).encode())
 
