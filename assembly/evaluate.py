@@ -27,7 +27,7 @@ from data.transforms import DeviceNormalize, eval_size
 from engine.checkpoint.inference import Trained, ema_hint, make_output_dir, precision_line
 from engine.checkpoint.weights import MODEL_CONFIG
 from engine.evaluation import best_thresholds, evaluate, evaluate_multilabel, multilabel_metrics
-from engine.metrics import class_metrics
+from engine.metrics import class_metrics, class_report
 from engine.precision import resolve_precision
 from engine.tracking import WandbTracker
 from models.tta import CROPS, TTAModel, describe
@@ -189,10 +189,10 @@ def summarize(rows: list[dict[str, str]], metrics: dict[str, float], class_names
         raise RuntimeError("predictions.csv disagrees with the all-reduced top-1 count")
     if any(metrics.get(key) != value for key, value in class_metrics(torch.from_numpy(counts), class_names).items()):
         raise RuntimeError("predictions.csv disagrees with the all-reduced per-class counts")
-    per_class = []
-    for c, name in enumerate(class_names):
+    per_class, means = class_report(counts, class_names)
+    for c, entry in enumerate(per_class):
         n = int(counts[1, c])
-        per_class.append({"class": name, "n": n, "top1": 100.0 * int(counts[0, c]) / n if n else None})
+        entry.update(n=n, top1=100.0 * int(counts[0, c]) / n if n else None)
     confusion = None
     if num_classes <= CONFUSION_MAX:
         confusion = np.bincount(labels * num_classes + preds, minlength=num_classes ** 2).reshape(num_classes, -1)
@@ -203,7 +203,8 @@ def summarize(rows: list[dict[str, str]], metrics: dict[str, float], class_names
         "top1": metrics["val_top1"],
         "top5": metrics["val_top5"],
         "balanced_acc": metrics["val_balanced_acc"],  # mean of the per-class top1 (recall) of the classes present
-        "macro_f1": metrics["val_macro_f1"],
+        "macro_f1": metrics["val_macro_f1"],  # = means["macro_f1"]: the same counts, the same arithmetic
+        **{key: value for key, value in means.items() if key != "macro_f1"},
         # Sum of per-image losses, correctly rounded (math.fsum): the same for any number of processes.
         "loss": math.fsum(float(row["loss"]) for row in rows) / len(rows),
         "per_class": per_class,
