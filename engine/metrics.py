@@ -151,3 +151,21 @@ def class_report(counts: np.ndarray, class_names: Sequence[str]) -> tuple[list[d
 def percent(value: float) -> float | None:
     """A fraction in percent; NaN (undefined) as None, null in JSON."""
     return None if np.isnan(value) else 100.0 * float(value)
+
+
+ECE_BINS = 15  # equal-width confidence bins of the expected calibration error (Guo et al. 2017)
+
+
+def calibration_bins(confidence: np.ndarray, correct: np.ndarray, bins: int = ECE_BINS) -> np.ndarray:
+    """Per bin ((m-1)/M, m/M] of top-1 confidence: image count, summed confidence, summed correctness (3 x M)."""
+    confidence = np.asarray(confidence, dtype=np.float64)
+    which = np.clip(np.searchsorted(np.linspace(0.0, 1.0, bins + 1), confidence, side="left") - 1, 0, bins - 1)
+    return np.stack([np.bincount(which, minlength=bins).astype(np.float64),
+                     np.bincount(which, weights=confidence, minlength=bins),
+                     np.bincount(which, weights=np.asarray(correct, dtype=np.float64), minlength=bins)])
+
+
+def expected_calibration_error(confidence: np.ndarray, correct: np.ndarray, bins: int = ECE_BINS) -> float:
+    """ECE in percent: the image-weighted mean over bins of |accuracy - mean confidence| (Guo et al. 2017, eq. 3)."""
+    count, confidences, hits = calibration_bins(confidence, correct, bins)
+    return 100.0 * float(np.abs(hits - confidences).sum() / count.sum()) if count.sum() else 0.0

@@ -14,6 +14,7 @@ from sklearn.metrics import classification_report, precision_recall_fscore_suppo
 import evaluate
 from core.cli import report_errors
 from engine.checkpoint.formats import load_checkpoint
+from tests.compare import direct_ece
 from tests.helpers import make_image_folder, run_on_ranks, train_here
 from tests.wandb_reader import find_runs, read_run
 
@@ -48,7 +49,8 @@ def test_evaluate_is_identical_for_1_2_3_processes(checkpoint, tmp_path):
         proc = run_on_ranks("evaluate.py", str(checkpoint), "--output-dir", str(out), "--batch-size", "8", *tracking,
                             nproc=nproc, env={"WANDB_DIR": str(wandb_dir)})
         assert f"n {VAL_SIZE}" in proc.stdout
-        assert sorted(p.name for p in out.iterdir()) == ["confusion_matrix.png", "eval.json", "predictions.csv"]
+        assert sorted(p.name for p in out.iterdir()) == ["confusion_matrix.png", "eval.json", "predictions.csv",
+                                                          "reliability.png"]
         outputs[nproc] = ((out / "eval.json").read_text(), (out / "predictions.csv").read_text())
     assert outputs[1] == outputs[2] == outputs[3]  # byte for byte
 
@@ -80,6 +82,11 @@ def test_evaluate_is_identical_for_1_2_3_processes(checkpoint, tmp_path):
             assert result[f"{average}_{key}"] == pytest.approx(expected, rel=1e-12), (average, key)
     image = matplotlib.image.imread(out / "confusion_matrix.png")
     assert image.shape[0] >= 400 and image.shape[1] >= 400
+    # ECE: Guo et al.'s loop on predictions.csv's confidences; the reliability diagram is a PNG
+    confidence = np.array([float(r["confidence"]) for r in rows])
+    correct = np.array([r["label"] == r["pred"] for r in rows])
+    assert result["ece"] == pytest.approx(direct_ece(confidence, correct), rel=1e-12) and result["ece_bins"] == 15
+    assert matplotlib.image.imread(out / "reliability.png").shape[0] >= 400
     # The training run evaluated the same weights on the same batches in the same precision: the same top-1, though
     # it trained in bf16 (issue 46: its validation followed amp then, and differed).
     assert result["top1"] == load_checkpoint(checkpoint)["metric_value"]
