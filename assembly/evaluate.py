@@ -28,7 +28,8 @@ from data.transforms import DeviceNormalize, eval_size
 from engine.checkpoint.inference import Trained, ema_hint, precision_line
 from engine.checkpoint.weights import MODEL_CONFIG
 from engine.evaluation import best_thresholds, evaluate, evaluate_multilabel, multilabel_metrics
-from engine.metrics import class_metrics
+from engine.metrics import ECE_BINS, calibration_bins, class_metrics, class_report, expected_calibration_error
+from engine.plots import PNG, plot_reliability
 from engine.precision import resolve_precision
 from engine.tracking import WandbTracker
 from models.tta import CROPS, TTAModel, describe
@@ -40,7 +41,7 @@ ML_COLUMNS = ("index", "path", "labels", "pred", "label_names", "pred_names", "p
 NUMBERS = {"index": int, "label": int, "pred": int, "confidence": float, "loss": float}  # as numbers in W&B's table
 ML_NUMBERS = {"index": int, "loss": float}  # multi-label: labels, pred and probs are lists of numbers (text)
 OUTPUTS = {"eval.json": starts_with(b'{\n  "checkpoint": '), "predictions.csv": CSV_OUTPUT,  # as written here
-           "confusion_matrix.png": starts_with(b"\x89PNG\r\n\x1a\n"),
+           "confusion_matrix.png": PNG, "reliability.png": PNG,
            "per_class.csv": starts_with(b"class,positives,ap,")}  # multi-label
 
 
@@ -177,6 +178,12 @@ def per_class_table(result: dict[str, Any]) -> bytes:
     return ("\n".join(lines) + "\n").encode("utf-8", errors="surrogateescape")
 
 
+def calibration(rows: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarray]:
+    """(top-1 confidence, correct) per image, as predictions.csv holds them (confidence to 6 decimals)."""
+    return (np.array([float(row["confidence"]) for row in rows]),
+            np.array([row["label"] == row["pred"] for row in rows]))
+
+
 def summarize(rows: list[dict[str, str]], metrics: dict[str, float], class_names: list[str],
               checkpoint: str, ema: bool) -> tuple[dict[str, Any], np.ndarray | None]:
     """eval.json contents and the confusion matrix (rows: true class, columns: predicted class), the latter only up
@@ -190,10 +197,10 @@ def summarize(rows: list[dict[str, str]], metrics: dict[str, float], class_names
         raise RuntimeError("predictions.csv disagrees with the all-reduced top-1 count")
     if any(metrics.get(key) != value for key, value in class_metrics(torch.from_numpy(counts), class_names).items()):
         raise RuntimeError("predictions.csv disagrees with the all-reduced per-class counts")
-    per_class = []
-    for c, name in enumerate(class_names):
+    per_class, means = class_report(counts, class_names)
+    for c, entry in enumerate(per_class):
         n = int(counts[1, c])
-        per_class.append({"class": name, "n": n, "top1": 100.0 * int(counts[0, c]) / n if n else None})
+        entry.update(n=n, top1=100.0 * int(counts[0, c]) / n if n else None)
     confusion = None
     if num_classes <= CONFUSION_MAX:
         confusion = np.bincount(labels * num_classes + preds, minlength=num_classes ** 2).reshape(num_classes, -1)
@@ -204,9 +211,13 @@ def summarize(rows: list[dict[str, str]], metrics: dict[str, float], class_names
         "top1": metrics["val_top1"],
         "top5": metrics["val_top5"],
         "balanced_acc": metrics["val_balanced_acc"],  # mean of the per-class top1 (recall) of the classes present
-        "macro_f1": metrics["val_macro_f1"],
+        "macro_f1": metrics["val_macro_f1"],  # = means["macro_f1"]: the same counts, the same arithmetic
+        **{key: value for key, value in means.items() if key != "macro_f1"},
         # Sum of per-image losses, correctly rounded (math.fsum): the same for any number of processes.
         "loss": math.fsum(float(row["loss"]) for row in rows) / len(rows),
+        # Of predictions.csv's confidences: anyone recomputes it from the file (Guo et al. 2017, ECE_BINS bins)
+        "ece": expected_calibration_error(*calibration(rows)),
+        "ece_bins": ECE_BINS,
         "per_class": per_class,
     }
     return result, confusion
@@ -300,6 +311,8 @@ def run(cfg: Config, trained: Trained, args: argparse.Namespace, info: DistInfo)
     else:
         log.info("%d classes: no confusion_matrix.png (written up to %d classes); eval.json has the per-class "
                  "results", len(class_names), CONFUSION_MAX)
+    plot_reliability(calibration_bins(*calibration(rows)), out / "reliability.png",
+                     f"{cfg.model.name}: ECE {result['ece']:.2f}% ({ECE_BINS} bins)", OUTPUTS["reliability.png"])
     log_to_wandb(cfg, args, result, out, rows, trained.wandb_id)
     result["output_dir"] = str(out)
     return result
@@ -373,8 +386,9 @@ def evaluate_command(args: argparse.Namespace) -> int:
         print(f"wrote eval.json, predictions.csv, per_class.csv to {result['output_dir']}")
     elif result is not None:
         worst = sorted((c for c in result["per_class"] if c["top1"] is not None), key=lambda c: c["top1"])[:3]
-        print(f"top1 {result['top1']:.2f}%  top5 {result['top5']:.2f}%  loss {result['loss']:.4f}  n {result['n']}")
+        print(f"top1 {result['top1']:.2f}%  top5 {result['top5']:.2f}%  loss {result['loss']:.4f}  "
+              f"ECE {result['ece']:.2f}%  n {result['n']}")
         print("lowest per-class top1: " + ", ".join(f"{readable(c['class'])} {c['top1']:.1f}%" for c in worst))
         matrix = ", confusion_matrix.png" if len(result["per_class"]) <= CONFUSION_MAX else ""
-        print(f"wrote eval.json, predictions.csv{matrix} to {result['output_dir']}")
+        print(f"wrote eval.json, predictions.csv{matrix}, reliability.png to {result['output_dir']}")
     return 0

@@ -20,8 +20,8 @@ from data.pipeline import pipeline_copies
 from engine.checkpoint.run_dir import FolderLock, RunRecord
 from engine.checkpoint.saver import Checkpointer
 from engine.evaluation import validate_epoch, validation_precision
-from engine.hooks import (BestArtifact, CloseEpoch, EmaUpdate, EpochCheckpoint, EpochInputs, FinishSinks, Hook,
-                          RecordRow, SkippedImages, StepCheckpoint, Tracking)
+from engine.hooks import (BestArtifact, CloseEpoch, Curves, EmaUpdate, EpochCheckpoint, EpochInputs, FinishSinks,
+                          Hook, RecordRow, SkippedImages, StepCheckpoint, Tracking)
 from engine.precision import Precision, resolve_precision
 from engine.profiling import FOLDER as PROFILE_FOLDER, ProfileSteps
 from engine.speed import InputAdvice
@@ -133,6 +133,7 @@ def hooks_of(run: Run, model: Any, sinks: list) -> list[Hook]:
             *skipped,  # in the row before it is recorded
             CloseEpoch(),  # before the record and the checkpoint: resume=auto starts at the next epoch
             RecordRow(run.record),
+            Curves(run.record, run.chosen_on, info.is_main),  # drawn from the row just recorded
             Tracking(sinks, run.chosen_on, info.is_main),
             EpochCheckpoint(run.checkpointer, run.chosen_on),  # at the end: the last write is known to have worked
             BestArtifact(run.tracker, run.checkpointer, out / "best.pth", run.chosen_on, cfg.model.name),

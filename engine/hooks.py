@@ -191,6 +191,25 @@ class RecordRow(Hook):
         self.record.append(end.row)
 
 
+class Curves(Hook):
+    """curves.png in the run folder, redrawn from metrics.jsonl after each validation (rank 0, after RecordRow).
+
+    A figure that cannot be drawn or written is a warning, not a stop: no other rank waits on it."""
+
+    def __init__(self, record: RunRecord, metric: str, is_main: bool) -> None:
+        self.record, self.metric, self.is_main = record, metric, is_main
+
+    def after_epoch(self, state: TrainState, end: EpochEnd) -> None:
+        if not self.is_main:
+            return
+        from engine.curves import NAME, draw_curves  # matplotlib only where a run draws
+
+        try:
+            draw_curves(self.record.rows(), self.record.folder / NAME, self.metric)
+        except Exception as err:  # noqa: BLE001 (any failure: the run goes on, the user is told)
+            log.warning("epoch %d: %s not redrawn (%s)", state.epoch, NAME, err)
+
+
 class EpochCheckpoint(Hook):
     """last.pth after each evaluation, best.pth when it beat the best of `chosen_on`, epoch_NNNN.pth after a
     finished epoch; at the end every rank learns that the last write worked."""

@@ -9,7 +9,7 @@ classes was 477M int64 on the device (3.8 GB, ~11 GB transient with its float64 
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -124,3 +124,48 @@ def class_metrics(counts: torch.Tensor, class_names: Sequence[str]) -> dict[str,
         for c in np.flatnonzero(present).tolist():
             metrics[f"val_recall/{names[c]}"] = 100.0 * float(hit[c] / true[c])
     return metrics
+
+
+def class_report(counts: np.ndarray, class_names: Sequence[str]) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Per-class precision, recall, F1 (percent) and support, and their macro and weighted means, from the 3 x C
+    per-class counts (hits, true, predicted): scikit-learn's classification_report without a second pass.
+
+    A class's undefined value (precision of a class never predicted, recall of one never true) is None; the means
+    count it as 0 over the classes true or predicted, as scikit-learn's default (zero_division=0 after a warning).
+    """
+    hit, true, predicted = np.asarray(counts, dtype=np.float64)
+    precision = np.divide(hit, predicted, out=np.full_like(hit, np.nan), where=predicted > 0)
+    recall = np.divide(hit, true, out=np.full_like(hit, np.nan), where=true > 0)
+    f1 = np.divide(2 * hit, true + predicted, out=np.full_like(hit, np.nan), where=(true + predicted) > 0)
+    per_class = [{"class": name, "precision": percent(precision[c]), "recall": percent(recall[c]),
+                  "f1": percent(f1[c]), "support": int(true[c])} for c, name in enumerate(class_names)]
+    seen, support = (true + predicted) > 0, true.sum()
+    means = {}
+    for key, values in (("precision", precision), ("recall", recall), ("f1", f1)):
+        zeroed = np.nan_to_num(values, nan=0.0)
+        means[f"macro_{key}"] = 100.0 * float(zeroed[seen].mean()) if seen.any() else 0.0
+        means[f"weighted_{key}"] = 100.0 * float((zeroed * true).sum() / support) if support else 0.0
+    return per_class, means
+
+
+def percent(value: float) -> float | None:
+    """A fraction in percent; NaN (undefined) as None, null in JSON."""
+    return None if np.isnan(value) else 100.0 * float(value)
+
+
+ECE_BINS = 15  # equal-width confidence bins of the expected calibration error (Guo et al. 2017)
+
+
+def calibration_bins(confidence: np.ndarray, correct: np.ndarray, bins: int = ECE_BINS) -> np.ndarray:
+    """Per bin ((m-1)/M, m/M] of top-1 confidence: image count, summed confidence, summed correctness (3 x M)."""
+    confidence = np.asarray(confidence, dtype=np.float64)
+    which = np.clip(np.searchsorted(np.linspace(0.0, 1.0, bins + 1), confidence, side="left") - 1, 0, bins - 1)
+    return np.stack([np.bincount(which, minlength=bins).astype(np.float64),
+                     np.bincount(which, weights=confidence, minlength=bins),
+                     np.bincount(which, weights=np.asarray(correct, dtype=np.float64), minlength=bins)])
+
+
+def expected_calibration_error(confidence: np.ndarray, correct: np.ndarray, bins: int = ECE_BINS) -> float:
+    """ECE in percent: the image-weighted mean over bins of |accuracy - mean confidence| (Guo et al. 2017, eq. 3)."""
+    count, confidences, hits = calibration_bins(confidence, correct, bins)
+    return 100.0 * float(np.abs(hits - confidences).sum() / count.sum()) if count.sum() else 0.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tests.helpers import STEPS, read_jsonl
@@ -125,3 +126,13 @@ def nvidia_cosine_lr(base_lr: float, warmup: int, epochs: int, epoch: int, end_l
         return base_lr * (epoch + 1) / warmup
     e, es = epoch - warmup, epochs - warmup
     return end_lr + (0.5 * (1 + math.cos(math.pi * e / es)) * (base_lr - end_lr))
+
+
+def direct_ece(confidence: np.ndarray, correct: np.ndarray, bins: int = 15) -> float:
+    """Guo et al.'s reference loop: bins (lo, hi], |mean confidence - accuracy| weighted by the bin's share."""
+    edges, ece = np.linspace(0.0, 1.0, bins + 1), 0.0
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        inside = (confidence > lo) & (confidence <= hi)
+        if inside.any():
+            ece += abs(confidence[inside].mean() - correct[inside].mean()) * inside.mean()
+    return 100.0 * ece

@@ -7,11 +7,14 @@ import json
 from pathlib import Path
 
 import matplotlib.image
+import numpy as np
 import pytest
+from sklearn.metrics import classification_report, precision_recall_fscore_support
 
 import evaluate
 from core.cli import report_errors
 from engine.checkpoint.formats import load_checkpoint
+from tests.compare import direct_ece
 from tests.helpers import make_image_folder, run_on_ranks, train_here
 from tests.wandb_reader import find_runs, read_run
 
@@ -46,7 +49,8 @@ def test_evaluate_is_identical_for_1_2_3_processes(checkpoint, tmp_path):
         proc = run_on_ranks("evaluate.py", str(checkpoint), "--output-dir", str(out), "--batch-size", "8", *tracking,
                             nproc=nproc, env={"WANDB_DIR": str(wandb_dir)})
         assert f"n {VAL_SIZE}" in proc.stdout
-        assert sorted(p.name for p in out.iterdir()) == ["confusion_matrix.png", "eval.json", "predictions.csv"]
+        assert sorted(p.name for p in out.iterdir()) == ["confusion_matrix.png", "eval.json", "predictions.csv",
+                                                          "reliability.png"]
         outputs[nproc] = ((out / "eval.json").read_text(), (out / "predictions.csv").read_text())
     assert outputs[1] == outputs[2] == outputs[3]  # byte for byte
 
@@ -63,8 +67,26 @@ def test_evaluate_is_identical_for_1_2_3_processes(checkpoint, tmp_path):
     for c in result["per_class"]:
         mine = [r for r in rows if r["label_name"] == c["class"]]
         assert c["top1"] == 100.0 * sum(r["label"] == r["pred"] for r in mine) / len(mine)
+    # Per-class precision/recall/F1/support and their means are scikit-learn's on the same predictions (for 1, 2
+    # and 3 processes: eval.json is the same bytes); undefined per-class values are null, counted as 0 in the means
+    y_true, y_pred = [int(r["label"]) for r in rows], [int(r["pred"]) for r in rows]
+    found = precision_recall_fscore_support(y_true, y_pred, labels=range(len(result["per_class"])),
+                                            zero_division=np.nan)
+    for key, values in zip(("precision", "recall", "f1", "support"), found):
+        mine = [np.nan if c[key] is None else c[key] for c in result["per_class"]]
+        assert mine == pytest.approx(values * (1 if key == "support" else 100), rel=1e-12, nan_ok=True), key
+    report = classification_report(y_true, y_pred, output_dict=True, zero_division=0)
+    for average in ("macro", "weighted"):
+        for key in ("precision", "recall", "f1"):
+            expected = 100 * report[f"{average} avg"][key if key != "f1" else "f1-score"]
+            assert result[f"{average}_{key}"] == pytest.approx(expected, rel=1e-12), (average, key)
     image = matplotlib.image.imread(out / "confusion_matrix.png")
     assert image.shape[0] >= 400 and image.shape[1] >= 400
+    # ECE: Guo et al.'s loop on predictions.csv's confidences; the reliability diagram is a PNG
+    confidence = np.array([float(r["confidence"]) for r in rows])
+    correct = np.array([r["label"] == r["pred"] for r in rows])
+    assert result["ece"] == pytest.approx(direct_ece(confidence, correct), rel=1e-12) and result["ece_bins"] == 15
+    assert matplotlib.image.imread(out / "reliability.png").shape[0] >= 400
     # The training run evaluated the same weights on the same batches in the same precision: the same top-1, though
     # it trained in bf16 (issue 46: its validation followed amp then, and differed).
     assert result["top1"] == load_checkpoint(checkpoint)["metric_value"]

@@ -20,7 +20,8 @@ from core.errors import UserError
 from data.loader import EpochSampler
 from engine.checkpoint.formats import load_checkpoint
 from engine.losses import build_loss, class_weights
-from engine.metrics import PER_CLASS_RECALL_MAX, add_class_counts, class_metrics, confusion_counts, metric_names
+from engine.metrics import (PER_CLASS_RECALL_MAX, add_class_counts, class_metrics, class_report, confusion_counts,
+                            metric_names)
 from engine.state import TrainState
 from tests.compare import allow_best_of_the_stop, assert_same, rows_without_timing
 from tests.helpers import TINY, Batches, make_image_folder, read_jsonl, run_on_ranks, train_here
@@ -210,6 +211,34 @@ def test_class_metrics_are_scikit_learns():
     many = PER_CLASS_RECALL_MAX + 1
     identity = confusion_counts(torch.eye(many, dtype=torch.int64))
     assert not any(k.startswith("val_recall") for k in class_metrics(identity, [str(c) for c in range(many)]))
+
+
+def test_class_report_is_scikit_learns():
+    """Per-class precision, recall, F1 and support and their macro and weighted means are classification_report's
+    on the same predictions: a class only predicted (3), one never predicted (4), one in neither (5). Undefined
+    per-class values are None (sklearn's zero_division=nan); the means count them as 0 (sklearn's default)."""
+    from sklearn.exceptions import UndefinedMetricWarning
+    from sklearn.metrics import precision_recall_fscore_support
+
+    rng = np.random.default_rng(1)
+    y_true = rng.choice([0, 1, 2, 4], 300, p=[0.7, 0.2, 0.08, 0.02])
+    y_pred = np.where(rng.random(300) < 0.6, y_true, rng.choice([0, 1, 3], 300))
+    y_pred[y_pred == 4] = 0
+    counts = torch.zeros((3, 6), dtype=torch.int64)
+    add_class_counts(counts, torch.from_numpy(y_true), torch.from_numpy(y_pred))
+    per_class, means = class_report(counts.numpy(), list("abcdef"))
+    expected = precision_recall_fscore_support(y_true, y_pred, labels=range(6), zero_division=np.nan)
+    for key, values in zip(("precision", "recall", "f1"), expected[:3]):
+        found = [np.nan if c[key] is None else c[key] for c in per_class]  # None exactly where sklearn has nan
+        assert found == pytest.approx(100 * values, rel=1e-12, nan_ok=True), key
+    assert [c["support"] for c in per_class] == expected[3].tolist() == [213, 59, 24, 0, 4, 0]
+    assert per_class[4]["precision"] is None and per_class[4]["f1"] == 0.0  # true but never predicted
+    for average in ("macro", "weighted"):
+        with pytest.warns(UndefinedMetricWarning):
+            found = precision_recall_fscore_support(y_true, y_pred, average=average)
+        for key, value in zip(("precision", "recall", "f1"), found[:3]):
+            assert math.isclose(means[f"{average}_{key}"], 100 * value, rel_tol=1e-12), (average, key)
+    assert means["macro_f1"] == class_metrics(counts, list("abcdef"))["val_macro_f1"]
 
 
 def test_metric_names_are_safe_and_unique_in_class_order():

@@ -1,0 +1,46 @@
+"""Error analysis: calibration (ECE, Guo et al. 2017) against a direct computation; a run's curves.png."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import matplotlib.image
+import numpy as np
+import pytest
+
+from core.cli import report_errors
+from engine import curves
+from engine.metrics import calibration_bins, expected_calibration_error
+from tests.compare import direct_ece
+
+
+def test_ece_is_the_direct_computation_on_fixed_probabilities():
+    """Softmax probabilities of 10 classes, some top-1 confidences exactly on bin edges (they belong to the lower
+    bin), and a hand-computed case."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(1000, 10)) * rng.uniform(0.5, 4.0, size=(1000, 1))
+    probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    labels = np.where(rng.random(1000) < 0.6, probs.argmax(1), rng.integers(0, 10, 1000))
+    confidence, correct = probs.max(1), probs.argmax(1) == labels
+    confidence[:40] = np.linspace(0.0, 1.0, 16)[np.arange(40) % 15 + 1]  # on the edges 1/15 .. 1
+    assert math.isclose(expected_calibration_error(confidence, correct), direct_ece(confidence, correct),
+                        rel_tol=1e-12)
+    assert calibration_bins(confidence, correct)[0].sum() == 1000
+    # 0.9 twice (one right: |0.5 - 0.9| x 2/4) and 0.7 twice (both right: |1 - 0.7| x 2/4): 0.2 + 0.15
+    hand = expected_calibration_error(np.array([0.9, 0.9, 0.7, 0.7]), np.array([True, False, True, True]))
+    assert hand == pytest.approx(35.0, rel=1e-12)
+    assert expected_calibration_error(np.array([1.0, 0.5]), np.array([True, False])) == pytest.approx(25.0)
+
+
+def test_a_run_draws_curves_png_and_the_redraw_command_draws_the_same(tiny_run, tmp_path, capsys):
+    """The Curves hook wrote curves.png after the run's validations; `python -m engine.curves` on a copy of the
+    folder's metrics.jsonl and config.yaml draws the same bytes; a folder without rows is a one-line error."""
+    drawn = (tiny_run / "curves.png").read_bytes()
+    assert drawn.startswith(b"\x89PNG\r\n\x1a\n") and matplotlib.image.imread(tiny_run / "curves.png").shape[1] >= 1000
+    for name in ("metrics.jsonl", "config.yaml"):
+        shutil.copy(tiny_run / name, tmp_path / name)
+    assert report_errors(curves.main, [str(tmp_path)]) == 0
+    assert (tmp_path / "curves.png").read_bytes() == drawn
+    assert report_errors(curves.main, [str(tmp_path / "empty")]) == 2
+    assert "has no metrics.jsonl rows to draw" in capsys.readouterr().err.strip().splitlines()[-1]
