@@ -20,6 +20,7 @@ from core.config import (Config, ModelConfig, command_line_keys, given_keys, glo
                          replace_section, run_values, to_dict)
 from core.dist import DistInfo, all_gather_object, main_first, min_over_ranks, rank0_decides
 from core.errors import UserError
+from data.hf import hub_revision
 from data.loader import DataBundle, build_data, dropped_images_note, with_batch_size
 from engine.batch_size import (CPU_BATCH, MAX_BATCH, UNIT, largest_batch, on_device_fits, resolved_batch,
                                whole_groups, with_headroom)
@@ -60,6 +61,7 @@ def resolve_start(cfg: Config, info: DistInfo, fresh: bool = False) -> tuple[Con
     hub_cfg = None if start.ckpt else rank0_decides(lambda: pretrained_cfg_of(cfg.model))  # model.pretrained=true
     cfg = resolve_preprocessing(cfg, pretrained, start.ckpt["config"] if start.ckpt else None, hub_cfg)
     cfg = with_batch_and_lr(cfg, info.world_size)  # after resolve_preprocessing, which reads the keys the user set
+    cfg = replace_section(cfg, "data", hf_revision=hub_revision(cfg.data, start.ckpt and start.ckpt["config"]))
     start.check_continuation(cfg)
     return cfg, start, StartingWeights(pretrained, hub_cfg)
 
