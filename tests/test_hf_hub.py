@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 import yaml
 from PIL import Image
 
@@ -105,6 +106,7 @@ def test_hub_dataset_trains_on_one_and_two_ranks_and_evaluates(hub_repo, offline
     run = run_on_ranks("train.py", *HUB, f"data.root=hfds/{hub_repo}", f"output_dir={two}", nproc=2,
                        env=offline_datasets)
     assert recorded_revision(two) == COMMIT
+    assert torch.load(two / "best.pth", weights_only=True)["class_names"] == ["cat", "dog"]  # the ClassLabel's names
     assert f"Hugging Face dataset {hub_repo} at commit {COMMIT}" in run.stdout + run.stderr
     import evaluate
     from core.cli import report_errors
@@ -112,7 +114,7 @@ def test_hub_dataset_trains_on_one_and_two_ranks_and_evaluates(hub_repo, offline
     capsys.readouterr()
     assert report_errors(evaluate.main, [str(two / "best.pth")]) == 0
     said = capsys.readouterr()
-    assert "6 images" in said.out + said.err, said
+    assert "on 6 images" in said.out + said.err, said
 
 
 def test_offline_and_uncached_is_one_line(hub_repo, offline_datasets, tmp_path, capsys):
