@@ -15,11 +15,11 @@ Rows are read one at a time from the memory-mapped table: forked workers share i
 only the row they read into Python objects.
 
 data.root=hf-hub:<org>/<name> (timm's hfds/<org>/<name> too) names a dataset repo on the Hub: its snapshot at
-data.hf_revision (a commit; "" = main's) is downloaded into the Hugging Face hub cache (HF_HOME, HF_HUB_CACHE) by
-rank 0 first and read from there by `datasets.load_dataset` with config data.hf_config, which keeps its Arrow
-tables in HF_DATASETS_CACHE; HF_HUB_OFFLINE=1 or HF_DATASETS_OFFLINE=1 reads the cache only. `load_dataset` by the
-repo's name cannot read the hub cache offline (datasets 5.2.0 then looks only for Arrow tables it prepared itself:
-"Couldn't reach '<org>/<name>' on the Hub (OfflineModeIsEnabled)"), hence the snapshot folder.
+data.hf_revision (a commit; "" = main's), the card and the files it names for data.hf_config, is put in the Hugging
+Face hub cache (HF_HOME, HF_HUB_CACHE) by rank 0 first and read from there by `datasets.load_dataset`, which keeps
+its Arrow tables in HF_DATASETS_CACHE; HF_HUB_OFFLINE=1 or HF_DATASETS_OFFLINE=1 reads the cache only.
+`load_dataset` by the repo's name cannot read the hub cache offline (datasets 5.2.0 then looks only for Arrow
+tables it prepared itself: "Couldn't reach '<org>/<name>' on the Hub (OfflineModeIsEnabled)"), hence the folder.
 """
 
 from __future__ import annotations
@@ -86,8 +86,9 @@ def hub_offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_DATASETS_OFFLINE", "").upper() in TRUE
 
 
-def hub_snapshot(repo: str, revision: str) -> Path:
-    """The repo's snapshot folder in the hub cache, named by its commit: downloaded, or the cache's when offline."""
+def hub_snapshot(repo: str, revision: str, config: str = "") -> Path:
+    """The repo's snapshot folder in the hub cache, named by its commit, holding the files data.hf_config needs:
+    downloaded, or the cache's when offline."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
@@ -96,7 +97,9 @@ def hub_snapshot(repo: str, revision: str) -> Path:
                         f"the Hub's 'History' tab) or leave it unset for main's")
     at, offline = f" at commit {revision}" if revision else "", hub_offline()
     try:
-        return Path(snapshot_download(repo, repo_type="dataset", revision=revision or None, local_files_only=offline))
+        revision, patterns = card_files(repo, revision, config, offline)
+        return Path(snapshot_download(repo, repo_type="dataset", revision=revision or None, allow_patterns=patterns,
+                                      local_files_only=offline))
     except LocalEntryNotFoundError:
         why = "HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set" if offline else "the Hub cannot be reached"
         raise UserError(f"Hugging Face dataset {repo}{at} is not in the cache {constants.HF_HUB_CACHE} and {why}; "
@@ -104,6 +107,30 @@ def hub_snapshot(repo: str, revision: str) -> Path:
     except (RepositoryNotFoundError, RevisionNotFoundError) as err:
         raise UserError(f"Hugging Face dataset {repo}{at}: {type(err).__name__} (a private or gated repo needs "
                         "`hf auth login`); check data.root and data.hf_revision") from None
+
+
+def card_files(repo: str, revision: str, config: str, offline: bool) -> tuple[str, list[str] | None]:
+    """(the commit the dataset card was read at, the file patterns its config `config` names, "" = the default
+    one): a repo of many configs is not downloaded whole. No card, or no files named: the revision asked, None
+    (every file: datasets then finds the splits by the files' names)."""
+    from datasets.utils.metadata import MetadataConfigs
+    from huggingface_hub import DatasetCard, hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError  # LocalEntryNotFoundError too: snapshot_download says
+
+    try:
+        card = Path(hf_hub_download(repo, "README.md", repo_type="dataset", revision=revision or None,
+                                    local_files_only=offline))
+    except EntryNotFoundError:
+        return revision, None
+    configs = MetadataConfigs.from_dataset_card_data(DatasetCard.load(card).data)
+    default = next((name for name, c in configs.items() if c.get("default")), "default")
+    chosen = configs.get(config or default) or {}
+    files = chosen.get("data_files") or ([f"{chosen['data_dir']}/*"] if chosen.get("data_dir") else None)
+    if not files:
+        return card.parent.name, None
+    paths = [f["path"] if isinstance(f, dict) else f for f in (files if isinstance(files, list) else [files])]
+    return card.parent.name, ["README.md", ".huggingface.yaml", *(p for path in paths
+                                                                  for p in ([path] if isinstance(path, str) else path))]
 
 
 def open_hub_split(folder: Path, repo: str, config: str, split: str):
@@ -128,7 +155,7 @@ def hub_revision(cfg: DataConfig, resumed: dict | None = None) -> str:
     revision = cfg.hf_revision or ((resumed or {}).get("data") or {}).get("hf_revision", "")
 
     def fetch() -> str:
-        folder = hub_snapshot(repo, revision)
+        folder = hub_snapshot(repo, revision, cfg.hf_config)
         for split in (cfg.train_split, cfg.val_split):
             open_hub_split(folder, repo, cfg.hf_config, split)
         return folder.name
@@ -239,7 +266,7 @@ class HFDataset(AugmentedDataset):
         self.split, self.skip_corrupt, self.max_pixels = split, skip_corrupt, max_pixels
         self.where = f"Hugging Face dataset {root} split {split}"
         if repo := hub_repo(str(root)):
-            self.root = hub_snapshot(repo, hf_revision)  # paths stored in a column are relative to the snapshot
+            self.root = hub_snapshot(repo, hf_revision, hf_config)  # a column's file paths: in the snapshot
             ds = open_hub_split(self.root, repo, hf_config, split)
         else:
             self.root = Path(root)

@@ -136,3 +136,12 @@ def test_offline_and_uncached_is_one_line(hub_repo, offline_datasets, tmp_path, 
         errors = [line for line in err.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and expected in errors[0] and "Traceback" not in err, err
         assert not (tmp_path / "run").exists()
+
+
+def test_only_the_config_files_are_fetched(hub_repo):
+    """The snapshot is asked for the dataset card's files of data.hf_config (a repo of many configs is not
+    downloaded whole), at the commit the card was read at."""
+    from data.hf import card_files
+
+    assert card_files(hub_repo, "", "", offline=True) == (
+        COMMIT, ["README.md", ".huggingface.yaml", "data/train-*", "data/validation-*"])
