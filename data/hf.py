@@ -150,6 +150,9 @@ def hub_revision(cfg: DataConfig, resumed: dict | None = None) -> str:
     """data.hf_revision for config.yaml: with data.root=hf-hub:..., the commit every rank reads (unset: the resumed
     run's, else main's now), its snapshot put in the caches by rank 0 first."""
     repo = hub_repo(cfg.root)
+    if cfg.name == "hf" and not repo and (cfg.hf_config or cfg.hf_revision):
+        raise UserError(f"data.hf_config / data.hf_revision choose a dataset on the Hub, and data.root={cfg.root} is "
+                        "a local folder; unset them, or set data.root=hf-hub:<org>/<name>")
     if cfg.name != "hf" or not repo:
         return cfg.hf_revision
     revision = cfg.hf_revision or ((resumed or {}).get("data") or {}).get("hf_revision", "")

@@ -119,7 +119,7 @@ def test_hub_dataset_trains_on_one_and_two_ranks_and_evaluates(hub_repo, offline
 
 def test_offline_and_uncached_is_one_line(hub_repo, offline_datasets, tmp_path, capsys):
     """A repo, or a commit, the cache does not hold: one line naming the dataset and the cache folder; a revision
-    that is not a commit is refused before any look-up."""
+    that is not a commit, or one for a local folder, is refused before any look-up."""
     import train
     from huggingface_hub import constants
 
@@ -128,7 +128,8 @@ def test_offline_and_uncached_is_one_line(hub_repo, offline_datasets, tmp_path, 
     for root, revision, expected in (
             ("hf-hub:org/absent", "", f"Hugging Face dataset org/absent is not in the cache {constants.HF_HUB_CACHE}"),
             (f"hf-hub:{hub_repo}", "f" * 40, f"dataset {hub_repo} at commit {'f' * 40} is not in the cache"),
-            (f"hf-hub:{hub_repo}", "main", "data.hf_revision=main is not a commit")):
+            (f"hf-hub:{hub_repo}", "main", "data.hf_revision=main is not a commit"),
+            (str(tmp_path), COMMIT, f"data.root={tmp_path} is a local folder")):
         capsys.readouterr()
         args = [*HUB, f"data.root={root}", f"data.hf_revision={revision}", f"output_dir={tmp_path / 'run'}"]
         assert report_errors(train.main, args) == 2
