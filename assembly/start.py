@@ -20,6 +20,7 @@ from core.config import (Config, ModelConfig, command_line_keys, given_keys, glo
                          replace_section, run_values, to_dict)
 from core.dist import DistInfo, all_gather_object, main_first, min_over_ranks, rank0_decides
 from core.errors import UserError
+from data.hf import hub_revision
 from data.loader import DataBundle, build_data, dropped_images_note, with_batch_size
 from data.pipeline import pipeline_hashes
 from data.split import run_split
@@ -63,6 +64,7 @@ def resolve_start(cfg: Config, info: DistInfo, fresh: bool = False) -> tuple[Con
     cfg = resolve_preprocessing(cfg, pretrained, start.ckpt["config"] if start.ckpt else None, hub_cfg)
     cfg = with_batch_and_lr(cfg, info.world_size, info.is_main)  # after resolve_preprocessing (keys the user set)
     cfg = replace_section(cfg, "data", **pipeline_hashes(cfg.data))  # a resume with another pipeline file: refused
+    cfg = replace_section(cfg, "data", hf_revision=hub_revision(cfg.data, start.ckpt and start.ckpt["config"]))
     start.check_continuation(cfg)
     return cfg, start, StartingWeights(pretrained, hub_cfg)
 

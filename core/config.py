@@ -105,6 +105,9 @@ class DataConfig:
                             "hf: the column of images (an Image feature, bytes, or paths relative to data.root)")
     label_column: str = key("label", "hf: the column of labels (ClassLabel, integers or class names)")
     path_column: str = key("", "hf: the column naming each image in predictions.csv; \"\" = the Image's file name")
+    hf_config: str = key("", "hf with data.root=hf-hub:<org>/<name>: the dataset's config name; \"\" = its default")
+    hf_revision: str = key("",
+                           "hf-hub: the dataset repo's commit (40 hex digits); \"\" = main's, recorded at start-up")
     shard_cache: str = key("",
                            'wds: folder for shards read from URLs; "" = $WIDS_CACHE or /tmp/_wids_cache',
                            continues=True)

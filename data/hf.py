@@ -13,18 +13,27 @@ Multi-label (data.multi_label=true): the label column is a list per row (Sequenc
 integers or of class names); an empty list is an image with no labels.
 Rows are read one at a time from the memory-mapped table: forked workers share its pages and turn
 only the row they read into Python objects.
+
+data.root=hf-hub:<org>/<name> (timm's hfds/<org>/<name> too) names a dataset repo on the Hub: its snapshot at
+data.hf_revision (a commit; "" = main's), the card and the files it names for data.hf_config, is put in the Hugging
+Face hub cache (HF_HOME, HF_HUB_CACHE) by rank 0 first and read from there by `datasets.load_dataset`, which keeps
+its Arrow tables in HF_DATASETS_CACHE; HF_HUB_OFFLINE=1 or HF_DATASETS_OFFLINE=1 reads the cache only.
+`load_dataset` by the repo's name cannot read the hub cache offline (datasets 5.2.0 then looks only for Arrow
+tables it prepared itself: "Couldn't reach '<org>/<name>' on the Hub (OfflineModeIsEnabled)"), hence the folder.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 
 import albumentations as A
 import numpy as np
 
 from core.config import DataConfig
+from core.dist import is_main, rank0_decides
 from core.errors import UserError
 from data.datasets import AugmentedDataset, decode_image, multi_hot, read_image, shared_labels
 
@@ -55,6 +64,110 @@ def open_split(root: Path, split: str):
         return datasets.load_dataset("parquet", data_files={split: [str(f) for f in files]}, split=split)
     except Exception as err:  # pyarrow and datasets raise many types for a file that is not Parquet
         raise UserError(f"cannot read the Parquet files of split {split!r} in {root} ({err}); check them") from None
+
+
+HUB_PREFIXES = ("hf-hub:", "hfds/")  # hfds/: timm's --dataset spelling
+COMMIT = re.compile(r"[0-9a-f]{40}")
+TRUE = ("1", "ON", "YES", "TRUE")
+
+
+def hub_repo(root: str) -> str:
+    """The Hub dataset repo data.root names (hf-hub:<org>/<name>, hfds/<org>/<name>), or "" for a local folder."""
+    for prefix in HUB_PREFIXES:
+        if str(root).startswith(prefix):
+            return str(root)[len(prefix):]
+    return ""
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE (read by huggingface_hub at import) or HF_DATASETS_OFFLINE: the cache only, no network."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_DATASETS_OFFLINE", "").upper() in TRUE
+
+
+def hub_snapshot(repo: str, revision: str, config: str = "") -> Path:
+    """The repo's snapshot folder in the hub cache, named by its commit, holding the files data.hf_config needs:
+    downloaded, or the cache's when offline."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+
+    if revision and not COMMIT.fullmatch(revision):
+        raise UserError(f"data.hf_revision={revision} is not a commit; give the dataset repo's commit (40 hex digits, "
+                        f"the Hub's 'History' tab) or leave it unset for main's")
+    at, offline = f" at commit {revision}" if revision else "", hub_offline()
+    try:
+        revision, patterns = card_files(repo, revision, config, offline)
+        return Path(snapshot_download(repo, repo_type="dataset", revision=revision or None, allow_patterns=patterns,
+                                      local_files_only=offline))
+    except LocalEntryNotFoundError:
+        why = "HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set" if offline else "the Hub cannot be reached"
+        raise UserError(f"Hugging Face dataset {repo}{at} is not in the cache {constants.HF_HUB_CACHE} and {why}; "
+                        "download it once online, or point HF_HOME/HF_HUB_CACHE at a cache that holds it") from None
+    except (RepositoryNotFoundError, RevisionNotFoundError) as err:
+        raise UserError(f"Hugging Face dataset {repo}{at}: {type(err).__name__} (a private or gated repo needs "
+                        "`hf auth login`); check data.root and data.hf_revision") from None
+
+
+def card_files(repo: str, revision: str, config: str, offline: bool) -> tuple[str, list[str] | None]:
+    """(the commit the dataset card was read at, the file patterns its config `config` names, "" = the default
+    one): a repo of many configs is not downloaded whole. No card, or no files named: the revision asked, None
+    (every file: datasets then finds the splits by the files' names)."""
+    from datasets.utils.metadata import MetadataConfigs
+    from huggingface_hub import DatasetCard, hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError  # LocalEntryNotFoundError too: snapshot_download says
+
+    try:
+        card = Path(hf_hub_download(repo, "README.md", repo_type="dataset", revision=revision or None,
+                                    local_files_only=offline))
+    except EntryNotFoundError:
+        return revision, None
+    configs = MetadataConfigs.from_dataset_card_data(DatasetCard.load(card).data)
+    default = next((name for name, c in configs.items() if c.get("default")), "default")
+    chosen = configs.get(config or default) or {}
+    files = chosen.get("data_files") or ([f"{chosen['data_dir']}/*"] if chosen.get("data_dir") else None)
+    if not files:
+        return card.parent.name, None
+    paths = [f["path"] if isinstance(f, dict) else f for f in (files if isinstance(files, list) else [files])]
+    return card.parent.name, ["README.md", ".huggingface.yaml", *(p for path in paths
+                                                                  for p in ([path] if isinstance(path, str) else path))]
+
+
+def open_hub_split(folder: Path, repo: str, config: str, split: str):
+    """One split of the snapshot, through datasets.load_dataset (its Arrow tables kept in HF_DATASETS_CACHE)."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    try:
+        return datasets.load_dataset(str(folder), name=config or None, split=split)
+    except ValueError as err:  # an unknown config or split
+        raise UserError(f"Hugging Face dataset {repo}: {err}; set data.hf_config, data.train_split and "
+                        "data.val_split") from None
+
+
+def hub_revision(cfg: DataConfig, resumed: dict | None = None) -> str:
+    """data.hf_revision for config.yaml: with data.root=hf-hub:..., the commit every rank reads (unset: the resumed
+    run's, else main's now), its snapshot put in the caches by rank 0 first."""
+    repo = hub_repo(cfg.root)
+    if cfg.name == "hf" and not repo and (cfg.hf_config or cfg.hf_revision):
+        raise UserError(f"data.hf_config / data.hf_revision choose a dataset on the Hub, and data.root={cfg.root} is "
+                        "a local folder; unset them, or set data.root=hf-hub:<org>/<name>")
+    if cfg.name != "hf" or not repo:
+        return cfg.hf_revision
+    revision = cfg.hf_revision or ((resumed or {}).get("data") or {}).get("hf_revision", "")
+
+    def fetch() -> str:
+        folder = hub_snapshot(repo, revision, cfg.hf_config)
+        for split in (cfg.train_split, cfg.val_split):
+            open_hub_split(folder, repo, cfg.hf_config, split)
+        return folder.name
+
+    commit = rank0_decides(fetch)  # the others then read the cache (or fetch this commit on another node)
+    if is_main():
+        log.info("data.root=%s: Hugging Face dataset %s%s at commit %s (data.hf_revision)", cfg.root, repo,
+                 f" config {cfg.hf_config}" if cfg.hf_config else "", commit)
+    return commit
 
 
 def column_type(feature) -> str:
@@ -148,13 +261,19 @@ class HFDataset(AugmentedDataset):
     def __init__(self, root: str | Path, split: str, transform: A.Compose, seed: int,
                  classes: list[str] | None = None, *, image_column: str = "image", label_column: str = "label",
                  path_column: str = "", skip_corrupt: bool = False,
-                 max_pixels: int = DataConfig.max_image_pixels, multi_label: bool = False) -> None:
+                 max_pixels: int = DataConfig.max_image_pixels, multi_label: bool = False, hf_config: str = "",
+                 hf_revision: str = "") -> None:
         super().__init__(transform, seed)
         import datasets
 
-        self.root, self.split, self.skip_corrupt, self.max_pixels = Path(root), split, skip_corrupt, max_pixels
+        self.split, self.skip_corrupt, self.max_pixels = split, skip_corrupt, max_pixels
         self.where = f"Hugging Face dataset {root} split {split}"
-        ds = open_split(Path(root), split)
+        if repo := hub_repo(str(root)):
+            self.root = hub_snapshot(repo, hf_revision, hf_config)  # a column's file paths: in the snapshot
+            ds = open_hub_split(self.root, repo, hf_config, split)
+        else:
+            self.root = Path(root)
+            ds = open_split(self.root, split)
         for key, column in (("image", image_column), ("label", label_column), ("path", path_column)):
             if column and column not in ds.column_names:
                 raise UserError(f"{self.where} has no column {column!r} (data.{key}_column); it has "

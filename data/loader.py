@@ -255,7 +255,8 @@ def build_split(cfg: DataConfig, split: str, transform: A.Compose, seed: int, cl
     if cfg.name == "hf":
         return HFDataset(cfg.root, split, transform, seed, classes, image_column=cfg.image_column,
                          label_column=cfg.label_column, path_column=cfg.path_column, skip_corrupt=skip_corrupt,
-                         max_pixels=cfg.max_image_pixels, multi_label=cfg.multi_label)
+                         max_pixels=cfg.max_image_pixels, multi_label=cfg.multi_label, hf_config=cfg.hf_config,
+                         hf_revision=cfg.hf_revision)
     if cfg.name == "listfile":
         return ListFileDataset(cfg.root, split, transform, seed, classes, skip_corrupt=skip_corrupt,
                                max_pixels=cfg.max_image_pixels, multi_label=cfg.multi_label)

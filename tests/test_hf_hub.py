@@ -1,0 +1,148 @@
+"""data.root=hf-hub:<org>/<name>: a dataset repo in the Hugging Face hub cache's own layout, read offline through the
+real huggingface_hub and datasets code (tests/conftest.py makes the session's HF_HUB_CACHE, offline).
+
+The repo is written as the Hub's downloads leave it: datasets--<org>--<name>/refs/main holding the commit, and
+snapshots/<commit>/ with the dataset card (README.md: features and split files) and Parquet files of PNG bytes.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import yaml
+from PIL import Image
+
+from tests.helpers import TINY, run_on_ranks, train_here
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+CARD = """---
+dataset_info:
+  features:
+  - name: image
+    dtype: image
+  - name: label
+    dtype:
+      class_label:
+        names:
+          '0': cat
+          '1': dog
+configs:
+- config_name: default
+  data_files:
+  - split: train
+    path: data/train-*
+  - split: validation
+    path: data/validation-*
+---
+"""
+# TINY's test_resnet on 16-pixel crops, two steps
+HUB = [*TINY, 
+    "data.name=hf", "data.val_split=validation", "train.batch_size=4", "train.max_steps=2"]
+
+
+def png(value: int, rng: np.random.Generator) -> bytes:
+    pixels = np.clip(value + rng.integers(-20, 20, (20, 20, 3)), 0, 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def write_hub_repo(cache: Path, repo: str, sizes: dict[str, int]) -> Path:
+    """The hub cache's folder of dataset `repo` at COMMIT, main pointing at it; returns the snapshot folder."""
+    folder = cache / f"datasets--{repo.replace('/', '--')}"
+    snapshot = folder / "snapshots" / COMMIT
+    (snapshot / "data").mkdir(parents=True)
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text(COMMIT)
+    (snapshot / "README.md").write_text(CARD)
+    rng = np.random.default_rng(0)
+    for split, size in sizes.items():
+        labels = [i % 2 for i in range(size)]
+        images = [{"bytes": png(60 + 120 * label, rng), "path": f"{split}_{i}.png"} for i, label in enumerate(labels)]
+        pq.write_table(pa.table({"image": images, "label": labels}),
+                       snapshot / "data" / f"{split}-00000-of-00001.parquet")
+    return snapshot
+
+
+@pytest.fixture(scope="module")
+def hub_repo() -> str:
+    """org/tiny-hub in the session's hub cache (HF_HUB_CACHE, offline)."""
+    from huggingface_hub import constants
+
+    write_hub_repo(Path(constants.HF_HUB_CACHE), "org/tiny-hub", {"train": 16, "validation": 6})
+    return "org/tiny-hub"
+
+
+@pytest.fixture
+def offline_datasets(tmp_path, monkeypatch) -> dict[str, str]:
+    """HF_DATASETS_OFFLINE=1 and a fresh datasets Arrow cache, here and in the ranks' environment."""
+    import datasets
+
+    env = {"HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "datasets")}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
+    return env
+
+
+def recorded_revision(out: Path) -> str:
+    return yaml.safe_load((out / "config.yaml").read_text())["data"]["hf_revision"]
+
+
+@pytest.mark.slow
+def test_hub_dataset_trains_on_one_and_two_ranks_and_evaluates(hub_repo, offline_datasets, tmp_path, capsys):
+    """Both spellings read the cache's snapshot offline on 1 and 2 ranks; config.yaml records the cache's commit;
+    evaluate.py reads the same commit back and scores every validation image."""
+    one = tmp_path / "one"
+    train_here(*HUB, f"data.root=hf-hub:{hub_repo}", f"output_dir={one}")
+    assert recorded_revision(one) == COMMIT
+    two = tmp_path / "two"
+    run = run_on_ranks("train.py", *HUB, f"data.root=hfds/{hub_repo}", f"output_dir={two}", nproc=2,
+                       env=offline_datasets)
+    assert recorded_revision(two) == COMMIT
+    assert torch.load(two / "best.pth", weights_only=True)["class_names"] == ["cat", "dog"]  # the ClassLabel's names
+    assert f"Hugging Face dataset {hub_repo} at commit {COMMIT}" in run.stdout + run.stderr
+    import evaluate
+    from core.cli import report_errors
+
+    capsys.readouterr()
+    assert report_errors(evaluate.main, [str(two / "best.pth")]) == 0
+    said = capsys.readouterr()
+    assert "on 6 images" in said.out + said.err, said
+
+
+def test_offline_and_uncached_is_one_line(hub_repo, offline_datasets, tmp_path, capsys):
+    """A repo, or a commit, the cache does not hold: one line naming the dataset and the cache folder; a revision
+    that is not a commit, or one for a local folder, is refused before any look-up."""
+    import train
+    from huggingface_hub import constants
+
+    from core.cli import report_errors
+
+    for root, revision, expected in (
+            ("hf-hub:org/absent", "", f"Hugging Face dataset org/absent is not in the cache {constants.HF_HUB_CACHE}"),
+            (f"hf-hub:{hub_repo}", "f" * 40, f"dataset {hub_repo} at commit {'f' * 40} is not in the cache"),
+            (f"hf-hub:{hub_repo}", "main", "data.hf_revision=main is not a commit"),
+            (str(tmp_path), COMMIT, f"data.root={tmp_path} is a local folder")):
+        capsys.readouterr()
+        args = [*HUB, f"data.root={root}", f"data.hf_revision={revision}", f"output_dir={tmp_path / 'run'}"]
+        assert report_errors(train.main, args) == 2
+        err = capsys.readouterr().err
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and expected in errors[0] and "Traceback" not in err, err
+        assert not (tmp_path / "run").exists()
+
+
+def test_only_the_config_files_are_fetched(hub_repo):
+    """The snapshot is asked for the dataset card's files of data.hf_config (a repo of many configs is not
+    downloaded whole), at the commit the card was read at."""
+    from data.hf import card_files
+
+    assert card_files(hub_repo, "", "", offline=True) == (
+        COMMIT, ["README.md", ".huggingface.yaml", "data/train-*", "data/validation-*"])
