@@ -14,7 +14,6 @@ from albumentations.pytorch import ToTensorV2
 
 from core.config import DataConfig
 from data.loader import build_datasets
-from data.transforms import train_transform
 from tests.helpers import TINY, last_error, read_jsonl, train_here
 
 AUGMENT = A.Compose([A.RandomCrop(16, 16), A.HorizontalFlip(p=0.5), A.RandomBrightnessContrast(p=0.8),
