@@ -84,6 +84,15 @@ def cpu_share(processes_per_node: int) -> int:
     return max(1, int(usable_cpus() // processes_per_node))
 
 
+def threads_line(processes_per_node: int, workers: int) -> str:
+    """The CPU threads this process computes with and why, for the run's start-up line."""
+    import torch
+
+    user = user_threads(os.environ)
+    why = f"OMP_NUM_THREADS={user}, as set" if user is not None else "its share"
+    return f"{torch.get_num_threads()} thread(s) per process ({why}): {cpu_budget(processes_per_node, workers)}"
+
+
 def cpu_budget(processes_per_node: int, workers: int) -> str:
     """Why a process got its threads, for the start-up log: what it may use, shared by how many."""
     cores, quota = len(os.sched_getaffinity(0)), cgroup_cpu_limit()
