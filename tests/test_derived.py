@@ -56,6 +56,8 @@ def test_an_accumulation_given_on_the_command_line_is_kept_by_the_auto_batch():
     with pytest.raises(UserError, match="train.accum_steps=2 as given does not split train.global_batch_size=64"):
         resolved_batch(train_cfg, 8, 1, even=False, fixed_accum=True)
     assert resolved_batch(train_cfg, 32, 1, even=False, fixed_accum=True) == {"batch_size": 32, "accum_steps": 2}
+    # train.accum_steps is the least accumulation auto may choose, even where a batch of 64 would fit
+    assert resolved_batch(train_cfg, 64, 1, even=False) == {"batch_size": 32, "accum_steps": 2}
 
 
 def test_print_config_shows_the_batch_and_lr_the_launch_will_use(capsys, monkeypatch):
@@ -91,3 +93,30 @@ def test_an_epoch_that_leaves_images_out_says_so(images, batch, world, expected)
     data = build_data(cfg.data, batch, 0, DistInfo(0, world, 0, world, torch.device("cpu")))  # rank 0's loader
     note = dropped_images_note(data.train, world, 1, False)
     assert note == expected if expected is None else note[0] == expected[0] and note[1].startswith(expected[1])
+
+
+def test_weights_preprocessing_with_a_zero_std_is_not_used():
+    """A weights' pretrained_cfg std with a 0 would divide by zero at normalization: the default stays (a mean of 0
+    is fine)."""
+    from engine.checkpoint.weights import usable
+
+    assert not usable("std", [0.5, 0.0, 0.5]) and usable("std", [0.5, 0.25, 0.5])
+    assert usable("mean", [0.0, 0.0, 0.0])
+
+
+def test_the_keys_docs_outputs_md_says_a_continuation_may_change_are_continuation_keys():
+    """docs/outputs.md's list of what resume=auto lets a continued run change is the schema's continues=True."""
+    import re
+
+    from core.config import key_facts
+    from tests.helpers import REPO
+
+    text = (REPO / "docs" / "outputs.md").read_text()
+    paragraph = text[text.index("`resume=auto` continues only the folder's own run"):]
+    paragraph = paragraph[:paragraph.index("stops with one line")]
+    named = re.findall(r"`([a-z_]+\.[a-z_*]+)`", paragraph)
+    assert "data.num_workers" in named and "train.epochs" in named
+    facts = key_facts()
+    for name in named:
+        keys = [key for key in facts if key.startswith(name[:-1])] if name.endswith("*") else [name]
+        assert keys and all(facts[key].continues for key in keys), name

@@ -149,7 +149,9 @@ def test_logit_adjusted_loss_is_menon_et_als(smoothing, soft):
                          class_counts=counts, class_names=list("abcd"))
     expected = torch.nn.functional.cross_entropy(logits.double() + tau * prior.log(), targets.double() if soft
                                                  else targets, label_smoothing=smoothing)
+    before = logits.clone()
     assert torch.allclose(loss_fn(logits, targets).double(), expected, rtol=1e-6)
+    assert torch.equal(logits, before)  # the prior is never added in place: train_top1 scores the raw logits
     with pytest.raises(UserError, match="train.logit_adjustment: the training set has no images of class"):
         build_loss(TrainConfig(logit_adjustment=1.0), False, [3, 0, 1, 1], list("abcd"))
 

@@ -91,3 +91,19 @@ def test_bad_pipeline_file_is_one_line(case, tmp_path, capsys, monkeypatch):
     line = last_error(capsys, code)
     assert line.startswith(f"error: data.train_transform={file}: ") and expected in line, line
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+@pytest.mark.slow  # three short runs, one on 2 ranks
+def test_a_pipeline_file_trains_the_same_model_on_1_and_2_processes(tmp_path):
+    """Issue 49's acceptance for item 1: a pipeline file written by A.save trains alike on one process and on two
+    gloo ranks at the same global batch (fp32, a model without BatchNorm): its draws follow each sample's seed, not
+    the process that loads it."""
+    from tests.compare import assert_same_model
+    from tests.helpers import COMMON, NO_BN_MODEL, run_on_ranks
+
+    file = saved(tmp_path / "aug.yaml", A.Compose([A.RandomCrop(14, 14), A.Resize(16, 16), A.HorizontalFlip(p=0.5),
+                                                    A.RandomBrightnessContrast(p=0.8)]))
+    args = [*COMMON, NO_BN_MODEL, "data.augment=true", f"data.train_transform={file}"]
+    train_here(*args, "train.batch_size=12", f"output_dir={tmp_path}/one")
+    run_on_ranks("train.py", *args, "train.batch_size=6", f"output_dir={tmp_path}/two", nproc=2)
+    assert_same_model(tmp_path / "one", tmp_path / "two")
