@@ -91,3 +91,16 @@ def test_an_epoch_that_leaves_images_out_says_so(images, batch, world, expected)
     data = build_data(cfg.data, batch, 0, DistInfo(0, world, 0, world, torch.device("cpu")))  # rank 0's loader
     note = dropped_images_note(data.train, world, 1, False)
     assert note == expected if expected is None else note[0] == expected[0] and note[1].startswith(expected[1])
+
+
+def test_inference_computes_in_the_runs_eval_amp_not_its_training_amp():
+    """The precision rule of every reported number (issue 46, docs/correctness.md 4b), in the fast tier: a stored
+    config's training amp never reaches inference; its eval_amp does, fp32 for a run that predates the key."""
+    from engine.checkpoint.inference import for_inference
+
+    assert for_inference({"amp": "bf16", "eval_amp": "off"})["amp"] == "off"
+    assert for_inference({"amp": "auto"})["amp"] == "off"  # a run from before eval_amp validated in fp32
+    assert for_inference({"amp": "off", "eval_amp": "bf16"})["amp"] == "bf16"
+    stored = {"amp": "bf16"}
+    for_inference(stored)
+    assert stored == {"amp": "bf16"}  # a private copy: the checkpoint's own config is left as stored
