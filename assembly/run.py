@@ -2,14 +2,12 @@
 or fresh), its sinks, checkpointer and record, and the hooks that do each side effect, in their order."""
 
 from __future__ import annotations
-
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
-
 from assembly.parts import build_parts
 from assembly.start import build_start, load_teacher, resolve_start
 from core.config import Config, best_metric, global_batch, to_dict
@@ -19,9 +17,9 @@ from data.loader import DataBundle, full_epoch_images
 from data.pipeline import pipeline_copies
 from engine.checkpoint.run_dir import FolderLock, RunRecord
 from engine.checkpoint.saver import Checkpointer
-from engine.evaluation import validate_epoch, validation_precision
-from engine.hooks import (BestArtifact, CloseEpoch, Curves, EmaUpdate, EpochCheckpoint, EpochInputs, FinishSinks,
-                          Hook, RecordRow, SkippedImages, StepCheckpoint, Tracking)
+from engine.evaluation import ImageOutcomes, validate_epoch, validation_precision
+from engine.hooks import (BestArtifact, CloseEpoch, Curves, EmaUpdate, EpochCheckpoint, EpochInputs, FinishSinks, Hook,
+                          RecordRow, SkippedImages, StepCheckpoint, Tracking, ValidationErrors)
 from engine.precision import Precision, resolve_precision
 from engine.profiling import FOLDER as PROFILE_FOLDER, ProfileSteps
 from engine.speed import InputAdvice
@@ -51,15 +49,26 @@ class Run:
     record: RunRecord
     step_checkpoint: StepCheckpoint
     hooks: list[Hook] = field(default_factory=list)
+    outcomes: Any = None  # the last validation's per-image outcomes, on rank 0 (wants_outcomes)
     started: float = field(default_factory=time.monotonic)
 
     def validate(self) -> dict[str, float]:
-        """The epoch's validation columns, of the model and its EMA (the same numbers on every rank)."""
+        """The epoch's validation columns, of the model and its EMA (the same numbers on every rank); with
+        logging.wandb_errors, the model's per-image outcomes gathered to rank 0 for the ValidationErrors hook."""
         model = self.parts.model
         if is_fsdp(model):  # DDP broadcasts rank 0's buffers (BatchNorm statistics) at each forward; FSDP never
             broadcast_tensors(replicated_tensors(model))
-        return validate_epoch(model, self.ema.module if self.ema is not None else None, self.data.val, self.measured,
-                              self.info, self.loop.normalize, self.cfg.data)
+        outcomes = ImageOutcomes(self.data.val.sampler.start) if self.wants_outcomes() else None
+        row = validate_epoch(model, self.ema.module if self.ema is not None else None, self.data.val, self.measured,
+                             self.info, self.loop.normalize, self.cfg.data, outcomes)
+        self.outcomes = outcomes.gather(self.info.device) if outcomes is not None else None  # a collective
+        return row
+
+    def wants_outcomes(self) -> bool:
+        """Whether validation gathers each image's outcome: decided from the config alone, the same on every rank
+        (the gather is a collective)."""
+        logging = self.cfg.logging
+        return logging.wandb and logging.wandb_errors > 0 and not self.cfg.data.multi_label
 
     def save_now(self, state: TrainState) -> Path | None:
         """last.pth at this step, written (a stopped run's); every rank learns that it worked."""
@@ -137,6 +146,8 @@ def hooks_of(run: Run, model: Any, sinks: list) -> list[Hook]:
             RecordRow(run.record),
             Curves(run.record, run.chosen_on, info.is_main),  # drawn from the row just recorded
             Tracking(sinks, run.chosen_on, info.is_main),
+            ValidationErrors(run.tracker, lambda: run.outcomes, run.data.val.dataset, run.data.class_names,
+                             cfg.logging.wandb_errors),
             EpochCheckpoint(run.checkpointer, run.chosen_on),  # at the end: the last write is known to have worked
             BestArtifact(run.tracker, run.checkpointer, out / "best.pth", run.chosen_on, cfg.model.name),
             *profile,

@@ -349,6 +349,9 @@ class LoggingConfig:
     wandb_samples: int = key(0,
                              "W&B table of this many augmented training images when a training starts; 0 = none",
                              within=">= 0", continues=True)
+    wandb_errors: int = key(16,
+                            "W&B, each validation (single-label): a table of its this many worst images by loss (image, true and predicted class, confidence, loss) and its confusion matrix (up to 100 classes); 0 = neither",
+                            within=">= 0", continues=True)
     tensorboard: bool = key(False,
                             "also write TensorBoard event files to <output_dir>/tensorboard (rank 0)",
                             continues=True)

@@ -125,10 +125,35 @@ def exact_mean(values: list[torch.Tensor], device: torch.device) -> float:
     return mean.cpu().tolist()[0]  # one copy to the host at the end, as global_sums_with reads the sums
 
 
+class ImageOutcomes:
+    """Each validation image's (index in the validation set, true class, predicted class, confidence, loss), from
+    evaluate()'s on_batch hook, gathered to rank 0 in the global order (`gather`, a collective): what the per-
+    validation error analysis (the worst images, the confusion matrix) is drawn from. Kept on the device until
+    then: no host sync per batch."""
+
+    def __init__(self, start: int) -> None:
+        self.start, self.batches = start, []
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor, ranked: torch.Tensor) -> None:
+        confidence = logits.softmax(dim=1).gather(1, ranked[:, :1]).squeeze(1)
+        losses = nn.functional.cross_entropy(logits, targets, reduction="none")
+        self.batches.append(torch.stack([targets.double(), ranked[:, 0].double(), confidence.double(),
+                                         losses.double()], dim=1))
+
+    def gather(self, device: torch.device) -> np.ndarray | None:
+        """Rows [index, true, predicted, confidence, loss] of every rank's images, on rank 0 (None elsewhere)."""
+        local = torch.cat(self.batches) if self.batches else torch.zeros((0, 4), dtype=torch.float64, device=device)
+        indices = torch.arange(self.start, self.start + len(local), dtype=torch.float64, device=local.device)
+        whole = gather_rows(torch.cat([indices[:, None], local], dim=1))
+        return None if whole is None else whole.cpu().numpy()
+
+
 def validate_epoch(model: nn.Module, ema: nn.Module | None, loader: DataLoader, precision: Precision, info: DistInfo,
-                   normalize: Normalize, cfg: DataConfig) -> dict[str, float]:
-    """The epoch's validation columns: the model's metrics, and its EMA's prefixed `ema_`."""
-    row = validate(model, loader, precision, info, normalize, cfg)
+                   normalize: Normalize, cfg: DataConfig,
+                   outcomes: ImageOutcomes | None = None) -> dict[str, float]:
+    """The epoch's validation columns: the model's metrics, and its EMA's prefixed `ema_`; `outcomes` (single-
+    label) collects the model's per-image results."""
+    row = validate(model, loader, precision, info, normalize, cfg, outcomes)
     if ema is not None:
         like_rank0(ema)
         ema_stats = validate(ema, loader, precision, info, normalize, cfg)
@@ -144,11 +169,11 @@ def like_rank0(ema: nn.Module) -> None:
 
 
 def validate(model: nn.Module, loader: DataLoader, precision: Precision, info: DistInfo, normalize: Normalize,
-             cfg: DataConfig) -> dict[str, float]:
+             cfg: DataConfig, outcomes: ImageOutcomes | None = None) -> dict[str, float]:
     """The epoch's validation metrics: top-1/top-5, or mAP and F1 for multi-label data (evaluate_multilabel)."""
     if cfg.multi_label:
         return evaluate_multilabel(model, loader, precision, info, normalize, cfg.multi_label_threshold)
-    return evaluate(model, loader, precision, info, normalize)
+    return evaluate(model, loader, precision, info, normalize, on_batch=outcomes)
 
 
 

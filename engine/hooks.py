@@ -132,6 +132,20 @@ class Tracking(Hook):
             log.info(epoch_line(end.row))
 
 
+class ValidationErrors(Hook):
+    """logging.wandb_errors: each validation's worst images and confusion matrix in W&B, from the per-image
+    outcomes the run's validation gathered to rank 0 (`outcomes()`: None elsewhere, or when off)."""
+
+    def __init__(self, tracker: WandbTracker, outcomes: Any, dataset: Any, class_names: list[str], count: int) -> None:
+        self.tracker, self.outcomes, self.dataset = tracker, outcomes, dataset
+        self.class_names, self.count = class_names, count
+
+    def after_epoch(self, state: TrainState, end: EpochEnd) -> None:
+        found = self.outcomes()
+        if found is not None:
+            self.tracker.log_errors(state.global_step, found, self.dataset, self.class_names, self.count)
+
+
 class FinishSinks(Hook):
     """Last of all at the end of a run, once its last checkpoint write is known to have worked: the W&B run and the
     TensorBoard writer are closed."""

@@ -32,6 +32,7 @@ from core.config import LoggingConfig
 from core.startup import sweep_run_id
 
 log = logging.getLogger(__name__)
+CONFUSION_CLASSES = 100  # classes up to which each validation logs W&B's confusion matrix chart
 
 INIT_TIMEOUT_S = 90.0  # wandb.init gives up after this (network down) instead of hanging the job
 FINISH_TIMEOUT_S = 600.0  # the end-of-run upload gives up after this; `wandb sync` uploads the rest later
@@ -163,6 +164,29 @@ class WandbTracker(Sink):
                     rows.append([index, wandb.Image(image.permute(1, 2, 0).numpy()), label, dataset.classes[label]])
             table = wandb.Table(columns=["index", "image", "label", "class"], data=rows)
             self.run.log({"train_samples": table}, step=step)
+
+    def log_errors(self, step: int, outcomes: np.ndarray, dataset: Any, class_names: list[str], count: int) -> None:
+        """A validation's error analysis (logging.wandb_errors): its `count` worst images by loss as a table of
+        typed cells (the image as the model got it, before normalization; true and predicted class; confidence
+        and loss as numbers) and, up to CONFUSION_CLASSES classes, W&B's confusion matrix of every image.
+        `outcomes`: rows [index, true, predicted, confidence, loss] of the whole validation set (rank 0's)."""
+        if not (self.active and count > 0 and len(outcomes)):
+            return
+        with self._guard("logging the validation errors"):
+            import wandb
+
+            rows = []
+            for index, true, pred, confidence, loss in outcomes[np.argsort(-outcomes[:, 4], kind="stable")[:count]]:
+                image = dataset[int(index)][0]  # evaluation's own deterministic pipeline
+                rows.append([int(index), wandb.Image(image.permute(1, 2, 0).numpy()), class_names[int(true)],
+                             class_names[int(pred)], float(confidence), float(loss)])
+            logged = {"val/worst": wandb.Table(columns=["index", "image", "true", "predicted", "confidence", "loss"],
+                                               data=rows)}
+            if len(class_names) <= CONFUSION_CLASSES:
+                logged["val/confusion"] = wandb.plot.confusion_matrix(
+                    y_true=outcomes[:, 1].astype(int).tolist(), preds=outcomes[:, 2].astype(int).tolist(),
+                    class_names=list(class_names), title="validation confusion matrix")
+            self.run.log(logged, step=step)
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         """One history row at the global optimizer `step` (rows logged at the same step merge)."""

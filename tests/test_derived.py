@@ -120,3 +120,16 @@ def test_the_keys_docs_outputs_md_says_a_continuation_may_change_are_continuatio
     for name in named:
         keys = [key for key in facts if key.startswith(name[:-1])] if name.endswith("*") else [name]
         assert keys and all(facts[key].continues for key in keys), name
+
+
+def test_inference_computes_in_the_runs_eval_amp_not_its_training_amp():
+    """The precision rule of every reported number (issue 46, docs/correctness.md 4b), in the fast tier: a stored
+    config's training amp never reaches inference; its eval_amp does, fp32 for a run that predates the key."""
+    from engine.checkpoint.inference import for_inference
+
+    assert for_inference({"amp": "bf16", "eval_amp": "off"})["amp"] == "off"
+    assert for_inference({"amp": "auto"})["amp"] == "off"  # a run from before eval_amp validated in fp32
+    assert for_inference({"amp": "off", "eval_amp": "bf16"})["amp"] == "bf16"
+    stored = {"amp": "bf16"}
+    for_inference(stored)
+    assert stored == {"amp": "bf16"}  # a private copy: the checkpoint's own config is left as stored

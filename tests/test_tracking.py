@@ -317,7 +317,8 @@ def tracked(tmp_path_factory) -> tuple[Path, Path]:
     (root / "wandb").mkdir()
     # seed 3: val_top1 32.4, 29.7, 45.9 (a best, a worse epoch, a best), so both sides of "a new best" are seen
     run_script("train.py", *SMALL, f"output_dir={out}", "train.epochs=3", "seed=3", "logging.wandb=true",
-               "logging.wandb_log_checkpoints=true", "logging.wandb_samples=5", "logging.tensorboard=true", env=env)
+               "logging.wandb_log_checkpoints=true", "logging.wandb_samples=5", "logging.tensorboard=true",
+               "logging.wandb_errors=3", env=env)
     return out, root
 
 
@@ -381,6 +382,40 @@ def test_sample_table_holds_the_augmented_images_the_model_is_fed(tracked):
         png = cv2.imread(str(files[image["path"]]), cv2.IMREAD_UNCHANGED)
         assert (png[..., ::-1] == expected.permute(1, 2, 0).numpy()).all()  # PNG is lossless; cv2 reads BGR
         assert (label, name) == (expected_label, train_set.classes[expected_label])
+
+
+@pytest.mark.slow
+def test_each_validation_logs_its_worst_images_and_confusion_matrix(tracked):
+    """Issue 48: each validation's logging.wandb_errors=3 worst images by loss, read back from the offline run's
+    files: typed cells (an image, class names, numbers), at most 3 rows, worst first, the images evaluation's own;
+    and W&B's confusion matrix of every validation image."""
+    from core.config_load import load_config
+    from data.loader import build_datasets
+
+    out, root = tracked
+    [path] = find_runs(root / "wandb")
+    run = read_run(path)
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert len(run.values("val/worst")) == len(rows) == len(run.values("val/confusion_table"))  # one per validation
+    cfg = load_config(str(out / "config.yaml"))
+    _, val_set = build_datasets(cfg.data, seed=cfg.seed)
+    import cv2
+
+    for artifact in [a for a in run.artifacts if a.name.startswith(f"run-{run.run_id}-valworst")]:
+        files = staged_files(artifact)
+        [name] = [n for n in files if n.endswith(".table.json")]
+        table = json.loads(files[name].read_text())
+        assert table["columns"] == ["index", "image", "true", "predicted", "confidence", "loss"]
+        assert 0 < len(table["data"]) <= 3
+        losses = [row[5] for row in table["data"]]
+        assert losses == sorted(losses, reverse=True)
+        for index, image, true, predicted, confidence, loss in table["data"]:
+            assert (type(index), image["_type"], type(true), type(predicted), type(confidence), type(loss)) == \
+                (int, "image-file", str, str, float, float)
+            expected, label = val_set[index]
+            png = cv2.imread(str(files[image["path"]]), cv2.IMREAD_UNCHANGED)
+            assert (png[..., ::-1] == expected.permute(1, 2, 0).numpy()).all() and true == val_set.classes[label]
+    assert len([a for a in run.artifacts if a.name.startswith(f"run-{run.run_id}-valworst")]) >= 1
 
 
 @pytest.mark.slow
