@@ -552,3 +552,36 @@ def test_resumed_optimizer_state_takes_each_parameters_memory_format():
         resumed_optimizer.step()
         results.append([p.detach() for p in resumed.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def sharded_from_different_weights(rank: int, world: int) -> dict:
+    """test_resnet and its EMA drawn with another seed on each rank (as caches at other revisions would load), then
+    sharded by shard_for_training over all ranks (fsdp) and as HSDP 2 x 1: each start, gathered whole."""
+    from models.ema import create_ema
+    from models.parallel import shard_for_training
+
+    found = {}
+    for name, shard_size in (("fsdp", 0), ("hsdp", 1)):
+        torch.manual_seed(rank)
+        model = timm.create_model("test_resnet", num_classes=3)
+        ema = create_ema(model, 0.5)
+        found[f"{name} own"] = {k: v.clone() for k, v in model.state_dict().items()}
+        shard_for_training(model, ema.module, None, world, shard_size)
+        for label, module in ((name, model), (f"{name} ema", ema.module)):
+            found[label] = {k: v.full_tensor() if isinstance(v, DTensor) else v
+                            for k, v in module.state_dict().items()}
+    return found
+
+
+def test_sharded_ranks_start_from_rank_0s_weights_whatever_each_loaded(tmp_path):
+    """Issue 51 item 1: ranks that loaded different weights trained a mix of them (each kept its own slice of every
+    tensor); every shard, BatchNorm statistics included, is now rank 0's, under fsdp and HSDP, for the EMA too."""
+    ranks = run_ranks(sharded_from_different_weights, 2, tmp_path)
+    for name in ("fsdp", "hsdp"):
+        rank0 = ranks[0][f"{name} own"]
+        assert differing_tensors(rank0, ranks[1][f"{name} own"])  # the ranks did load different weights
+        for found in ranks:
+            for label in (name, f"{name} ema"):
+                assert found[label].keys() == rank0.keys()
+                for key, value in rank0.items():
+                    assert torch.equal(found[label][key], value), (label, key)
