@@ -33,7 +33,10 @@ HUB_PREFIX = "hf-hub:"  # timm's prefix for a Hugging Face Hub repository id
 def check_model_name(name: str, key: str = "model.name") -> None:
     """Fail fast, with close timm names, instead of timm's long traceback."""
     if name.startswith(HUB_PREFIX):
-        return  # timm reads the architecture from the repository's config.json
+        return  # timm reads the architecture from the repository's config.json (check_hub_config)
+    if local := local_path_of(name):
+        raise UserError(f"{key}={name} names local weights, not a timm model; set model.init_from={local} (with "
+                        f"model.pretrained=false) and {key} to the timm architecture they are for")
     if "/" in name:  # timm's own rule: a repository id needs its prefix
         raise UserError(f"{key} {name!r} looks like a Hugging Face Hub id; write {key}={HUB_PREFIX}{name}")
     arch = name.split(".")[0]  # "resnet50.a1_in1k" names a pretrained tag of "resnet50"
@@ -43,6 +46,16 @@ def check_model_name(name: str, key: str = "model.name") -> None:
     close = difflib.get_close_matches(arch, known, n=5, cutoff=0.6) or timm.list_models(f"*{arch[:5]}*")[:5]
     hint = f"; did you mean: {', '.join(close)}?" if close else "; see timm.list_models()"
     raise UserError(f"unknown {key} {name!r}{hint}")
+
+
+def local_path_of(name: str) -> str | None:
+    """The file or folder a model.name names when it is a local path (timm's local-dir: prefix, an absolute or
+    relative path, a weights file), else None: those are model.init_from's, not a Hub id."""
+    if name.startswith("local-dir:"):
+        return name[len("local-dir:"):]
+    if name.startswith(("/", "./", "../", "~")) or name.endswith((".safetensors", ".pth", ".pt", ".bin")):
+        return name
+    return name if "/" in name and Path(name).exists() else None
 
 
 def create_model(cfg: ModelConfig, num_classes: int, weights: dict[str, torch.Tensor] | None = None,

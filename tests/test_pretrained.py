@@ -99,6 +99,12 @@ def test_a_damaged_cached_weights_file_is_one_line_naming_it(damage, cached, tmp
     ([f"model.name={TAG}", "model.pretrained=true", "model.init_from=w.pth"],
      "model.pretrained=true and model.init_from=w.pth both name the weights to start from"),
     (["model.name=test_resnet.nope", "model.pretrained=true"], "Invalid pretrained tag (nope) for test_resnet"),
+    # issue 51 item 14: a local path was sent to the Hub (`write model.name=hf-hub:/w/model.safetensors`)
+    (["model.name=/w/model.safetensors", "model.pretrained=true"],
+     "model.name=/w/model.safetensors names local weights, not a timm model; set "
+     "model.init_from=/w/model.safetensors (with model.pretrained=false) and model.name to the timm architecture"),
+    (["model.name=local-dir:/w", "model.pretrained=true"], "names local weights, not a timm model; set "
+                                                           "model.init_from=/w (with model.pretrained=false)"),
 ])
 def test_a_pretrained_name_without_model_pretrained_is_one_line(args, expected, tmp_path, capsys, monkeypatch):
     check_one_line(args, expected, tmp_path, tmp_path, capsys, monkeypatch)
