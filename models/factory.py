@@ -70,28 +70,9 @@ def create_model(cfg: ModelConfig, num_classes: int, weights: dict[str, torch.Te
     kwargs.update(cfg.kwargs)
     if weights:  # never empty: timm would fall back to its hub or URL
         kwargs["pretrained_cfg_overlay"] = local_pretrained_cfg(cfg.name, weights)
-    # timm's per-key lines about the load and its hub's file choice: check_pretrained / train.py report the load
-    quieted = {name: logging.getLogger(name).level for name in ("timm.models._builder", "timm.models._hub")}
-    for name in quieted:
-        logging.getLogger(name).setLevel(logging.ERROR)
-    try:
-        model = timm.create_model(cfg.name, pretrained=bool(weights) or from_hub, **kwargs)
-    except TypeError as err:  # e.g. drop_path_rate on a model without stochastic depth
-        raise UserError(f"model {cfg.name!r} rejected its options ({err}); remove them from the model section") from None
-    except (OSError, EntryNotFoundError) as err:  # the Hub or its cache: from_hub, or an hf-hub: name's config.json
-        if not (from_hub or cfg.name.startswith(HUB_PREFIX)):
-            raise
-        raise hub_error(cfg.name, err) from None
-    except SafetensorError as err:  # the cache's model.safetensors cut short, empty or not one (from_hub)
-        if not from_hub:
-            raise
-        raise damaged_cache_error(cfg.name, err) from None
-    except RuntimeError as err:  # load_state_dict: a tensor timm cannot adapt (another architecture's)
-        raise UserError(f"{source} does not fit model {cfg.name} ({load_error_summary(str(err))}); is it a "
-                        "checkpoint of model.name?") from None
-    finally:
-        for name, level in quieted.items():
-            logging.getLogger(name).setLevel(level)
+    model, missing = timm_create(cfg.name, bool(weights) or from_hub, from_hub, source, kwargs)
+    if from_hub:
+        check_hub_load(model, cfg.name, missing)
     if not (weights or from_hub):
         fresh_init(model, cfg)
     elif cfg.head_init_std > 0 and not classifier_was_loaded(model, num_classes, weights, cfg.name):
@@ -106,6 +87,66 @@ def create_model(cfg: ModelConfig, num_classes: int, weights: dict[str, torch.Te
             raise UserError(f"model {cfg.name!r} does not support gradient checkpointing ({err or 'timm says no'}); "
                             "set model.grad_checkpointing=false") from None
     return model
+
+
+class MissingKeys(logging.Handler):
+    """Collects the tensors timm's pretrained load left at their init: timm loads non-strictly when the class count
+    changes and says which keys were missing only in a log line (load_pretrained's "Missing keys (...)")."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.keys: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if match := re.match(r"Missing keys \((.*)\) discovered", record.getMessage()):
+            self.keys += [key for key in match.group(1).split(", ") if key]
+
+
+def timm_create(name: str, pretrained: bool, from_hub: bool, source: str,
+                kwargs: dict[str, Any]) -> tuple[nn.Module, list[str]]:
+    """timm.create_model with its errors as one line each, and the keys its pretrained load left missing; timm's
+    per-key lines about the load and its hub's file choice stay quiet (check_pretrained / train.py report the load)."""
+    builder, hub = logging.getLogger("timm.models._builder"), logging.getLogger("timm.models._hub")
+    saved = (builder.level, builder.propagate, hub.level)
+    missing = MissingKeys()
+    builder.addHandler(missing)
+    builder.setLevel(logging.INFO)  # its missing keys, to `missing` only
+    builder.propagate = False
+    hub.setLevel(logging.ERROR)
+    try:
+        return timm.create_model(name, pretrained=pretrained, **kwargs), missing.keys
+    except TypeError as err:  # e.g. drop_path_rate on a model without stochastic depth
+        raise UserError(f"model {name!r} rejected its options ({err}); remove them from the model section") from None
+    except (OSError, EntryNotFoundError) as err:  # the Hub or its cache: from_hub, or an hf-hub: name's config.json
+        if not (from_hub or name.startswith(HUB_PREFIX)):
+            raise
+        raise hub_error(name, err) from None
+    except SafetensorError as err:  # the cache's model.safetensors cut short, empty or not one (from_hub)
+        if not from_hub:
+            raise
+        raise damaged_cache_error(name, err) from None
+    except RuntimeError as err:  # load_state_dict: a tensor timm cannot adapt (another architecture's)
+        raise UserError(f"{source} does not fit model {name} "
+                        f"({load_error_summary(str(err))}); is it a checkpoint of model.name?") from None
+    finally:
+        builder.removeHandler(missing)
+        builder.setLevel(saved[0])
+        builder.propagate = saved[1]
+        hub.setLevel(saved[2])
+
+
+def check_hub_load(model: nn.Module, name: str, missing: list[str]) -> None:
+    """timm's weights of `name` left only the classifier at its init (re-made for another class count): any other
+    missing tensor would train from random values, silently."""
+    heads = (getattr(model, "pretrained_cfg", None) or {}).get("classifier") or ()
+    heads = (heads,) if isinstance(heads, str) else tuple(heads)
+    random = [key for key in missing if key.rpartition(".")[0] not in heads]
+    if random:
+        more = f", ... ({len(random)} in all)" if len(random) > 3 else ""
+        raise UserError(f"model.name={name}: the pretrained weights {cached_weights(name)} lack "
+                        f"{', '.join(random[:3])}{more}, which would train from random values (only the classifier "
+                        f"may be missing); fetch the weights again (remove {hub_cache_folder(name)}) or choose "
+                        "other weights")
 
 
 def fresh_init(model: nn.Module, cfg: ModelConfig) -> None:
@@ -246,17 +287,34 @@ def hub_error(name: str, err: Exception) -> UserError:
                      "model.name (model.init_from takes local weights, with model.pretrained=false)")
 
 
+def hub_repo(name: str) -> str:
+    """The Hub repository (no @revision) that holds timm's weights of `name`, "" for weights from a URL."""
+    default = None if name.startswith(HUB_PREFIX) else timm.models.get_pretrained_cfg(name)
+    return (name[len(HUB_PREFIX):] if default is None else default.hf_hub_id or "").partition("@")[0]
+
+
+def cached_weights(name: str) -> str:
+    """The cached file timm's weights of `name` were read from (what an error names), else a description of it."""
+    repo = hub_repo(name)
+    for file in HUB_WEIGHT_FILES:
+        cached = try_to_load_from_cache(repo, file) if repo else None
+        if isinstance(cached, str):
+            return cached
+    return f"model.safetensors of {repo or name}"
+
+
+def hub_cache_folder(name: str) -> Path:
+    """The Hugging Face cache's folder of the repository holding `name`'s weights (removing it fetches afresh)."""
+    return Path(hub_constants.HF_HUB_CACHE) / f"models--{hub_repo(name).replace('/', '--')}"
+
+
 def damaged_cache_error(name: str, err: Exception) -> UserError:
     """The cached weights file of `name` cannot be read as safetensors (a cut download, a disk error): one line naming
     the file and how to fetch it again (removing the repository's cache folder; the blob would be re-linked else)."""
-    default = None if name.startswith(HUB_PREFIX) else timm.models.get_pretrained_cfg(name)
-    repo = (name[len(HUB_PREFIX):] if default is None else default.hf_hub_id or "").partition("@")[0]
-    cached = try_to_load_from_cache(repo, "model.safetensors") if repo else None
-    file = cached if isinstance(cached, str) else f"model.safetensors of {repo or name}"
-    folder = Path(hub_constants.HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}"
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return UserError(f"model.name={name}: the Hugging Face cache's copy of its weights, {file}, is damaged ({first}); "
-                     f"remove {folder} and run again where the Hub can be reached to download it afresh")
+    return UserError(f"model.name={name}: the Hugging Face cache's copy of its weights, {cached_weights(name)}, is "
+                     f"damaged ({first}); remove {hub_cache_folder(name)} and run again where the Hub can be reached "
+                     "to download it afresh")
 
 
 def load_error_summary(message: str) -> str:

@@ -159,3 +159,29 @@ def test_the_first_pages_own_photos_commands_train_and_predict(cached, tmp_path)
     assert report_errors(predict.main, [str(out / "best.pth"), str(root / "val"), "--output-dir",
                                         str(tmp_path / "pred")]) == 0
     assert len((tmp_path / "pred" / "predictions.csv").read_text().splitlines()) == 1 + 4
+
+
+def rewrite_cached_weights(repo: Path, edit) -> Path:
+    """The cached model.safetensors of `repo` rewritten with edit(state dict) applied; the file."""
+    from safetensors.torch import load_file, save_file
+
+    (file,) = repo.glob("snapshots/*/model.safetensors")
+    state = load_file(file)
+    edit(state)
+    save_file(state, file, metadata={"format": "pt"})
+    return file
+
+
+def test_a_tensor_missing_from_the_cached_weights_is_refused_unless_it_is_the_classifier(cached, tmp_path, capsys):
+    """Issue 51 item 2: timm loads non-strictly when the class count changes, so a cache lacking conv1.0.weight
+    trained a random stem with exit 0 (model.init_from refused the same file)."""
+    _, repo = cached
+    file = rewrite_cached_weights(repo, lambda state: state.pop("conv1.0.weight"))
+    line = last_error(capsys, report_errors(train.main, [*PRETRAINED, f"output_dir={tmp_path / 'r'}", "--dry-run"]))
+    assert line == (f"error: model.name={TAG}: the pretrained weights {file} lack conv1.0.weight, which would train "
+                    f"from random values (only the classifier may be missing); fetch the weights again (remove {repo}) "
+                    "or choose other weights"), line
+    rewrite_cached_weights(repo, lambda state: [state.pop("conv1.0.weight", None), state.pop("fc.weight"),
+                                                state.pop("fc.bias")])
+    line = last_error(capsys, report_errors(train.main, [*PRETRAINED, f"output_dir={tmp_path / 'r'}", "--dry-run"]))
+    assert "lack conv1.0.weight, which" in line, line  # the classifier is not named: it may be missing
