@@ -8,6 +8,7 @@ HF_HUB_OFFLINE honoured); every other build (evaluate, predict, export, resume) 
 from __future__ import annotations
 
 import difflib
+import json
 import logging
 import re
 from pathlib import Path
@@ -33,7 +34,8 @@ HUB_PREFIX = "hf-hub:"  # timm's prefix for a Hugging Face Hub repository id
 def check_model_name(name: str, key: str = "model.name") -> None:
     """Fail fast, with close timm names, instead of timm's long traceback."""
     if name.startswith(HUB_PREFIX):
-        return  # timm reads the architecture from the repository's config.json (check_hub_config)
+        check_hub_config(name, key)  # timm reads the architecture from the repository's config.json
+        return
     if local := local_path_of(name):
         raise UserError(f"{key}={name} names local weights, not a timm model; set model.init_from={local} (with "
                         f"model.pretrained=false) and {key} to the timm architecture they are for")
@@ -47,6 +49,34 @@ def check_model_name(name: str, key: str = "model.name") -> None:
     hint = f"; did you mean: {', '.join(close)}?" if close else "; see timm.list_models()"
     raise UserError(f"unknown {key} {name!r}{hint}")
 
+
+
+def hub_config_file(name: str, key: str = "model.name") -> str:
+    """The cached config.json of the hf-hub: repository `name` (fetched into the cache as timm does)."""
+    try:
+        return timm.models._hub.download_from_hf(name[len(HUB_PREFIX):], "config.json")
+    except (OSError, EntryNotFoundError, ValueError) as err:
+        raise hub_error(name, err) from None
+
+
+def check_hub_config(name: str, key: str = "model.name") -> None:
+    """The repository's config.json names one architecture timm knows (timm raised KeyError, AttributeError or
+    'Unknown model' otherwise): one line naming the file."""
+    file = hub_config_file(name, key)
+    try:
+        arch = json.loads(Path(file).read_text(encoding="utf-8")).get("architecture")
+    except (OSError, ValueError, AttributeError) as err:
+        raise UserError(f"{key}={name}: {file} is not a timm config.json ({err}); check {key}") from None
+    if arch is None:
+        why = "has no 'architecture' (the timm model its weights are for)"
+    elif not isinstance(arch, str):
+        why = f"gives 'architecture' as {type(arch).__name__} {arch!r}, not one timm model name"
+    elif not timm.is_model(arch):
+        why = f"names architecture {arch!r}, which timm {timm.__version__} does not know"
+    else:
+        return
+    raise UserError(f"{key}={name}: the repository's {file} {why}; check {key}, or fix that file (timm's "
+                    "push_to_hf_hub writes it)")
 
 def local_path_of(name: str) -> str | None:
     """The file or folder a model.name names when it is a local path (timm's local-dir: prefix, an absolute or
@@ -117,6 +147,12 @@ def timm_create(name: str, pretrained: bool, from_hub: bool, source: str,
         return timm.create_model(name, pretrained=pretrained, **kwargs), missing.keys
     except TypeError as err:  # e.g. drop_path_rate on a model without stochastic depth
         raise UserError(f"model {name!r} rejected its options ({err}); remove them from the model section") from None
+    except AttributeError as err:  # an hf-hub config.json whose first_conv names no module of its architecture
+        if not (from_hub and name.startswith(HUB_PREFIX)):
+            raise
+        raise UserError(f"model.name={name}: timm cannot load {cached_weights(name)} into the architecture the "
+                        f"repository's {hub_config_file(name)} names ({err}); that file describes other weights "
+                        "(architecture, pretrained_cfg.first_conv): check model.name, or fix the file") from None
     except (OSError, EntryNotFoundError) as err:  # the Hub or its cache: from_hub, or an hf-hub: name's config.json
         if not (from_hub or name.startswith(HUB_PREFIX)):
             raise

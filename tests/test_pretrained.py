@@ -185,3 +185,39 @@ def test_a_tensor_missing_from_the_cached_weights_is_refused_unless_it_is_the_cl
                                                 state.pop("fc.bias")])
     line = last_error(capsys, report_errors(train.main, [*PRETRAINED, f"output_dir={tmp_path / 'r'}", "--dry-run"]))
     assert "lack conv1.0.weight, which" in line, line  # the classifier is not named: it may be missing
+
+
+HUB_NAME = f"hf-hub:timm/{TAG}"  # the cached repository by its Hub id: timm reads its config.json
+
+
+def hub_config_error(repo: Path, edit, tmp_path: Path, capsys, *extra: str) -> tuple[str, Path]:
+    """The one line a dry run from HUB_NAME gives once edit(config) has changed the cached config.json; the file."""
+    import json
+
+    (file,) = repo.glob("snapshots/*/config.json")
+    config = json.loads(file.read_text())
+    edit(config)
+    file.write_text(json.dumps(config))
+    argv = [*PRETRAINED, f"model.name={HUB_NAME}", f"output_dir={tmp_path / 'r'}", "--dry-run", *extra]
+    return last_error(capsys, report_errors(train.main, argv)), file
+
+
+@pytest.mark.parametrize("edit, why", [
+    (lambda c: c.pop("architecture"), "has no 'architecture' (the timm model its weights are for)"),  # KeyError
+    (lambda c: c.update(architecture=["test_resnet"]),  # AttributeError: 'list' object has no attribute 'split'
+     "gives 'architecture' as list ['test_resnet'], not one timm model name"),
+])
+def test_a_hub_config_without_one_architecture_is_one_line_naming_the_file(edit, why, cached, tmp_path, capsys):
+    """Issue 51 item 10: tracebacks from timm's reading of the repository's config.json."""
+    line, file = hub_config_error(cached[1], edit, tmp_path, capsys)
+    assert line == f"error: model.name={HUB_NAME}: the repository's {file} {why}; check model.name, or fix that file " \
+                   "(timm's push_to_hf_hub writes it)", line
+
+
+def test_a_hub_config_whose_first_conv_misses_its_architecture_is_one_line(cached, tmp_path, capsys):
+    """Issue 51 item 10: resnet18's stem is one Conv2d, the config's first_conv (conv1.0) test_resnet's deep stem:
+    `AttributeError: Conv2d has no attribute '0'` from timm's input-conv adaptation."""
+    line, file = hub_config_error(cached[1], lambda c: c.update(architecture="resnet18"), tmp_path, capsys)
+    (weights,) = cached[1].glob("snapshots/*/model.safetensors")
+    assert line.startswith(f"error: model.name={HUB_NAME}: timm cannot load {weights} into the architecture the "
+                           f"repository's {file} names (") and "check model.name, or fix the file" in line, line
