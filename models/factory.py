@@ -162,7 +162,7 @@ def timm_create(name: str, pretrained: bool, from_hub: bool, source: str,
             raise
         raise damaged_cache_error(name, err) from None
     except RuntimeError as err:  # load_state_dict: a tensor timm cannot adapt (another architecture's)
-        raise UserError(f"{source} does not fit model {name} "
+        raise UserError(f"{source or cached_weights(name)} does not fit model {name} "
                         f"({load_error_summary(str(err))}); is it a checkpoint of model.name?") from None
     finally:
         builder.removeHandler(missing)

@@ -221,3 +221,13 @@ def test_a_hub_config_whose_first_conv_misses_its_architecture_is_one_line(cache
     (weights,) = cached[1].glob("snapshots/*/model.safetensors")
     assert line.startswith(f"error: model.name={HUB_NAME}: timm cannot load {weights} into the architecture the "
                            f"repository's {file} names (") and "check model.name, or fix the file" in line, line
+
+
+def test_hub_load_errors_name_their_source(cached, tmp_path, capsys):
+    """Issue 51 item 13: `error:  does not fit model ...` (an empty source) and `(Unknown model (nonexistent_net))`."""
+    line, file = hub_config_error(cached[1], lambda c: c.update(architecture="nonexistent_net"), tmp_path, capsys)
+    assert f"the repository's {file} names architecture 'nonexistent_net', which timm" in line, line
+    weights = rewrite_cached_weights(cached[1], lambda state: state.update({"conv1.0.weight": torch.zeros(8, 3, 3, 3)}))
+    line = last_error(capsys, report_errors(train.main, [*PRETRAINED, f"output_dir={tmp_path / 'r'}", "--dry-run"]))
+    assert line.startswith(f"error: {weights} does not fit model {TAG} (shape differs: conv1.0.weight: file [8, 3, 3, "
+                           "3] vs model [16, 3, 3, 3]"), line
