@@ -146,6 +146,11 @@ def timm_create(name: str, pretrained: bool, from_hub: bool, source: str,
     try:
         return timm.create_model(name, pretrained=pretrained, **kwargs), missing.keys
     except TypeError as err:  # e.g. drop_path_rate on a model without stochastic depth
+        option = re.search(r"keyword argument '(\w+)'", str(err))
+        if name.startswith(HUB_PREFIX) and option and option.group(1) not in kwargs:  # the repository's model_args
+            raise UserError(f"model.name={name}: the repository's {hub_config_file(name)} gives model_args its "
+                            f"architecture rejects ({err}); the option is in that file, not in your config: fix "
+                            "the file or choose another repository") from None
         raise UserError(f"model {name!r} rejected its options ({err}); remove them from the model section") from None
     except AttributeError as err:  # an hf-hub config.json whose first_conv names no module of its architecture
         if not (from_hub and name.startswith(HUB_PREFIX)):

@@ -231,3 +231,13 @@ def test_hub_load_errors_name_their_source(cached, tmp_path, capsys):
     line = last_error(capsys, report_errors(train.main, [*PRETRAINED, f"output_dir={tmp_path / 'r'}", "--dry-run"]))
     assert line.startswith(f"error: {weights} does not fit model {TAG} (shape differs: conv1.0.weight: file [8, 3, 3, "
                            "3] vs model [16, 3, 3, 3]"), line
+
+
+def test_unknown_model_args_in_a_hub_config_point_at_that_file(cached, tmp_path, capsys):
+    """Issue 51 item 15: said `remove them from the model section`, where the option is in the repository's file;
+    an option of the user's own model section is still sent there."""
+    line, file = hub_config_error(cached[1], lambda c: c.update(model_args={"bogus": 1}), tmp_path, capsys)
+    assert line.startswith(f"error: model.name={HUB_NAME}: the repository's {file} gives model_args its architecture "
+                           "rejects (") and "the option is in that file, not in your config" in line, line
+    line, _ = hub_config_error(cached[1], lambda c: c.pop("model_args"), tmp_path, capsys, "model.kwargs.mine=1")
+    assert "'mine'); remove them from the model section" in line, line
