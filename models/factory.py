@@ -161,6 +161,10 @@ def timm_create(name: str, pretrained: bool, from_hub: bool, source: str,
     except (OSError, EntryNotFoundError) as err:  # the Hub or its cache: from_hub, or an hf-hub: name's config.json
         if not (from_hub or name.startswith(HUB_PREFIX)):
             raise
+        if from_hub and (folder := weights_folder(name)):
+            raise UserError(f"model.name={name}: the Hugging Face cache holds a folder, {folder}, where its weights "
+                            f"file belongs; remove {hub_cache_folder(name)} and run again where the Hub can be "
+                            "reached to download it afresh") from None
         raise hub_error(name, err) from None
     except SafetensorError as err:  # the cache's model.safetensors cut short, empty or not one (from_hub)
         if not from_hub:
@@ -328,10 +332,11 @@ def hub_error(name: str, err: Exception) -> UserError:
                      "model.name (model.init_from takes local weights, with model.pretrained=false)")
 
 
-def hub_repo(name: str) -> str:
-    """The Hub repository (no @revision) that holds timm's weights of `name`, "" for weights from a URL."""
+def hub_repo(name: str, keep_revision: bool = False) -> str:
+    """The Hub repository (no @revision unless kept) that holds timm's weights of `name`, "" for weights from a URL."""
     default = None if name.startswith(HUB_PREFIX) else timm.models.get_pretrained_cfg(name)
-    return (name[len(HUB_PREFIX):] if default is None else default.hf_hub_id or "").partition("@")[0]
+    repo = name[len(HUB_PREFIX):] if default is None else default.hf_hub_id or ""
+    return repo if keep_revision else repo.partition("@")[0]
 
 
 def cached_weights(name: str) -> str:
@@ -348,6 +353,16 @@ def hub_cache_folder(name: str) -> Path:
     """The Hugging Face cache's folder of the repository holding `name`'s weights (removing it fetches afresh)."""
     return Path(hub_constants.HF_HUB_CACHE) / f"models--{hub_repo(name).replace('/', '--')}"
 
+
+
+def weights_folder(name: str) -> Path | None:
+    """A folder where the cache's snapshot of `name` should hold its weights file (safetensors then fails with
+    `No such device`), else None."""
+    folder = hub_cache_folder(name)
+    revision = hub_repo(name, keep_revision=True).partition("@")[2]
+    ref = folder / "refs" / (revision or "main")
+    snapshot = folder / "snapshots" / (ref.read_text().strip() if ref.is_file() else revision or "main")
+    return next((snapshot / file for file in HUB_WEIGHT_FILES if (snapshot / file).is_dir()), None)
 
 def damaged_cache_error(name: str, err: Exception) -> UserError:
     """The cached weights file of `name` cannot be read as safetensors (a cut download, a disk error): one line naming

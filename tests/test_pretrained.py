@@ -241,3 +241,14 @@ def test_unknown_model_args_in_a_hub_config_point_at_that_file(cached, tmp_path,
                            "rejects (") and "the option is in that file, not in your config" in line, line
     line, _ = hub_config_error(cached[1], lambda c: c.pop("model_args"), tmp_path, capsys, "model.kwargs.mine=1")
     assert "'mine'); remove them from the model section" in line, line
+
+
+def test_a_folder_in_place_of_the_cached_weights_file_is_one_line(cached, tmp_path, capsys):
+    """Issue 51 item 18: said `No such device (os error 19); check model.name`."""
+    _, repo = cached
+    (file,) = repo.glob("snapshots/*/model.safetensors")
+    file.unlink()
+    file.mkdir()
+    line = last_error(capsys, report_errors(train.main, [*PRETRAINED, f"output_dir={tmp_path / 'r'}", "--dry-run"]))
+    assert line == (f"error: model.name={TAG}: the Hugging Face cache holds a folder, {file}, where its weights file "
+                    f"belongs; remove {repo} and run again where the Hub can be reached to download it afresh"), line
