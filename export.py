@@ -48,8 +48,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--atol", type=float, default=1e-4, help="largest allowed |logit difference| (default 1e-4)")
     parser.add_argument("--opset", type=int, default=18, help="ONNX opset version (default 18)")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks for user errors")
-    return parse_without_overrides(parser, argv, "it exports and checks the fp32 model on the CPU and records the run's "
-                                   "eval_amp for predict.py; give amp=... to evaluate.py or predict.py")
+    why = "it exports and checks the fp32 model on the CPU and records the run's eval_amp for predict.py"
+    return parse_without_overrides(parser, argv, f"{why}; give amp=... to evaluate.py or predict.py")
 
 
 def main(argv: list[str]) -> int:

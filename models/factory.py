@@ -50,8 +50,7 @@ def check_model_name(name: str, key: str = "model.name") -> None:
     raise UserError(f"unknown {key} {name!r}{hint}")
 
 
-
-def hub_config_file(name: str, key: str = "model.name") -> str:
+def hub_config_file(name: str) -> str:
     """The cached config.json of the hf-hub: repository `name` (fetched into the cache as timm does)."""
     try:
         return timm.models._hub.download_from_hf(name[len(HUB_PREFIX):], "config.json")
@@ -62,7 +61,7 @@ def hub_config_file(name: str, key: str = "model.name") -> str:
 def check_hub_config(name: str, key: str = "model.name") -> None:
     """The repository's config.json names one architecture timm knows (timm raised KeyError, AttributeError or
     'Unknown model' otherwise): one line naming the file."""
-    file = hub_config_file(name, key)
+    file = hub_config_file(name)
     try:
         arch = json.loads(Path(file).read_text(encoding="utf-8")).get("architecture")
     except (OSError, ValueError, AttributeError) as err:
@@ -77,6 +76,7 @@ def check_hub_config(name: str, key: str = "model.name") -> None:
         return
     raise UserError(f"{key}={name}: the repository's {file} {why}; check {key}, or fix that file (timm's "
                     "push_to_hf_hub writes it)")
+
 
 def local_path_of(name: str) -> str | None:
     """The file or folder a model.name names when it is a local path (timm's local-dir: prefix, an absolute or
@@ -119,29 +119,30 @@ def create_model(cfg: ModelConfig, num_classes: int, weights: dict[str, torch.Te
     return model
 
 
-class MissingKeys(logging.Handler):
-    """Collects the tensors timm's pretrained load left at their init: timm loads non-strictly when the class count
-    changes and says which keys were missing only in a log line (load_pretrained's "Missing keys (...)")."""
+class MissingKeys(logging.Filter):
+    """Collects the tensors timm's pretrained load left at their init (timm loads non-strictly when the class count
+    changes and names the missing keys only in load_pretrained's INFO line "Missing keys (...)"), and keeps timm's
+    per-key lines below ERROR quiet: check_pretrained / train.py report the load."""
 
     def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
+        super().__init__()
         self.keys: list[str] = []
 
-    def emit(self, record: logging.LogRecord) -> None:
+    def filter(self, record: logging.LogRecord) -> bool:
         if match := re.match(r"Missing keys \((.*)\) discovered", record.getMessage()):
             self.keys += [key for key in match.group(1).split(", ") if key]
+        return record.levelno >= logging.ERROR
 
 
 def timm_create(name: str, pretrained: bool, from_hub: bool, source: str,
                 kwargs: dict[str, Any]) -> tuple[nn.Module, list[str]]:
-    """timm.create_model with its errors as one line each, and the keys its pretrained load left missing; timm's
-    per-key lines about the load and its hub's file choice stay quiet (check_pretrained / train.py report the load)."""
+    """timm.create_model with its errors as one line each, and the keys its pretrained load left missing; its hub's
+    lines about the file it chose stay quiet."""
     builder, hub = logging.getLogger("timm.models._builder"), logging.getLogger("timm.models._hub")
-    saved = (builder.level, builder.propagate, hub.level)
+    saved = (builder.level, hub.level)
     missing = MissingKeys()
-    builder.addHandler(missing)
-    builder.setLevel(logging.INFO)  # its missing keys, to `missing` only
-    builder.propagate = False
+    builder.addFilter(missing)
+    builder.setLevel(logging.INFO)  # its missing keys reach `missing`, which passes only errors on
     hub.setLevel(logging.ERROR)
     try:
         return timm.create_model(name, pretrained=pretrained, **kwargs), missing.keys
@@ -174,10 +175,9 @@ def timm_create(name: str, pretrained: bool, from_hub: bool, source: str,
         raise UserError(f"{source or cached_weights(name)} does not fit model {name} "
                         f"({load_error_summary(str(err))}); is it a checkpoint of model.name?") from None
     finally:
-        builder.removeHandler(missing)
+        builder.removeFilter(missing)
         builder.setLevel(saved[0])
-        builder.propagate = saved[1]
-        hub.setLevel(saved[2])
+        hub.setLevel(saved[1])
 
 
 def check_hub_load(model: nn.Module, name: str, missing: list[str]) -> None:
