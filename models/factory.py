@@ -37,8 +37,10 @@ def check_model_name(name: str, key: str = "model.name") -> None:
         check_hub_config(name, key)  # timm reads the architecture from the repository's config.json
         return
     if local := local_path_of(name):
-        raise UserError(f"{key}={name} names local weights, not a timm model; set model.init_from={local} (with "
-                        f"model.pretrained=false) and {key} to the timm architecture they are for")
+        weights = ("distill.teacher_weights" if key.startswith("distill.") else "model.init_from") + f"={local}"
+        raise UserError(f"{key}={name} names local weights, not a timm model; set {weights}"
+                        f"{'' if key.startswith('distill.') else ' (with model.pretrained=false)'} and {key} to the "
+                        "timm architecture they are for")
     if "/" in name:  # timm's own rule: a repository id needs its prefix
         raise UserError(f"{key} {name!r} looks like a Hugging Face Hub id; write {key}={HUB_PREFIX}{name}")
     arch = name.split(".")[0]  # "resnet50.a1_in1k" names a pretrained tag of "resnet50"

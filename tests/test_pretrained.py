@@ -252,3 +252,13 @@ def test_a_folder_in_place_of_the_cached_weights_file_is_one_line(cached, tmp_pa
     line = last_error(capsys, report_errors(train.main, [*PRETRAINED, f"output_dir={tmp_path / 'r'}", "--dry-run"]))
     assert line == (f"error: model.name={TAG}: the Hugging Face cache holds a folder, {file}, where its weights file "
                     f"belongs; remove {repo} and run again where the Hub can be reached to download it afresh"), line
+
+
+def test_a_teachers_local_path_as_its_name_points_at_distill_teacher_weights():
+    """Issue 51 item 14 for distill.teacher_name: its local weights go in distill.teacher_weights."""
+    from core.errors import UserError
+    from models.factory import check_model_name
+
+    with pytest.raises(UserError, match=r"^distill.teacher_name=/w/t.pth names local weights, not a timm model; set "
+                                        r"distill.teacher_weights=/w/t.pth and distill.teacher_name to the timm"):
+        check_model_name("/w/t.pth", key="distill.teacher_name")
