@@ -123,7 +123,6 @@ def build_start(cfg: Config, start: Resume, weights: StartingWeights,
     return cfg, data, precision, model
 
 
-
 def auto_batch_probe_data(cfg: Config, info: DistInfo, split: Split | None) -> DataBundle:
     """train.batch_size=auto's first loaders, of UNIT images; a rank with fewer images than that is told so (the
     loader's own line named a train.batch_size of UNIT the user never gave)."""
@@ -133,6 +132,7 @@ def auto_batch_probe_data(cfg: Config, info: DistInfo, split: Split | None) -> D
         raise UserError(f"train.batch_size=auto: each rank gets {err.images} training image(s), fewer than the "
                         f"smallest batch it tries ({UNIT}); add training images, use fewer processes, or set "
                         "train.batch_size to a number") from None
+
 
 def with_auto_batch(cfg: Config, data: DataBundle, model: nn.Module, precision: Precision,
                     info: DistInfo) -> tuple[Config, DataBundle]:

@@ -355,13 +355,13 @@ def worker_message(text: str) -> str:
     return lines[-1][len(prefix):] if lines else text
 
 
-
 class TooFewImages(UserError):
     """A rank's share of the training images is smaller than one batch (`images`: that share)."""
 
     def __init__(self, message: str, images: int) -> None:
         super().__init__(message)
         self.images = images
+
 
 def build_train_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: int, seed: int,
                        info: DistInfo, accum_steps: int = 1) -> DataLoader:

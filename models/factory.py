@@ -356,7 +356,6 @@ def hub_cache_folder(name: str) -> Path:
     return Path(hub_constants.HF_HUB_CACHE) / f"models--{hub_repo(name).replace('/', '--')}"
 
 
-
 def weights_folder(name: str) -> Path | None:
     """A folder where the cache's snapshot of `name` should hold its weights file (safetensors then fails with
     `No such device`), else None."""
