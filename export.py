@@ -31,11 +31,12 @@ from core.startup import import_timm_without_wandb
 import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (core/startup.py)
 
 from assembly.export import SUFFIXES, export_command
-from core.cli import run_main
+from core.cli import parse_without_overrides, run_main
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="export.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a checkpoint written by train.py")
     parser.add_argument("--format", required=True, choices=sorted(SUFFIXES), help="what to write")
     parser.add_argument("--output", help="the file (folder for safetensors) to write (default: beside the "
@@ -47,7 +48,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--atol", type=float, default=1e-4, help="largest allowed |logit difference| (default 1e-4)")
     parser.add_argument("--opset", type=int, default=18, help="ONNX opset version (default 18)")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks for user errors")
-    return parser.parse_args(argv)
+    why = "it exports and checks the fp32 model on the CPU and records the run's eval_amp for predict.py"
+    return parse_without_overrides(parser, argv, f"{why}; give amp=... to evaluate.py or predict.py")
 
 
 def main(argv: list[str]) -> int:

@@ -51,6 +51,15 @@ def parse_with_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> ar
     return parser.parse_intermixed_args(as_overrides(argv, flags))
 
 
+def parse_without_overrides(parser: argparse.ArgumentParser, argv: list[str], why: str) -> argparse.Namespace:
+    """A tool that takes no config overrides (export.py): `amp=bf16` is one line saying why, not argparse's
+    `unrecognized arguments` beside docs that name the key."""
+    _, rest = parser.parse_known_args(argv)
+    if overrides := [item for item in rest if is_config_override(item.removeprefix("--"))]:
+        raise UserError(f"{parser.prog} takes no config overrides ({' '.join(overrides)}): {why}")
+    return parser.parse_args(argv)
+
+
 def as_overrides(argv: list[str], flags: set[str]) -> list[str]:
     """argv with `--key=value` and `--key value` rewritten as `key=value` where key is a config key's form (dotted,
     or a top-level key such as seed), not one of the tool's `flags`; anything else is left to argparse."""

@@ -355,6 +355,14 @@ def worker_message(text: str) -> str:
     return lines[-1][len(prefix):] if lines else text
 
 
+class TooFewImages(UserError):
+    """A rank's share of the training images is smaller than one batch (`images`: that share)."""
+
+    def __init__(self, message: str, images: int) -> None:
+        super().__init__(message)
+        self.images = images
+
+
 def build_train_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: int, seed: int,
                        info: DistInfo, accum_steps: int = 1) -> DataLoader:
     """Shuffled, drop_last loader over this rank's share of the training set (with mixing, batches carry
@@ -367,8 +375,8 @@ def build_train_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: i
                            roll=bool(group) and cfg.mix_partner == "roll")
     check_repeats(cfg.aug_repeats, len(dataset), batch_size * info.world_size, mixing(cfg) and not group)
     if len(sampler) < batch_size:
-        raise UserError(f"each rank gets {len(sampler)} training images but train.batch_size is {batch_size}; "
-                        "lower train.batch_size or use fewer processes")
+        raise TooFewImages(f"each rank gets {len(sampler)} training images but train.batch_size is {batch_size}; "
+                           "lower train.batch_size or use fewer processes", len(sampler))
     if cfg.num_workers > 0:
         before_workers_fork()
     collate = MixCollate(cfg, seed, group) if mixing(cfg) else collate_readable

@@ -8,6 +8,7 @@ HF_HUB_OFFLINE honoured); every other build (evaluate, predict, export, resume) 
 from __future__ import annotations
 
 import difflib
+import json
 import logging
 import re
 from pathlib import Path
@@ -33,7 +34,13 @@ HUB_PREFIX = "hf-hub:"  # timm's prefix for a Hugging Face Hub repository id
 def check_model_name(name: str, key: str = "model.name") -> None:
     """Fail fast, with close timm names, instead of timm's long traceback."""
     if name.startswith(HUB_PREFIX):
-        return  # timm reads the architecture from the repository's config.json
+        check_hub_config(name, key)  # timm reads the architecture from the repository's config.json
+        return
+    if local := local_path_of(name):
+        weights = ("distill.teacher_weights" if key.startswith("distill.") else "model.init_from") + f"={local}"
+        raise UserError(f"{key}={name} names local weights, not a timm model; set {weights}"
+                        f"{'' if key.startswith('distill.') else ' (with model.pretrained=false)'} and {key} to the "
+                        "timm architecture they are for")
     if "/" in name:  # timm's own rule: a repository id needs its prefix
         raise UserError(f"{key} {name!r} looks like a Hugging Face Hub id; write {key}={HUB_PREFIX}{name}")
     arch = name.split(".")[0]  # "resnet50.a1_in1k" names a pretrained tag of "resnet50"
@@ -43,6 +50,44 @@ def check_model_name(name: str, key: str = "model.name") -> None:
     close = difflib.get_close_matches(arch, known, n=5, cutoff=0.6) or timm.list_models(f"*{arch[:5]}*")[:5]
     hint = f"; did you mean: {', '.join(close)}?" if close else "; see timm.list_models()"
     raise UserError(f"unknown {key} {name!r}{hint}")
+
+
+def hub_config_file(name: str) -> str:
+    """The cached config.json of the hf-hub: repository `name` (fetched into the cache as timm does)."""
+    try:
+        return timm.models._hub.download_from_hf(name[len(HUB_PREFIX):], "config.json")
+    except (OSError, EntryNotFoundError, ValueError) as err:
+        raise hub_error(name, err) from None
+
+
+def check_hub_config(name: str, key: str = "model.name") -> None:
+    """The repository's config.json names one architecture timm knows (timm raised KeyError, AttributeError or
+    'Unknown model' otherwise): one line naming the file."""
+    file = hub_config_file(name)
+    try:
+        arch = json.loads(Path(file).read_text(encoding="utf-8")).get("architecture")
+    except (OSError, ValueError, AttributeError) as err:
+        raise UserError(f"{key}={name}: {file} is not a timm config.json ({err}); check {key}") from None
+    if arch is None:
+        why = "has no 'architecture' (the timm model its weights are for)"
+    elif not isinstance(arch, str):
+        why = f"gives 'architecture' as {type(arch).__name__} {arch!r}, not one timm model name"
+    elif not timm.is_model(arch):
+        why = f"names architecture {arch!r}, which timm {timm.__version__} does not know"
+    else:
+        return
+    raise UserError(f"{key}={name}: the repository's {file} {why}; check {key}, or fix that file (timm's "
+                    "push_to_hf_hub writes it)")
+
+
+def local_path_of(name: str) -> str | None:
+    """The file or folder a model.name names when it is a local path (timm's local-dir: prefix, an absolute or
+    relative path, a weights file), else None: those are model.init_from's, not a Hub id."""
+    if name.startswith("local-dir:"):
+        return name[len("local-dir:"):]
+    if name.startswith(("/", "./", "../", "~")) or name.endswith((".safetensors", ".pth", ".pt", ".bin")):
+        return name
+    return name if "/" in name and Path(name).exists() else None
 
 
 def create_model(cfg: ModelConfig, num_classes: int, weights: dict[str, torch.Tensor] | None = None,
@@ -57,28 +102,9 @@ def create_model(cfg: ModelConfig, num_classes: int, weights: dict[str, torch.Te
     kwargs.update(cfg.kwargs)
     if weights:  # never empty: timm would fall back to its hub or URL
         kwargs["pretrained_cfg_overlay"] = local_pretrained_cfg(cfg.name, weights)
-    # timm's per-key lines about the load and its hub's file choice: check_pretrained / train.py report the load
-    quieted = {name: logging.getLogger(name).level for name in ("timm.models._builder", "timm.models._hub")}
-    for name in quieted:
-        logging.getLogger(name).setLevel(logging.ERROR)
-    try:
-        model = timm.create_model(cfg.name, pretrained=bool(weights) or from_hub, **kwargs)
-    except TypeError as err:  # e.g. drop_path_rate on a model without stochastic depth
-        raise UserError(f"model {cfg.name!r} rejected its options ({err}); remove them from the model section") from None
-    except (OSError, EntryNotFoundError) as err:  # the Hub or its cache: from_hub, or an hf-hub: name's config.json
-        if not (from_hub or cfg.name.startswith(HUB_PREFIX)):
-            raise
-        raise hub_error(cfg.name, err) from None
-    except SafetensorError as err:  # the cache's model.safetensors cut short, empty or not one (from_hub)
-        if not from_hub:
-            raise
-        raise damaged_cache_error(cfg.name, err) from None
-    except RuntimeError as err:  # load_state_dict: a tensor timm cannot adapt (another architecture's)
-        raise UserError(f"{source} does not fit model {cfg.name} ({load_error_summary(str(err))}); is it a "
-                        "checkpoint of model.name?") from None
-    finally:
-        for name, level in quieted.items():
-            logging.getLogger(name).setLevel(level)
+    model, missing = timm_create(cfg.name, bool(weights) or from_hub, from_hub, source, kwargs)
+    if from_hub:
+        check_hub_load(model, cfg.name, missing)
     if not (weights or from_hub):
         fresh_init(model, cfg)
     elif cfg.head_init_std > 0 and not classifier_was_loaded(model, num_classes, weights, cfg.name):
@@ -93,6 +119,81 @@ def create_model(cfg: ModelConfig, num_classes: int, weights: dict[str, torch.Te
             raise UserError(f"model {cfg.name!r} does not support gradient checkpointing ({err or 'timm says no'}); "
                             "set model.grad_checkpointing=false") from None
     return model
+
+
+class MissingKeys(logging.Filter):
+    """Collects the tensors timm's pretrained load left at their init (timm loads non-strictly when the class count
+    changes and names the missing keys only in load_pretrained's INFO line "Missing keys (...)"), and keeps timm's
+    per-key lines below ERROR quiet: check_pretrained / train.py report the load."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if match := re.match(r"Missing keys \((.*)\) discovered", record.getMessage()):
+            self.keys += [key for key in match.group(1).split(", ") if key]
+        return record.levelno >= logging.ERROR
+
+
+def timm_create(name: str, pretrained: bool, from_hub: bool, source: str,
+                kwargs: dict[str, Any]) -> tuple[nn.Module, list[str]]:
+    """timm.create_model with its errors as one line each, and the keys its pretrained load left missing; its hub's
+    lines about the file it chose stay quiet."""
+    builder, hub = logging.getLogger("timm.models._builder"), logging.getLogger("timm.models._hub")
+    saved = (builder.level, hub.level)
+    missing = MissingKeys()
+    builder.addFilter(missing)
+    builder.setLevel(logging.INFO)  # its missing keys reach `missing`, which passes only errors on
+    hub.setLevel(logging.ERROR)
+    try:
+        return timm.create_model(name, pretrained=pretrained, **kwargs), missing.keys
+    except TypeError as err:  # e.g. drop_path_rate on a model without stochastic depth
+        option = re.search(r"keyword argument '(\w+)'", str(err))
+        if name.startswith(HUB_PREFIX) and option and option.group(1) not in kwargs:  # the repository's model_args
+            raise UserError(f"model.name={name}: the repository's {hub_config_file(name)} gives model_args its "
+                            f"architecture rejects ({err}); the option is in that file, not in your config: fix "
+                            "the file or choose another repository") from None
+        raise UserError(f"model {name!r} rejected its options ({err}); remove them from the model section") from None
+    except AttributeError as err:  # an hf-hub config.json whose first_conv names no module of its architecture
+        if not (from_hub and name.startswith(HUB_PREFIX)):
+            raise
+        raise UserError(f"model.name={name}: timm cannot load {cached_weights(name)} into the architecture the "
+                        f"repository's {hub_config_file(name)} names ({err}); that file describes other weights "
+                        "(architecture, pretrained_cfg.first_conv): check model.name, or fix the file") from None
+    except (OSError, EntryNotFoundError) as err:  # the Hub or its cache: from_hub, or an hf-hub: name's config.json
+        if not (from_hub or name.startswith(HUB_PREFIX)):
+            raise
+        if from_hub and (folder := weights_folder(name)):
+            raise UserError(f"model.name={name}: the Hugging Face cache holds a folder, {folder}, where its weights "
+                            f"file belongs; remove {hub_cache_folder(name)} and run again where the Hub can be "
+                            "reached to download it afresh") from None
+        raise hub_error(name, err) from None
+    except SafetensorError as err:  # the cache's model.safetensors cut short, empty or not one (from_hub)
+        if not from_hub:
+            raise
+        raise damaged_cache_error(name, err) from None
+    except RuntimeError as err:  # load_state_dict: a tensor timm cannot adapt (another architecture's)
+        raise UserError(f"{source or cached_weights(name)} does not fit model {name} "
+                        f"({load_error_summary(str(err))}); is it a checkpoint of model.name?") from None
+    finally:
+        builder.removeFilter(missing)
+        builder.setLevel(saved[0])
+        hub.setLevel(saved[1])
+
+
+def check_hub_load(model: nn.Module, name: str, missing: list[str]) -> None:
+    """timm's weights of `name` left only the classifier at its init (re-made for another class count): any other
+    missing tensor would train from random values, silently."""
+    heads = (getattr(model, "pretrained_cfg", None) or {}).get("classifier") or ()
+    heads = (heads,) if isinstance(heads, str) else tuple(heads)
+    random = [key for key in missing if key.rpartition(".")[0] not in heads]
+    if random:
+        more = f", ... ({len(random)} in all)" if len(random) > 3 else ""
+        raise UserError(f"model.name={name}: the pretrained weights {cached_weights(name)} lack "
+                        f"{', '.join(random[:3])}{more}, which would train from random values (only the classifier "
+                        f"may be missing); fetch the weights again (remove {hub_cache_folder(name)}) or choose "
+                        "other weights")
 
 
 def fresh_init(model: nn.Module, cfg: ModelConfig) -> None:
@@ -233,17 +334,44 @@ def hub_error(name: str, err: Exception) -> UserError:
                      "model.name (model.init_from takes local weights, with model.pretrained=false)")
 
 
+def hub_repo(name: str, keep_revision: bool = False) -> str:
+    """The Hub repository (no @revision unless kept) that holds timm's weights of `name`, "" for weights from a URL."""
+    default = None if name.startswith(HUB_PREFIX) else timm.models.get_pretrained_cfg(name)
+    repo = name[len(HUB_PREFIX):] if default is None else default.hf_hub_id or ""
+    return repo if keep_revision else repo.partition("@")[0]
+
+
+def cached_weights(name: str) -> str:
+    """The cached file timm's weights of `name` were read from (what an error names), else a description of it."""
+    repo = hub_repo(name)
+    for file in HUB_WEIGHT_FILES:
+        cached = try_to_load_from_cache(repo, file) if repo else None
+        if isinstance(cached, str):
+            return cached
+    return f"model.safetensors of {repo or name}"
+
+
+def hub_cache_folder(name: str) -> Path:
+    """The Hugging Face cache's folder of the repository holding `name`'s weights (removing it fetches afresh)."""
+    return Path(hub_constants.HF_HUB_CACHE) / f"models--{hub_repo(name).replace('/', '--')}"
+
+
+def weights_folder(name: str) -> Path | None:
+    """A folder where the cache's snapshot of `name` should hold its weights file (safetensors then fails with
+    `No such device`), else None."""
+    folder = hub_cache_folder(name)
+    revision = hub_repo(name, keep_revision=True).partition("@")[2]
+    ref = folder / "refs" / (revision or "main")
+    snapshot = folder / "snapshots" / (ref.read_text().strip() if ref.is_file() else revision or "main")
+    return next((snapshot / file for file in HUB_WEIGHT_FILES if (snapshot / file).is_dir()), None)
+
 def damaged_cache_error(name: str, err: Exception) -> UserError:
     """The cached weights file of `name` cannot be read as safetensors (a cut download, a disk error): one line naming
     the file and how to fetch it again (removing the repository's cache folder; the blob would be re-linked else)."""
-    default = None if name.startswith(HUB_PREFIX) else timm.models.get_pretrained_cfg(name)
-    repo = (name[len(HUB_PREFIX):] if default is None else default.hf_hub_id or "").partition("@")[0]
-    cached = try_to_load_from_cache(repo, "model.safetensors") if repo else None
-    file = cached if isinstance(cached, str) else f"model.safetensors of {repo or name}"
-    folder = Path(hub_constants.HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}"
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return UserError(f"model.name={name}: the Hugging Face cache's copy of its weights, {file}, is damaged ({first}); "
-                     f"remove {folder} and run again where the Hub can be reached to download it afresh")
+    return UserError(f"model.name={name}: the Hugging Face cache's copy of its weights, {cached_weights(name)}, is "
+                     f"damaged ({first}); remove {hub_cache_folder(name)} and run again where the Hub can be reached "
+                     "to download it afresh")
 
 
 def load_error_summary(message: str) -> str:

@@ -65,12 +65,14 @@ def shard_model(model: nn.Module, param_dtype: torch.dtype | None, shard_size: i
     replicate across the groups, so each unit's all-gather and reduce-scatter stay inside a node and only the
     gradients' all-reduce between replicas crosses nodes; 0 or the world size: one group of all ranks.
     `mesh`: one already built (the model's, for its EMA: no second set of process groups); else built here.
+    Every rank starts from rank 0's parameters and buffers (from_rank0), whatever each loaded.
     model.channels_last applies to the inputs only: FSDP2 refuses non-contiguous parameters, so 4-d weights are
     made contiguous again (a convolution takes channels-last inputs with them).
     """
     if not dist.is_initialized():
         return model
     model.to(memory_format=torch.contiguous_format)  # FSDP2 shards contiguous tensors only; inputs stay channels-last
+    from_rank0(model)
     # On the model's device (FSDP2's default is the machine's accelerator, wrong for a CPU run on a GPU machine).
     mesh = mesh or device_mesh(next(model.parameters()).device.type, dist.get_world_size(), shard_size)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
@@ -82,6 +84,15 @@ def shard_model(model: nn.Module, param_dtype: torch.dtype | None, shard_size: i
         fully_shard(unit, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
+
+
+def from_rank0(model: nn.Module) -> None:
+    """Every rank's parameters and buffers become rank 0's, in place, before sharding: each rank keeps only its own
+    slice, so ranks that loaded different weights (node-local caches at other revisions) would train a mix of them.
+    DDP broadcasts rank 0's state itself; fully_shard does not."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0)
 
 
 def batchnorm_groups(model: nn.Module, units: list[nn.Module]) -> list[list[nn.Module]]:

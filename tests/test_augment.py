@@ -669,8 +669,9 @@ def test_mid_epoch_resume_with_draws_per_batch_keeps_the_batch(tmp_path):
     2 x 4 does not continue as 1 x 8 (the same global batch) but says so; with data.mix_group=4 it does."""
     saved = {"world_size": 2, "epoch": 0, "epoch_step": 3, "config": {"train": {"batch_size": 4, "accum_steps": 1}}}
     batch_mode = ["data.mixup_alpha=0.2", "data.mix_mode=batch", "train.batch_size=8"]
-    with pytest.raises(UserError, match="stopped mid-epoch with train.batch_size=4 and data.mix_group=0"):
+    with pytest.raises(UserError, match="stopped mid-epoch with train.batch_size=4 and data.mix_group=0") as caught:
         check_global_batch(saved, tmp_path / "last.pth", load_config("dummy", batch_mode), world_size=1)
+    assert "or let the run reach the end of epoch 0 with train.batch_size=4 first" in str(caught.value)  # no epoch file
     check_global_batch(saved, tmp_path / "last.pth", load_config("dummy", [*batch_mode, "data.mix_group=4"]), 1)
 
 

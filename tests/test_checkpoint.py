@@ -171,8 +171,19 @@ def test_a_sharded_mid_epoch_checkpoint_is_not_sent_to_epoch_files(tmp_path):
     assert str(caught.value).endswith("; or let the run reach the end of epoch 1 with that global batch first "
                                       "(train.ckpt_format=sharded writes no epoch_NNNN.pth; a last.dcp from an "
                                       "epoch's end resumes with any global batch)")
-    with pytest.raises(UserError, match=r"; or resume from an end-of-epoch checkpoint \(epoch_NNNN.pth\)"):
-        check_resumable(training_checkpoint("resnet10t", ["a"], epoch_step=3), tmp_path / "last.pth", cfg, ["a"], 2)
+    # Issue 51 item 16: a file-format checkpoint was sent to `epoch_NNNN.pth` whether the folder held one or not.
+    mid_epoch = training_checkpoint("resnet10t", ["a"], epoch_step=3)
+    with pytest.raises(UserError) as caught:
+        check_resumable(mid_epoch, tmp_path / "last.pth", cfg, ["a"], 2)
+    assert str(caught.value).endswith(f"; or let the run reach the end of epoch 1 with that global batch first "
+                                      f"({tmp_path} holds no epoch_NNNN.pth: train.keep_last_k keeps them; a last.pth "
+                                      "from an epoch's end resumes with any global batch)"), caught.value
+    for name in ("epoch_0000.pth", "epoch_0001.pth"):
+        (tmp_path / name).write_bytes(b"")
+    with pytest.raises(UserError) as caught:
+        check_resumable(mid_epoch, tmp_path / "last.pth", cfg, ["a"], 2)
+    assert str(caught.value).endswith(f"; or resume={tmp_path / 'epoch_0001.pth'} (an end-of-epoch checkpoint, where "
+                                      "the batch may change)"), caught.value
 
 
 def test_epoch_sampler_start_skips_exactly_the_consumed_samples():

@@ -14,7 +14,7 @@ import export
 import predict
 from assembly.export import check_images
 from core.cli import report_errors
-from tests.helpers import make_image_folder, train_here
+from tests.helpers import last_error, make_image_folder, train_here
 
 pytestmark = [pytest.mark.slow,  # trains a resnet18 for a few steps, then exports it three ways
               pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning")]
@@ -206,3 +206,14 @@ def test_the_model_folder_holds_a_model_card_by_timms_writer(resnet18_run, tmp_p
     assert line.startswith(f"error: {folder} is a folder (README.md, config.json, model.safetensors), not a model "
                            "folder export.py wrote") and "choose another --output" in line, line
     assert (folder / "README.md").read_text() == "my own card\n"
+
+
+def test_a_config_override_given_to_export_is_one_line_saying_why(tmp_path, capsys):
+    """Issue 51 item 19: docs/inference.md named export.py among the tools that take `amp`, and `export.py ...
+    amp=bf16` was argparse's `unrecognized arguments`. It is refused before the checkpoint is read."""
+    for override in ("amp=bf16", "--amp=bf16"):
+        line = last_error(capsys, report_errors(export.main, [str(tmp_path / "x.pth"), "--format", "onnx", override]))
+        assert line == (f"error: export.py takes no config overrides ({override}): it exports and checks the fp32 "
+                        "model on the CPU and records the run's eval_amp for predict.py; give amp=... to evaluate.py "
+                        "or predict.py"), line
+    assert "`export.py` compute" not in (Path(__file__).parents[1] / "docs" / "inference.md").read_text()

@@ -44,7 +44,8 @@ VIT = ("--config", "dummy", "model.name=test_vit", "model.kwargs.img_size=16", "
 # per-tensor DTensor path), fsdp vs one process 3.5e-7, ddp vs
 # one process 3.9e-7; resumed on 3 ranks (2 micro-batches kept whole) vs uninterrupted 1.9e-8, on 1 process 3.9e-9,
 # on 2 ranks bitwise. Sharded steps in 2 micro-batches kept whole vs one process 5.5e-7. A
-# deliberate per-rank difference moves sharded steps far past TOL (3.1e-2 and 3.6e-1, while alike they are 1.7e-7):
+# deliberate per-rank difference moves sharded steps far past TOL (3.1e-2 reading the same images, 1.3e-1 with rank 1's
+# shards moved by 0.01 after sharding, while alike they are 2.5e-7):
 # test_sharded_steps_match_one_process_and_catch_a_rank_apart.
 TOL = 1e-5
 
@@ -453,17 +454,20 @@ def adamw_steps(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, sh
 
 def sharded_steps(rank: int, world: int) -> dict:
     """On 2 ranks: the SGD step above; 3 AdamW steps of a ViT sharded over the ranks, each rank on its half of a
-    global batch of 8, and the same steps with a deliberate per-rank difference (rank 1 builds its shards from
-    another seed; both ranks read the first half); then the same steps unsharded on the whole batch."""
+    global batch of 8, and the same steps with a deliberate per-rank difference (rank 1's shards moved by 0.01 after
+    sharding; both ranks read the first half); then the same steps unsharded on the whole batch."""
     data = torch.Generator().manual_seed(0)
     images, labels = torch.randn(3, 8, 3, 16, 16, generator=data), torch.randint(0, 3, (3, 8), generator=data)
     half = slice(4 * rank, 4 * rank + 4)
     results = {"sgd": sgd_step_on_shards(rank)}
-    for name, seed, part, micro in (("alike", 0, half, 1), ("2 micro-batches, whole between them", 0, half, 2),
-                                    ("rank 1 from another seed", rank, half, 1),
-                                    ("both ranks on the first half", 0, slice(0, 4), 1)):
-        torch.manual_seed(seed)
+    for name, moved, part, micro in (("alike", 0, half, 1), ("2 micro-batches, whole between them", 0, half, 2),
+                                     ("rank 1's shards moved", rank, half, 1),
+                                     ("both ranks on the first half", 0, slice(0, 4), 1)):
+        torch.manual_seed(0)
         model = shard_model(timm.create_model("test_vit", num_classes=3, img_size=16), None)
+        with torch.no_grad():  # after sharding: shard_model starts every rank from rank 0's weights
+            for param in model.parameters():
+                param.to_local().add_(0.01 * moved)
         results[name], results[f"{name}: whole"] = adamw_steps(model, images[:, part], labels[:, part], True, micro)
     torch.manual_seed(0)  # on each rank: the loop's step all-reduces its inf/NaN flag
     results["one process"] = adamw_steps(timm.create_model("test_vit", num_classes=3, img_size=16), images, labels,
@@ -474,7 +478,7 @@ def sharded_steps(rank: int, world: int) -> dict:
 @pytest.mark.slow
 def test_sharded_steps_match_one_process_and_catch_a_rank_apart(tmp_path):
     """FSDP2 on 2 ranks gives one process's AdamW steps within TOL (also in 2 micro-batches per step kept whole
-    between them, dist.fsdp_accum_whole's way), and the same comparison fails by far when the ranks differ on purpose (another seed for rank 1's shards, or both ranks reading the same images). Also:
+    between them, dist.fsdp_accum_whole's way), and the same comparison fails by far when the ranks differ on purpose (rank 1's shards moved after sharding, or both ranks reading the same images). Also:
     train.py's default optimizer is torch's fused SGD, which DTensors refuse (no sharding rule for
     aten._fused_sgd_): on sharded parameters it steps unfused."""
     results = run_ranks(sharded_steps, 2, tmp_path)
@@ -482,7 +486,7 @@ def test_sharded_steps_match_one_process_and_catch_a_rank_apart(tmp_path):
         assert not result["sgd"]["fused"] and result["sgd"]["moved"] > 0
     one_process = results[0]["one process"]
     distances = {name: relative_differences(one_process, results[0][name])["parameters"]
-                 for name in ("alike", "2 micro-batches, whole between them", "rank 1 from another seed",
+                 for name in ("alike", "2 micro-batches, whole between them", "rank 1's shards moved",
                  "both ranks on the first half")}
     print("one process vs fsdp on 2 ranks:", ", ".join(f"{name} {value:.1e}" for name, value in distances.items()))
     assert distances.pop("alike") <= TOL and distances.pop("2 micro-batches, whole between them") <= TOL
@@ -552,3 +556,36 @@ def test_resumed_optimizer_state_takes_each_parameters_memory_format():
         resumed_optimizer.step()
         results.append([p.detach() for p in resumed.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def sharded_from_different_weights(rank: int, world: int) -> dict:
+    """test_resnet and its EMA drawn with another seed on each rank (as caches at other revisions would load), then
+    sharded by shard_for_training over all ranks (fsdp) and as HSDP 2 x 1: each start, gathered whole."""
+    from models.ema import create_ema
+    from models.parallel import shard_for_training
+
+    found = {}
+    for name, shard_size in (("fsdp", 0), ("hsdp", 1)):
+        torch.manual_seed(rank)
+        model = timm.create_model("test_resnet", num_classes=3)
+        ema = create_ema(model, 0.5)
+        found[f"{name} own"] = {k: v.clone() for k, v in model.state_dict().items()}
+        shard_for_training(model, ema.module, None, world, shard_size)
+        for label, module in ((name, model), (f"{name} ema", ema.module)):
+            found[label] = {k: v.full_tensor() if isinstance(v, DTensor) else v
+                            for k, v in module.state_dict().items()}
+    return found
+
+
+def test_sharded_ranks_start_from_rank_0s_weights_whatever_each_loaded(tmp_path):
+    """Issue 51 item 1: ranks that loaded different weights trained a mix of them (each kept its own slice of every
+    tensor); every shard, BatchNorm statistics included, is now rank 0's, under fsdp and HSDP, for the EMA too."""
+    ranks = run_ranks(sharded_from_different_weights, 2, tmp_path)
+    for name in ("fsdp", "hsdp"):
+        rank0 = ranks[0][f"{name} own"]
+        assert differing_tensors(rank0, ranks[1][f"{name} own"])  # the ranks did load different weights
+        for found in ranks:
+            for label in (name, f"{name} ema"):
+                assert found[label].keys() == rank0.keys()
+                for key, value in rank0.items():
+                    assert torch.equal(found[label][key], value), (label, key)

@@ -99,6 +99,12 @@ def test_a_damaged_cached_weights_file_is_one_line_naming_it(damage, cached, tmp
     ([f"model.name={TAG}", "model.pretrained=true", "model.init_from=w.pth"],
      "model.pretrained=true and model.init_from=w.pth both name the weights to start from"),
     (["model.name=test_resnet.nope", "model.pretrained=true"], "Invalid pretrained tag (nope) for test_resnet"),
+    # issue 51 item 14: a local path was sent to the Hub (`write model.name=hf-hub:/w/model.safetensors`)
+    (["model.name=/w/model.safetensors", "model.pretrained=true"],
+     "model.name=/w/model.safetensors names local weights, not a timm model; set "
+     "model.init_from=/w/model.safetensors (with model.pretrained=false) and model.name to the timm architecture"),
+    (["model.name=local-dir:/w", "model.pretrained=true"], "names local weights, not a timm model; set "
+                                                           "model.init_from=/w (with model.pretrained=false)"),
 ])
 def test_a_pretrained_name_without_model_pretrained_is_one_line(args, expected, tmp_path, capsys, monkeypatch):
     check_one_line(args, expected, tmp_path, tmp_path, capsys, monkeypatch)
@@ -153,3 +159,106 @@ def test_the_first_pages_own_photos_commands_train_and_predict(cached, tmp_path)
     assert report_errors(predict.main, [str(out / "best.pth"), str(root / "val"), "--output-dir",
                                         str(tmp_path / "pred")]) == 0
     assert len((tmp_path / "pred" / "predictions.csv").read_text().splitlines()) == 1 + 4
+
+
+def rewrite_cached_weights(repo: Path, edit) -> Path:
+    """The cached model.safetensors of `repo` rewritten with edit(state dict) applied; the file."""
+    from safetensors.torch import load_file, save_file
+
+    (file,) = repo.glob("snapshots/*/model.safetensors")
+    state = load_file(file)
+    edit(state)
+    save_file(state, file, metadata={"format": "pt"})
+    return file
+
+
+def test_a_tensor_missing_from_the_cached_weights_is_refused_unless_it_is_the_classifier(cached, tmp_path, capsys):
+    """Issue 51 item 2: timm loads non-strictly when the class count changes, so a cache lacking conv1.0.weight
+    trained a random stem with exit 0 (model.init_from refused the same file)."""
+    _, repo = cached
+    file = rewrite_cached_weights(repo, lambda state: state.pop("conv1.0.weight"))
+    line = last_error(capsys, report_errors(train.main, [*PRETRAINED, f"output_dir={tmp_path / 'r'}", "--dry-run"]))
+    assert line == (f"error: model.name={TAG}: the pretrained weights {file} lack conv1.0.weight, which would train "
+                    f"from random values (only the classifier may be missing); fetch the weights again (remove {repo}) "
+                    "or choose other weights"), line
+    rewrite_cached_weights(repo, lambda state: [state.pop("conv1.0.weight", None), state.pop("fc.weight"),
+                                                state.pop("fc.bias")])
+    line = last_error(capsys, report_errors(train.main, [*PRETRAINED, f"output_dir={tmp_path / 'r'}", "--dry-run"]))
+    assert "lack conv1.0.weight, which" in line, line  # the classifier is not named: it may be missing
+
+
+HUB_NAME = f"hf-hub:timm/{TAG}"  # the cached repository by its Hub id: timm reads its config.json
+
+
+def hub_config_error(repo: Path, edit, tmp_path: Path, capsys, *extra: str) -> tuple[str, Path]:
+    """The one line a dry run from HUB_NAME gives once edit(config) has changed the cached config.json; the file."""
+    import json
+
+    (file,) = repo.glob("snapshots/*/config.json")
+    config = json.loads(file.read_text())
+    edit(config)
+    file.write_text(json.dumps(config))
+    argv = [*PRETRAINED, f"model.name={HUB_NAME}", f"output_dir={tmp_path / 'r'}", "--dry-run", *extra]
+    return last_error(capsys, report_errors(train.main, argv)), file
+
+
+@pytest.mark.parametrize("edit, why", [
+    (lambda c: c.pop("architecture"), "has no 'architecture' (the timm model its weights are for)"),  # KeyError
+    (lambda c: c.update(architecture=["test_resnet"]),  # AttributeError: 'list' object has no attribute 'split'
+     "gives 'architecture' as list ['test_resnet'], not one timm model name"),
+])
+def test_a_hub_config_without_one_architecture_is_one_line_naming_the_file(edit, why, cached, tmp_path, capsys):
+    """Issue 51 item 10: tracebacks from timm's reading of the repository's config.json."""
+    line, file = hub_config_error(cached[1], edit, tmp_path, capsys)
+    assert line == f"error: model.name={HUB_NAME}: the repository's {file} {why}; check model.name, or fix that file " \
+                   "(timm's push_to_hf_hub writes it)", line
+
+
+def test_a_hub_config_whose_first_conv_misses_its_architecture_is_one_line(cached, tmp_path, capsys):
+    """Issue 51 item 10: resnet18's stem is one Conv2d, the config's first_conv (conv1.0) test_resnet's deep stem:
+    `AttributeError: Conv2d has no attribute '0'` from timm's input-conv adaptation."""
+    line, file = hub_config_error(cached[1], lambda c: c.update(architecture="resnet18"), tmp_path, capsys)
+    (weights,) = cached[1].glob("snapshots/*/model.safetensors")
+    assert line.startswith(f"error: model.name={HUB_NAME}: timm cannot load {weights} into the architecture the "
+                           f"repository's {file} names (") and "check model.name, or fix the file" in line, line
+
+
+def test_hub_load_errors_name_their_source(cached, tmp_path, capsys):
+    """Issue 51 item 13: `error:  does not fit model ...` (an empty source) and `(Unknown model (nonexistent_net))`."""
+    line, file = hub_config_error(cached[1], lambda c: c.update(architecture="nonexistent_net"), tmp_path, capsys)
+    assert f"the repository's {file} names architecture 'nonexistent_net', which timm" in line, line
+    weights = rewrite_cached_weights(cached[1], lambda state: state.update({"conv1.0.weight": torch.zeros(8, 3, 3, 3)}))
+    line = last_error(capsys, report_errors(train.main, [*PRETRAINED, f"output_dir={tmp_path / 'r'}", "--dry-run"]))
+    assert line.startswith(f"error: {weights} does not fit model {TAG} (shape differs: conv1.0.weight: file [8, 3, 3, "
+                           "3] vs model [16, 3, 3, 3]"), line
+
+
+def test_unknown_model_args_in_a_hub_config_point_at_that_file(cached, tmp_path, capsys):
+    """Issue 51 item 15: said `remove them from the model section`, where the option is in the repository's file;
+    an option of the user's own model section is still sent there."""
+    line, file = hub_config_error(cached[1], lambda c: c.update(model_args={"bogus": 1}), tmp_path, capsys)
+    assert line.startswith(f"error: model.name={HUB_NAME}: the repository's {file} gives model_args its architecture "
+                           "rejects (") and "the option is in that file, not in your config" in line, line
+    line, _ = hub_config_error(cached[1], lambda c: c.pop("model_args"), tmp_path, capsys, "model.kwargs.mine=1")
+    assert "'mine'); remove them from the model section" in line, line
+
+
+def test_a_folder_in_place_of_the_cached_weights_file_is_one_line(cached, tmp_path, capsys):
+    """Issue 51 item 18: said `No such device (os error 19); check model.name`."""
+    _, repo = cached
+    (file,) = repo.glob("snapshots/*/model.safetensors")
+    file.unlink()
+    file.mkdir()
+    line = last_error(capsys, report_errors(train.main, [*PRETRAINED, f"output_dir={tmp_path / 'r'}", "--dry-run"]))
+    assert line == (f"error: model.name={TAG}: the Hugging Face cache holds a folder, {file}, where its weights file "
+                    f"belongs; remove {repo} and run again where the Hub can be reached to download it afresh"), line
+
+
+def test_a_teachers_local_path_as_its_name_points_at_distill_teacher_weights():
+    """Issue 51 item 14 for distill.teacher_name: its local weights go in distill.teacher_weights."""
+    from core.errors import UserError
+    from models.factory import check_model_name
+
+    with pytest.raises(UserError, match=r"^distill.teacher_name=/w/t.pth names local weights, not a timm model; set "
+                                        r"distill.teacher_weights=/w/t.pth and distill.teacher_name to the timm"):
+        check_model_name("/w/t.pth", key="distill.teacher_name")

@@ -23,7 +23,7 @@ from engine.batch_size import (MARGIN, Capacity, capacity, headroom_note, input_
                                largest_batch, resolved_batch, whole_groups)
 from engine.lr_find import RULE, Diverged, LrRamp, suggest
 from engine.state import TrainState
-from tests.helpers import TINY, run_on_ranks, run_ranks, train_here
+from tests.helpers import TINY, check_one_line, run_on_ranks, run_ranks, train_here
 
 RUN_FILES = ("last.pth", "best.pth", "metrics.jsonl", "config.yaml")
 
@@ -192,3 +192,12 @@ def test_an_auto_batch_holds_whole_mixing_draws():
     """data.mix_mode=batch with data.mix_group 256: a found 300 trains 256, a found 100 trains 64 (4 per draw)."""
     assert [whole_groups(n, 256) for n in (300, 512, 600, 100, 2)] == [256, 512, 512, 64, 2]
     assert whole_groups(4, 6) == 2 and whole_groups(1, 6) == 0
+
+
+def test_an_auto_batch_with_fewer_images_than_its_smallest_batch_says_so(tmp_path, capsys, monkeypatch):
+    """Issue 51 item 18: one training image under train.batch_size=auto said `train.batch_size is 2; lower
+    train.batch_size`, a value the user never gave."""
+    check_one_line(["train.batch_size=auto", "data.dummy_train_size=1", "--dry-run"],
+                   "train.batch_size=auto: each rank gets 1 training image(s), fewer than the smallest batch it tries "
+                   "(2); add training images, use fewer processes, or set train.batch_size to a number",
+                   tmp_path, tmp_path, capsys, monkeypatch)

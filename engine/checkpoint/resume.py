@@ -197,10 +197,7 @@ def check_global_batch(ckpt: dict[str, Any], path: Path, cfg: Config, world_size
             f"train.batch_size={per_process} train.accum_steps=1)" if then % world_size == 0 else
             f"no batch size fits on {world_size} process(es): use a number of processes that divides {then}")
     old = ckpt["config"]["train"]
-    boundary = (f"let the run reach the end of epoch {ckpt['epoch']} with that global batch first "
-                "(train.ckpt_format=sharded writes no epoch_NNNN.pth; a last.dcp from an epoch's end resumes with any "
-                "global batch)" if ckpt.get("format") == "sharded" else
-                "resume from an end-of-epoch checkpoint (epoch_NNNN.pth), where the global batch may change")
+    boundary = epoch_boundary(ckpt, path, "that global batch")
     raise UserError(f"checkpoint {path} stopped mid-epoch with a global batch of {then} images ({ckpt['world_size']} "
                     f"process(es) x train.batch_size={old['batch_size']} x train.accum_steps={old['accum_steps']}), "
                     f"this run's is {now}: {fits}, so no sample is skipped or repeated; or {boundary}")
@@ -214,7 +211,21 @@ def check_draw_group(ckpt: dict[str, Any], path: Path, cfg: Config) -> None:
             and old != cfg.train.batch_size):
         raise UserError(f"checkpoint {path} stopped mid-epoch with train.batch_size={old} and data.mix_group=0 (one "
                         f"mixing draw per {old} images, which also orders the epoch); resume it with "
-                        f"train.batch_size={old}, or from an end-of-epoch checkpoint (epoch_NNNN.pth)")
+                        f"train.batch_size={old}, or {epoch_boundary(ckpt, path, f'train.batch_size={old}')}")
+
+
+def epoch_boundary(ckpt: dict[str, Any], path: Path, kept: str) -> str:
+    """The way out of a mid-epoch refusal that exists: the folder's newest epoch_NNNN.pth, else the end of the epoch
+    reached with the checkpoint's `kept` setting (a checkpoint from an epoch's end resumes with any batch)."""
+    numbered = sorted((int(m.group(1)), p) for p in path.parent.glob("epoch_*.pth")
+                      if (m := EPOCH_FILE.fullmatch(p.name)))
+    if numbered and ckpt.get("format") != "sharded":
+        return f"resume={numbered[-1][1]} (an end-of-epoch checkpoint, where the batch may change)"
+    why = ("train.ckpt_format=sharded writes no epoch_NNNN.pth" if ckpt.get("format") == "sharded" else
+           f"{path.parent} holds no epoch_NNNN.pth: train.keep_last_k keeps them")
+    return (f"let the run reach the end of epoch {ckpt['epoch']} with {kept} first ({why}; a "
+            f"{'last.dcp' if ckpt.get('format') == 'sharded' else 'last.pth'} from an epoch's end resumes with any "
+            "global batch)")
 
 
 def yaml_value(value: Any) -> str:
