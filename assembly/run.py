@@ -144,7 +144,7 @@ def hooks_of(run: Run, model: Any, sinks: list) -> list[Hook]:
             *skipped,  # in the row before it is recorded
             CloseEpoch(),  # before the record and the checkpoint: resume=auto starts at the next epoch
             RecordRow(run.record),
-            Curves(run.record, run.chosen_on, info.is_main),  # drawn from the row just recorded
+            *([Curves(run.record, run.chosen_on, info.is_main)] if cfg.logging.curves else []),  # the row just recorded
             Tracking(sinks, run.chosen_on, info.is_main),
             ValidationErrors(run.tracker, lambda: run.outcomes, run.data.val.dataset, run.data.class_names,
                              cfg.logging.wandb_errors),

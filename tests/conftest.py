@@ -67,7 +67,7 @@ def tiny_run(tmp_path_factory) -> Path:
     Read it, never write into it: tests that change a run copy it or train their own.
     """
     out = tmp_path_factory.mktemp("tiny") / "run"
-    run_script("train.py", *TINY, f"output_dir={out}")
+    run_script("train.py", *TINY, "logging.curves=true", f"output_dir={out}")  # the one shared run draws curves.png
     return out
 
 

@@ -37,7 +37,7 @@ TINY = ["--config", "configs/dummy.yaml", "model.name=resnet10t", "data.img_size
 # test_resnet at 32 px, 3 epochs of 8 steps: val_top1 improves in epochs 0 and 1, then ties (seed 0)
 SMALL = ["--config", "configs/dummy.yaml", "model.name=test_resnet", "data.img_size=32", "data.dummy_image_size=32",
          "data.dummy_train_size=128", "data.dummy_val_size=37", "train.batch_size=16", "logging.interval=2",
-         "logging.progress=false"]
+         "logging.progress=false", "logging.curves=false"]
 
 
 def checkpoint(path: Path) -> dict:
