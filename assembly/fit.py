@@ -75,6 +75,7 @@ def fit(cfg: Config, info: DistInfo, lock: FolderLock | None = None,
             hook.after_train(state)
     finally:
         run.checkpointer.close()
+        run.hooks.clear()  # a hook may refer back to the run: without the cycle its loaders' workers end on return
     if info.is_main:
         log.info(run_summary(run.record.rows(), run.chosen_on, state.best_value, state.best_epoch,
                              time.monotonic() - run.started, Path(cfg.output_dir)))
