@@ -27,7 +27,8 @@ from data.split import saved_split
 from data.transforms import DeviceNormalize, eval_size
 from engine.checkpoint.inference import Trained, ema_hint, precision_line
 from engine.checkpoint.weights import MODEL_CONFIG
-from engine.evaluation import best_thresholds, evaluate, evaluate_multilabel, multilabel_metrics
+from engine.evaluation import (best_thresholds, confidence_and_loss, evaluate, evaluate_multilabel,
+                               multilabel_metrics)
 from engine.metrics import ECE_BINS, calibration_bins, class_metrics, class_report, expected_calibration_error
 from engine.plots import PNG, plot_reliability
 from engine.precision import resolve_precision
@@ -82,8 +83,7 @@ class PredictionWriter:
         self.batches: list[tuple[torch.Tensor, ...]] = []
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor, ranked: torch.Tensor) -> None:
-        confidence = logits.softmax(dim=1).gather(1, ranked[:, :1]).squeeze(1)
-        losses = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+        confidence, losses = confidence_and_loss(logits, targets, ranked)
         self.batches.append((targets, ranked, confidence, losses))
 
     def rows(self) -> list[dict[str, Any]]:

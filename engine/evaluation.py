@@ -125,6 +125,13 @@ def exact_mean(values: list[torch.Tensor], device: torch.device) -> float:
     return mean.cpu().tolist()[0]  # one copy to the host at the end, as global_sums_with reads the sums
 
 
+def confidence_and_loss(logits: torch.Tensor, targets: torch.Tensor,
+                        ranked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each image's top-1 softmax probability and its cross-entropy loss (predictions.csv's and W&B's columns)."""
+    confidence = logits.softmax(dim=1).gather(1, ranked[:, :1]).squeeze(1)
+    return confidence, nn.functional.cross_entropy(logits, targets, reduction="none")
+
+
 class ImageOutcomes:
     """Each validation image's (index in the validation set, true class, predicted class, confidence, loss), from
     evaluate()'s on_batch hook, gathered to rank 0 in the global order (`gather`, a collective): what the per-
@@ -135,8 +142,7 @@ class ImageOutcomes:
         self.start, self.batches = start, []
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor, ranked: torch.Tensor) -> None:
-        confidence = logits.softmax(dim=1).gather(1, ranked[:, :1]).squeeze(1)
-        losses = nn.functional.cross_entropy(logits, targets, reduction="none")
+        confidence, losses = confidence_and_loss(logits, targets, ranked)
         self.batches.append(torch.stack([targets.double(), ranked[:, 0].double(), confidence.double(),
                                          losses.double()], dim=1))
 
