@@ -204,38 +204,30 @@ def shard_bounds(size: int, rank: int, world_size: int, batch_size: int = 1) -> 
 
 def build_datasets(cfg: DataConfig, seed: int, local_rank: int = 0,
                    split: Split | None = None) -> tuple[AugmentedDataset, AugmentedDataset]:
-    """(train, val) datasets for data.name; val is labelled with the training class map; `split`: data.val_fraction's
-    lists (data/split.py)."""
-    if cfg.name == "dummy":
-        return DummyDataset(cfg.dummy_train_size, cfg.dummy_num_classes, cfg.dummy_image_size,
-                            train_transform(cfg), seed), build_val_dataset(cfg, seed, local_rank)
-    if cfg.skip_corrupt:
+    """(train, val) datasets for data.name with their transforms; val is labelled with the training class map;
+    `split`: data.val_fraction's lists (data/split.py)."""
+    train_tf, eval_tf, tensor_tf, erasing = (train_transform(cfg), eval_transform(cfg), tensor_augment(cfg),
+                                             deferred_erasing(cfg))
+    if cfg.skip_corrupt and cfg.name != "dummy":
         log.info("data.skip_corrupt: unreadable training images are dropped from their batch and counted")
     prepare_digits(cfg, local_rank)
-    if split is not None:
-        train = SplitDataset(cfg.root, split.train, train_transform(cfg), seed, skip_corrupt=cfg.skip_corrupt,
-                             max_pixels=cfg.max_image_pixels)
-    else:
-        train = build_split(cfg, cfg.train_split, train_transform(cfg), seed, skip_corrupt=cfg.skip_corrupt)
-    return train, build_val_dataset(cfg, seed, local_rank, train.classes, split=split)
+    train = dataset_of(cfg, True, train_tf, seed, split=split)
+    val = dataset_of(cfg, False, eval_tf, seed, train.classes, split)
+    for dataset, pipeline_file in ((train, cfg.train_transform), (val, cfg.eval_transform)):
+        if pipeline_file:
+            dataset[0]  # a pipeline file's first output checked (SizeCheck) in this process, before any write
+    train.tensor_transform = tensor_tf  # data.auto_augment, data.random_erase: for any data format
+    train.erasing = erasing  # data.random_erase_fill=normalized: boxes drawn, filled on the device
+    return train, val
 
 
 def build_val_dataset(cfg: DataConfig, seed: int, local_rank: int = 0,
                       classes: list[str] | None = None, crops: int = 1, split: Split | None = None) -> AugmentedDataset:
     """The validation set alone (evaluate.py needs no training split); `classes`: the training class map;
     `crops`: 5 for the stacked five crops of test-time augmentation; `split`: data.val_fraction's lists."""
-    if cfg.name == "dummy":
-        return DummyDataset(cfg.dummy_val_size, num_classes=cfg.dummy_num_classes, image_size=cfg.dummy_image_size,
-                            transform=eval_transform(cfg, crops), seed=seed, offset=cfg.dummy_train_size)
-    if cfg.val_fraction:
-        if split is None:
-            raise UserError(f"data.val_fraction={cfg.val_fraction}: the run's val.txt was not given; evaluate the "
-                            "run's checkpoint in its folder, or set data.val_fraction=0 and name a data.val_split")
-        return SplitDataset(cfg.root, split.val, eval_transform(cfg, crops), seed, classes,
-                            max_pixels=cfg.max_image_pixels)
+    transform = eval_transform(cfg, crops)
     prepare_digits(cfg, local_rank)
-    # skip_corrupt never for val: an evaluation counts every image
-    return build_split(cfg, cfg.val_split, eval_transform(cfg, crops), seed, classes)
+    return dataset_of(cfg, False, transform, seed, classes, split)
 
 
 def prepare_digits(cfg: DataConfig, local_rank: int) -> None:
@@ -246,22 +238,40 @@ def prepare_digits(cfg: DataConfig, local_rank: int) -> None:
                 export_digits(Path(cfg.root))
 
 
+def dataset_of(cfg: DataConfig, train: bool, transform: A.Compose, seed: int, classes: list[str] | None = None,
+               split: Split | None = None) -> AugmentedDataset:
+    """The training or validation split in data.name's format; `classes` is the class map its labels use (None: its
+    own classes). Unreadable images are skipped (data.skip_corrupt) in training only: an evaluation counts each."""
+    skip_corrupt = train and cfg.skip_corrupt
+    if cfg.name == "dummy":
+        size, offset = (cfg.dummy_train_size, 0) if train else (cfg.dummy_val_size, cfg.dummy_train_size)
+        return DummyDataset(size, cfg.dummy_num_classes, cfg.dummy_image_size, transform, seed, offset)
+    if cfg.val_fraction:
+        if split is None:
+            raise UserError(f"data.val_fraction={cfg.val_fraction}: the run's val.txt was not given; evaluate the "
+                            "run's checkpoint in its folder, or set data.val_fraction=0 and name a data.val_split")
+        return SplitDataset(cfg.root, split.train if train else split.val, transform, seed, classes,
+                            skip_corrupt=skip_corrupt, max_pixels=cfg.max_image_pixels)
+    return build_split(cfg, cfg.train_split if train else cfg.val_split, transform, seed, classes, skip_corrupt)
+
+
 def build_split(cfg: DataConfig, split: str, transform: A.Compose, seed: int, classes: list[str] | None = None,
                 skip_corrupt: bool = False) -> AugmentedDataset:
-    """One split in data.name's format; `classes` is the class map its labels use (None: its own classes)."""
+    """One named split in data.name's format; `classes` is the class map its labels use (None: its own classes)."""
+    max_pixels = cfg.max_image_pixels
     if cfg.name == "wds":
         return ShardDataset(split_index(cfg.root, split), transform, seed, classes, skip_corrupt=skip_corrupt,
-                            max_pixels=cfg.max_image_pixels, cache_dir=cfg.shard_cache, multi_label=cfg.multi_label)
+                            max_pixels=max_pixels, cache_dir=cfg.shard_cache, multi_label=cfg.multi_label)
     if cfg.name == "hf":
         return HFDataset(cfg.root, split, transform, seed, classes, image_column=cfg.image_column,
                          label_column=cfg.label_column, path_column=cfg.path_column, skip_corrupt=skip_corrupt,
-                         max_pixels=cfg.max_image_pixels, multi_label=cfg.multi_label, hf_config=cfg.hf_config,
+                         max_pixels=max_pixels, multi_label=cfg.multi_label, hf_config=cfg.hf_config,
                          hf_revision=cfg.hf_revision)
     if cfg.name == "listfile":
         return ListFileDataset(cfg.root, split, transform, seed, classes, skip_corrupt=skip_corrupt,
-                               max_pixels=cfg.max_image_pixels, multi_label=cfg.multi_label)
+                               max_pixels=max_pixels, multi_label=cfg.multi_label)
     return ImageFolderDataset(Path(cfg.root) / split, transform, seed, classes, skip_corrupt=skip_corrupt,
-                              max_pixels=cfg.max_image_pixels)
+                              max_pixels=max_pixels)
 
 
 def _worker_init(worker_id: int) -> None:
@@ -483,11 +493,6 @@ def build_data(cfg: DataConfig, batch_size: int, seed: int, info: DistInfo, accu
                drop_last_accum: bool = False, split: Split | None = None) -> DataBundle:
     """Everything training needs from data/: both loaders, the class list, and the optimizer steps per epoch."""
     train_set, val_set = build_datasets(cfg, seed, info.local_rank, split)
-    for dataset, pipeline_file in ((train_set, cfg.train_transform), (val_set, cfg.eval_transform)):
-        if pipeline_file:
-            dataset[0]  # a pipeline file's first output checked (SizeCheck) in this process, before any write
-    train_set.tensor_transform = tensor_augment(cfg)  # data.auto_augment, data.random_erase: for any data format
-    train_set.erasing = deferred_erasing(cfg)  # data.random_erase_fill=normalized: boxes drawn, filled on the device
     log.info("data %s: train %d images, val %d images, %d classes%s", cfg.name, len(train_set), len(val_set),
              len(train_set.classes), ", multi-label (data.multi_label=true)" if cfg.multi_label else "")
     return dataclasses.replace(loaders(train_set, val_set, cfg, batch_size, seed, info, accum_steps, drop_last_accum),
