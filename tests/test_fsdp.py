@@ -346,6 +346,38 @@ def test_hsdp_on_4_ranks_as_2_by_2_trains_the_single_process_model_and_resumes_o
         report("hsdp", "resumed on 2", key, runs["hsdp"][key], runs["resumed"][key])
 
 
+def hsdp_2x1_steps(rank: int, world: int) -> dict:
+    """A ViT sharded by shard_for_training as HSDP with shard size 1 on 2 ranks: its mesh, whether each rank holds
+    every parameter whole, and 3 AdamW steps on each rank's half of a global batch of 8 (gathered whole); then the
+    same steps in one process on the whole batch."""
+    from models.parallel import shard_for_training
+
+    data = torch.Generator().manual_seed(0)
+    images, labels = torch.randn(3, 8, 3, 16, 16, generator=data), torch.randint(0, 3, (3, 8), generator=data)
+    torch.manual_seed(0)
+    model = timm.create_model("test_vit", num_classes=3, img_size=16)
+    shard_for_training(model, None, None, world, shard_size=1)
+    mesh = model._get_fsdp_state()._fsdp_param_group.mesh_info.mesh
+    whole = all(p.to_local().shape == p.shape for p in model.parameters())
+    half = slice(4 * rank, 4 * rank + 4)
+    found = {"mesh": (mesh.shape, mesh.mesh_dim_names), "whole": whole,
+             "hsdp": adamw_steps(model, images[:, half], labels[:, half], True)[0]}
+    torch.manual_seed(0)
+    found["one process"] = adamw_steps(timm.create_model("test_vit", num_classes=3, img_size=16), images, labels,
+                                       sharded=False)[0]
+    return found
+
+
+def test_hsdp_2_by_1_replicates_across_the_ranks_and_trains_the_single_process_model(tmp_path):
+    """dist.fsdp_shard_size=1 on 2 ranks: a (replicate 2, shard 1) mesh, so each rank holds every parameter whole and
+    the two replicas' gradients are averaged; its AdamW steps are one process's within TOL. The 2 x 2 test cannot
+    tell the mesh's two dimensions apart: swapped, this layout would shard each tensor over the 2 ranks (1 x 2)."""
+    ranks = run_ranks(hsdp_2x1_steps, 2, tmp_path)
+    for found in ranks:
+        assert found["mesh"] == ((2, 1), ("replicate", "shard")) and found["whole"]
+    report("one process", "hsdp 2 x 1", "model", ranks[0]["one process"], ranks[0]["hsdp"])  # gathered on rank 0
+
+
 def test_an_hsdp_group_size_that_does_not_divide_the_processes_is_one_line():
     from models.parallel import device_mesh
 
