@@ -336,8 +336,8 @@ def decode_image(data: bytes, name: str, max_pixels: int = DataConfig.max_image_
     if width * height > max_pixels:
         raise UserError(f"image {name} is {width}x{height} pixels, more than data.max_image_pixels={max_pixels}; "
                         "shrink or remove it, or raise data.max_image_pixels")
-    if data.startswith(b"\xff\xd8") and complete and jpeg_frame(data)[2] == 4:
-        return cmyk_jpeg_as_pils(data, name)
+    if complete and decoded_by_pil(data):
+        return decode_as_pils(data, name)
     try:
         # As PIL reads it (timm's and torchvision's loaders): EXIF orientation ignored, where OpenCV would apply it.
         flags = cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION
@@ -350,9 +350,29 @@ def decode_image(data: bytes, name: str, max_pixels: int = DataConfig.max_image_
     return image
 
 
-def cmyk_jpeg_as_pils(data: bytes, name: str) -> np.ndarray:
-    """A CMYK (or YCCK) JPEG through PIL's convert("RGB"), as timm's and torchvision's loaders read it: OpenCV's own
-    conversion is one level off on nearly every pixel. Rare (print workflows), so the slower path costs little."""
+TIFF_SIGNATURES = (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+")  # little/big-endian TIFF and BigTIFF
+
+
+def decoded_by_pil(data: bytes) -> bool:
+    """Whether OpenCV would give other pixels than PIL's convert("RGB") (what timm's and torchvision's loaders read):
+    a CMYK or YCCK JPEG (OpenCV one level off on nearly every pixel), a 16-bit greyscale PNG or a 16/32-bit or float
+    greyscale TIFF (PIL clips each value at 255, OpenCV divides by 256 or refuses 32 bits). Read from the header."""
+    if data.startswith(b"\xff\xd8"):
+        return jpeg_frame(data)[2] == 4
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return data[24:26] == b"\x10\x00"  # IHDR: bit depth 16, colour type 0 (greyscale)
+    if data[:4] in TIFF_SIGNATURES:
+        try:
+            with Image.open(io.BytesIO(data)) as image:
+                return image.mode == "F" or image.mode.startswith("I")  # I, I;16, I;16B, ...
+        except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
+            return False  # OpenCV then decodes it or refuses it in one line
+    return False
+
+
+def decode_as_pils(data: bytes, name: str) -> np.ndarray:
+    """The image through PIL's convert("RGB"), as timm's and torchvision's loaders read it (see decoded_by_pil).
+    Rare (print workflows, 16-bit scans), so the slower path costs little."""
     try:
         with Image.open(io.BytesIO(data)) as image:
             return np.asarray(image.convert("RGB"))

@@ -196,10 +196,11 @@ PREPROCESSING_ROWS: list[Row] = [
 ]
 
 # Decoding (issue 40 item 9): every source reads images with PIL (torchvision's pil_loader: convert("RGB")).
-DECODE_TEST = PIXELS + "test_exif_rotated_and_cmyk_jpegs_decode_as_pils_loader"
+DECODE_TEST = PIXELS + "test_images_opencv_reads_otherwise_decode_as_pils_loader"
 DECODING_ROWS = [
-    Row(name, "decoding", "PIL: EXIF orientation ignored, CMYK through convert('RGB') (torchvision pil_loader)", (),
-        DECODE_TEST, "OpenCV with EXIF ignored; CMYK/YCCK JPEGs through PIL")
+    Row(name, "decoding", "PIL: EXIF orientation ignored, CMYK and 16-bit greyscale through convert('RGB') "
+        "(torchvision pil_loader)", (), DECODE_TEST,
+        "OpenCV with EXIF ignored; CMYK/YCCK JPEGs, 16-bit greyscale PNGs and TIFFs through PIL")
     for name in ("deit_small.yaml", "deit_small_distilled.yaml", "convnext_tiny.yaml", "resnet50_rsb_a3.yaml",
                  "resnet50_torchvision.yaml", MAE)
 ]

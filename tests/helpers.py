@@ -274,13 +274,13 @@ def _main_entry(rank: int, world: int, port: int, script: str, args: tuple, env:
 
 
 def run_on_ranks(script: str, *args: str, nproc: int, env: dict | None = None,
-                 timeout: float = HANG) -> subprocess.CompletedProcess:
+                 timeout: float = HANG, exit_code: int = 0) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node=nproc script args` for a test that reads only the run's files: each rank runs the
     script's main with the variables torchrun sets, in a real process joined by a real gloo group, forked from
     run_ranks' forkserver (no ~7 s of imports per rank, nor torchrun's own 3 s). Tests of the launcher itself
-    (signals, exit codes, torchrun's output) use run_script. A rank that exits non-zero fails the test with its
-    stderr; one still running after `timeout` fails it as hung. Returns the ranks' stdout and stderr, each the
-    ranks' texts in rank order."""
+    (signals, exit codes, torchrun's output) use run_script. A rank that exits other than `exit_code` (2: a refusal
+    in one line) fails the test with its stderr; one still running after `timeout` fails it as hung. Returns the
+    ranks' stdout and stderr, each the ranks' texts in rank order."""
     import tempfile
 
     import torch.multiprocessing as mp
@@ -299,11 +299,11 @@ def run_on_ranks(script: str, *args: str, nproc: int, env: dict | None = None,
                                      f"{timeout:.0f} s")
         for rank in range(nproc):
             code = Path(out_dir, f"rank{rank}.code").read_text()
-            assert code == "0", (f"{script} {' '.join(args)}: rank {rank} exited {code}\n"
+            assert code == str(exit_code), (f"{script} {' '.join(args)}: rank {rank} exited {code}\n"
                                  + Path(out_dir, f"rank{rank}.err").read_text()[-5000:])
         stdout, stderr = ("".join(Path(out_dir, f"rank{rank}.{kind}").read_text() for rank in range(nproc))
                           for kind in ("out", "err"))
-        return subprocess.CompletedProcess([script, *args], 0, stdout, stderr)
+        return subprocess.CompletedProcess([script, *args], exit_code, stdout, stderr)
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
 

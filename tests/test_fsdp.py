@@ -146,11 +146,7 @@ def bf16_forward_dtypes(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = timm.create_model("test_resnet", num_classes=3)
     ema = create_ema(model, 0.5)
-    seen = {}
-    for module in model.modules():
-        if isinstance(module, (nn.Conv2d, nn.BatchNorm2d)):
-            kind = "conv" if isinstance(module, nn.Conv2d) else "norm"
-            module.register_forward_pre_hook(lambda m, args, kind=kind: seen.setdefault(kind, set()).add(m.weight.dtype))
+    seen = weight_dtypes_seen(model)
     shard_model(model, torch.bfloat16)
     shard_model(ema.module, torch.bfloat16)
     model(torch.randn(4, 3, 16, 16)).float().sum().backward()
@@ -162,6 +158,16 @@ def bf16_forward_dtypes(rank: int, world: int) -> dict:
     halfway = all(torch.allclose(ema_state[k].full_tensor(), state[k].full_tensor() - 0.5)
                   for k, v in state.items() if isinstance(v, DTensor))
     return {"dtypes": {name: sorted(str(d) for d in found) for name, found in seen.items()}, "ema_halfway": halfway}
+
+
+def weight_dtypes_seen(model: nn.Module) -> dict[str, set[torch.dtype]]:
+    """Filled by each forward: the weight dtypes the model's convolutions ("conv") and BatchNorms ("norm") ran with."""
+    seen: dict[str, set[torch.dtype]] = {}
+    for module in model.modules():
+        if isinstance(module, (nn.Conv2d, nn.BatchNorm2d)):
+            kind = "conv" if isinstance(module, nn.Conv2d) else "norm"
+            module.register_forward_pre_hook(lambda m, args, kind=kind: seen.setdefault(kind, set()).add(m.weight.dtype))
+    return seen
 
 
 @pytest.mark.slow
@@ -179,8 +185,9 @@ COLLECTIVE_OPS = ("_allgather_base_", "_reduce_scatter_base_")  # FSDP2's all-ga
 
 
 def units_and_collectives(rank: int, world: int) -> dict:
-    """test_resnet (a stem BatchNorm, 4 blocks of 2-3 BatchNorms) sharded under each policy: FSDP units, and the
-    all-gathers and reduce-scatters of one SGD step (dispatch recorder); the weights after it, gathered whole."""
+    """test_resnet (a stem BatchNorm, 4 blocks of 2-3 BatchNorms) sharded under each policy: FSDP units, the weight
+    dtypes its convolutions and BatchNorms ran with, and the all-gathers and reduce-scatters of one SGD step
+    (dispatch recorder); the weights after it, gathered whole."""
     from torch.distributed.fsdp import FSDPModule
 
     from tests.helpers import op_counter
@@ -188,7 +195,9 @@ def units_and_collectives(rank: int, world: int) -> dict:
     found = {}
     for name, dtype in (("fp32", None), ("bf16", torch.bfloat16), ("fp32 weights, BatchNorm units", torch.float32)):
         torch.manual_seed(0)
-        model = shard_model(timm.create_model("test_resnet", num_classes=3), dtype)
+        model = timm.create_model("test_resnet", num_classes=3)
+        seen = weight_dtypes_seen(model)
+        shard_model(model, dtype)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         torch.manual_seed(rank)
         images = torch.randn(4, 3, 16, 16)
@@ -196,7 +205,7 @@ def units_and_collectives(rank: int, world: int) -> dict:
             model(images).float().square().mean().backward()
         optimizer.step()
         states = {id(m._get_fsdp_state()) for m in model.modules() if isinstance(m, FSDPModule)}  # a list: one
-        found[name] = {"units": len(states),
+        found[name] = {"units": len(states), "dtypes": {kind: sorted(map(str, found)) for kind, found in seen.items()},
                        **{op: counter.ops[op] for op in COLLECTIVE_OPS},
                        "weights": {k: v.full_tensor() for k, v in model.state_dict().items() if isinstance(v, DTensor)}}
     return found
@@ -205,10 +214,12 @@ def units_and_collectives(rank: int, world: int) -> dict:
 def test_bf16_fsdp_shards_each_blocks_batchnorms_as_one_unit_and_steps_as_fp32(tmp_path):
     """Issue 50 item 3: under a bf16 policy each block's BatchNorms are one fp32 unit (was: one unit each, 15 on
     test_resnet, 53 on resnet50), so a step's all-gathers and reduce-scatters grow by the blocks, not the
-    BatchNorms. The grouping changes the communication only: with fp32 weights through the same BatchNorm units
-    one step's weights equal the plain fp32 policy's to fp32 rounding."""
+    BatchNorms; BatchNorm computes with fp32 weights while convolutions take bf16 (the fast-tier catch of that rule;
+    the slow test above adds the EMA). The grouping changes the communication only: with fp32 weights through the
+    same BatchNorm units one step's weights equal the plain fp32 policy's to fp32 rounding."""
     for ranks in run_ranks(units_and_collectives, 2, tmp_path):
         fp32, bf16, grouped = ranks["fp32"], ranks["bf16"], ranks["fp32 weights, BatchNorm units"]
+        assert bf16["dtypes"] == {"conv": ["torch.bfloat16"], "norm": ["torch.float32"]}
         # fp32: 4 blocks + the root; each unit gathered for forward and backward, the root once (kept gathered).
         assert (fp32["units"], fp32["_allgather_base_"], fp32["_reduce_scatter_base_"]) == (5, 9, 5)
         # bf16: + 4 blocks' BatchNorms + the stem's = 10 units (was 20: 39 all-gathers, 20 reduce-scatters).
@@ -344,6 +355,38 @@ def test_hsdp_on_4_ranks_as_2_by_2_trains_the_single_process_model_and_resumes_o
     for key in ("model", "ema"):
         report("single", "hsdp", key, runs["single"][key], runs["hsdp"][key])
         report("hsdp", "resumed on 2", key, runs["hsdp"][key], runs["resumed"][key])
+
+
+def hsdp_2x1_steps(rank: int, world: int) -> dict:
+    """A ViT sharded by shard_for_training as HSDP with shard size 1 on 2 ranks: its mesh, whether each rank holds
+    every parameter whole, and 3 AdamW steps on each rank's half of a global batch of 8 (gathered whole); then the
+    same steps in one process on the whole batch."""
+    from models.parallel import shard_for_training
+
+    data = torch.Generator().manual_seed(0)
+    images, labels = torch.randn(3, 8, 3, 16, 16, generator=data), torch.randint(0, 3, (3, 8), generator=data)
+    torch.manual_seed(0)
+    model = timm.create_model("test_vit", num_classes=3, img_size=16)
+    shard_for_training(model, None, None, world, shard_size=1)
+    mesh = model._get_fsdp_state()._fsdp_param_group.mesh_info.mesh
+    whole = all(p.to_local().shape == p.shape for p in model.parameters())
+    half = slice(4 * rank, 4 * rank + 4)
+    found = {"mesh": (mesh.shape, mesh.mesh_dim_names), "whole": whole,
+             "hsdp": adamw_steps(model, images[:, half], labels[:, half], True)[0]}
+    torch.manual_seed(0)
+    found["one process"] = adamw_steps(timm.create_model("test_vit", num_classes=3, img_size=16), images, labels,
+                                       sharded=False)[0]
+    return found
+
+
+def test_hsdp_2_by_1_replicates_across_the_ranks_and_trains_the_single_process_model(tmp_path):
+    """dist.fsdp_shard_size=1 on 2 ranks: a (replicate 2, shard 1) mesh, so each rank holds every parameter whole and
+    the two replicas' gradients are averaged; its AdamW steps are one process's within TOL. The 2 x 2 test cannot
+    tell the mesh's two dimensions apart: swapped, this layout would shard each tensor over the 2 ranks (1 x 2)."""
+    ranks = run_ranks(hsdp_2x1_steps, 2, tmp_path)
+    for found in ranks:
+        assert found["mesh"] == ((2, 1), ("replicate", "shard")) and found["whole"]
+    report("one process", "hsdp 2 x 1", "model", ranks[0]["one process"], ranks[0]["hsdp"])  # gathered on rank 0
 
 
 def test_an_hsdp_group_size_that_does_not_divide_the_processes_is_one_line():

@@ -216,24 +216,32 @@ def test_const_erasing_is_zero_after_normalize_as_torchvisions():
         torch.testing.assert_close(ours, expected, atol=tolerance, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["exif_rotated", "cmyk"])
-def test_exif_rotated_and_cmyk_jpegs_decode_as_pils_loader(kind, tmp_path):
-    """The app's decoder gives the pixels of torchvision's pil_loader (what timm's and torchvision's datasets read,
-    in every source recipe) for the two JPEGs where OpenCV differs: a photo with EXIF Orientation=6, which OpenCV
-    turned (517x333 where PIL gives 333x517, as stored), and a CMYK JPEG, which OpenCV converted one level off on
-    nearly every pixel. Training, evaluation and predict.py all decode through it (data.datasets.read_image)."""
+@pytest.mark.parametrize("kind", ["exif_rotated", "cmyk", "grey16.png", "grey16.tiff"])
+def test_images_opencv_reads_otherwise_decode_as_pils_loader(kind, tmp_path):
+    """The app's decoder gives the pixels of torchvision's pil_loader (convert("RGB"): what timm's and torchvision's
+    datasets read, in every source recipe) for the files where OpenCV differs: a JPEG with EXIF Orientation=6, which
+    OpenCV turned (517x333 where PIL gives 333x517, as stored); a CMYK JPEG, which OpenCV converted one level off on
+    nearly every pixel; 16-bit greyscale PNG and TIFF (PIL mode I;16), which PIL clips at 255 where OpenCV divided
+    by 256 (issue 51 item 7: a mean of 128.5 against PIL's 254.6, 254 levels apart), here with dark rows of values
+    below 256 too (OpenCV made them 0). Training, evaluation and predict.py all decode through data.datasets.read_image."""
     from torchvision.datasets.folder import pil_loader
 
     from data.datasets import read_image
 
     photo = np.asarray(load_sample_images().images[0])[:333, :517]
-    path = tmp_path / f"{kind}.jpg"
+    path = tmp_path / (kind if "." in kind else f"{kind}.jpg")
     if kind == "exif_rotated":
         exif = Image.Exif()
         exif[0x0112] = 6  # Orientation: rotate 90 degrees clockwise to display
         Image.fromarray(photo).save(path, "JPEG", quality=90, exif=exif)
-    else:
+    elif kind == "cmyk":
         Image.fromarray(photo).convert("CMYK").save(path, "JPEG", quality=90)
+    else:
+        grey = photo.mean(axis=2) * 257  # the photo's full 16-bit range
+        grey[:50] /= 256  # dark rows: 0-255
+        Image.fromarray(grey.astype(np.uint16)).save(path)
+        with Image.open(path) as written:
+            assert written.mode == "I;16"
     theirs = np.asarray(pil_loader(str(path)))
     ours = read_image(str(path))
     assert ours.shape == theirs.shape == (333, 517, 3)

@@ -88,6 +88,19 @@ def test_a_damaged_cached_weights_file_is_one_line_naming_it(damage, cached, tmp
     assert not (tmp_path / "r").exists()
 
 
+def test_a_damaged_cache_on_two_ranks_is_rank_0s_one_line(cached, tmp_path):
+    """Rank 0 reads the pretrained weights first and the others wait for it (core.dist.main_first, so N ranks do not
+    download into one cache at once): its failure comes out once, as rank 0's line, and rank 1 stays quiet. Each rank
+    reading the damaged file at once printed the line once per rank (issue 51's surviving mutant)."""
+    _, repo = cached
+    (file,) = repo.glob("snapshots/*/model.safetensors")
+    file.write_bytes(b"not a safetensors file")
+    proc = run_on_ranks("train.py", *PRETRAINED, f"output_dir={tmp_path / 'r'}", "--dry-run", nproc=2, exit_code=2)
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith(f"[rank 0] error: model.name={TAG}: the Hugging Face cache's "
+                                                     f"copy of its weights, {file}, is damaged ("), proc.stderr
+
+
 @pytest.mark.parametrize("args, expected", [
     ([f"model.name={TAG}"], f"model.name={TAG} names pretrained weights but model.pretrained is false, so the run "
                             "would start from random weights; set model.pretrained=true to start from them, or "

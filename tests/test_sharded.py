@@ -132,6 +132,24 @@ def test_a_sharded_save_missing_a_ranks_shards_is_never_swapped_in(tmp_path):
     assert read_checkpoint(tmp_path / "run/last.dcp")["global_step"] == 3  # the previous folder, whole
 
 
+def test_a_new_folder_missing_a_shard_file_is_refused_before_the_swap(tmp_path):
+    """The shard check before the swap, in one process on real files (the 2-rank test above is slow): a new folder
+    whose index names a shard file that is not in it (another node's view) is refused in one line, removed, and the
+    previous last.dcp stays whole; without the check finish() swapped it in."""
+    from core.files import temp_name
+
+    model, optimizer = build("plain", seed=0)
+    folder = tmp_path / "last.dcp"
+    sharded.save(folder, model, optimizer, {"epoch": 1, "global_step": 3, "rng": []})
+    tmp = temp_name(folder)  # the new folder as every rank left it: the index and the shards, no train_state.pth
+    shutil.copytree(folder, tmp, ignore=shutil.ignore_patterns(formats.PLAIN, "*.distcp"))
+    assert (tmp / ".metadata").is_file()
+    with pytest.raises(UserError, match=r"^cannot write checkpoint .*last.dcp: the shards of rank\(s\) 0 "
+                                        r"\(__0_0.distcp\) are not in rank 0's view of it"):
+        sharded.finish(folder, tmp, {"epoch": 2, "global_step": 6, "rng": []})
+    assert not tmp.exists() and read_checkpoint(folder)["global_step"] == 3
+
+
 def load_both(rank: int, world: int, kind: str, tmp: str) -> dict:
     return {f"{name}.dcp into {kind}": load_fresh(kind, Path(tmp) / f"{name}.dcp") for name in ("fsdp", "ddp")}
 
