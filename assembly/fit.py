@@ -17,7 +17,7 @@ from core.errors import UserError
 from core.logs import run_summary
 from core.signals import Preempted
 from engine.checkpoint.run_dir import FolderLock, continue_with
-from engine.hooks import Hook, StopEarly
+from engine.hooks import Hook, StopRun
 from engine.lr_find import LABEL as LR_RULE_LABEL, range_test, write_results
 from engine.state import TrainState
 from engine.trainer import train_one_epoch
@@ -66,7 +66,7 @@ def fit(cfg: Config, info: DistInfo, lock: FolderLock | None = None,
                 stopped.checkpoint = run.save_now(state)  # mid-epoch: resume=auto continues where it stopped
                 stopped.overrides = continue_with(cfg.output_dir, cfg.resume)
                 raise
-            except StopEarly:  # train.early_stop_patience ran out at a validation inside the epoch (said, saved)
+            except StopRun:  # a stop rule held at a validation inside the epoch (said, checkpointed, recorded)
                 break
             run.end_validation(state, train_stats, finished=state.epoch_finished(data.steps_per_epoch))
         for hook in hooks:

@@ -19,7 +19,7 @@ from engine.checkpoint.run_dir import FolderLock, RunRecord
 from engine.checkpoint.saver import Checkpointer
 from engine.evaluation import ImageOutcomes, validate_epoch, validation_precision
 from engine.hooks import (BestArtifact, CloseEpoch, Curves, EmaUpdate, EpochCheckpoint, EpochEnd, EpochInputs,
-                          FinishSinks, Hook, RecordRow, SkippedImages, StepCheckpoint, StopEarly, Tracking,
+                          FinishSinks, Hook, RecordRow, SkippedImages, StepCheckpoint, StopRun, Tracking,
                           ValidateEvery, ValidationErrors)
 from engine.precision import Precision, resolve_precision
 from engine.profiling import FOLDER as PROFILE_FOLDER, ProfileSteps
@@ -85,14 +85,14 @@ class Run:
 
     def validate_mid_epoch(self, state: TrainState) -> None:
         """train.val_every_steps (ValidateEvery): a validation inside the epoch with the epoch's train columns so far
-        (a collective), its time kept off the training clock; raises StopEarly when early stopping runs out."""
+        (a collective), its time kept off the training clock; raises StopRun when a stop rule holds (stops)."""
         began = self.loop.clock()
         self.end_validation(state, train_columns(state.sync_sums(), self.loop.multi_label), False, mid_epoch=True)
         self.step_checkpoint.saved_step = state.global_step  # EpochCheckpoint just wrote last.pth at this step
         self.parts.model.train()
         state.paused += self.loop.clock() - began
         if self.stops():
-            raise StopEarly
+            raise StopRun
 
     def stops(self) -> bool:
         """Whether the run stops here (stop_reason, before an epoch or after a validation inside one); says why on
@@ -174,8 +174,8 @@ def hooks_of(run: Run, model: Any, tracker: WandbTracker, board: TensorBoardWrit
     skipped = ([SkippedImages(full_epoch_images(run.data.train, info.world_size), info.is_main)]
                if cfg.data.skip_corrupt else [])
     ema = [EmaUpdate(run.ema, model, cfg.model.ema_reset_epochs)] if run.ema is not None else []
-    every = ([ValidateEvery(cfg.train.val_every_steps, run.data.steps_per_epoch, cfg.train.max_steps,
-                            run.validate_mid_epoch)] if cfg.train.val_every_steps else [])
+    every = ([ValidateEvery(cfg.train.val_every_steps, run.data.steps_per_epoch, run.validate_mid_epoch)]
+             if cfg.train.val_every_steps else [])
     return [EpochInputs(run.data.train, cfg.train.accum_steps, run.parts.loss_fn),
             *ema,  # before the checkpoint that saves it, and before a validation of it
             *every,  # its after_epoch hooks write last.pth at the step: StepCheckpoint then need not

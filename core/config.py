@@ -287,8 +287,8 @@ class TrainConfig:
     val_every_steps: int = key(0,
                                "also validate the model (and EMA) after each optimizer step whose global step is a "
                                "multiple of this, inside an epoch (a row in metrics.jsonl with its step; best.pth and "
-                               "early stopping count it); a step that ends the epoch or the run is validated once, by "
-                               "the epoch's validation; 0 = after each epoch only",
+                               "early stopping count it); the step that ends an epoch is validated once, by the "
+                               "epoch's validation; 0 = after each epoch only",
                                within=">= 0", continues=True)
     ckpt_every_steps: int = key(0,
                                 "also write last.pth every this many optimizer steps; 0 = only after each epoch",

@@ -95,24 +95,23 @@ def ema_copies(state: TrainState, reset_epochs: int) -> bool:
     return state.epoch < reset_epochs or (state.epoch == reset_epochs > 0 and state.epoch_step == 1)
 
 
-class StopEarly(Exception):
-    """train.early_stop_patience ran out at a validation inside an epoch: the run ends there (said in the log)."""
+class StopRun(Exception):
+    """A stop rule holds after a validation inside an epoch (train.early_stop_patience ran out, or train.max_steps
+    was reached at a step of train.val_every_steps): the run ends there, its checkpoint written, the reason said."""
 
 
 class ValidateEvery(Hook):
     """train.val_every_steps: after each optimizer step whose global step is a multiple of `every`, `validate(state)`
-    (the run's validation and its after_epoch hooks, assembly/run.Run.validate_mid_epoch) -- except at a step that
-    ends the epoch or the run (train.max_steps), which the epoch's own validation covers: no step is validated
-    twice. The schedule is the global step's alone, so a resumed run repeats or skips none."""
+    (the run's validation and its after_epoch hooks, assembly/run.Run.validate_mid_epoch) -- except at the step that
+    ends the epoch, which the epoch's own validation covers: no step is validated twice (a train.max_steps stop at
+    such a step ends the run there: StopRun). The schedule is the global step's alone, so a resumed run repeats
+    or skips none."""
 
-    def __init__(self, every: int, steps_per_epoch: int, max_steps: int,
-                 validate: Callable[[TrainState], None]) -> None:
-        self.every, self.steps_per_epoch, self.max_steps, self.validate = every, steps_per_epoch, max_steps, validate
+    def __init__(self, every: int, steps_per_epoch: int, validate: Callable[[TrainState], None]) -> None:
+        self.every, self.steps_per_epoch, self.validate = every, steps_per_epoch, validate
 
     def after_step(self, state: TrainState) -> None:
-        if state.global_step % self.every or state.epoch_finished(self.steps_per_epoch):
-            return
-        if not (self.max_steps and state.global_step >= self.max_steps):
+        if state.global_step % self.every == 0 and not state.epoch_finished(self.steps_per_epoch):
             self.validate(state)
 
 

@@ -464,6 +464,17 @@ def test_early_stopping_stops_at_the_same_epoch_when_resumed(tmp_path, capsys):
     assert len(read_jsonl(straight / "metrics.jsonl")) == 3
 
 
+@pytest.mark.slow
+def test_early_stopping_counts_validations_inside_epochs(tmp_path, capsys):
+    """train.val_every_steps=1 on 2 steps an epoch: validations at step 1, step 2 (the epoch's) and step 3; none
+    after the first improves, so patience 2 stops the run inside epoch 1, right after step 3's validation."""
+    train_here(*STOPS, "train.val_every_steps=1", f"output_dir={tmp_path}")
+    assert "stopping early at epoch 1, step 3: val_loss has not improved for 2 validations" in capsys.readouterr().err
+    assert [(r["epoch"], r["step"]) for r in read_jsonl(tmp_path / "metrics.jsonl")] == [(0, 1), (0, 2), (1, 3)]
+    ckpt = load_checkpoint(tmp_path / "last.pth")
+    assert (ckpt["global_step"], ckpt["validations_without_best"]) == (3, 2)
+
+
 def test_multi_label_data_takes_val_map_and_refuses_single_label_settings():
     """data.multi_label (issue 26 items 1-2): best.pth follows val_map unless told otherwise; the single-label
     metrics and the one-class-per-image sampler are refused in one line."""
