@@ -131,7 +131,7 @@ def run_summary(rows: list[dict], metric: str, best_value: float, best_epoch: in
     seconds = sum(r["epoch_time_s"] for r in timed)
     speed = f"{sum(r['train_images'] for r in timed) / seconds:.0f} img/s" if seconds else "img/s n/a"
     mid = len(rows) - len([r for r in rows if "epoch_time_s" in r])  # validations inside epochs: no timings
-    epochs = f"{len(rows) - mid}" + (f" (and {mid} validation(s) inside epochs)" if mid else "")
+    epochs = f"{len(rows) - mid} epoch(s)" + (f" and {mid} validation(s) inside epochs" if mid else "")
     return (f"{best}\n*** last epoch {last['epoch']}: {' '.join(shown(c, last[c]) for c in columns)}\n"
-            f"*** {epochs} epoch(s) in metrics.jsonl, training at {speed}; wall time {duration(wall_s)}; outputs "
+            f"*** {epochs} in metrics.jsonl, training at {speed}; wall time {duration(wall_s)}; outputs "
             f"in {out}")
