@@ -87,7 +87,8 @@ class Run:
         """train.val_every_steps (ValidateEvery): a validation inside the epoch with the epoch's train columns so far
         (a collective), its time kept off the training clock; raises StopRun when a stop rule holds (stops)."""
         began = self.loop.clock()
-        self.end_validation(state, train_columns(state.sync_sums(), self.loop.multi_label), False, mid_epoch=True)
+        self.end_validation(state, train_columns(state.sync_sums(), self.loop.multi_label), finished=False,
+                            mid_epoch=True)
         self.step_checkpoint.saved_step = state.global_step  # EpochCheckpoint just wrote last.pth at this step
         self.parts.model.train()
         state.paused += self.loop.clock() - began
