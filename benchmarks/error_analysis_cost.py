@@ -9,10 +9,13 @@ off: logging.wandb_errors=0, logging.curves=false, logging.tensorboard=false (no
 The sides alternate (on off, off on, on off: benchmarks/harness.alternate). Each run is `train.main` in a fresh
 process (this script with --one); in it, the error analysis is timed where it happens with perf_counter around
 each call of ImageOutcomes (per validation batch) and its gather, WandbTracker.log_errors,
-TensorBoardWriter.log_confusion and Curves.after_epoch (TensorBoard's scalar writes are not in that sum, but are
-in the wall difference). The table gives each run's wall time (the parent's clock around the whole process),
-that in-run sum and its share of the wall, and the paired wall difference (on - off) of the round, which load on
-a shared machine makes noisy. docs/benchmarks.md holds the figures.
+TensorBoardWriter.log_confusion and Curves.after_epoch (TensorBoard's import and scalar writes and W&B's own
+processes are not in that sum, but are in the differences). The table gives each run's wall time (the parent's
+clock around the whole process), that in-run sum and its share of the wall, the paired wall difference (on - off)
+of the round, which load on a shared machine makes noisy (training steps slow down 2-3x as other jobs come and
+go), and the paired difference of what is outside the training steps (wall minus the epochs' epoch_time_s:
+start-up, validations and what follows them, the end), which leaves the steps' noise out.
+docs/benchmarks.md holds the figures.
 """
 
 from __future__ import annotations
@@ -74,7 +77,8 @@ def one(side: str, out: str, data_root: str, epochs: int | None) -> None:
     if report_errors(train.main, argv) != 0:
         raise SystemExit(f"train.py {' '.join(argv)} failed")
     rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    print(json.dumps({"spent": spent, "validations": len(rows), "val_top1": rows[-1]["val_top1"]}))
+    print(json.dumps({"spent": spent, "validations": len(rows), "val_top1": rows[-1]["val_top1"],
+                      "trained_s": sum(row["epoch_time_s"] for row in rows)}))
 
 
 def run_side(side: str, data_root: str, epochs: int | None) -> dict:
@@ -117,14 +121,18 @@ def main() -> None:
             print(f"  round {round_ + 1} {side}: {json.dumps(results[side])}", file=sys.stderr, flush=True)
         rounds.append(results)
     print("| round | on: wall s | on: error analysis s (share of wall) | off: wall s | on - off s (share) | "
-          "validations | load (1 min) after on, off |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          "outside training steps s: on, off | their difference s (share) | load (1 min) after on, off |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for i, r in enumerate(rounds, 1):
         on, off = r["on"], r["off"]
         extra = on["wall"] - off["wall"]
+        outside = [side["wall"] - side["trained_s"] for side in (on, off)]
+        more = outside[0] - outside[1]
         print(f"| {i} | {on['wall']:.1f} | {on['analysis']:.2f} ({100 * on['analysis'] / on['wall']:.2f}%) | "
-              f"{off['wall']:.1f} | {extra:+.1f} ({100 * extra / on['wall']:+.1f}%) | {on['validations']} | "
+              f"{off['wall']:.1f} | {extra:+.1f} ({100 * extra / on['wall']:+.1f}%) | {outside[0]:.1f}, "
+              f"{outside[1]:.1f} | {more:+.1f} ({100 * more / on['wall']:+.1f}%) | "
               f"{on['load']:.1f}, {off['load']:.1f} |")
+    print(f"{rounds[0]['on']['validations']} validations a run")
     shares = [100 * r["on"]["analysis"] / r["on"]["wall"] for r in rounds]
     print(f"in-run share: median {statistics.median(shares):.2f}%, max {max(shares):.2f}% (bound: 5%)")
     print("in-run seconds by call, summed over the rounds: " + ", ".join(
