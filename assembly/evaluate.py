@@ -7,7 +7,6 @@ import argparse
 import json
 import logging
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from core.config import Config, to_dict
 from core.config_load import parse_override
 from core.dist import DistInfo, barrier
 from core.errors import UserError
-from core.files import (CSV_OUTPUT, merge_parts, part_file, replace_with, starts_with, temp_beside, write_csv,
+from core.files import (CSV_OUTPUT, merge_parts, part_file, starts_with, write_csv,
                         write_output)
 from data.datasets import AugmentedDataset
 from data.loader import build_eval_loader, build_val_dataset
@@ -30,7 +29,7 @@ from engine.checkpoint.weights import MODEL_CONFIG
 from engine.evaluation import (best_thresholds, confidence_and_loss, evaluate, evaluate_multilabel,
                                multilabel_metrics)
 from engine.metrics import ECE_BINS, calibration_bins, class_metrics, class_report, expected_calibration_error
-from engine.plots import PNG, plot_reliability
+from engine.plots import PNG, confusion_figure, plot_reliability, readable, save_png
 from engine.precision import resolve_precision
 from engine.tracking import WandbTracker
 from models.tta import CROPS, TTAModel, describe
@@ -223,44 +222,10 @@ def summarize(rows: list[dict[str, str]], metrics: dict[str, float], class_names
     return result, confusion
 
 
-def readable(name: str) -> str:
-    """A class or file name for a person: bytes that are not UTF-8 (kept as surrogates) shown as U+FFFD."""
-    return os.fsencode(name).decode("utf-8", errors="replace")
-
-
 def plot_confusion(confusion: np.ndarray, class_names: list[str], path: Path, title: str) -> None:
-    """A confusion matrix a person can read: class names on both axes, counts in the cells when they fit."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its font-cache notice is not ours to print
-    import matplotlib.pyplot as plt
-
-    class_names = [readable(name) for name in class_names]
-    n = len(class_names)
-    side = min(4 + 0.45 * n, 30)
-    fig, ax = plt.subplots(figsize=(side, side), dpi=100)
-    row_sums = confusion.sum(axis=1, keepdims=True)
-    fraction = np.divide(confusion, row_sums, out=np.zeros(confusion.shape), where=row_sums > 0)
-    image = ax.imshow(fraction, cmap="Blues", vmin=0.0, vmax=1.0)
-    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="fraction of the true class")
-    if n <= 60:
-        ax.set_xticks(range(n), labels=class_names, rotation=90 if n > 10 else 0)
-        ax.set_yticks(range(n), labels=class_names)
-    if n <= 30:
-        for i in range(n):
-            for j in range(n):
-                if confusion[i, j]:
-                    ax.text(j, i, str(confusion[i, j]), ha="center", va="center", fontsize=8,
-                            color="white" if fraction[i, j] > 0.5 else "black")
-    ax.set_xlabel("predicted class")
-    ax.set_ylabel("true class")
-    ax.set_title(title)
-    fig.tight_layout()
-    with temp_beside(path) as tmp:
-        fig.savefig(tmp, format="png")
-        replace_with(tmp, path, OUTPUTS[path.name], f"an earlier {path.name} of evaluate.py", "--output-dir")
-    plt.close(fig)
+    """confusion_matrix.png: engine.plots.confusion_figure, replaced atomically."""
+    save_png(confusion_figure(confusion, class_names, title), path, OUTPUTS[path.name],
+             f"an earlier {path.name} of evaluate.py", "--output-dir")
 
 
 def check_tta(args: argparse.Namespace) -> None:

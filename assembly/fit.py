@@ -1,5 +1,5 @@
-"""The training run: fit() is the loop over epochs, its per-step and per-epoch side effects are hooks
-(engine/hooks.py); --find-lr's range test; the stop rules."""
+"""The training run: fit() is the loop over epochs, its per-step and per-validation side effects are hooks
+(engine/hooks.py); --find-lr's range test."""
 
 from __future__ import annotations
 
@@ -11,16 +11,15 @@ from typing import Sequence
 from assembly.parts import build_parts
 from assembly.run import assemble
 from assembly.start import load_teacher, start_up
-from core.config import Config, lower_is_better
+from core.config import Config
 from core.dist import DistInfo, rank0_decides
 from core.errors import UserError
 from core.logs import run_summary
 from core.signals import Preempted
 from engine.checkpoint.run_dir import FolderLock, continue_with
-from engine.hooks import EpochEnd, Hook
+from engine.hooks import Hook, StopRun
 from engine.lr_find import LABEL as LR_RULE_LABEL, range_test, write_results
-from engine.state import TrainState, stop_reason
-from engine.tracking import WandbTracker
+from engine.state import TrainState
 from engine.trainer import train_one_epoch
 from models.factory import prepare_model
 
@@ -50,14 +49,15 @@ def find_lr(cfg: Config, info: DistInfo) -> dict:
 
 def fit(cfg: Config, info: DistInfo, lock: FolderLock | None = None,
         hooks: Sequence[Hook] = ()) -> TrainState | None:
-    """The run: epochs of training steps, each validated; what happens around them is the run's hooks (assemble),
-    then `hooks`. `lock`: rank 0's lock on output_dir (launch.train holds it), checked before each write there."""
+    """The run: epochs of training steps, each validated (and every train.val_every_steps steps inside it); what
+    happens around them is the run's hooks (assemble), then `hooks`. `lock`: rank 0's lock on output_dir
+    (launch.train holds it), checked before each write there."""
     run = assemble(cfg, info, lock, hooks)
     if run is None:  # a finished run: nothing to train
         return None
     cfg, state, parts, data, hooks = run.cfg, run.state, run.parts, run.data, run.hooks
     try:  # close(): however the run ends, its last checkpoint write (train.async_save) finishes first
-        while state.epoch < cfg.train.epochs and not stop_before_epoch(cfg, state, run.chosen_on, run.tracker):
+        while state.epoch < cfg.train.epochs and not run.stops():
             for hook in hooks:
                 hook.before_epoch(state)
             try:
@@ -66,11 +66,9 @@ def fit(cfg: Config, info: DistInfo, lock: FolderLock | None = None,
                 stopped.checkpoint = run.save_now(state)  # mid-epoch: resume=auto continues where it stopped
                 stopped.overrides = continue_with(cfg.output_dir, cfg.resume)
                 raise
-            row = {"epoch": state.epoch, **train_stats, **run.validate(), "lr": parts.optimizer.param_groups[0]["lr"]}
-            end = EpochEnd(row, is_best=state.update_best(row[run.chosen_on], lower_is_better(run.chosen_on)),
-                           finished=state.epoch_finished(data.steps_per_epoch))
-            for hook in hooks:
-                hook.after_epoch(state, end)
+            except StopRun:  # a stop rule held at a validation inside the epoch (said, checkpointed, recorded)
+                break
+            run.end_validation(state, train_stats, finished=state.epoch_finished(data.steps_per_epoch))
         for hook in hooks:
             hook.after_train(state)
     finally:
@@ -81,14 +79,3 @@ def fit(cfg: Config, info: DistInfo, lock: FolderLock | None = None,
                              time.monotonic() - run.started, Path(cfg.output_dir)))
     return state
 
-
-def stop_before_epoch(cfg: Config, state: TrainState, chosen_on: str, tracker: WandbTracker) -> bool:
-    """Whether the run stops before its next epoch (stop_reason); says why on rank 0, and keeps an early stop in
-    the W&B summary."""
-    reason = stop_reason(cfg.train, state, chosen_on)
-    if reason is None:
-        return False
-    log.info(reason)
-    if reason.startswith("stopping early"):
-        tracker.summary({"early_stopped_before_epoch": state.epoch})
-    return True

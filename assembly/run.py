@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Sequence
 from assembly.parts import build_parts
 from assembly.start import build_start, load_teacher, resolve_start
-from core.config import Config, best_metric, global_batch, to_dict
+from core.config import Config, best_metric, global_batch, lower_is_better, to_dict
 from core.dist import DistInfo, broadcast_object, broadcast_tensors, is_fsdp, replicated_tensors
 from core.startup import cpu_share, threads_line
 from data.loader import DataBundle, full_epoch_images
@@ -18,14 +18,15 @@ from data.pipeline import pipeline_copies
 from engine.checkpoint.run_dir import FolderLock, RunRecord
 from engine.checkpoint.saver import Checkpointer
 from engine.evaluation import ImageOutcomes, validate_epoch, validation_precision
-from engine.hooks import (BestArtifact, CloseEpoch, Curves, EmaUpdate, EpochCheckpoint, EpochInputs, FinishSinks, Hook,
-                          RecordRow, SkippedImages, StepCheckpoint, Tracking, ValidationErrors)
+from engine.hooks import (BestArtifact, CloseEpoch, Curves, EmaUpdate, EpochCheckpoint, EpochEnd, EpochInputs,
+                          FinishSinks, Hook, RecordRow, SkippedImages, StepCheckpoint, StopRun, Tracking,
+                          ValidateEvery, ValidationErrors)
 from engine.precision import Precision, resolve_precision
 from engine.profiling import FOLDER as PROFILE_FOLDER, ProfileSteps
 from engine.speed import InputAdvice
 from engine.state import TrainState, stop_reason
-from engine.tracking import TensorBoardWriter, WandbTracker
-from engine.trainer import LoopConfig, TrainParts
+from engine.tracking import CONFUSION_CLASSES, TensorBoardWriter, WandbTracker
+from engine.trainer import LoopConfig, TrainParts, train_columns
 from models.factory import hub_origin, prepare_model
 
 log = logging.getLogger(__name__)
@@ -65,10 +66,47 @@ class Run:
         return row
 
     def wants_outcomes(self) -> bool:
-        """Whether validation gathers each image's outcome: decided from the config alone, the same on every rank
-        (the gather is a collective)."""
+        """Whether validation gathers each image's outcome (W&B's error analysis, TensorBoard's confusion figure):
+        decided from the config and the classes alone, the same on every rank (the gather is a collective)."""
         logging = self.cfg.logging
-        return logging.wandb and logging.wandb_errors > 0 and not self.cfg.data.multi_label
+        board = logging.tensorboard and len(self.data.class_names) <= CONFUSION_CLASSES
+        return (logging.wandb and logging.wandb_errors > 0 or board) and not self.cfg.data.multi_label
+
+    def end_validation(self, state: TrainState, train: dict[str, float], finished: bool,
+                       mid_epoch: bool = False) -> None:
+        """Validate, then hand the row (train columns `train`, the validation's, the lr) to every hook's after_epoch:
+        at an epoch's end (fit) and inside it (validate_mid_epoch) alike."""
+        row = {"epoch": state.epoch, "step": state.global_step, **train, **self.validate(),
+               "lr": self.parts.optimizer.param_groups[0]["lr"]}
+        end = EpochEnd(row, state.update_best(row[self.chosen_on], lower_is_better(self.chosen_on)), finished,
+                       mid_epoch)
+        for hook in self.hooks:
+            hook.after_epoch(state, end)
+
+    def validate_mid_epoch(self, state: TrainState) -> None:
+        """train.val_every_steps (ValidateEvery): a validation inside the epoch with the epoch's train columns so far
+        (a collective), its time kept off the training clock; raises StopRun when a stop rule holds (stops)."""
+        began = self.loop.clock()
+        self.end_validation(state, train_columns(state.sync_sums(), self.loop.multi_label), finished=False,
+                            mid_epoch=True)
+        self.step_checkpoint.saved_step = state.global_step  # EpochCheckpoint just wrote last.pth at this step
+        self.parts.model.train()
+        state.paused += self.loop.clock() - began
+        if self.stops():
+            raise StopRun
+
+    def stops(self) -> bool:
+        """Whether the run stops here (stop_reason, before an epoch or after a validation inside one); says why on
+        rank 0, and keeps an early stop in the W&B summary."""
+        state = self.state
+        reason = stop_reason(self.cfg.train, state, self.chosen_on)
+        if reason is None:
+            return False
+        log.info(reason)
+        if reason.startswith("stopping early"):
+            self.tracker.summary({"early_stopped_at_step": state.global_step,
+                                  **({} if state.epoch_step else {"early_stopped_before_epoch": state.epoch})})
+        return True
 
     def save_now(self, state: TrainState) -> Path | None:
         """last.pth at this step, written (a stopped run's); every rank learns that it worked."""
@@ -115,7 +153,7 @@ def assemble(cfg: Config, info: DistInfo, lock: FolderLock | None = None, extra:
                                     weights.pretrained, hub_origin(cfg.model.name, weights.hub_cfg)))  # model card
     # Nothing in output_dir changes before the run's first write (record.start): a run that fails to
     # start leaves the previous run's config.yaml, metrics.jsonl and checkpoints as they were.
-    record = RunRecord(out, to_dict(cfg), first_epoch=state.epoch, lock=lock,
+    record = RunRecord(out, to_dict(cfg), first_epoch=state.epoch, first_step=state.global_step, lock=lock,
                        files={**(data.split.files() if data.split else {}),  # data.val_fraction's lists
                               **pipeline_copies(cfg.data)})  # data.train_transform / eval_transform files
     board = TensorBoardWriter(cfg.logging, info.is_main)  # TensorBoard on rank 0; never raises
@@ -124,21 +162,24 @@ def assemble(cfg: Config, info: DistInfo, lock: FolderLock | None = None, extra:
         tracker.log_samples(data.train.dataset, cfg.logging.wandb_samples)
     run = Run(cfg, info, data, parts, loop, ema, state, measured, chosen_on, tracker, checkpointer, record,
               StepCheckpoint(record, checkpointer, cfg.train.ckpt_every_steps), started=started)
-    run.hooks = [*hooks_of(run, model, [tracker, board]), *extra]
+    run.hooks = [*hooks_of(run, model, tracker, board), *extra]
     return run
 
 
-def hooks_of(run: Run, model: Any, sinks: list) -> list[Hook]:
+def hooks_of(run: Run, model: Any, tracker: WandbTracker, board: TensorBoardWriter) -> list[Hook]:
     """The run's side effects in the order they must happen (engine/hooks.py says why this order)."""
-    cfg, info, state = run.cfg, run.info, run.state
+    cfg, info, state, sinks = run.cfg, run.info, run.state, [tracker, board]
     out = Path(cfg.output_dir)
     profile = ([ProfileSteps(cfg.logging.profile_steps, out / PROFILE_FOLDER, info.device, run.record, info.is_main,
                              state)] if cfg.logging.profile_steps else [])  # off: torch.profiler never starts
     skipped = ([SkippedImages(full_epoch_images(run.data.train, info.world_size), info.is_main)]
                if cfg.data.skip_corrupt else [])
     ema = [EmaUpdate(run.ema, model, cfg.model.ema_reset_epochs)] if run.ema is not None else []
+    every = ([ValidateEvery(cfg.train.val_every_steps, run.data.steps_per_epoch, run.validate_mid_epoch)]
+             if cfg.train.val_every_steps else [])
     return [EpochInputs(run.data.train, cfg.train.accum_steps, run.parts.loss_fn),
-            *ema,  # before the checkpoint that saves it
+            *ema,  # before the checkpoint that saves it, and before a validation of it
+            *every,  # its after_epoch hooks write last.pth at the step: StepCheckpoint then need not
             run.step_checkpoint,
             InputAdvice(cfg.data, cpu_share(info.local_world_size), info.is_main),
             *skipped,  # in the row before it is recorded
@@ -146,7 +187,7 @@ def hooks_of(run: Run, model: Any, sinks: list) -> list[Hook]:
             RecordRow(run.record),
             *([Curves(run.record, run.chosen_on, info.is_main)] if cfg.logging.curves else []),  # the row just recorded
             Tracking(sinks, run.chosen_on, info.is_main),
-            ValidationErrors(run.tracker, lambda: run.outcomes, run.data.val.dataset, run.data.class_names,
+            ValidationErrors(tracker, board, lambda: run.outcomes, run.data.val.dataset, run.data.class_names,
                              cfg.logging.wandb_errors),
             EpochCheckpoint(run.checkpointer, run.chosen_on),  # at the end: the last write is known to have worked
             BestArtifact(run.tracker, run.checkpointer, out / "best.pth", run.chosen_on, cfg.model.name),

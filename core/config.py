@@ -284,6 +284,12 @@ class TrainConfig:
     max_steps: int = key(0,
                          "stop after this many optimizer steps (smoke runs); 0 = no limit",
                          within=">= 0", continues=True)
+    val_every_steps: int = key(0,
+                               "also validate the model (and EMA) after each optimizer step whose global step is a "
+                               "multiple of this, inside an epoch (a row in metrics.jsonl with its step; best.pth and "
+                               "early stopping count it); the step that ends an epoch is validated once, by the "
+                               "epoch's validation; 0 = after each epoch only",
+                               within=">= 0", continues=True)
     ckpt_every_steps: int = key(0,
                                 "also write last.pth every this many optimizer steps; 0 = only after each epoch",
                                 within=">= 0", continues=True)
@@ -321,7 +327,9 @@ class TrainConfig:
                            choices=("val_top1", "val_balanced_acc", "val_macro_f1", "val_map", "val_loss"),
                            continues=True)
     early_stop_patience: int = key(0,
-                                   "stop after this many epochs without a better train.best_metric; 0 = off",
+                                   "stop after this many validations in a row without a better train.best_metric "
+                                   "(one per epoch, and those of train.val_every_steps; checked after each of them; "
+                                   "the validation of a train.max_steps stop is not counted); 0 = off",
                                    within=">= 0", continues=True)
 
 

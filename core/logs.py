@@ -14,7 +14,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from tqdm import tqdm
 
@@ -70,7 +70,8 @@ def duration(seconds: float) -> str:
 
 
 class MetricsFile:
-    """metrics.jsonl: one JSON object per epoch, appended and flushed as soon as the epoch ends."""
+    """metrics.jsonl: one JSON object per validation (each epoch's, and train.val_every_steps' inside epochs), appended
+    and flushed as soon as it is done."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -82,9 +83,13 @@ class MetricsFile:
 
     def keep_epochs_before(self, epoch: int) -> None:
         """Drop the rows of `epoch` and later, atomically: a resumed run writes them again, once."""
+        self.keep_only(lambda row: row["epoch"] < epoch)
+
+    def keep_only(self, keep: Callable[[dict], bool]) -> None:
+        """Drop the rows `keep` refuses, atomically (a resumed run writes them again, once)."""
         if not self.path.exists():
             return
-        kept = [row for row in self.rows() if row["epoch"] < epoch]
+        kept = [row for row in self.rows() if keep(row)]
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
         os.replace(tmp, self.path)
@@ -125,6 +130,8 @@ def run_summary(rows: list[dict], metric: str, best_value: float, best_epoch: in
     timed = [r for r in rows if r.get("train_images") is not None and r.get("epoch_time_s")]
     seconds = sum(r["epoch_time_s"] for r in timed)
     speed = f"{sum(r['train_images'] for r in timed) / seconds:.0f} img/s" if seconds else "img/s n/a"
+    mid = len(rows) - len([r for r in rows if "epoch_time_s" in r])  # validations inside epochs: no timings
+    epochs = f"{len(rows) - mid} epoch(s)" + (f" and {mid} validation(s) inside epochs" if mid else "")
     return (f"{best}\n*** last epoch {last['epoch']}: {' '.join(shown(c, last[c]) for c in columns)}\n"
-            f"*** {len(rows)} epoch(s) in metrics.jsonl, training at {speed}; wall time {duration(wall_s)}; outputs "
+            f"*** {epochs} in metrics.jsonl, training at {speed}; wall time {duration(wall_s)}; outputs "
             f"in {out}")

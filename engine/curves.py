@@ -22,18 +22,20 @@ NAME = "curves.png"
 
 
 def draw_curves(rows: list[dict[str, Any]], path: Path, metric: str) -> None:
-    """Loss (train, val, EMA val), `metric` (and its train and EMA counterparts) and lr against the epoch."""
+    """Loss (train, val, EMA val), `metric` (and its train and EMA counterparts) and lr against the epoch, or
+    against the global step when the rows hold validations inside epochs (train.val_every_steps)."""
     plt = pyplot()
+    x = "epoch" if len({row["epoch"] for row in rows}) == len(rows) or any("step" not in r for r in rows) else "step"
     base = metric.removeprefix("ema_").removeprefix("val_")
     panels = (("loss", ["train_loss", "val_loss", "ema_val_loss"]),
               (metric, [f"train_{base}", f"val_{base}", f"ema_val_{base}"]), ("lr", ["lr"]))
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), dpi=100)
     for ax, (title, columns) in zip(axes, panels):
         for column in dict.fromkeys(columns):  # a metric that is itself a loss appears once
-            points = [(row["epoch"], row[column]) for row in rows if row.get(column) is not None]
+            points = [(row[x], row[column]) for row in rows if row.get(column) is not None]
             if points:
                 ax.plot(*zip(*points), marker="o", markersize=3, label=column)
-        ax.set_xlabel("epoch")
+        ax.set_xlabel("epoch" if x == "epoch" else "optimizer step")
         ax.set_title(title)
         ax.grid(alpha=0.3)
         if ax.lines:

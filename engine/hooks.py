@@ -3,9 +3,11 @@
 Per step: `after_step(state)` after every optimizer step, `after_interval(state, stats)` every `logging.interval`
 steps with the all-reduced interval stats (train_loss, lr, img_per_s). Per epoch: `before_epoch(state)`, and
 `after_epoch(state, end)` once the epoch is trained and validated, with its metrics.jsonl row (a hook may add a
-column; the ones after it see it). At the end of a run that was not stopped by an error: `after_train(state)`.
-Every call happens on every rank (a hook that runs a collective is safe). assembly/fit.py orders them on purpose:
-the EMA is updated before a step checkpoint saves it; after an epoch the skipped-image count joins the row, the
+column; the ones after it see it), and likewise after each validation inside an epoch (train.val_every_steps:
+`end.mid_epoch`, its row without the epoch's timings). At the end of a run that was not stopped by an error:
+`after_train(state)`. Every call happens on every rank (a hook that runs a collective is safe). assembly/run.py
+orders them on purpose: the EMA is updated before a validation inside the epoch uses it and a step checkpoint
+saves it; after an epoch the skipped-image count joins the row, the
 epoch is closed, the row is recorded, then logged by the sinks, then checkpointed (best.pth), then uploaded.
 """
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from torch import nn
 
@@ -24,19 +26,21 @@ from engine.state import TrainState
 if TYPE_CHECKING:  # the loop needs only Hook: keep checkpoint/tracking out of its imports
     from engine.checkpoint.run_dir import RunRecord
     from engine.checkpoint.saver import Checkpointer
-    from engine.tracking import Sink, WandbTracker
+    from engine.tracking import Sink, TensorBoardWriter, WandbTracker
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class EpochEnd:
-    """What an epoch's end hands its hooks: its metrics.jsonl row, whether it beat the best of train.best_metric,
-    and whether every step of it ran (train.max_steps can stop a run mid-epoch: resume continues that epoch)."""
+    """What a validation hands its hooks: its metrics.jsonl row, whether it beat the best of train.best_metric,
+    whether every step of the epoch ran (train.max_steps can stop a run mid-epoch: resume continues that epoch),
+    and whether it is one of train.val_every_steps inside the epoch (never finished)."""
 
     row: dict[str, Any]
     is_best: bool
     finished: bool
+    mid_epoch: bool = False
 
 
 class Hook:
@@ -91,6 +95,26 @@ def ema_copies(state: TrainState, reset_epochs: int) -> bool:
     return state.epoch < reset_epochs or (state.epoch == reset_epochs > 0 and state.epoch_step == 1)
 
 
+class StopRun(Exception):
+    """A stop rule holds after a validation inside an epoch (train.early_stop_patience ran out, or train.max_steps
+    was reached at a step of train.val_every_steps): the run ends there, its checkpoint written, the reason said."""
+
+
+class ValidateEvery(Hook):
+    """train.val_every_steps: after each optimizer step whose global step is a multiple of `every`, `validate(state)`
+    (the run's validation and its after_epoch hooks, assembly/run.Run.validate_mid_epoch) -- except at the step that
+    ends the epoch, which the epoch's own validation covers: no step is validated twice (a train.max_steps stop at
+    such a step ends the run there: StopRun). The schedule is the global step's alone, so a resumed run repeats
+    or skips none."""
+
+    def __init__(self, every: int, steps_per_epoch: int, validate: Callable[[TrainState], None]) -> None:
+        self.every, self.steps_per_epoch, self.validate = every, steps_per_epoch, validate
+
+    def after_step(self, state: TrainState) -> None:
+        if state.global_step % self.every == 0 and not state.epoch_finished(self.steps_per_epoch):
+            self.validate(state)
+
+
 class StepCheckpoint(Hook):
     """train.ckpt_every_steps: write last.pth every `every` optimizer steps (0: never mid-epoch).
 
@@ -129,21 +153,24 @@ class Tracking(Hook):
         if self.is_main:
             for sink in self.sinks:
                 sink.log_epoch(state.global_step, end.row, {self.chosen_on: state.best_value})
-            log.info(epoch_line(end.row))
+            log.info(epoch_line(end.row, end.mid_epoch))
 
 
 class ValidationErrors(Hook):
-    """logging.wandb_errors: each validation's worst images and confusion matrix in W&B, from the per-image
-    outcomes the run's validation gathered to rank 0 (`outcomes()`: None elsewhere, or when off)."""
+    """Each validation's error analysis from the per-image outcomes it gathered to rank 0 (`outcomes()`: None
+    elsewhere, or when off): logging.wandb_errors' worst images and confusion matrix in W&B, and the confusion
+    matrix as a TensorBoard figure."""
 
-    def __init__(self, tracker: WandbTracker, outcomes: Any, dataset: Any, class_names: list[str], count: int) -> None:
-        self.tracker, self.outcomes, self.dataset = tracker, outcomes, dataset
+    def __init__(self, tracker: WandbTracker, board: TensorBoardWriter, outcomes: Any, dataset: Any,
+                 class_names: list[str], count: int) -> None:
+        self.tracker, self.board, self.outcomes, self.dataset = tracker, board, outcomes, dataset
         self.class_names, self.count = class_names, count
 
     def after_epoch(self, state: TrainState, end: EpochEnd) -> None:
         found = self.outcomes()
         if found is not None:
             self.tracker.log_errors(state.global_step, found, self.dataset, self.class_names, self.count)
+            self.board.log_confusion(state.global_step, found, self.class_names)
 
 
 class FinishSinks(Hook):
@@ -158,8 +185,9 @@ class FinishSinks(Hook):
             sink.finish()
 
 
-def epoch_line(row: dict) -> str:
-    """The log line of an epoch's metrics.jsonl row (multi-label: no top-1, mAP and F1 instead)."""
+def epoch_line(row: dict, mid_epoch: bool = False) -> str:
+    """The log line of an epoch's metrics.jsonl row (multi-label: no top-1, mAP and F1 instead); a validation inside
+    the epoch says its step, and its train columns are the epoch's so far."""
     if "val_map" in row:
         shown = (f"train_loss {row['train_loss']:.4f} | val_loss {row['val_loss']:.4f} val_map {row['val_map']:.2f} "
                  f"val_map_micro {row['val_map_micro']:.2f} val_f1 {row['val_f1']:.2f}")
@@ -167,6 +195,8 @@ def epoch_line(row: dict) -> str:
         shown = (f"train_loss {row['train_loss']:.4f} train_top1 {row['train_top1']:.2f} | val_loss "
                  f"{row['val_loss']:.4f} val_top1 {row['val_top1']:.2f} val_top5 {row['val_top5']:.2f} "
                  f"bal_acc {row['val_balanced_acc']:.2f} macro_f1 {row['val_macro_f1']:.2f}")
+    if mid_epoch:
+        return f"epoch {row['epoch']} step {row['step']}: {shown}"
     return f"epoch {row['epoch']}: {shown} | {row['train_img_per_s']:.0f} img/s, {row['epoch_time_s']:.1f}s"
 
 
@@ -188,15 +218,18 @@ class SkippedImages(Hook):
 
 class CloseEpoch(Hook):
     """A finished epoch moves the state to the next one (before the row is recorded and the checkpoint saved, so
-    that resume=auto starts there); an unfinished one (train.max_steps) stays open for resume to continue."""
+    that resume=auto starts there); an unfinished one (train.max_steps) stays open for resume to continue. A
+    validation inside the epoch counts towards early stopping (before the checkpoint keeps the count)."""
 
     def after_epoch(self, state: TrainState, end: EpochEnd) -> None:
         if end.finished:
             state.finish_epoch()
+        elif end.mid_epoch:
+            state.count_validation()
 
 
 class RecordRow(Hook):
-    """metrics.jsonl: each epoch's row (rank 0 writes; the run's folder starts at its first write)."""
+    """metrics.jsonl: each validation's row (rank 0 writes; the run's folder starts at its first write)."""
 
     def __init__(self, record: RunRecord) -> None:
         self.record = record

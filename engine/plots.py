@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,39 @@ def save_png(fig: Any, path: Path, ours: Recognise, expected: str, option: str) 
             replace_with(tmp, path, ours, expected, option)
     finally:
         pyplot().close(fig)
+
+
+def readable(name: str) -> str:
+    """A class or file name for a person: bytes that are not UTF-8 (kept as surrogates) shown as U+FFFD."""
+    return os.fsencode(name).decode("utf-8", errors="replace")
+
+
+def confusion_figure(confusion: np.ndarray, class_names: list[str], title: str) -> Any:
+    """A confusion matrix a person can read: class names on both axes, counts in the cells when they fit
+    (evaluate.py's PNG, and each validation's TensorBoard figure)."""
+    plt = pyplot()
+    class_names = [readable(name) for name in class_names]
+    n = len(class_names)
+    side = min(4 + 0.45 * n, 30)
+    fig, ax = plt.subplots(figsize=(side, side), dpi=100)
+    row_sums = confusion.sum(axis=1, keepdims=True)
+    fraction = np.divide(confusion, row_sums, out=np.zeros(confusion.shape), where=row_sums > 0)
+    image = ax.imshow(fraction, cmap="Blues", vmin=0.0, vmax=1.0)
+    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="fraction of the true class")
+    if n <= 60:
+        ax.set_xticks(range(n), labels=class_names, rotation=90 if n > 10 else 0)
+        ax.set_yticks(range(n), labels=class_names)
+    if n <= 30:
+        for i in range(n):
+            for j in range(n):
+                if confusion[i, j]:
+                    ax.text(j, i, str(confusion[i, j]), ha="center", va="center", fontsize=8,
+                            color="white" if fraction[i, j] > 0.5 else "black")
+    ax.set_xlabel("predicted class")
+    ax.set_ylabel("true class")
+    ax.set_title(title)
+    fig.tight_layout()
+    return fig
 
 
 def plot_reliability(bins: np.ndarray, path: Path, title: str, ours: Recognise = PNG,

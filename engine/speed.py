@@ -84,6 +84,8 @@ class InputAdvice(Hook):
         self.given = False
 
     def after_epoch(self, state: TrainState, end: EpochEnd) -> None:
+        if end.mid_epoch:  # a validation of train.val_every_steps: the epoch's input wait is not yet measured
+            return
         wait = end.row["train_input_wait"]
         if self.given or not self.is_main or wait <= INPUT_BOUND:
             return

@@ -19,7 +19,7 @@ from engine.metrics import SumMeter
 
 TRAIN_SUMS = ("loss_sum", "correct", "count")
 CHECKPOINTED = ("epoch", "global_step", "best_value", "best_epoch", "epoch_step", "epoch_sums", "epoch_seconds",
-                "epochs_without_best", "best_in_epoch")
+                "validations_without_best", "best_uncounted")
 
 
 @dataclass
@@ -31,8 +31,9 @@ class TrainState:
     epoch_step: int = 0  # optimizer steps done in `epoch`; > 0 in a mid-epoch checkpoint
     epoch_sums: dict[str, float] = field(default_factory=dict)  # train sums over all ranks, as of the last sync
     epoch_seconds: float = 0.0  # training time of the epoch's steps
-    epochs_without_best: int = 0  # finished epochs in which best_value did not improve (train.early_stop_patience)
-    best_in_epoch: bool = False  # best_value improved during `epoch` (also at an evaluation before a mid-epoch stop)
+    validations_without_best: int = 0  # counted validations in a row that did not improve best_value (early stop)
+    best_uncounted: bool = False  # best_value improved since the last counted validation (also at a max_steps stop's)
+    paused: float = 0.0  # host seconds spent validating inside epochs (train.val_every_steps): off the training clock
     meter: SumMeter | None = field(default=None, repr=False, compare=False)  # this rank's sums while training
 
     def start_epoch(self, device: torch.device, is_main: bool) -> SumMeter:
@@ -67,10 +68,15 @@ class TrainState:
         return self.epoch_step >= steps_per_epoch
 
     def finish_epoch(self) -> None:
-        """The next epoch; an epoch in which no evaluation beat the best counts towards early stopping."""
+        """The next epoch; the epoch's validation counts towards early stopping."""
         self.epoch, self.epoch_step, self.epoch_sums, self.epoch_seconds, self.meter = self.epoch + 1, 0, {}, 0.0, None
-        self.epochs_without_best = 0 if self.best_in_epoch else self.epochs_without_best + 1
-        self.best_in_epoch = False
+        self.count_validation()
+
+    def count_validation(self) -> None:
+        """A counted validation (an epoch's, or one of train.val_every_steps) is one more without a better best_value
+        unless the best improved since the last counted one (which may have been at an uncounted max_steps stop)."""
+        self.validations_without_best = 0 if self.best_uncounted else self.validations_without_best + 1
+        self.best_uncounted = False
 
     def update_best(self, value: float, lower_is_better: bool = False) -> bool:
         """Record a validation metric; True when it beats every earlier one (strictly: a tie is no improvement)."""
@@ -79,12 +85,12 @@ class TrainState:
         best = self.best_value
         better = best == -math.inf or (value < best if lower_is_better else value > best)
         if better:
-            self.best_value, self.best_epoch, self.best_in_epoch = value, self.epoch, True
+            self.best_value, self.best_epoch, self.best_uncounted = value, self.epoch, True
         return better
 
     def forget_best(self) -> None:
         """The best value so far measured another metric (train.best_metric changed at a resume): start over."""
-        self.best_value, self.best_epoch, self.epochs_without_best = -math.inf, None, 0
+        self.best_value, self.best_epoch, self.validations_without_best = -math.inf, None, 0
 
     def schedule_position(self, updates_per_epoch: int) -> int:
         """Where the lr schedule stands: epochs done in this run's updates, plus the epoch's own steps.
@@ -110,25 +116,26 @@ class TrainState:
 
     def load_state_dict(self, ckpt: dict[str, Any]) -> None:
         """Put back what state_dict() stored (older checkpoints may lack the mid-epoch fields and best_epoch; their
-        best_top1 is read as best_value: engine.checkpoint.formats.current_names)."""
+        best_top1 is read as best_value: engine.checkpoint.formats.current_names; their epochs_without_best and
+        best_in_epoch counted one validation per epoch, as these do without train.val_every_steps)."""
         self.epoch, self.global_step, self.best_value = ckpt["epoch"], ckpt["global_step"], ckpt["best_value"]
         self.best_epoch = ckpt.get("best_epoch")
         self.epoch_step = ckpt.get("epoch_step", 0)
         self.epoch_sums = dict(ckpt.get("epoch_sums") or {})
         self.epoch_seconds = ckpt.get("epoch_seconds", 0.0)
-        self.epochs_without_best = ckpt.get("epochs_without_best", 0)
-        self.best_in_epoch = ckpt.get("best_in_epoch", False)
+        self.validations_without_best = ckpt.get("validations_without_best", ckpt.get("epochs_without_best", 0))
+        self.best_uncounted = ckpt.get("best_uncounted", ckpt.get("best_in_epoch", False))
         self.meter = None
 
 
 def stop_reason(train: TrainConfig, state: TrainState, chosen_on: str) -> str | None:
     """train.max_steps reached, or train.early_stop_patience run out (checked before each epoch, so that a resumed
-    run stops alike); None: the run goes on."""
+    run stops alike, and after each validation of train.val_every_steps); None: the run goes on."""
     if train.max_steps and state.global_step >= train.max_steps:
         return f"stopping at train.max_steps={train.max_steps}"
     patience = train.early_stop_patience
-    if patience and state.epochs_without_best >= patience:
-        return (f"stopping early before epoch {state.epoch}: {chosen_on} has not improved for "
-                f"{state.epochs_without_best} epochs (train.early_stop_patience={patience}); best {chosen_on} "
-                f"{state.best_value:.4f}")
+    if patience and state.validations_without_best >= patience:
+        return (f"stopping early at epoch {state.epoch}, step {state.global_step}: {chosen_on} has not improved for "
+                f"{state.validations_without_best} validations (train.early_stop_patience={patience}); best "
+                f"{chosen_on} {state.best_value:.4f}")
     return None

@@ -269,7 +269,8 @@ class WandbTracker(Sink):
 
 
 class TensorBoardWriter(Sink):
-    """TensorBoard event files in <output_dir>/tensorboard from rank 0: the scalars W&B gets, at the same steps.
+    """TensorBoard event files in <output_dir>/tensorboard from rank 0: the scalars W&B gets, at the same steps, and
+    each validation's confusion matrix as a figure (log_confusion).
 
     Scalars are written as doubles (the values of metrics.jsonl, not float32 roundings). When the folder
     already holds events of an earlier run, nothing is written until this run has started (its first
@@ -303,6 +304,22 @@ class TensorBoardWriter(Sink):
 
     def log_epoch(self, step: int, row: dict[str, Any], best: dict[str, float]) -> None:
         self.write(row, step, flush=True)
+
+    def log_confusion(self, step: int, outcomes: np.ndarray, class_names: list[str]) -> None:
+        """A validation's confusion matrix as the figure `val/confusion` (evaluate.py's), up to CONFUSION_CLASSES
+        classes; `outcomes`: rows [index, true, predicted, confidence, loss] of the whole validation set. Written
+        after the validation's row, so the run has started (RecordRow)."""
+        if not (self.active and self.writer is not None and len(class_names) <= CONFUSION_CLASSES):
+            return
+        with self._guard("writing the confusion figure"):
+            from engine.plots import confusion_figure  # matplotlib only where a run draws
+
+            n = len(class_names)
+            confusion = np.bincount(outcomes[:, 1].astype(int) * n + outcomes[:, 2].astype(int),
+                                    minlength=n * n).reshape(n, n)
+            figure = confusion_figure(confusion, list(class_names), f"validation confusion matrix, step {step}")
+            self.writer.add_figure("val/confusion", figure, step, close=True)
+            self.writer.flush()
 
     def write(self, values: dict[str, Any], step: int = 0, flush: bool = False) -> None:
         """Queue the numeric values; once the run has started, write everything queued."""

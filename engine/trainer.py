@@ -88,7 +88,10 @@ def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cf
     meter = state.start_epoch(info.device, info.is_main)
     num_batches = len(loader) - (len(loader) % cfg.accum_steps if cfg.drop_last_accum else 0)  # the batches trained on
     steps = state.epoch_step + math.ceil(num_batches / cfg.accum_steps)  # the whole epoch's, also when resumed
-    clock = cfg.clock
+
+    def clock() -> float:  # validations inside the epoch (train.val_every_steps) are not training time
+        return cfg.clock() - state.paused
+
     ahead = reads_ahead(info.device) if cfg.read_ahead is None else cfg.read_ahead
     with workers_shielded():  # DataLoader workers start here; a SIGTERM to the process group must not kill them
         # Host time blocked in the loader's next(), from the second optimizer step on: is the run input-bound?
@@ -159,11 +162,16 @@ def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cf
                 break
     sums, (wait, step_s) = state.sync_sums_and_max((waits.epoch(), timed.epoch(state.epoch_step, clock())))
     seconds = state.epoch_seconds = clock() - start
-    count = max(sums["count"], 1.0)
-    top1 = {} if cfg.multi_label else {"train_top1": 100.0 * sums["correct"] / count}
-    return {"train_loss": sums["loss_sum"] / count, **top1,
+    return {**train_columns(sums, cfg.multi_label),
             "train_img_per_s": sums["count"] / seconds, "epoch_time_s": seconds, "train_images": int(sums["count"]),
             "train_input_wait": wait, "train_step_s": step_s}
+
+
+def train_columns(sums: dict[str, float], multi_label: bool) -> dict[str, float]:
+    """train_loss and train_top1 (not multi-label) of the epoch's steps so far, from its synced sums."""
+    count = max(sums["count"], 1.0)
+    top1 = {} if multi_label else {"train_top1": 100.0 * sums["correct"] / count}
+    return {"train_loss": sums["loss_sum"] / count, **top1}
 
 
 class StepClock:

@@ -38,6 +38,9 @@ RUNS = {
     "gn_single": (1, (NO_BN_MODEL, "train.batch_size=12")),
     "gn_accum": (1, (NO_BN_MODEL, "train.batch_size=6", "train.accum_steps=2")),
     "gn_ddp_accum": (2, (NO_BN_MODEL, "train.batch_size=3", "train.accum_steps=2")),
+    # train.val_every_steps=5 with a global batch of 6: 8 steps an epoch, validations at steps 5, 8, 10, 15, 16
+    "every": (1, (NO_BN_MODEL, "train.batch_size=6", "train.val_every_steps=5", "model.ema_decay=0.9")),
+    "every2": (2, (NO_BN_MODEL, "train.batch_size=3", "train.val_every_steps=5", "model.ema_decay=0.9")),
 }
 
 
@@ -128,6 +131,38 @@ def test_validation_counts_every_image_once(run, name):
         assert a["val_count"] == b["val_count"] == VAL_SIZE
         assert a["val_top1"] == b["val_top1"] and a["val_top5"] == b["val_top5"]
         assert math.isclose(a["val_loss"], b["val_loss"], rel_tol=TOL)
+
+
+def test_validation_every_n_steps_is_the_same_on_one_and_two_ranks(run):
+    """Guarantee 4 for train.val_every_steps=5: the model and its EMA validated inside the epochs (steps 5, 10, 15)
+    and after each (8, 16: a step is validated once), the same rows on 1 process and on 2 ranks; best.pth is the
+    best of all of them."""
+    single, two = (read_jsonl(run(name) / "metrics.jsonl") for name in ("every", "every2"))
+    for rows in (single, two):
+        assert [(r["epoch"], r["step"], "epoch_time_s" in r) for r in rows] == [
+            (0, 5, False), (0, 8, True), (1, 10, False), (1, 15, False), (1, 16, True)]
+    for a, b in zip(single, two):
+        assert a["val_count"] == b["val_count"] == VAL_SIZE and a["lr"] == b["lr"]
+        for key in ("val_top1", "val_top5", "ema_val_top1", "ema_val_top5", "train_top1"):
+            assert a[key] == b[key], key  # exact: the same images are classified the same way
+        for key in ("val_loss", "ema_val_loss", "train_loss"):
+            assert math.isclose(a[key], b[key], rel_tol=TOL), key  # float summation order only (TOL)
+    best = max(single, key=lambda r: r["ema_val_top1"])  # the first of the best (a tie is no improvement)
+    assert torch.load(run("every") / "best.pth", weights_only=True)["global_step"] == best["step"]
+
+
+def test_validation_every_n_steps_resumed_after_stops_gives_the_uninterrupted_rows(run, tmp_path):
+    """A run of train.val_every_steps=5 stopped at step 7 (its stop's validation is dropped at the resume, which
+    validates the epoch's end), resumed and stopped at step 10 (a step of the schedule, validated once), then
+    resumed to the end, holds the uninterrupted run's rows, each once (its weights: tests/test_resume.py)."""
+    out = tmp_path / "run"
+    args = [*COMMON, *RUNS["every"][1], f"output_dir={out}"]
+    train_here(*args, "train.max_steps=7")
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [5, 7]
+    train_here(*args, "train.max_steps=10")
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [5, 8, 10]
+    train_here(*args)
+    assert model_rows(read_jsonl(out / "metrics.jsonl")) == model_rows(read_jsonl(run("every") / "metrics.jsonl"))
 
 
 def test_two_launchers_on_loopback_equal_one_launcher(run, tmp_path):

@@ -294,10 +294,12 @@ def test_best_metric_direction_and_ema_column():
     assert (state.best_value, state.best_epoch) == (1.5, 0)
     state = TrainState()
     assert [state.update_best(v) for v in (50.0, 50.0, 60.0)] == [True, False, True]
-    state.finish_epoch()  # an epoch with a new best (at any of its evaluations) resets the early-stopping count
-    assert state.epochs_without_best == 0 and state.update_best(55.0) is False
+    state.finish_epoch()  # a new best since the last counted validation (at any evaluation) resets the count
+    assert state.validations_without_best == 0 and state.update_best(55.0) is False
     state.finish_epoch()
-    assert state.epochs_without_best == 1
+    assert state.validations_without_best == 1
+    state.count_validation()  # train.val_every_steps: each validation inside an epoch counts as well
+    assert state.validations_without_best == 2
 
 
 @pytest.mark.parametrize("override, message", [
@@ -447,19 +449,30 @@ def test_early_stopping_stops_at_the_same_epoch_when_resumed(tmp_path, capsys):
     epoch 3 as the uninterrupted run does; without the kept count it would run epoch 3 too."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train_here(*STOPS, f"output_dir={straight}")
-    assert "stopping early before epoch 3: val_loss has not improved for 2 epochs" in capsys.readouterr().err
+    assert "stopping early at epoch 3, step 6: val_loss has not improved for 2 validations" in capsys.readouterr().err
     train_here(*STOPS, f"output_dir={resumed}", "train.max_steps=4")  # the end of epoch 1
-    assert load_checkpoint(resumed / "last.pth")["epochs_without_best"] == 1
+    assert load_checkpoint(resumed / "last.pth")["validations_without_best"] == 1
     train_here(*STOPS, f"output_dir={resumed}")
     for run in (straight, resumed):
         ckpt = load_checkpoint(run / "last.pth")
-        assert (ckpt["epoch"], ckpt["epochs_without_best"]) == (3, 2)
+        assert (ckpt["epoch"], ckpt["validations_without_best"]) == (3, 2)
         assert [r["epoch"] for r in read_jsonl(run / "metrics.jsonl")] == [0, 1, 2]
         assert load_checkpoint(run / "best.pth")["epoch"] == 1  # chosen after epoch 0
     capsys.readouterr()
     train_here(*STOPS, f"output_dir={straight}")  # a finished, stopped run stays stopped
-    assert "stopping early before epoch 3" in capsys.readouterr().err
+    assert "stopping early at epoch 3" in capsys.readouterr().err
     assert len(read_jsonl(straight / "metrics.jsonl")) == 3
+
+
+@pytest.mark.slow
+def test_early_stopping_counts_validations_inside_epochs(tmp_path, capsys):
+    """train.val_every_steps=1 on 2 steps an epoch: validations at step 1, step 2 (the epoch's) and step 3; none
+    after the first improves, so patience 2 stops the run inside epoch 1, right after step 3's validation."""
+    train_here(*STOPS, "train.val_every_steps=1", f"output_dir={tmp_path}")
+    assert "stopping early at epoch 1, step 3: val_loss has not improved for 2 validations" in capsys.readouterr().err
+    assert [(r["epoch"], r["step"]) for r in read_jsonl(tmp_path / "metrics.jsonl")] == [(0, 1), (0, 2), (1, 3)]
+    ckpt = load_checkpoint(tmp_path / "last.pth")
+    assert (ckpt["global_step"], ckpt["validations_without_best"]) == (3, 2)
 
 
 def test_multi_label_data_takes_val_map_and_refuses_single_label_settings():

@@ -452,6 +452,25 @@ def test_tensorboard_holds_the_same_scalars_as_wandb_and_metrics_jsonl(tracked):
     tables = ("train_samples", "val/worst", "val/confusion_table")  # W&B tables, not scalars: TensorBoard has none
     wandb_keys = {k for row in run.history for k in row if not k.startswith("_") and k not in tables}
     assert set(scalars) == wandb_keys
+    assert [k for k in rows[0] if k.startswith("val_recall/")]  # the per-class columns are among those compared
+
+
+@pytest.mark.slow
+def test_tensorboard_holds_each_validations_confusion_matrix_figure(tracked):
+    """The confusion matrix of every validation as a TensorBoard image (a figure), at the validation's step."""
+    import cv2
+    import numpy as np
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, _ = tracked
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"images": 0})
+    events.Reload()
+    figures = events.Images("val/confusion")
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [f.step for f in figures] == [r["step"] for r in rows]
+    for figure in figures:
+        png = cv2.imdecode(np.frombuffer(figure.encoded_image_string, np.uint8), cv2.IMREAD_COLOR)
+        assert png.shape == (figure.height, figure.width, 3) and png.std() > 0
 
 
 def test_a_tensorboard_failure_is_one_warning_and_training_goes_on(tmp_path, capsys):

@@ -251,8 +251,8 @@ class RunRecord:
     """
 
     def __init__(self, folder: Path, config: dict[str, Any], first_epoch: int, lock: FolderLock | None = None,
-                 files: dict[str, bytes] | None = None) -> None:
-        self.folder, self.config, self.first_epoch = folder, config, first_epoch
+                 files: dict[str, bytes] | None = None, first_step: int = 0) -> None:
+        self.folder, self.config, self.first_epoch, self.first_step = folder, config, first_epoch, first_step
         self.files = files or {}  # written beside config.yaml at the start (data.val_fraction's train.txt, val.txt)
         self.lock = lock  # rank 0's lock on the folder (train.py); each write first checks it still holds the path
         self.metrics = MetricsFile(folder / "metrics.jsonl")
@@ -265,20 +265,20 @@ class RunRecord:
             self.started = True
 
     def append(self, row: dict[str, Any]) -> None:
-        """One epoch's metrics row (the run starts here if it has not yet)."""
+        """One validation's metrics row (the run starts here if it has not yet)."""
         self.start()
         self.write(lambda: self.metrics.append(row))
 
     def rows(self) -> list[dict[str, Any]]:
         """metrics.jsonl's rows of this run, read on rank 0 (before its first write: the rows start_files keeps)."""
         rows = self.metrics.rows()
-        return rows if self.started else [row for row in rows if row["epoch"] < self.first_epoch]
+        return rows if self.started else [row for row in rows if kept(row, self.first_epoch, self.first_step)]
 
     def start_files(self) -> None:
-        """metrics.jsonl keeps the epochs before this run's first (each epoch's row is written once); the run's own
-        files (`files`); config.yaml."""
+        """metrics.jsonl keeps the rows before this run's first step (kept: each validation's row is written once);
+        the run's own files (`files`); config.yaml."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.metrics.keep_epochs_before(self.first_epoch)
+        self.metrics.keep_only(lambda row: kept(row, self.first_epoch, self.first_step))
         for name, content in self.files.items():
             with atomic_file(self.folder / name) as f:
                 f.write(content)
@@ -298,3 +298,12 @@ class RunRecord:
                                 "writable, or choose another output_dir") from None
 
         rank0_decides(attempt)
+
+
+def kept(row: dict[str, Any], epoch: int, step: int) -> bool:
+    """Whether a run resumed at (`epoch`, global `step`) keeps a metrics.jsonl row: those of earlier epochs, and
+    those of validations inside the resumed epoch up to its step (train.val_every_steps: rows without the epoch's
+    timings). The row of a train.max_steps stop in that epoch goes: the resumed run validates the epoch's end."""
+    if row["epoch"] < epoch:
+        return True
+    return row["epoch"] == epoch and "epoch_time_s" not in row and row.get("step", step + 1) <= step
