@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -69,6 +70,14 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--timm-train {args.timm_train} is not a file: clone timm's repository (vs_timm_train.py "
                      "says how), or pass --no-timm")
     return args
+
+
+class Stopped(Exception):
+    """SIGTERM or SIGINT: stop the rounds, keep what was measured."""
+
+
+def stop(signum: int, frame: object) -> None:
+    raise Stopped
 
 
 def start_cotenants(count: int) -> list[subprocess.Popen]:
@@ -185,6 +194,8 @@ def main() -> None:
         env = script_env(**dict(kv.split("=", 1) for kv in extra if kv not in overrides))
         sides[name] = side_runner(name, lambda out, o=overrides: ours_command(settings, out) + o, env, args.epochs,
                                   results, epoch_rates, group)
+    signal.signal(signal.SIGTERM, stop)  # `kill` ends the rounds early: co-tenants killed, the tables printed
+    signal.signal(signal.SIGINT, stop)  # also in a background job, where SIGINT starts out ignored
     try:
         step = 0
         for round_ in range(args.rounds):
@@ -194,6 +205,8 @@ def main() -> None:
                 step += 1
                 for name in order:
                     sides[name](condition)
+    except Stopped:
+        print("stopped early: the tables hold the runs that finished", file=sys.stderr)
     finally:
         if group is not None:
             group.rmdir()
