@@ -18,8 +18,8 @@ every round runs every condition, and within it every side, in an order that rev
 `--side KEY=VALUE ...` adds a side: the app with those environment variables (an A/B of an OpenMP setting) and
 config overrides (a key with a dot: `data.num_workers=0`).
 
-    python benchmarks/shared_cpu.py --timm-train /tmp/timm-repo/train.py             # ~15 min on 2 cores
-    python benchmarks/shared_cpu.py --quick                                          # ours only, ~2 min
+    python benchmarks/shared_cpu.py --timm-train /tmp/timm-repo/train.py             # ~15 min on 2 loaded cores
+    python benchmarks/shared_cpu.py --quick                                          # ours only, ~1 min
     python benchmarks/shared_cpu.py --conditions quiet busy2 --no-timm --side GOMP_SPINCOUNT=300000 \\
         --side OMP_NUM_THREADS=1 --side data.num_workers=0                           # the OpenMP A/B
 """
@@ -55,17 +55,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--timm-train", type=Path, help="timm's train.py, from a clone of its repository")
     parser.add_argument("--no-timm", action="store_true", help="the app's sides only")
     parser.add_argument("--conditions", nargs="+", choices=CONDITIONS, default=list(CONDITIONS))
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=1, help="per run (1 keeps a full run near 15 min)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--side", action="append", nargs="+", metavar="KEY=VALUE", default=[],
                         help="one more side: the app with these environment variables and (keys with a dot) config "
                              "overrides (repeatable)")
-    parser.add_argument("--quick", action="store_true", help="1 round, 1 epoch, quiet and busy2, ours only")
+    parser.add_argument("--quick", action="store_true", help="1 round, quiet and busy2, ours only")
     parser.add_argument("--root", type=Path, default=REPO / ".cache" / "digits", help="the digits export")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     if args.quick:
-        args.rounds, args.epochs, args.conditions, args.no_timm = 1, 1, ["quiet", "busy2"], True
+        args.rounds, args.conditions, args.no_timm = 1, ["quiet", "busy2"], True
     if not args.no_timm and (args.timm_train is None or not args.timm_train.is_file()):
         parser.error(f"--timm-train {args.timm_train} is not a file: clone timm's repository (vs_timm_train.py "
                      "says how), or pass --no-timm")
