@@ -94,7 +94,8 @@ def start_cotenants(condition: str, app: Callable[[Path], list[str]], out: Path)
     """The condition's co-tenants on this process's cores, running: busy loops, or a copy of the app (`app`, writing
     into `out`) once it trains (config.yaml is its first write, after its imports and set-up; 120 s at most)."""
     if condition == "app2":
-        copy = subprocess.Popen(app(out), cwd=REPO, env=script_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        copy = subprocess.Popen(app(out), cwd=REPO, env=script_env(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)  # its loader worker goes with it
         deadline = time.monotonic() + 120
         while not (out / "config.yaml").exists() and copy.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -138,7 +139,10 @@ def one_run(command: list[str], condition: str, group: Path | None, env: dict[st
         wall = time.perf_counter() - start
     finally:
         for cotenant in cotenants:
-            cotenant.kill()
+            if condition == "app2":
+                os.killpg(cotenant.pid, signal.SIGKILL)  # the copy and its loader worker
+            else:
+                cotenant.kill()
             cotenant.wait()
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(command[:3])} under {condition} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
@@ -184,14 +188,16 @@ def print_tables(results: dict, epoch_rates: dict, conditions: list[str], names:
         for condition in conditions:
             print(f"| {condition} | " + " | ".join(spread(table[(condition, n)]) if table.get((condition, n)) else "-"
                                                   for n in shown) + " |")
+    print()
     for condition in conditions:
-        timm = results.get((condition, "timm"))
+        ours = results.get((condition, "ours"))
         for name in names:
-            if name == "timm" or not timm or not results.get((condition, name)):
+            other = results.get((condition, name))
+            if name == "ours" or not ours or not other:
                 continue
-            paired = [a / b for a, b in zip(results[(condition, name)], timm)]
-            print(f"- {condition}: {name} / timm = **{statistics.median(results[(condition, name)]) / statistics.median(timm):.2f}**"
-                  f" (per-round {min(paired):.2f}..{max(paired):.2f})")
+            paired = [a / b for a, b in zip(ours, other)]
+            print(f"- {condition}: ours / {name} = **{statistics.median(ours) / statistics.median(other):.2f}** "
+                  f"(per-round {min(paired):.2f}..{max(paired):.2f})")
 
 
 def acceptance(results: dict, epoch_rates: dict, conditions: list[str]) -> None:

@@ -51,7 +51,8 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     args.recipe = "strong"  # vs_timm_train's commands read it
     if not args.timm_train.is_file():
-        parser.error(f"--timm-train {args.timm_train} is not a file: clone timm's repository (vs_timm_train.py says how)")
+        parser.error(f"--timm-train {args.timm_train} is not a file: clone timm's repository (vs_timm_train.py "
+                     "says how)")
     return args
 
 

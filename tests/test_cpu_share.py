@@ -78,7 +78,8 @@ def test_a_users_omp_num_threads_wins(env, expected):
 def test_train_py_sets_the_waiting_before_torch_loads_openmp_and_the_users_wins(user, read):
     """libgomp reads its environment once, when loaded: OMP_DISPLAY_ENV makes every copy loaded (torch's and any
     other library's) print what it read, so a setting made after the load would show here as libgomp's default."""
-    env = {k: v for k, v in script_env(OMP_DISPLAY_ENV="verbose", **user).items() if k not in OPENMP_WAITING or k in user}
+    env = {k: v for k, v in script_env(OMP_DISPLAY_ENV="verbose", **user).items()
+           if k not in OPENMP_WAITING or k in user}
     shown = run_script("train.py", "--help", env=env).stderr
     loaded = shown.count("OPENMP DISPLAY ENVIRONMENT BEGIN")
     assert loaded >= 1 and shown.count(read) == loaded, shown[-3000:]
