@@ -41,12 +41,14 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from core.startup import (cpu_share, import_timm_without_wandb, openmp_waits_passively, training_kernels,
+                          tune_cpu_process)
+
+openmp_waits_passively()  # before torch loads OpenMP: steps timed as train.py runs them
+import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (core/startup.py)
+
 import numpy as np
 import torch
-
-from core.startup import cpu_share, import_timm_without_wandb, training_kernels, tune_cpu_process
-
-import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (core/startup.py)
 
 from core.cli import run_main
 from core.config import Config, OptimConfig

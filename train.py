@@ -16,8 +16,9 @@ if __name__ == "__main__":  # first: a SIGTERM or SIGUSR1 during the imports bel
 
 import argparse
 
-from core.startup import import_timm_without_wandb
+from core.startup import import_timm_without_wandb, openmp_waits_passively
 
+openmp_waits_passively()  # before torch loads OpenMP, which reads its environment once (core/startup.py)
 import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (core/startup.py)
 
 from assembly import launch

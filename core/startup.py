@@ -1,7 +1,7 @@
 """Process-wide settings the entry points make, explicitly: nothing here runs as an import side effect.
 
-train.py and evaluate.py call `import_timm_without_wandb()` before their other imports and
-`tune_cpu_process()` once they know their device.
+train.py and benchmark.py call `openmp_waits_passively()` before anything imports torch; the entry points call
+`import_timm_without_wandb()` before their other imports and `tune_cpu_process()` once they know their device.
 
 keep_freed_memory: Keep freed activation memory in the process instead of handing it back to the OS after every op.
 
@@ -20,10 +20,41 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Mapping, MutableMapping
 
 log = logging.getLogger(__name__)
 CGROUP_ROOT = Path("/sys/fs/cgroup")  # where the cgroup file systems are mounted
 MEMBERSHIP = Path("/proc/self/cgroup")  # this process's cgroups
+
+
+OPENMP_WAITING = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # a user's own say in how libgomp's idle threads wait
+passive_set_here = False  # whether openmp_waits_passively set OMP_WAIT_POLICY in this process (for the log line)
+
+
+def openmp_waits_passively(env: MutableMapping[str, str] | None = None) -> bool:
+    """OMP_WAIT_POLICY=PASSIVE in `env` (this process's environment, or a child's) unless the user set how OpenMP
+    threads wait; True if set. torch's libgomp reads its environment once, when loaded: the entry points call this
+    before importing torch, and once torch is loaded this process's own environment is left as it is.
+
+    By default libgomp's idle threads spin (300,000 turns) before they sleep, burning the cores busy co-tenants
+    and the loader workers need; passive threads sleep at once. The waiting policy changes no result, only speed
+    (docs/benchmarks.md, section 17, has the measurements quiet and beside busy loops)."""
+    global passive_set_here
+    env = os.environ if env is None else env
+    if any(name in env for name in OPENMP_WAITING) or (env is os.environ and "torch" in sys.modules):
+        return False
+    env["OMP_WAIT_POLICY"] = "PASSIVE"
+    passive_set_here = env is os.environ
+    return True
+
+
+def openmp_waiting(env: Mapping[str, str] | None = None) -> str:
+    """How OpenMP's idle threads wait and who chose it, for the start-up line."""
+    env = os.environ if env is None else env
+    if passive_set_here and env is os.environ:
+        return "passively (OMP_WAIT_POLICY=PASSIVE, set by the app; set OMP_WAIT_POLICY or GOMP_SPINCOUNT for another)"
+    given = [f"{name}={env[name]}" for name in OPENMP_WAITING if name in env]
+    return f"{', '.join(given)}, as set" if given else "libgomp's default (spinning, then sleeping)"
 
 
 def import_timm_without_wandb() -> None:
@@ -90,7 +121,8 @@ def threads_line(processes_per_node: int, workers: int) -> str:
 
     user = user_threads(os.environ)
     why = f"OMP_NUM_THREADS={user}, as set" if user is not None else "its share"
-    return f"{torch.get_num_threads()} thread(s) per process ({why}): {cpu_budget(processes_per_node, workers)}"
+    return (f"{torch.get_num_threads()} thread(s) per process ({why}): {cpu_budget(processes_per_node, workers)}; "
+            f"idle threads wait: {openmp_waiting()}")
 
 
 def cpu_budget(processes_per_node: int, workers: int) -> str:

@@ -1,5 +1,6 @@
 """Threads that fit the CPU the process really has (issue 52 item 1): the cgroup quota read from a fake tree (the
-reader takes its root and /proc/self/cgroup as arguments), and a user's OMP_NUM_THREADS winning."""
+reader takes its root and /proc/self/cgroup as arguments), a user's OMP_NUM_THREADS winning, and OpenMP's idle
+threads sleeping instead of spinning unless the user said how they wait."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.startup import cgroup_cpu_limit, tune_cpu_process, usable_cpus, user_threads
+from core.startup import (OPENMP_WAITING, cgroup_cpu_limit, openmp_waiting, openmp_waits_passively, tune_cpu_process,
+                          usable_cpus, user_threads)
+from tests.helpers import run_script, script_env
 
 
 def fake_tree(tmp_path: Path, membership: str, files: dict[str, str]) -> tuple[Path, Path]:
@@ -66,3 +69,29 @@ def test_a_users_omp_num_threads_wins(env, expected):
         assert ("as set" in chosen) == (expected is not None)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("user, read", [
+    ({}, "GOMP_SPINCOUNT = '0'"),  # passive: libgomp's default spins 300000 turns first
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, "OMP_WAIT_POLICY = 'ACTIVE'"),  # the user's, kept
+])
+def test_train_py_sets_the_waiting_before_torch_loads_openmp_and_the_users_wins(user, read):
+    """libgomp reads its environment once, when loaded: OMP_DISPLAY_ENV makes every copy loaded (torch's and any
+    other library's) print what it read, so a setting made after the load would show here as libgomp's default."""
+    env = {k: v for k, v in script_env(OMP_DISPLAY_ENV="verbose", **user).items()
+           if k not in OPENMP_WAITING or k in user}
+    shown = run_script("train.py", "--help", env=env).stderr
+    loaded = shown.count("OPENMP DISPLAY ENVIRONMENT BEGIN")
+    assert loaded >= 1 and shown.count(read) == loaded, shown[-3000:]
+
+
+@pytest.mark.parametrize("env, set_here, line", [
+    ({}, True, None),
+    ({"OMP_WAIT_POLICY": "active"}, False, "OMP_WAIT_POLICY=active, as set"),
+    ({"GOMP_SPINCOUNT": "10000"}, False, "GOMP_SPINCOUNT=10000, as set"),  # the user tuned the spinning: kept alone
+])
+def test_a_users_openmp_waiting_is_left_alone_and_named(env, set_here, line):
+    given = dict(env)
+    assert openmp_waits_passively(env) == set_here
+    assert env == (given if not set_here else {"OMP_WAIT_POLICY": "PASSIVE"})
+    assert line is None or openmp_waiting(env) == line
