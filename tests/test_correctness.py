@@ -27,6 +27,8 @@ from tests.helpers import (COMMON, EPOCHS, GLOBAL_BATCH, NO_BN_MODEL, REPO, STEP
 pytestmark = pytest.mark.slow  # every test trains with real process groups
 
 BN_MODEL = "model.name=resnet10t"  # 14 BatchNorm layers
+# train.val_every_steps=3 with the EMA, 4 steps an epoch: validations at steps 3, 4 (the epoch's), 6 and 8 (the epoch's)
+EVERY = ("train.val_every_steps=3", "model.ema_decay=0.9")
 
 # name: (processes, overrides). Per-process batch x processes x accum_steps = GLOBAL_BATCH everywhere.
 RUNS = {
@@ -35,12 +37,11 @@ RUNS = {
     "sync2_again": (2, (BN_MODEL, "train.batch_size=6", "model.sync_bn=true")),
     "sync3": (3, (BN_MODEL, "train.batch_size=4", "model.sync_bn=true")),
     "nosync2": (2, (BN_MODEL, "train.batch_size=6", "model.sync_bn=false")),
-    "gn_single": (1, (NO_BN_MODEL, "train.batch_size=12")),
+    # EVERY on gn_single and gn_ddp_accum, not on gn_accum: their equal weights also show that a validation inside
+    # an epoch leaves training as it was
+    "gn_single": (1, (NO_BN_MODEL, "train.batch_size=12", *EVERY)),
     "gn_accum": (1, (NO_BN_MODEL, "train.batch_size=6", "train.accum_steps=2")),
-    "gn_ddp_accum": (2, (NO_BN_MODEL, "train.batch_size=3", "train.accum_steps=2")),
-    # train.val_every_steps=5 with a global batch of 6: 8 steps an epoch, validations at steps 5, 8, 10, 15, 16
-    "every": (1, (NO_BN_MODEL, "train.batch_size=6", "train.val_every_steps=5", "model.ema_decay=0.9")),
-    "every2": (2, (NO_BN_MODEL, "train.batch_size=3", "train.val_every_steps=5", "model.ema_decay=0.9")),
+    "gn_ddp_accum": (2, (NO_BN_MODEL, "train.batch_size=3", "train.accum_steps=2", *EVERY)),
 }
 
 
@@ -134,13 +135,13 @@ def test_validation_counts_every_image_once(run, name):
 
 
 def test_validation_every_n_steps_is_the_same_on_one_and_two_ranks(run):
-    """Guarantee 4 for train.val_every_steps=5: the model and its EMA validated inside the epochs (steps 5, 10, 15)
-    and after each (8, 16: a step is validated once), the same rows on 1 process and on 2 ranks; best.pth is the
-    best of all of them."""
-    single, two = (read_jsonl(run(name) / "metrics.jsonl") for name in ("every", "every2"))
+    """Guarantee 4 for train.val_every_steps=3: the model and its EMA validated inside the epochs (steps 3, 6) and
+    after each (4, 8: a step is validated once), the same rows on 1 process and on 2 ranks (with accumulation);
+    best.pth is the best of all of them."""
+    single, two = (read_jsonl(run(name) / "metrics.jsonl") for name in ("gn_single", "gn_ddp_accum"))
     for rows in (single, two):
         assert [(r["epoch"], r["step"], "epoch_time_s" in r) for r in rows] == [
-            (0, 5, False), (0, 8, True), (1, 10, False), (1, 15, False), (1, 16, True)]
+            (0, 3, False), (0, 4, True), (1, 6, False), (1, 8, True)]
     for a, b in zip(single, two):
         assert a["val_count"] == b["val_count"] == VAL_SIZE and a["lr"] == b["lr"]
         for key in ("val_top1", "val_top5", "ema_val_top1", "ema_val_top5", "train_top1"):
@@ -148,21 +149,21 @@ def test_validation_every_n_steps_is_the_same_on_one_and_two_ranks(run):
         for key in ("val_loss", "ema_val_loss", "train_loss"):
             assert math.isclose(a[key], b[key], rel_tol=TOL), key  # float summation order only (TOL)
     best = max(single, key=lambda r: r["ema_val_top1"])  # the first of the best (a tie is no improvement)
-    assert torch.load(run("every") / "best.pth", weights_only=True)["global_step"] == best["step"]
+    assert torch.load(run("gn_single") / "best.pth", weights_only=True)["global_step"] == best["step"]
 
 
 def test_validation_every_n_steps_resumed_after_stops_gives_the_uninterrupted_rows(run, tmp_path):
-    """A run of train.val_every_steps=5 stopped at step 7 (its stop's validation is dropped at the resume, which
-    validates the epoch's end), resumed and stopped at step 10 (a step of the schedule, validated once), then
-    resumed to the end, holds the uninterrupted run's rows, each once (its weights: tests/test_resume.py)."""
+    """A run of train.val_every_steps=3 stopped at step 2 (its stop's validation is dropped at the resume), resumed
+    across the epoch's end and stopped at step 6 (a step of the schedule, validated once), then resumed to the end,
+    holds the uninterrupted run's rows, each once (its weights: tests/test_resume.py)."""
     out = tmp_path / "run"
-    args = [*COMMON, *RUNS["every"][1], f"output_dir={out}"]
-    train_here(*args, "train.max_steps=7")
-    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [5, 7]
-    train_here(*args, "train.max_steps=10")
-    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [5, 8, 10]
+    args = [*COMMON, *RUNS["gn_single"][1], f"output_dir={out}"]
+    train_here(*args, "train.max_steps=2")
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [2]
+    train_here(*args, "train.max_steps=6")
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [3, 4, 6]
     train_here(*args)
-    assert model_rows(read_jsonl(out / "metrics.jsonl")) == model_rows(read_jsonl(run("every") / "metrics.jsonl"))
+    assert model_rows(read_jsonl(out / "metrics.jsonl")) == model_rows(read_jsonl(run("gn_single") / "metrics.jsonl"))
 
 
 def test_two_launchers_on_loopback_equal_one_launcher(run, tmp_path):

@@ -75,6 +75,7 @@ def test_a_users_omp_num_threads_wins(env, expected):
     ({}, "GOMP_SPINCOUNT = '0'"),  # passive: libgomp's default spins 300000 turns first
     ({"OMP_WAIT_POLICY": "ACTIVE"}, "OMP_WAIT_POLICY = 'ACTIVE'"),  # the user's, kept
 ])
+@pytest.mark.slow  # a train.py process each (the choice itself: test_a_users_openmp_waiting_is_left_alone_and_named)
 def test_train_py_sets_the_waiting_before_torch_loads_openmp_and_the_users_wins(user, read):
     """libgomp reads its environment once, when loaded: OMP_DISPLAY_ENV makes every copy loaded (torch's and any
     other library's) print what it read, so a setting made after the load would show here as libgomp's default."""

@@ -15,6 +15,7 @@ time.sleep(600)  # the parent's line
 """
 
 
+@pytest.mark.slow  # a torchrun of 2 processes (fast tier budget)
 def test_a_hung_run_reports_the_stacks_of_all_its_processes(tmp_path):
     script = tmp_path / "hangs.py"
     script.write_text(HANGS)

@@ -342,6 +342,7 @@ def test_torchrun_summary_names_the_failing_rank_and_its_one_line_error(tmp_path
     assert "<N/A>" not in proc.stderr.split("Failures:")[1]
 
 
+@pytest.mark.slow  # a torchrun of 2 processes (fast tier budget)
 def test_torchrun_summary_of_evaluate_shows_the_one_line_error(tmp_path):
     missing = tmp_path / "nope.pth"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
