@@ -242,12 +242,10 @@ def main() -> None:
     signal.signal(signal.SIGINT, stop)  # also in a background job, where SIGINT starts out ignored
     done = 0
     try:
-        step = 0
         for round_ in range(args.rounds):
             print(f"round {round_ + 1}/{args.rounds}, load average {os.getloadavg()[0]:.2f}", file=sys.stderr)
-            for condition in conditions:
-                order = list(sides) if step % 2 == 0 else list(sides)[::-1]
-                step += 1
+            for index, condition in enumerate(conditions):  # each condition's order reverses from round to round
+                order = list(sides) if (round_ + index) % 2 == 0 else list(sides)[::-1]
                 for name in order:
                     sides[name](condition)
             done += 1
