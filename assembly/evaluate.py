@@ -28,7 +28,8 @@ from engine.checkpoint.inference import Trained, ema_hint, precision_line
 from engine.checkpoint.weights import MODEL_CONFIG
 from engine.evaluation import (best_thresholds, confidence_and_loss, evaluate, evaluate_multilabel,
                                multilabel_metrics)
-from engine.metrics import ECE_BINS, calibration_bins, class_metrics, class_report, expected_calibration_error
+from engine.metrics import (ECE_BINS, calibration_bins, class_metrics, class_report, confusion_matrix,
+                            expected_calibration_error)
 from engine.plots import PNG, confusion_figure, plot_reliability, readable, save_png
 from engine.precision import resolve_precision
 from engine.tracking import WandbTracker
@@ -202,7 +203,7 @@ def summarize(rows: list[dict[str, str]], metrics: dict[str, float], class_names
         entry.update(n=n, top1=100.0 * int(counts[0, c]) / n if n else None)
     confusion = None
     if num_classes <= CONFUSION_MAX:
-        confusion = np.bincount(labels * num_classes + preds, minlength=num_classes ** 2).reshape(num_classes, -1)
+        confusion = confusion_matrix(labels, preds, num_classes)
     result = {
         "checkpoint": checkpoint,
         "ema": ema,

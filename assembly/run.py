@@ -2,12 +2,14 @@
 or fresh), its sinks, checkpointer and record, and the hooks that do each side effect, in their order."""
 
 from __future__ import annotations
+
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
+
 from assembly.parts import build_parts
 from assembly.start import build_start, load_teacher, resolve_start
 from core.config import Config, best_metric, global_batch, lower_is_better, to_dict

@@ -358,9 +358,14 @@ class LoggingConfig:
                              "W&B table of this many augmented training images when a training starts; 0 = none",
                              within=">= 0", continues=True)
     wandb_errors: int = key(16,
-                            "W&B, each validation (single-label): a table of its this many worst images by loss (image, true and predicted class, confidence, loss) and its confusion matrix (up to 100 classes); 0 = neither",
+                            "W&B, each validation (single-label): a table of its this many worst images by loss "
+                            "(image, true and predicted class, confidence, loss) and its confusion matrix (up to 100 "
+                            "classes); 0 = neither",
                             within=">= 0", continues=True)
-    curves: bool = key(True, "draw curves.png (loss, the best.pth metric, lr) in output_dir after each validation (rank 0; redraw a finished run with python -m engine.curves RUN_DIR)", continues=True)
+    curves: bool = key(True,
+                       "draw curves.png (loss, the best.pth metric, lr) in output_dir after each validation (rank 0; "
+                       "redraw a finished run with python -m engine.curves RUN_DIR)",
+                       continues=True)
     tensorboard: bool = key(False,
                             "also write TensorBoard event files to <output_dir>/tensorboard (rank 0)",
                             continues=True)

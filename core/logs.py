@@ -81,10 +81,6 @@ class MetricsFile:
         with self.path.open("a") as f:
             f.write(json.dumps(clean) + "\n")
 
-    def keep_epochs_before(self, epoch: int) -> None:
-        """Drop the rows of `epoch` and later, atomically: a resumed run writes them again, once."""
-        self.keep_only(lambda row: row["epoch"] < epoch)
-
     def keep_only(self, keep: Callable[[dict], bool]) -> None:
         """Drop the rows `keep` refuses, atomically (a resumed run writes them again, once)."""
         if not self.path.exists():
@@ -130,7 +126,7 @@ def run_summary(rows: list[dict], metric: str, best_value: float, best_epoch: in
     timed = [r for r in rows if r.get("train_images") is not None and r.get("epoch_time_s")]
     seconds = sum(r["epoch_time_s"] for r in timed)
     speed = f"{sum(r['train_images'] for r in timed) / seconds:.0f} img/s" if seconds else "img/s n/a"
-    mid = len(rows) - len([r for r in rows if "epoch_time_s" in r])  # validations inside epochs: no timings
+    mid = sum("epoch_time_s" not in r for r in rows)  # validations inside epochs: no timings
     epochs = f"{len(rows) - mid} epoch(s)" + (f" and {mid} validation(s) inside epochs" if mid else "")
     return (f"{best}\n*** last epoch {last['epoch']}: {' '.join(shown(c, last[c]) for c in columns)}\n"
             f"*** {epochs} in metrics.jsonl, training at {speed}; wall time {duration(wall_s)}; outputs "

@@ -98,6 +98,11 @@ def add_class_counts(counts: torch.Tensor, targets: torch.Tensor, predicted: tor
     counts[2].scatter_add_(0, predicted, ones)
 
 
+def confusion_matrix(labels: np.ndarray, predicted: np.ndarray, num_classes: int) -> np.ndarray:
+    """C x C counts of (true class, predicted class) pairs: rows true, columns predicted."""
+    return np.bincount(labels * num_classes + predicted, minlength=num_classes ** 2).reshape(num_classes, num_classes)
+
+
 def confusion_counts(confusion: torch.Tensor) -> torch.Tensor:
     """The 3 x C per-class counts of a C x C confusion matrix (rows: true class, columns: predicted class)."""
     return torch.stack([confusion.diagonal(), confusion.sum(1), confusion.sum(0)])

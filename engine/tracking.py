@@ -312,11 +312,10 @@ class TensorBoardWriter(Sink):
         if not (self.active and self.writer is not None and len(class_names) <= CONFUSION_CLASSES):
             return
         with self._guard("writing the confusion figure"):
+            from engine.metrics import confusion_matrix
             from engine.plots import confusion_figure  # matplotlib only where a run draws
 
-            n = len(class_names)
-            confusion = np.bincount(outcomes[:, 1].astype(int) * n + outcomes[:, 2].astype(int),
-                                    minlength=n * n).reshape(n, n)
+            confusion = confusion_matrix(outcomes[:, 1].astype(int), outcomes[:, 2].astype(int), len(class_names))
             figure = confusion_figure(confusion, list(class_names), f"validation confusion matrix, step {step}")
             self.writer.add_figure("val/confusion", figure, step, close=True)
             self.writer.flush()

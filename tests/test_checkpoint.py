@@ -227,10 +227,10 @@ def test_eval_shards_are_whole_batches(world):
 
 def test_metrics_rows_of_resumed_epochs_are_dropped(tmp_path):
     metrics = MetricsFile(tmp_path / "metrics.jsonl")
-    metrics.keep_epochs_before(0)  # no file yet: nothing to do
+    metrics.keep_only(lambda row: row["epoch"] < 0)  # no file yet: nothing to do
     for epoch in range(4):
         metrics.append({"epoch": epoch, "val_top1": 10.0 * epoch + 0.1})
-    metrics.keep_epochs_before(2)
+    metrics.keep_only(lambda row: row["epoch"] < 2)
     assert metrics.rows() == [{"epoch": 0, "val_top1": 0.1}, {"epoch": 1, "val_top1": 10.1}]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
 
