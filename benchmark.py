@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from core.startup import (cpu_share, import_timm_without_wandb, openmp_waits_passively, training_kernels,
+from core.startup import (compute_threads, import_timm_without_wandb, openmp_waits_passively, training_kernels,
                           tune_cpu_process)
 
 openmp_waits_passively()  # before torch loads OpenMP: steps timed as train.py runs them
@@ -347,7 +347,7 @@ def main(argv: list[str]) -> int:
     info = init_distributed("auto")
     device = info.device  # the device train.py would pick
     if device.type == "cpu":
-        tune_cpu_process(cpu_share(1))
+        tune_cpu_process(compute_threads(1, cfg.data.num_workers))  # the threads train.py computes with
     training_kernels(device.type)  # the backend settings train.py makes (cuDNN's autotuning on CUDA)
     precision = resolve_precision(cfg.amp, device)
     if args.sweep_batch and args.max_batch is None and device.type == "cpu":

@@ -13,7 +13,7 @@ from core.config_load import load_config
 from core.dist import init_distributed, read_launch_env
 from core.errors import UserError
 from core.logs import setup_logging
-from core.startup import cpu_share, tune_cpu_process
+from core.startup import compute_threads, tune_cpu_process
 from engine.checkpoint.run_dir import check_shared, locked
 from engine.hooks import Hook
 from engine.optim import with_batch_and_lr
@@ -34,7 +34,7 @@ def train(config: str | None, overrides: list[str], print_config: bool = False, 
     setup_logging(read_launch_env()[0], cfg.logging.level)  # before the rendezvous, which may wait
     info = init_distributed(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.rendezvous_timeout_s)
     if info.device.type == "cpu":
-        tune_cpu_process(cpu_share(info.local_world_size))  # said in the run's start-up line (assembly/run.py)
+        tune_cpu_process(compute_threads(info.local_world_size, cfg.data.num_workers))  # logged: assembly/run.py
     cfg = with_run_folder(cfg)
     check_same_config(cfg)
     if dry:

@@ -115,12 +115,20 @@ def cpu_share(processes_per_node: int) -> int:
     return max(1, int(usable_cpus() // processes_per_node))
 
 
+def compute_threads(processes_per_node: int, workers: int) -> int:
+    """The threads a training process computes with: its share of the CPUs less one per loader worker, at least 1.
+    Each worker is a process that decodes and augments on a core of its own: a thread beyond the cores left waits
+    at every op's barrier for the one a worker took (docs/benchmarks.md, section 17: on 2 cores with 1 worker, 1
+    thread trains as fast as 2 quiet and several times faster beside 2 busy co-tenants)."""
+    return max(1, cpu_share(processes_per_node) - workers)
+
+
 def threads_line(processes_per_node: int, workers: int) -> str:
     """The CPU threads this process computes with and why, for the run's start-up line."""
     import torch
 
     user = user_threads(os.environ)
-    why = f"OMP_NUM_THREADS={user}, as set" if user is not None else "its share"
+    why = f"OMP_NUM_THREADS={user}, as set" if user is not None else "its share less its loader workers"
     return (f"{torch.get_num_threads()} thread(s) per process ({why}): {cpu_budget(processes_per_node, workers)}; "
             f"idle threads wait: {openmp_waiting()}")
 

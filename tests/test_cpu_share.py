@@ -53,6 +53,16 @@ def test_a_quota_below_one_core_still_gets_one_thread(tmp_path, monkeypatch):
     assert startup.cpu_share(1) == 1 and startup.cpu_share(4) == 1
 
 
+@pytest.mark.parametrize("cpus, processes, workers, expected", [
+    (8, 1, 0, 8), (8, 1, 2, 6), (8, 2, 1, 3), (2, 1, 1, 1), (2, 1, 2, 1), (2.5, 1, 0, 2)])
+def test_the_threads_are_the_share_less_the_loader_workers(monkeypatch, cpus, processes, workers, expected):
+    """Each loader worker is a process that needs a core of its own: the training threads get the rest."""
+    from core import startup
+
+    monkeypatch.setattr(startup, "usable_cpus", lambda: cpus)
+    assert startup.compute_threads(processes, workers) == expected
+
+
 @pytest.mark.parametrize("env, expected", [
     ({"OMP_NUM_THREADS": "3"}, 3),
     ({"OMP_NUM_THREADS": "1"}, 1),  # a user's 1, outside torchrun

@@ -38,8 +38,8 @@ def one_thread(monkeypatch):
     """train.main computes with one thread: on a loaded 2-core machine two threads make a tiny step's time erratic
     (seen: 15 ms per step with one thread, 0.5-2.5 s with two), and these tests measure waiting, not compute."""
     threads = torch.get_num_threads()
-    for module in (launch, run):  # the process's threads, and the input advice's count of cores
-        monkeypatch.setattr(module, "cpu_share", lambda processes_per_node: 1)
+    monkeypatch.setattr(launch, "compute_threads", lambda processes_per_node, workers: 1)  # the process's threads
+    monkeypatch.setattr(run, "cpu_share", lambda processes_per_node: 1)  # the input advice's count of cores
     yield
     torch.set_num_threads(threads)
 
