@@ -8,7 +8,7 @@ from typing import Sequence
 
 from assembly.fit import find_lr, fit
 from assembly.start import check_same_config, dry_run, with_run_folder
-from core.config import config_yaml
+from core.config import config_yaml, with_derived
 from core.config_load import load_config
 from core.dist import init_distributed, read_launch_env
 from core.errors import UserError
@@ -16,7 +16,7 @@ from core.logs import setup_logging
 from core.startup import compute_threads, tune_cpu_process
 from engine.checkpoint.run_dir import check_shared, locked
 from engine.hooks import Hook
-from engine.optim import with_batch_and_lr
+from engine.optim import batch_and_lr
 
 QUICKSTART = "configs/digits.yaml"  # --config's default: the quickstart's own data and 32 px settings
 
@@ -29,7 +29,8 @@ def train(config: str | None, overrides: list[str], print_config: bool = False, 
     if print_config:
         rank, world_size, *_ = read_launch_env()
         if rank == 0:  # the batch and lr for this launch's processes; preprocessing: --dry-run shows it
-            print(f"# as {world_size} process(es) run it\n{config_yaml(with_batch_and_lr(cfg, world_size, False))}", end="")
+            resolved = with_derived(cfg, **batch_and_lr(cfg, world_size, False))
+            print(f"# as {world_size} process(es) run it\n{config_yaml(resolved)}", end="")
         return 0
     setup_logging(read_launch_env()[0], cfg.logging.level)  # before the rendezvous, which may wait
     info = init_distributed(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.rendezvous_timeout_s)

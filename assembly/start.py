@@ -16,8 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from core.config import (Config, ModelConfig, command_line_keys, given_keys, global_batch, mixing, replace_keys,
-                         replace_section, run_values, to_dict)
+from core.config import Config, ModelConfig, global_batch, mixing, run_values, to_dict, with_derived
 from core.dist import DistInfo, all_gather_object, main_first, min_over_ranks, rank0_decides
 from core.errors import UserError
 from data.hf import hub_revision
@@ -26,12 +25,12 @@ from data.pipeline import pipeline_hashes
 from data.split import Split, run_split
 from engine.batch_size import (CPU_BATCH, MAX_BATCH, UNIT, largest_batch, on_device_fits, resolved_batch,
                                whole_groups, with_headroom)
-from engine.checkpoint.resume import Resume, config_changes
+from engine.checkpoint.resume import Resume, config_changes, decide_resume
 from engine.checkpoint.run_dir import check_writable, resolve_output_dir
 from engine.checkpoint.weights import Pretrained, check_pretrained, resolve_preprocessing
 from engine.distill import check_teacher_needed, freeze_teacher, read_teacher, teacher_sha256
 from engine.losses import build_loss, heavy_weight_warning
-from engine.optim import build_optimizer, check_optimizer, check_scheduler, with_batch_and_lr, with_scaled_lr
+from engine.optim import batch_and_lr, build_optimizer, check_optimizer, check_scheduler, scaled_lr_values
 from engine.precision import Precision, resolve_precision
 from engine.profiling import check_trace_folder, window_warnings
 from models.factory import check_model_name, create_model, prepare_model, pretrained_cfg_of
@@ -56,17 +55,27 @@ def resolve_start(cfg: Config, info: DistInfo, fresh: bool = False) -> tuple[Con
     process from train.global_batch_size and optim.lr from optim.lr_base resolved (train.batch_size=auto: later,
     once the model is built)."""
     check_optimizer(cfg.optim)
-    if cfg.logging.profile_steps:
-        rank0_decides(lambda: check_trace_folder(Path(cfg.output_dir)))
-    start = Resume(None, None) if fresh else Resume.find(cfg.resume, Path(cfg.output_dir))
+    path, hub_cfg = rank0_decides(lambda: decide_start(cfg, fresh))
+    start = Resume.open(path, auto=not fresh and cfg.resume == "auto")
     pretrained = start.pretrained(cfg.model)
-    hub_cfg = None if start.ckpt else rank0_decides(lambda: pretrained_cfg_of(cfg.model))  # model.pretrained=true
-    cfg = resolve_preprocessing(cfg, pretrained, start.ckpt["config"] if start.ckpt else None, hub_cfg)
-    cfg = with_batch_and_lr(cfg, info.world_size, info.is_main)  # after resolve_preprocessing (keys the user set)
-    cfg = replace_section(cfg, "data", **pipeline_hashes(cfg.data))  # a resume with another pipeline file: refused
-    cfg = replace_section(cfg, "data", hf_revision=hub_revision(cfg.data, start.ckpt and start.ckpt["config"]))
+    saved = start.ckpt["config"] if start.ckpt else None
+    data = {**resolve_preprocessing(cfg.data, cfg.model.name, cfg.given, pretrained, saved, hub_cfg),
+            **pipeline_hashes(cfg.data),  # a resume with another pipeline file: refused
+            "hf_revision": hub_revision(cfg.data, saved)}
+    batch = batch_and_lr(cfg, info.world_size, info.is_main)
+    cfg = with_derived(cfg, data=data, **batch)
     start.check_continuation(cfg)
     return cfg, start, StartingWeights(pretrained, hub_cfg)
+
+
+def decide_start(cfg: Config, fresh: bool) -> tuple[str | None, dict | None]:
+    """Rank 0's start-up checks, one decision every rank learns: the trace folder (logging.profile_steps), the
+    checkpoint to continue (none when `fresh`), and for a fresh run the config of model.pretrained's timm weights."""
+    out = Path(cfg.output_dir)
+    if cfg.logging.profile_steps:
+        check_trace_folder(out)
+    path = None if fresh else decide_resume(cfg.resume, out)
+    return path, None if path else pretrained_cfg_of(cfg.model)
 
 
 @dataclasses.dataclass
@@ -160,9 +169,11 @@ def with_auto_batch(cfg: Config, data: DataBundle, model: nn.Module, precision: 
         raise UserError(f"train.batch_size=auto: not even a batch of {UNIT} fits ({cfg.model.name} at "
                         f"data.img_size {cfg.data.img_size}, amp={cfg.amp}); lower data.img_size, set "
                         "model.grad_checkpointing=true, or use a smaller model", all_ranks=True)
-    cfg = replace_section(cfg, "train", **resolved_batch(cfg.train, largest, info.world_size, mixing(cfg.data),
-                                                         "train.accum_steps" in command_line_keys(cfg)))
-    cfg = with_scaled_lr(cfg, info.world_size, info.is_main)
+    typed = cfg.from_command_line
+    train = resolved_batch(cfg.train, largest, info.world_size, mixing(cfg.data), "train.accum_steps" in typed)
+    images = global_batch(info.world_size, train["batch_size"], train.get("accum_steps", cfg.train.accum_steps))
+    cfg = with_derived(cfg, train=train,
+                       optim=scaled_lr_values(cfg.optim, images, typed, cfg.given, info.is_main))
     if info.is_main:
         log.info("train.batch_size=auto: %d per process (%s)%s", cfg.train.batch_size, how,
                  f", x train.accum_steps={cfg.train.accum_steps} for train.global_batch_size="
@@ -178,12 +189,12 @@ def load_teacher(cfg: Config, start: Resume, model: nn.Module, num_classes: int)
     if not cfg.distill.teacher_weights:
         return cfg, None
     pretrained, name = read_teacher(cfg.distill)
-    digest = teacher_sha256(cfg.distill, "distill.teacher_sha256" in given_keys(cfg),
+    digest = teacher_sha256(cfg.distill, "distill.teacher_sha256" in cfg.given,
                             start.ckpt["config"] if start.ckpt else None)
     check_model_name(name, key="distill.teacher_name")
     teacher = freeze_teacher(create_model(ModelConfig(name=name, kwargs=cfg.distill.teacher_kwargs), num_classes),
                              pretrained, name)
-    return replace_section(cfg, "distill", teacher_sha256=digest), (teacher, pretrained, name)
+    return with_derived(cfg, distill={"teacher_sha256": digest}), (teacher, pretrained, name)
 
 
 def dry_run(cfg: Config, info: DistInfo) -> str:
@@ -212,7 +223,7 @@ def with_run_folder(cfg: Config) -> Config:
     folder = resolve_output_dir(cfg.output_dir, cfg.model.name, cfg.resume)
     if folder != cfg.output_dir:
         log.info("output_dir %s: %s", cfg.output_dir, folder)
-    return replace_keys(cfg, output_dir=folder)
+    return with_derived(cfg, output_dir=folder)
 
 
 def check_same_config(cfg: Config) -> None:

@@ -455,37 +455,23 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)  # knowledge distillation (engine/distill.py)
     tune: TuneConfig = field(default_factory=TuneConfig)  # train.py --find-lr's LR range test (engine/lr_find.py)
+    # Which keys the user set, as dotted keys (core/config_load sets them; empty for a Config built in code): `given`
+    # by the YAML file or an override, `from_command_line` by a key=value override alone, which a value a start-up
+    # rule derives (optim.lr from optim.lr_base, train.batch_size from train.global_batch_size) never replaces; the
+    # config file's own values it may. Attributes, not fields: no YAML key, and dataclasses.replace drops them.
+    given: typing.ClassVar[frozenset[str]] = frozenset()
+    from_command_line: typing.ClassVar[frozenset[str]] = frozenset()
 
 
-def given_keys(cfg: Config) -> frozenset[str]:
-    """The dotted keys the YAML file or an override set (empty for a Config built in code)."""
-    return getattr(cfg, "given", frozenset())
-
-
-def command_line_keys(cfg: Config) -> frozenset[str]:
-    """The dotted keys set on the command line (key=value overrides): a value a start-up rule derives (optim.lr from
-    optim.lr_base, train.batch_size from train.global_batch_size) never replaces one of these; the config file's
-    own values it may."""
-    return getattr(cfg, "from_command_line", frozenset())
-
-
-def with_origins(resolved: Config, cfg: Config) -> Config:
-    """`resolved` keeping which keys of `cfg` the user gave, and where (attributes, not fields: dataclasses.replace
-    drops them)."""
-    resolved.given, resolved.from_command_line = given_keys(cfg), command_line_keys(cfg)
+def with_derived(cfg: Config, **changes: Any) -> Config:
+    """cfg with the values start-up derived (a section's as a dict of its keys, data={"mean": ...}; a top-level key's
+    as its value), keeping which keys the user gave, and where (attributes, not fields: dataclasses.replace drops
+    them). Every start-up derivation returns its values and they are applied here, so none of them forgets what
+    was set."""
+    resolved = dataclasses.replace(cfg, **{name: dataclasses.replace(getattr(cfg, name), **value)
+                                           if isinstance(value, dict) else value for name, value in changes.items()})
+    resolved.given, resolved.from_command_line = cfg.given, cfg.from_command_line
     return resolved
-
-
-def replace_section(cfg: Config, section: str, **changes: Any) -> Config:
-    """cfg with fields of one section changed, keeping the keys the user gave: every start-up derivation goes
-    through here, so none of them forgets what was set."""
-    return with_origins(dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **changes)}),
-                        cfg)
-
-
-def replace_keys(cfg: Config, **changes: Any) -> Config:
-    """cfg with top-level keys changed (output_dir resolved), keeping the keys the user gave, as replace_section."""
-    return with_origins(dataclasses.replace(cfg, **changes), cfg)
 
 
 def global_batch(world_size: int, batch_size: int, accum_steps: int) -> int:
@@ -586,11 +572,11 @@ def run_values(cfg: Config, world_size: int) -> str:
 def origin(cfg: Config, key: str, rule: str = "") -> str:
     """Where a resolved value came from: the command line, the config file, a start-up rule, or the default (for
     data.mean/std/interpolation/crop_pct: the weights' or the resumed run's, when neither gave them)."""
-    if key in command_line_keys(cfg):
+    if key in cfg.from_command_line:
         return "command line"
     if rule:
         return f"rule: {rule}"
-    if key in given_keys(cfg):
+    if key in cfg.given:
         return "config file"
     if key in ("data.mean", "data.std", "data.interpolation", "data.crop_pct"):
         return "the weights', the resumed run's, or the default"

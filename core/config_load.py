@@ -101,7 +101,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
         set_dotted(raw, key, value)
         on_command_line += dotted_keys({key: value}) if isinstance(value, dict) else [key]
     cfg = config_from_dict(raw)
-    cfg.from_command_line = frozenset(on_command_line)  # core/config.command_line_keys
+    cfg.from_command_line = frozenset(on_command_line)  # core/config.Config.from_command_line says why
     return cfg
 
 

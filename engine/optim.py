@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from timm.optim import create_optimizer_v2, get_optimizer_class, get_optimizer_info
@@ -13,8 +13,7 @@ from timm.scheduler.scheduler import Scheduler
 from torch import nn
 from torchvision.ops._utils import split_normalization_params  # torchvision's own norm/other split (pinned 0.29.1)
 
-from core.config import (Config, OptimConfig, SchedConfig, command_line_keys, given_keys, global_batch, mixing,
-                         replace_section)
+from core.config import Config, OptimConfig, SchedConfig, TrainConfig, global_batch, mixing
 from core.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -68,62 +67,65 @@ def say(speak: bool) -> Callable[..., None]:
     return log.info if speak else (lambda *_: None)
 
 
-def with_global_batch(cfg: Config, world_size: int, speak: bool = True) -> Config:
-    """cfg with train.batch_size from train.global_batch_size, if set: a run restarted on another number of processes
+def batch_and_lr(cfg: Config, world_size: int, speak: bool = True) -> dict[str, dict[str, Any]]:
+    """The batch per process and the lr the run uses on `world_size` processes, as values for core/config.with_derived
+    ({"train": ..., "optim": ...}: global_batch_values, then scaled_lr_values); train.batch_size=auto's are found once
+    the model is built (assembly/start.with_auto_batch)."""
+    if cfg.train.batch_size == "auto":
+        return {}
+    train = global_batch_values(cfg.train, mixing(cfg.data), cfg.from_command_line, world_size, speak)
+    images = global_batch(world_size, train.get("batch_size", cfg.train.batch_size), cfg.train.accum_steps)
+    return {"train": train, "optim": scaled_lr_values(cfg.optim, images, cfg.from_command_line, cfg.given, speak)}
+
+
+def global_batch_values(train: TrainConfig, mixes: bool, typed: frozenset[str], world_size: int,
+                        speak: bool = True) -> dict[str, Any]:
+    """train.batch_size from train.global_batch_size, if set: a run restarted on another number of processes
     (torchrun --nnodes=MIN:MAX) keeps its global batch, so its mid-epoch checkpoints stay resumable. A
-    train.batch_size given on the command line wins over the config file's global batch (said in the log)."""
-    train, typed = cfg.train, command_line_keys(cfg)
+    train.batch_size given on the command line (`typed`) wins over the config file's global batch (said in the log).
+    `mixes`: mixing pairs the images of a batch."""
     if not train.global_batch_size:
-        return cfg
+        return {}
     if "train.batch_size" in typed and "train.global_batch_size" not in typed:
         say(speak)("train.batch_size=%s given: the config file's train.global_batch_size=%d is not applied (global "
                  "batch %s x %d process(es) x train.accum_steps=%d)", train.batch_size, train.global_batch_size,
                  train.batch_size, world_size, train.accum_steps)
-        return replace_section(cfg, "train", global_batch_size=0)
+        return {"global_batch_size": 0}
     per_step = world_size * train.accum_steps
     batch, left = divmod(train.global_batch_size, per_step)
-    if left or (batch % 2 and mixing(cfg.data)):
+    if left or (batch % 2 and mixes):
         what = "an even number of images per process (mixing pairs them)" if not left else "a whole batch per process"
         raise UserError(f"config key 'train.global_batch_size' is {train.global_batch_size}, which does not give "
                         f"{what} on {world_size} process(es) x train.accum_steps={train.accum_steps}; use a multiple "
-                        f"of {per_step * (2 if mixing(cfg.data) else 1)}")
+                        f"of {per_step * (2 if mixes else 1)}")
     if "train.batch_size" in typed and train.batch_size != batch:  # both given, and they disagree
         raise UserError(f"train.batch_size={train.batch_size} and train.global_batch_size={train.global_batch_size} "
                         f"are both given, but the global batch sets {batch} per process on {world_size} process(es) "
                         f"x train.accum_steps={train.accum_steps}; give one of the two")
-    return replace_section(cfg, "train", batch_size=batch)
+    return {"batch_size": batch}
 
 
-def with_scaled_lr(cfg: Config, world_size: int, speak: bool = True) -> Config:
-    """cfg with optim.lr computed from optim.lr_base for the global batch (timm's train.py rule), if lr_base is set;
+def scaled_lr_values(optim: OptimConfig, images: int, typed: frozenset[str], given: frozenset[str],
+                     speak: bool = True) -> dict[str, Any]:
+    """optim.lr computed from optim.lr_base for a global batch of `images` (timm's train.py rule), if lr_base is set;
     the start-up log says how. The computed lr replaces optim.lr, so config.yaml and the checkpoints show the lr the
-    run used, but never an optim.lr given on the command line: that one is used, lr_base set to 0 (said in the log);
-    both given there is refused."""
-    optim, typed = cfg.optim, command_line_keys(cfg)
+    run used, but never an optim.lr given on the command line (`typed`): that one is used, lr_base set to 0 (said in
+    the log); both given there is refused. `given`: the keys the config file or the command line set."""
     if not optim.lr_base:
-        return cfg
+        return {}
     if "optim.lr" in typed:
         if "optim.lr_base" in typed:
             raise UserError(f"optim.lr={optim.lr:g} and optim.lr_base={optim.lr_base:g} are both given; optim.lr_base "
                             "derives optim.lr from the global batch: give one of the two")
         say(speak)("optim.lr %g as given: the config file's optim.lr_base %g (scaled by the global batch) is not "
                  "applied", optim.lr, optim.lr_base)
-        return replace_section(cfg, "optim", lr_base=0.0)
-    images = global_batch(world_size, cfg.train.batch_size, cfg.train.accum_steps)
+        return {"lr_base": 0.0}
     ratio = images / optim.lr_base_size
     lr = optim.lr_base * (ratio ** 0.5 if optim.lr_base_scale == "sqrt" else ratio)
-    replaced = f"; the config file's optim.lr {optim.lr:g} is not used" if "optim.lr" in given_keys(cfg) else ""
+    replaced = f"; the config file's optim.lr {optim.lr:g} is not used" if "optim.lr" in given else ""
     say(speak)("optim.lr %g = optim.lr_base %g x global batch %d / %d (%s)%s", lr, optim.lr_base, images,
              optim.lr_base_size, optim.lr_base_scale, replaced)
-    return replace_section(cfg, "optim", lr=lr)
-
-
-def with_batch_and_lr(cfg: Config, world_size: int, speak: bool = True) -> Config:
-    """The batch per process and the lr the run uses on `world_size` processes (with_global_batch, then
-    with_scaled_lr); train.batch_size=auto's are found once the model is built (train.py with_auto_batch)."""
-    if cfg.train.batch_size == "auto":
-        return cfg
-    return with_scaled_lr(with_global_batch(cfg, world_size, speak), world_size, speak)
+    return {"lr": lr}
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, grad_scaler: bool = False,

@@ -11,15 +11,21 @@ import yaml
 
 import train
 from core.cli import report_errors
+from core.config import Config, with_derived
 from core.config_load import load_config
 from core.dist import DistInfo
 from core.errors import UserError
 from data.loader import build_data, dropped_images_note
 from engine.batch_size import resolved_batch
-from engine.optim import with_batch_and_lr
+from engine.optim import batch_and_lr
 from tests.helpers import TINY
 
 FINETUNE = ["data.root=photos"]  # configs/finetune.yaml: optim.lr_base 1e-3 (sqrt rule), train.global_batch_size 32
+
+
+def with_batch_and_lr(cfg: Config, world_size: int) -> Config:
+    """cfg with the batch and the lr start-up derives for `world_size` processes."""
+    return with_derived(cfg, **batch_and_lr(cfg, world_size))
 
 
 def test_an_lr_given_on_the_command_line_is_the_lr_used(caplog):

@@ -12,9 +12,10 @@ from torch import nn
 
 import train
 from core.cli import report_errors
+from core.config import with_derived
 from core.config_load import load_config
 from core.errors import UserError
-from engine.optim import build_optimizer, build_scheduler, with_global_batch
+from engine.optim import batch_and_lr, build_optimizer, build_scheduler
 from tests.compare import nvidia_cosine_lr
 from tests.helpers import TINY, read_jsonl
 
@@ -117,8 +118,9 @@ def test_resume_with_another_global_batch_continues_the_schedule_at_its_epoch(tm
 @pytest.mark.parametrize("world, accum, expected", [(1, 1, 24), (2, 1, 12), (3, 2, 4)])
 def test_global_batch_size_sets_the_batch_per_process(world, accum, expected):
     cfg = load_config(None, ["train.global_batch_size=24", f"train.accum_steps={accum}"])
-    assert with_global_batch(cfg, world).train.batch_size == expected
-    assert with_global_batch(load_config(None, ["train.batch_size=5"]), world).train.batch_size == 5  # 0: off
+    assert with_derived(cfg, **batch_and_lr(cfg, world)).train.batch_size == expected
+    five = load_config(None, ["train.batch_size=5"])
+    assert with_derived(five, **batch_and_lr(five, world)).train.batch_size == 5  # 0: off
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -129,7 +131,7 @@ def test_global_batch_size_sets_the_batch_per_process(world, accum, expected):
 ])
 def test_global_batch_size_that_does_not_divide_is_one_line(overrides, message):
     with pytest.raises(UserError, match=message):
-        with_global_batch(load_config(None, overrides), 3)
+        batch_and_lr(load_config(None, overrides), 3)
 
 
 def optimizer_for(overrides: list[str], model: nn.Module | None = None) -> torch.optim.Optimizer:
@@ -195,12 +197,11 @@ def test_layer_decay_scales_the_lr_per_block_of_a_vit():
 ])
 def test_lr_base_scales_with_the_global_batch(world, accum, scale, expected):
     """optim.lr = lr_base x (batch_size x world size x accum_steps / lr_base_size), or its square root."""
-    from engine.optim import with_scaled_lr
-
     cfg = load_config(None, ["optim.lr_base=0.1", "train.batch_size=64", f"train.accum_steps={accum}",
                              f"optim.lr_base_scale={scale}"])
-    assert with_scaled_lr(cfg, world).optim.lr == pytest.approx(expected)
-    assert with_scaled_lr(load_config(None, ["optim.lr=0.3"]), world).optim.lr == 0.3  # lr_base=0: lr as given
+    assert with_derived(cfg, **batch_and_lr(cfg, world)).optim.lr == pytest.approx(expected)
+    given = load_config(None, ["optim.lr=0.3"])
+    assert with_derived(given, **batch_and_lr(given, world)).optim.lr == 0.3  # lr_base=0: lr as given
 
 
 def lr_of_a_run(rank: int, world: int, out: str) -> dict:

@@ -253,12 +253,12 @@ def test_a_file_named_dcp_is_read_as_a_file(tmp_path):
 
 
 def test_resume_of_a_run_whose_last_dcp_is_not_whole_names_it_and_the_way_out(tmp_path):
-    from engine.checkpoint.resume import Resume
+    from engine.checkpoint.resume import Resume, decide_resume
 
     (tmp_path / "config.yaml").write_text("seed: 0\n")
     (tmp_path / "last.dcp").mkdir()  # e.g. made by hand, or copied without its files
     with pytest.raises(UserError) as caught:
-        Resume.find("auto", tmp_path)
+        Resume.open(decide_resume("auto", tmp_path), auto=True)
     assert str(caught.value) == (f"checkpoint {tmp_path}/last.dcp is not a whole sharded checkpoint (no .metadata, "
                                  "train_state.pth): train.py swaps in only finished folders, so it was cut short or "
                                  "made by something else; give a whole one (a last.dcp or .pth file train.py wrote); "
@@ -292,7 +292,7 @@ def test_resume_auto_takes_the_newer_of_last_pth_and_last_dcp(tmp_path):
 def test_a_damaged_newer_last_checkpoint_names_the_older_one_and_best_pth(damaged, tmp_path):
     """Both last.pth and last.dcp (a switched train.ckpt_format), the newer one damaged: the way out is the older
     one and best.pth, newest first (it was 'no readable epoch_NNNN.pth is left ...: start over')."""
-    from engine.checkpoint.resume import Resume
+    from engine.checkpoint.resume import Resume, decide_resume
 
     save_atomic({"global_step": 3}, tmp_path / "last.pth")
     save_atomic({"global_step": 2}, tmp_path / "best.pth")
@@ -304,7 +304,7 @@ def test_a_damaged_newer_last_checkpoint_names_the_older_one_and_best_pth(damage
     else:
         (tmp_path / "last.pth").write_bytes((tmp_path / "last.pth").read_bytes()[:100])
     with pytest.raises(UserError) as caught:
-        Resume.find("auto", tmp_path)
+        Resume.open(decide_resume("auto", tmp_path), auto=True)
     steps = {"last.pth": 3, "last.dcp": 5}
     assert str(caught.value).startswith(f"checkpoint {tmp_path}/{damaged} cannot be read")
     assert str(caught.value).endswith(

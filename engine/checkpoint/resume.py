@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
 from core.config import Config, ModelConfig, best_metric, global_batch, key_facts, mixing, to_dict
-from core.dist import DistInfo, is_fsdp, rank0_decides
+from core.dist import DistInfo, is_fsdp
 from core.errors import UnreadableCheckpoint, UserError
 from engine.checkpoint import sharded
 from engine.checkpoint.formats import PLAIN, is_sharded, read_checkpoint, set_aside
@@ -59,14 +59,9 @@ class LoopState(Protocol):
     def schedule_position(self, updates_per_epoch: int) -> int: ...
 
 
-def find_resume_checkpoint(resume: str, out_dir: Path) -> Path | None:
-    """The checkpoint to continue from, or None for a fresh run (decided by rank 0, told to all)."""
-    path = rank0_decides(lambda: decide_resume(resume, out_dir))
-    return Path(path) if path else None
-
-
 def decide_resume(resume: str, out_dir: Path) -> str | None:
-    """The checkpoint path to continue, or None: a fresh run only in a folder holding no run record."""
+    """The checkpoint path to continue, or None: a fresh run only in a folder holding no run record (decided by rank
+    0 in the start-up's one decision, assembly/start.decide_start, and told to all)."""
     last = last_checkpoint(out_dir)
     found = run_files(out_dir)
     if resume == "auto":
@@ -287,7 +282,7 @@ def section(saved: dict[str, Any], key: str) -> dict[str, Any]:
 class Resume:
     """What a run starts from: the checkpoint it continues (found, checked and put back here), or nothing.
 
-    fit() calls, in order: `find`, `pretrained` (model.init_from's weights, which the model is created with),
+    fit() calls, in order: `open`, `pretrained` (model.init_from's weights, which the model is created with),
     `load_model` (after the data gave the class names), `load_ema`, `load_training`. A fresh run passes through
     the last three as no-ops.
     """
@@ -296,9 +291,9 @@ class Resume:
         self.path, self.ckpt, self.auto = path, ckpt, auto
 
     @classmethod
-    def find(cls, resume: str, out_dir: Path) -> Resume:
-        path = find_resume_checkpoint(resume, out_dir)
-        return cls(path, load_resume_checkpoint(path) if path else None, auto=resume == "auto")
+    def open(cls, path: str | None, auto: bool = False) -> Resume:
+        """The checkpoint decide_resume chose (None: a fresh run), read on every rank; `auto`: resume=auto chose it."""
+        return cls(Path(path), load_resume_checkpoint(Path(path)), auto) if path else cls(None, None, auto)
 
     def check_continuation(self, cfg: Config) -> None:
         """resume=auto continues the folder's run only as it was made: refuse a config that changes any key

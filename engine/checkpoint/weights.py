@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from core.config import Config, given_keys, key_facts, replace_section
+from core.config import DataConfig, key_facts
 from core.errors import UserError
 from engine.checkpoint.formats import is_sharded, load_checkpoint, read_checkpoint
 
@@ -220,25 +220,24 @@ def check_pretrained(model: nn.Module, pretrained: Pretrained) -> None:
              if reset else "")
 
 
-def resolve_preprocessing(cfg: Config, pretrained: Pretrained | None, resumed: dict[str, Any] | None,
-                          pretrained_cfg: dict[str, Any] | None = None) -> Config:
-    """data.mean/std/interpolation/crop_pct the config leaves unset, decided once at start-up: a resumed run keeps
-    its checkpoint's, a run from model.init_from takes the weights' own (the file's config, else timm's
-    pretrained_cfg for model.name), a run with model.pretrained=true those of its weights' `pretrained_cfg`, any
-    other run the defaults. The values go into the run's stored config, so
+def resolve_preprocessing(data: DataConfig, model_name: str, given: frozenset[str], pretrained: Pretrained | None,
+                          resumed: dict[str, Any] | None, pretrained_cfg: dict[str, Any] | None = None) -> dict[str, Any]:
+    """data.mean/std/interpolation/crop_pct the config leaves unset (`given`: the keys the user set), decided once
+    at start-up: a resumed run keeps its checkpoint's, a run from model.init_from takes the weights' own (the file's
+    config, else timm's pretrained_cfg for model.name), a run with model.pretrained=true those of its weights'
+    `pretrained_cfg`, any other run the defaults. Returned as data.* values for the run's stored config, so
     evaluate.py, predict.py and export.py use exactly them; one log line says each value and where it came from."""
-    given = given_keys(cfg)
     values: dict[str, Any] = {}
     said = []
     for key in PREPROCESSING:
-        value, origin = getattr(cfg.data, key), "default"
+        value, origin = getattr(data, key), "default"
         if f"data.{key}" in given:
             origin = "config"
         elif resumed is not None and key in resumed.get("data", {}):
             value, origin = resumed["data"][key], "the resumed checkpoint"
         elif pretrained is not None or pretrained_cfg is not None:
-            found, where = (weights_value(pretrained, cfg.model.name, key) if pretrained is not None else
-                            (pretrained_cfg.get(key), f"the pretrained_cfg of timm's weights {cfg.model.name}"))
+            found, where = (weights_value(pretrained, model_name, key) if pretrained is not None else
+                            (pretrained_cfg.get(key), f"the pretrained_cfg of timm's weights {model_name}"))
             if found is not None and usable(key, found):
                 value, origin = found, where
             elif found is not None:
@@ -246,7 +245,7 @@ def resolve_preprocessing(cfg: Config, pretrained: Pretrained | None, resumed: d
         values[key] = list(value) if isinstance(value, (list, tuple)) else value
         said.append(f"data.{key} {values[key]} ({origin})")
     log.info("preprocessing: %s", ", ".join(said))
-    return replace_section(cfg, "data", **values)
+    return values
 
 
 def weights_value(pretrained: Pretrained, model_name: str, key: str) -> tuple[Any, str]:
