@@ -26,7 +26,7 @@ from engine.hooks import (BestArtifact, CloseEpoch, Curves, EmaUpdate, EpochChec
 from engine.precision import Precision, resolve_precision
 from engine.profiling import FOLDER as PROFILE_FOLDER, ProfileSteps
 from engine.speed import InputAdvice
-from engine.state import TrainState, stop_reason
+from engine.state import TrainState, finished_reason, stop_reason
 from engine.tracking import CONFUSION_CLASSES, TensorBoardWriter, WandbTracker
 from engine.trainer import LoopConfig, TrainParts, train_columns
 from models.factory import hub_origin, prepare_model
@@ -122,7 +122,8 @@ def assemble(cfg: Config, info: DistInfo, lock: FolderLock | None = None, extra:
     train (said in the log)."""
     started = time.monotonic()
     cfg, start, weights = resolve_start(cfg, info)
-    if (reason := finished_reason(cfg, start.ckpt)) is not None:
+    chosen_on = best_metric(cfg)  # the metrics.jsonl column best.pth follows
+    if (reason := finished_reason(start.ckpt, cfg.train, cfg.model.name, chosen_on)) is not None:
         log.info("the run in %s is finished (%s): nothing was trained or written; raise train.epochs (or "
                  "train.max_steps, train.early_stop_patience) to continue it, or use another output_dir for a new run",
                  start.path.parent, reason)  # the checkpoint's folder: output_dir, unless resume=<path> names another
@@ -141,7 +142,7 @@ def assemble(cfg: Config, info: DistInfo, lock: FolderLock | None = None, extra:
              global_batch(info.world_size, cfg.train.batch_size, cfg.train.accum_steps), data.steps_per_epoch)
     if info.device.type == "cpu":
         log.info("CPU: %s", threads_line(info.local_world_size, cfg.data.num_workers))
-    out, chosen_on = Path(cfg.output_dir), best_metric(cfg)
+    out = Path(cfg.output_dir)
     tracker = WandbTracker(cfg.logging, info.is_main)  # W&B on rank 0; never raises
     tracker.start({**to_dict(cfg), "world_size": info.world_size}, out, resume_id=start.wandb_id)
     checkpointer = Checkpointer(out, info, cfg.train.keep_last_k, model=model, optimizer=parts.optimizer,
@@ -196,16 +197,3 @@ def hooks_of(run: Run, model: Any, tracker: WandbTracker, board: TensorBoardWrit
             *profile,
             FinishSinks(sinks)]  # last: after the last write and the profile
 
-
-def finished_reason(cfg: Config, ckpt: dict | None) -> str | None:
-    """Why the resumed checkpoint's run has nothing left to train under cfg, so that starting a finished run again
-    trains and writes nothing; None for a fresh run or one with work left."""
-    if ckpt is None or (ckpt.get("config") or {}).get("model", {}).get("name") != cfg.model.name:
-        return None  # (another model: build_start refuses the checkpoint with its own line)
-    state, chosen_on = TrainState(), best_metric(cfg)
-    state.load_state_dict(ckpt)
-    if ckpt.get("best_metric", "val_top1") != chosen_on:
-        state.forget_best()  # as Resume.load_training does: the best (and the epochs without it) start again
-    if state.epoch >= cfg.train.epochs:
-        return f"all {cfg.train.epochs} epochs of train.epochs done"
-    return stop_reason(cfg.train, state, chosen_on)

@@ -139,3 +139,17 @@ def stop_reason(train: TrainConfig, state: TrainState, chosen_on: str) -> str | 
                 f"{state.validations_without_best} validations (train.early_stop_patience={patience}); best "
                 f"{chosen_on} {state.best_value:.4f}")
     return None
+
+
+def finished_reason(ckpt: dict[str, Any] | None, train: TrainConfig, model_name: str, chosen_on: str) -> str | None:
+    """Why the resumed checkpoint's run has nothing left to train under `train`, so that starting a finished run
+    again trains and writes nothing; None for a fresh run or one with work left."""
+    if ckpt is None or (ckpt.get("config") or {}).get("model", {}).get("name") != model_name:
+        return None  # (another model: build_start refuses the checkpoint with its own line)
+    state = TrainState()
+    state.load_state_dict(ckpt)
+    if ckpt.get("best_metric", "val_top1") != chosen_on:
+        state.forget_best()  # as Resume.load_training does: the best (and the epochs without it) start again
+    if state.epoch >= train.epochs:
+        return f"all {train.epochs} epochs of train.epochs done"
+    return stop_reason(train, state, chosen_on)
