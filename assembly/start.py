@@ -20,9 +20,9 @@ from core.config import Config, ModelConfig, global_batch, mixing, run_values, t
 from core.dist import DistInfo, all_gather_object, main_first, min_over_ranks, rank0_decides
 from core.errors import UserError
 from data.hf import hub_revision
-from data.loader import DataBundle, TooFewImages, build_data, dropped_images_note, with_batch_size
+from data.loader import DataBundle, build_data, dropped_images_note, probe_data, with_batch_size
 from data.pipeline import pipeline_hashes
-from data.split import Split, run_split
+from data.split import run_split
 from engine.batch_size import (CPU_BATCH, MAX_BATCH, UNIT, largest_batch, on_device_fits, resolved_batch,
                                whole_groups, with_headroom)
 from engine.checkpoint.resume import Resume, config_changes, decide_resume
@@ -95,7 +95,7 @@ def build_start(cfg: Config, start: Resume, weights: StartingWeights,
     seed_everything(cfg.seed)
     split = run_split(cfg.data, start.path, start.ckpt["config"].get("data") if start.ckpt else None, info.is_main)
     if auto_batch:  # loaders of UNIT images only count this rank's share: draws per group wait for the batch
-        data = auto_batch_probe_data(cfg, info, split)
+        data = probe_data(cfg.data, UNIT, cfg.seed, info, split)
     else:
         data = build_data(cfg.data, cfg.train.batch_size, cfg.seed, info, cfg.train.accum_steps,
                           cfg.train.drop_last_accum, split)
@@ -130,17 +130,6 @@ def build_start(cfg: Config, start: Resume, weights: StartingWeights,
     if info.is_main and (warning := heavy_weight_warning(loss, data.class_names, images)):
         log.warning(warning)
     return cfg, data, precision, model
-
-
-def auto_batch_probe_data(cfg: Config, info: DistInfo, split: Split | None) -> DataBundle:
-    """train.batch_size=auto's first loaders, of UNIT images; a rank with fewer images than that is told so (the
-    loader's own line named a train.batch_size of UNIT the user never gave)."""
-    try:
-        return build_data(dataclasses.replace(cfg.data, mix_mode="pair"), UNIT, cfg.seed, info, split=split)
-    except TooFewImages as err:
-        raise UserError(f"train.batch_size=auto: each rank gets {err.images} training image(s), fewer than the "
-                        f"smallest batch it tries ({UNIT}); add training images, use fewer processes, or set "
-                        "train.batch_size to a number") from None
 
 
 def with_auto_batch(cfg: Config, data: DataBundle, model: nn.Module, precision: Precision,

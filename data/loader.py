@@ -499,6 +499,18 @@ def build_data(cfg: DataConfig, batch_size: int, seed: int, info: DistInfo, accu
                                split=split)
 
 
+def probe_data(cfg: DataConfig, batch_size: int, seed: int, info: DistInfo, split: Split | None = None) -> DataBundle:
+    """train.batch_size=auto's first loaders, of the smallest batch it tries (`batch_size`), mixing in pairs until the
+    batch is known; a rank with fewer images than that is told so (the loader's own line named a train.batch_size
+    the user never gave)."""
+    try:
+        return build_data(dataclasses.replace(cfg, mix_mode="pair"), batch_size, seed, info, split=split)
+    except TooFewImages as err:
+        raise UserError(f"train.batch_size=auto: each rank gets {err.images} training image(s), fewer than the "
+                        f"smallest batch it tries ({batch_size}); add training images, use fewer processes, or set "
+                        "train.batch_size to a number") from None
+
+
 def with_batch_size(data: DataBundle, cfg: DataConfig, batch_size: int, seed: int, info: DistInfo,
                     accum_steps: int = 1, drop_last_accum: bool = False) -> DataBundle:
     """The same datasets in loaders of another batch (train.batch_size=auto, once the search found it)."""
