@@ -54,7 +54,8 @@ def resolve_start(cfg: Config, info: DistInfo, fresh: bool = False) -> tuple[Con
     weights, and the config with the preprocessing (unset keys: resumed, the weights', or defaults), the batch per
     process from train.global_batch_size and optim.lr from optim.lr_base resolved (train.batch_size=auto: later,
     once the model is built)."""
-    check_optimizer(cfg.optim)
+    check_optimizer(cfg.optim)  # the config's own rules first, before any file or download is read
+    batch = batch_and_lr(cfg, info.world_size, info.is_main)
     path, hub_cfg = rank0_decides(lambda: decide_start(cfg, fresh))
     start = Resume.open(path, auto=not fresh and cfg.resume == "auto")
     pretrained = start.pretrained(cfg.model)
@@ -62,7 +63,6 @@ def resolve_start(cfg: Config, info: DistInfo, fresh: bool = False) -> tuple[Con
     data = {**resolve_preprocessing(cfg.data, cfg.model.name, cfg.given, pretrained, saved, hub_cfg),
             **pipeline_hashes(cfg.data),  # a resume with another pipeline file: refused
             "hf_revision": hub_revision(cfg.data, saved)}
-    batch = batch_and_lr(cfg, info.world_size, info.is_main)
     cfg = with_derived(cfg, data=data, **batch)
     start.check_continuation(cfg)
     return cfg, start, StartingWeights(pretrained, hub_cfg)
@@ -117,6 +117,7 @@ def build_start(cfg: Config, start: Resume, weights: StartingWeights,
         cfg, data = with_auto_batch(cfg, data, model, precision, info)
     per_epoch = data.steps_per_epoch
     steps = start.step_range(cfg.train.epochs, per_epoch, cfg.train.max_steps)
+    start.load_model(model, cfg, data.class_names, info.world_size)  # the checkpoint checked against this run
     for warning in (check_scheduler(cfg.sched, cfg.train.epochs, per_epoch)
                     + window_warnings(cfg.logging.profile_steps, *steps)):
         if info.is_main:
@@ -124,7 +125,6 @@ def build_start(cfg: Config, start: Resume, weights: StartingWeights,
     if info.is_main and (note := dropped_images_note(data.train, info.world_size, cfg.train.accum_steps,
                                                      cfg.train.drop_last_accum)):
         log.log(*note)
-    start.load_model(model, cfg, data.class_names, info.world_size)
     loss = build_loss(cfg.train, mixing(cfg.data), data.class_counts, data.class_names)  # checked before any write
     images = global_batch(info.world_size, cfg.train.batch_size, cfg.train.accum_steps)
     if info.is_main and (warning := heavy_weight_warning(loss, data.class_names, images)):
