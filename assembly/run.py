@@ -129,8 +129,8 @@ def assemble(cfg: Config, info: DistInfo, lock: FolderLock | None = None, extra:
                  start.path.parent, reason)  # the checkpoint's folder: output_dir, unless resume=<path> names another
         return None
     cfg, data, precision, model = build_start(cfg, start, weights, info)
+    model = prepare_model(model, cfg.model, info.device, info.world_size)  # placed once it has its starting weights
     cfg, teacher = load_teacher(cfg, start, model, data.num_classes)
-    model = prepare_model(model, cfg.model, info.device, info.world_size)
     parts, loop, ema = build_parts(cfg, info, data, precision, model, teacher, start)
     state = TrainState()
     start.load_training(state, cfg, info, data.steps_per_epoch, model=parts.model, optimizer=parts.optimizer,
