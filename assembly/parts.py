@@ -45,12 +45,12 @@ def build_parts(cfg: Config, info: DistInfo, data: DataBundle, precision: Precis
                            cfg.dist.fsdp_shard_size)
     torch.manual_seed(cfg.seed + info.rank)  # dropout / drop-path differ per rank, reproducibly
     training_kernels(info.device.type)  # cuDNN's autotuning on CUDA, as benchmark.py times it
-    optimizer = build_optimizer(model, cfg.optim, grad_scaler=precision.scaler is not None, sharded=is_fsdp(model))
-    updates_per_epoch = data.steps_per_epoch
     if (warning := compile_warning(cfg.model, info.world_size)) and info.is_main:
         log.warning(warning)
-    parts = TrainParts(wrap_for_training(model, info.device, info.world_size, cfg.model.compile), optimizer,
-                       build_scheduler(optimizer, cfg.sched, cfg.train.epochs, updates_per_epoch),
+    trained = wrap_for_training(model, info.device, info.world_size, cfg.model.compile)  # the module the loop calls
+    updates_per_epoch = data.steps_per_epoch
+    optimizer = build_optimizer(model, cfg.optim, grad_scaler=precision.scaler is not None, sharded=is_fsdp(model))
+    parts = TrainParts(trained, optimizer, build_scheduler(optimizer, cfg.sched, cfg.train.epochs, updates_per_epoch),
                        build_loss(cfg.train, mixing(cfg.data), data.class_counts, data.class_names),
                        precision, distill)
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
