@@ -115,6 +115,9 @@ def build_start(cfg: Config, start: Resume, weights: StartingWeights,
         check_pretrained(model, pretrained)
     if auto_batch:
         cfg, data = with_auto_batch(cfg, data, model, precision, info)
+    if info.is_main and (note := dropped_images_note(data.train, info.world_size, cfg.train.accum_steps,
+                                                     cfg.train.drop_last_accum)):  # the loaders as trained
+        log.log(*note)
     per_epoch = data.steps_per_epoch
     steps = start.step_range(cfg.train.epochs, per_epoch, cfg.train.max_steps)
     start.load_model(model, cfg, data.class_names, info.world_size)  # the checkpoint checked against this run
@@ -122,9 +125,6 @@ def build_start(cfg: Config, start: Resume, weights: StartingWeights,
                     + window_warnings(cfg.logging.profile_steps, *steps)):
         if info.is_main:
             log.warning(warning)
-    if info.is_main and (note := dropped_images_note(data.train, info.world_size, cfg.train.accum_steps,
-                                                     cfg.train.drop_last_accum)):
-        log.log(*note)
     loss = build_loss(cfg.train, mixing(cfg.data), data.class_counts, data.class_names)  # checked before any write
     images = global_batch(info.world_size, cfg.train.batch_size, cfg.train.accum_steps)
     if info.is_main and (warning := heavy_weight_warning(loss, data.class_names, images)):
