@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from assembly.parts import build_parts
 from assembly.start import build_start, load_teacher, resolve_start
-from core.config import Config, best_metric, global_batch, lower_is_better, to_dict
+from core.config import Config, global_batch, to_dict
 from core.dist import DistInfo, broadcast_object, broadcast_tensors, is_fsdp, replicated_tensors
 from core.startup import cpu_share, threads_line
 from data.loader import DataBundle, full_epoch_images
@@ -26,7 +26,7 @@ from engine.hooks import (BestArtifact, CloseEpoch, Curves, EmaUpdate, EpochChec
 from engine.precision import Precision, resolve_precision
 from engine.profiling import FOLDER as PROFILE_FOLDER, ProfileSteps
 from engine.speed import InputAdvice
-from engine.state import TrainState, finished_reason, stop_reason
+from engine.state import TrainState, best_metric, finished_reason, lower_is_better, stop_reason
 from engine.tracking import CONFUSION_CLASSES, TensorBoardWriter, WandbTracker
 from engine.trainer import LoopConfig, TrainParts, train_columns
 from models.factory import hub_origin, prepare_model
@@ -134,7 +134,7 @@ def assemble(cfg: Config, info: DistInfo, lock: FolderLock | None = None, extra:
     parts, loop, ema = build_parts(cfg, info, data, precision, model, teacher, start)
     state = TrainState()
     start.load_training(state, cfg, info, data.steps_per_epoch, model=parts.model, optimizer=parts.optimizer,
-                        scheduler=parts.scheduler, scaler=precision.scaler)
+                        scheduler=parts.scheduler, scaler=precision.scaler, chosen_on=chosen_on)
     measured = resolve_precision(cfg.eval_amp, info.device, key="eval_amp")
     log.info("model %s (%.1fM params), %d process(es) on %s, training in %s, validating in %s, global batch %d, "
              "%d steps/epoch", cfg.model.name, sum(p.numel() for p in model.parameters()) / 1e6, info.world_size,

@@ -583,20 +583,6 @@ def origin(cfg: Config, key: str, rule: str = "") -> str:
     return "default"
 
 
-def best_metric(cfg: Config) -> str:
-    """The metrics.jsonl column best.pth is chosen on: train.best_metric (val_top1, the default, means val_map for
-    multi-label data), of the EMA's weights with model.ema_decay and train.best_on_ema."""
-    name = cfg.train.best_metric
-    if cfg.data.multi_label and name == "val_top1":
-        name = "val_map"
-    return f"ema_{name}" if cfg.model.ema_decay > 0 and cfg.train.best_on_ema else name
-
-
-def lower_is_better(metric: str) -> bool:
-    """Whether a smaller value of this metrics.jsonl column is the better one (the losses)."""
-    return metric.removeprefix("ema_") == "val_loss"
-
-
 def to_dict(cfg: Config) -> dict[str, Any]:
     """Plain nested dict: what checkpoints and config.yaml store."""
     return dataclasses.asdict(cfg)

@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from core.cli import report_errors
-from core.config import best_metric
 from core.config_load import load_config
 from core.errors import UserError
 from core.logs import MetricsFile
 from engine.plots import PNG, pyplot, save_png
+from engine.state import best_metric
 
 NAME = "curves.png"
 

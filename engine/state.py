@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from core.config import TrainConfig
+from core.config import Config, TrainConfig
 from engine.metrics import SumMeter
 
 TRAIN_SUMS = ("loss_sum", "correct", "count")
@@ -126,6 +126,20 @@ class TrainState:
         self.validations_without_best = ckpt.get("validations_without_best", ckpt.get("epochs_without_best", 0))
         self.best_uncounted = ckpt.get("best_uncounted", ckpt.get("best_in_epoch", False))
         self.meter = None
+
+
+def best_metric(cfg: Config) -> str:
+    """The metrics.jsonl column best.pth is chosen on: train.best_metric (val_top1, the default, means val_map for
+    multi-label data), of the EMA's weights with model.ema_decay and train.best_on_ema."""
+    name = cfg.train.best_metric
+    if cfg.data.multi_label and name == "val_top1":
+        name = "val_map"
+    return f"ema_{name}" if cfg.model.ema_decay > 0 and cfg.train.best_on_ema else name
+
+
+def lower_is_better(metric: str) -> bool:
+    """Whether a smaller value of this metrics.jsonl column is the better one (the losses)."""
+    return metric.removeprefix("ema_") == "val_loss"
 
 
 def stop_reason(train: TrainConfig, state: TrainState, chosen_on: str) -> str | None:

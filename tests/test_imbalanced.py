@@ -14,7 +14,7 @@ import torch
 import evaluate
 import train
 from core.cli import report_errors
-from core.config import TrainConfig, best_metric
+from core.config import TrainConfig
 from core.config_load import load_config
 from core.errors import UserError
 from data.loader import EpochSampler
@@ -22,7 +22,7 @@ from engine.checkpoint.formats import load_checkpoint
 from engine.losses import build_loss, class_weights
 from engine.metrics import (PER_CLASS_RECALL_MAX, add_class_counts, class_metrics, class_report, confusion_counts,
                             metric_names)
-from engine.state import TrainState
+from engine.state import TrainState, best_metric
 from tests.compare import allow_best_of_the_stop, assert_same, rows_without_timing
 from tests.helpers import TINY, Batches, make_image_folder, read_jsonl, run_on_ranks, train_here
 

@@ -21,7 +21,7 @@ from timm.scheduler.scheduler import Scheduler
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-from core.config import Config, ModelConfig, best_metric, global_batch, key_facts, mixing, to_dict
+from core.config import Config, ModelConfig, global_batch, key_facts, mixing, to_dict
 from core.dist import DistInfo, is_fsdp
 from core.errors import UnreadableCheckpoint, UserError
 from engine.checkpoint import sharded
@@ -364,9 +364,10 @@ class Resume:
 
     def load_training(self, state: LoopState, cfg: Config, info: DistInfo, updates_per_epoch: int, *,
                       model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Scheduler,
-                      scaler: torch.amp.GradScaler | None) -> None:
+                      scaler: torch.amp.GradScaler | None, chosen_on: str) -> None:
         """The loop state (into fit's `state`), optimizer, scheduler position, GradScaler and this rank's RNG states
-        (a fresh run: nothing to do). `model` is the module as trained (DDP / compiled / sharded)."""
+        (a fresh run: nothing to do). `model` is the module as trained (DDP / compiled / sharded); `chosen_on`: the
+        metrics.jsonl column this run chooses best.pth on (engine/state.best_metric)."""
         if self.ckpt is None:
             return
         ckpt, path = self.ckpt, self.path
@@ -380,7 +381,7 @@ class Resume:
         if scaler is not None and ckpt.get("scaler"):
             scaler.load_state_dict(ckpt["scaler"])
         state.load_state_dict(ckpt)
-        then, now = ckpt.get("best_metric", "val_top1"), best_metric(cfg)
+        then, now = ckpt.get("best_metric", "val_top1"), chosen_on
         if then != now:  # best_value measured another metric: comparing the two would pick best.pth wrongly
             state.forget_best()
             if info.is_main:
