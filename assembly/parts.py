@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from core.config import Config, mixing
+from core.config import Config, global_batch, mixing
 from core.dist import DistInfo, is_fsdp
 from core.startup import training_kernels
 from data.erasing import NormalizedFill
@@ -18,7 +18,7 @@ from data.mixing import BatchMix
 from data.transforms import DeviceNormalize
 from engine.checkpoint.resume import Resume
 from engine.distill import build_distillation
-from engine.losses import build_loss
+from engine.losses import Loss, build_loss, heavy_weight_warning
 from engine.optim import build_optimizer, build_scheduler
 from engine.precision import Precision
 from engine.trainer import LoopConfig, TrainParts
@@ -34,6 +34,7 @@ def build_parts(cfg: Config, info: DistInfo, data: DataBundle, precision: Precis
     """The placed model's teacher and EMA (with `start`'s weights; no EMA without a `start`), the model sharded
     (dist.strategy=fsdp) and wrapped, its optimizer, schedule, loss and loop settings: (parts, loop, EMA or None).
     What fit() trains with, and what --find-lr's range test steps (engine/lr_find.py)."""
+    loss = run_loss(cfg, data, info)  # first: a setting it refuses stops the run before its other parts are built
     distill = build_distillation(cfg.distill, *teacher, model, cfg.data.mean, cfg.data.std, info.device,
                                  cfg.model.channels_last) if teacher else None
     ema = None
@@ -51,7 +52,7 @@ def build_parts(cfg: Config, info: DistInfo, data: DataBundle, precision: Precis
     updates_per_epoch = data.steps_per_epoch
     optimizer = build_optimizer(model, cfg.optim, grad_scaler=precision.scaler is not None, sharded=is_fsdp(model))
     parts = TrainParts(trained, optimizer, build_scheduler(optimizer, cfg.sched, cfg.train.epochs, updates_per_epoch),
-                       build_loss(cfg.train, mixing(cfg.data), data.class_counts, data.class_names),
+                       loss,
                        precision, distill)
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
     erasing = data.train.dataset.erasing  # data.random_erase_fill=normalized: boxes to fill after normalize
@@ -66,3 +67,13 @@ def build_parts(cfg: Config, info: DistInfo, data: DataBundle, precision: Precis
                       clip_mode=cfg.optim.clip_mode, multi_label=cfg.data.multi_label,
                       fsdp_accum_whole=cfg.dist.fsdp_accum_whole and is_fsdp(model) and cfg.train.accum_steps > 1)
     return parts, loop, ema
+
+
+def run_loss(cfg: Config, data: DataBundle, info: DistInfo) -> Loss:
+    """The run's loss, refused (a bad setting) or warned about (one class's weight dominating a batch) before
+    anything is written: fit() and --find-lr train with it, --dry-run checks it."""
+    loss = build_loss(cfg.train, mixing(cfg.data), data.class_counts, data.class_names)
+    images = global_batch(info.world_size, cfg.train.batch_size, cfg.train.accum_steps)
+    if info.is_main and (warning := heavy_weight_warning(loss, data.class_names, images)):
+        log.warning(warning)
+    return loss

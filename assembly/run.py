@@ -14,7 +14,7 @@ from assembly.parts import build_parts
 from assembly.start import build_start, load_teacher, resolve_start
 from core.config import Config, global_batch, to_dict
 from core.dist import DistInfo, broadcast_object, broadcast_tensors, is_fsdp, replicated_tensors
-from core.startup import cpu_share, threads_line
+from core.startup import cpu_share
 from data.loader import DataBundle, full_epoch_images
 from data.pipeline import pipeline_copies
 from engine.checkpoint.run_dir import FolderLock, RunRecord
@@ -130,6 +130,7 @@ def assemble(cfg: Config, info: DistInfo, lock: FolderLock | None = None, extra:
         return None
     cfg, data, precision, model = build_start(cfg, start, weights, info)
     model = prepare_model(model, cfg.model, info.device, info.world_size)  # placed once it has its starting weights
+    started_from = start.started_from(weights.pretrained, hub_origin(cfg.model.name, weights.hub_cfg))  # model card
     cfg, teacher = load_teacher(cfg, start, model, data.num_classes)
     parts, loop, ema = build_parts(cfg, info, data, precision, model, teacher, start)
     state = TrainState()
@@ -140,8 +141,6 @@ def assemble(cfg: Config, info: DistInfo, lock: FolderLock | None = None, extra:
              "%d steps/epoch", cfg.model.name, sum(p.numel() for p in model.parameters()) / 1e6, info.world_size,
              info.device.type, precision.name, validation_precision(measured, precision, model),
              global_batch(info.world_size, cfg.train.batch_size, cfg.train.accum_steps), data.steps_per_epoch)
-    if info.device.type == "cpu":
-        log.info("CPU: %s", threads_line(info.local_world_size, cfg.data.num_workers))
     out = Path(cfg.output_dir)
     tracker = WandbTracker(cfg.logging, info.is_main)  # W&B on rank 0; never raises
     tracker.start({**to_dict(cfg), "world_size": info.world_size}, out, resume_id=start.wandb_id)
@@ -152,8 +151,7 @@ def assemble(cfg: Config, info: DistInfo, lock: FolderLock | None = None, extra:
                                 best_metric=chosen_on, sharded=cfg.train.ckpt_format == "sharded",
                                 async_save=cfg.train.async_save, lock=lock,
                                 run_id=start.run_id or broadcast_object(uuid.uuid4().hex),  # a fresh run's: rank 0's
-                                data_sizes=data.sizes(), started_from=start.started_from(
-                                    weights.pretrained, hub_origin(cfg.model.name, weights.hub_cfg)))  # model card
+                                data_sizes=data.sizes(), started_from=started_from)
     # Nothing in output_dir changes before the run's first write (record.start): a run that fails to
     # start leaves the previous run's config.yaml, metrics.jsonl and checkpoints as they were.
     record = RunRecord(out, to_dict(cfg), first_epoch=state.epoch, first_step=state.global_step, lock=lock,

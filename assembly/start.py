@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from assembly.parts import run_loss
 from core.config import Config, ModelConfig, global_batch, mixing, run_values, to_dict, with_derived
 from core.dist import DistInfo, all_gather_object, main_first, min_over_ranks, rank0_decides
 from core.errors import UserError
@@ -29,7 +30,6 @@ from engine.checkpoint.resume import Resume, config_changes, decide_resume
 from engine.checkpoint.run_dir import check_writable, resolve_output_dir
 from engine.checkpoint.weights import Pretrained, check_pretrained, resolve_preprocessing
 from engine.distill import check_teacher_needed, freeze_teacher, read_teacher, teacher_sha256
-from engine.losses import build_loss, heavy_weight_warning
 from engine.optim import batch_and_lr, build_optimizer, check_optimizer, check_scheduler, scaled_lr_values
 from engine.precision import Precision, resolve_precision
 from engine.profiling import check_trace_folder, window_warnings
@@ -125,10 +125,6 @@ def build_start(cfg: Config, start: Resume, weights: StartingWeights,
                     + window_warnings(cfg.logging.profile_steps, *steps)):
         if info.is_main:
             log.warning(warning)
-    loss = build_loss(cfg.train, mixing(cfg.data), data.class_counts, data.class_names)  # checked before any write
-    images = global_batch(info.world_size, cfg.train.batch_size, cfg.train.accum_steps)
-    if info.is_main and (warning := heavy_weight_warning(loss, data.class_names, images)):
-        log.warning(warning)
     return cfg, data, precision, model
 
 
@@ -191,6 +187,7 @@ def dry_run(cfg: Config, info: DistInfo) -> str:
     out = Path(cfg.output_dir)
     cfg, start, data, _, model = start_up(cfg, info)
     cfg, teacher = load_teacher(cfg, start, model, data.num_classes)
+    run_loss(cfg, data, info)  # refused or warned about as fit() would
     rank0_decides(lambda: check_writable(out))
     resumed = f"resumes {start.path}" if start.path else "starts fresh"
     taught = f", distilled from {teacher[2]} ({cfg.distill.type})" if teacher else ""

@@ -25,12 +25,12 @@ from torch.utils.data import DataLoader
 
 from core.dist import DistInfo
 from core.errors import UserError
-from core.logs import Progress
 from core.signals import Preempted, requested, stop, training_steps, workers_shielded
 from engine.hooks import Hook
 from engine.metrics import hits, ranked_classes
 from engine.precision import Precision
 from engine.prefetch import Normalize, device_batches, reads_ahead
+from engine.progress import Progress
 from engine.speed import LoaderWait, clock_start
 from engine.state import TrainState
 
