@@ -14,7 +14,7 @@ from assembly.parts import build_parts
 from assembly.start import build_start, load_teacher, resolve_start
 from core.config import Config, global_batch, to_dict
 from core.dist import DistInfo, broadcast_object, broadcast_tensors, is_fsdp, replicated_tensors
-from core.startup import cpu_share
+from core.startup import cpu_share, threads_line
 from data.loader import DataBundle, full_epoch_images
 from data.pipeline import pipeline_copies
 from engine.checkpoint.run_dir import FolderLock, RunRecord
@@ -141,6 +141,8 @@ def assemble(cfg: Config, info: DistInfo, lock: FolderLock | None = None, extra:
              "%d steps/epoch", cfg.model.name, sum(p.numel() for p in model.parameters()) / 1e6, info.world_size,
              info.device.type, precision.name, validation_precision(measured, precision, model),
              global_batch(info.world_size, cfg.train.batch_size, cfg.train.accum_steps), data.steps_per_epoch)
+    if info.device.type == "cpu":
+        log.info("CPU: %s", threads_line(info.local_world_size, cfg.data.num_workers))
     out = Path(cfg.output_dir)
     tracker = WandbTracker(cfg.logging, info.is_main)  # W&B on rank 0; never raises
     tracker.start({**to_dict(cfg), "world_size": info.world_size}, out, resume_id=start.wandb_id)

@@ -31,9 +31,10 @@ from tests.helpers import (REPO, RUN, as_written_before_the_rename, read_jsonl, 
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> Path:
-    """The uninterrupted reference: 2 epochs of 8 steps in one process."""
+    """The uninterrupted reference: 2 epochs of 8 steps in one process with a loader worker, as the resumed runs (the
+    worker count sets the compute threads, core/startup.compute_threads, and fp32 results follow the threads)."""
     out = tmp_path_factory.mktemp("straight") / "run"
-    run_script("train.py", *RUN, f"output_dir={out}")
+    run_script("train.py", *RUN, f"output_dir={out}", "data.num_workers=1")
     return out
 
 
@@ -41,11 +42,11 @@ def straight(tmp_path_factory) -> Path:
 def test_resume_at_epoch_boundary_is_bitwise_identical(straight, tmp_path):
     """Also from a checkpoint laid out as before issue 46 (best_top1, val_top1, no best_epoch)."""
     out = tmp_path / "run"
-    run_script("train.py", *RUN, f"output_dir={out}", "train.max_steps=8")  # exactly epoch 0, then stop
+    run_script("train.py", *RUN, f"output_dir={out}", "data.num_workers=1", "train.max_steps=8")  # epoch 0, then stop
     first = load_checkpoint(out / "last.pth")
     assert (first["epoch"], first["epoch_step"], first["global_step"]) == (1, 0, 8)
     torch.save(as_written_before_the_rename(first), out / "last.pth")
-    run_script("train.py", *RUN, f"output_dir={out}")  # resume=auto picks up last.pth
+    run_script("train.py", *RUN, f"output_dir={out}", "data.num_workers=1")  # resume=auto picks up last.pth
     expected, resumed = load_checkpoint(straight / "last.pth"), load_checkpoint(out / "last.pth")
     # The old layout has no best_epoch: known again only if epoch 1 is a new best.
     assert resumed["best_epoch"] == (1 if expected["best_epoch"] == 1 else None)
