@@ -136,7 +136,8 @@ class DataConfig:
     color_jitter: float = key(0.0, "brightness/contrast/saturation strength; 0 disables it", within=">= 0")
     mean: list[float] = key([0.485, 0.456, 0.406], "RGB, 0-1; unset: init_from weights'")
     std: list[float] = key([0.229, 0.224, 0.225], "RGB, 0-1; unset: init_from weights'")
-    num_workers: int = key(2, "DataLoader workers per process", within=">= 0", continues=True, first=8)
+    num_workers: int = key(2, "DataLoader workers per process; on the CPU each takes one of its compute threads",
+                           within=">= 0", continues=True, first=8)
     skip_corrupt: bool = key(False, "train: drop unreadable images (counted per epoch) instead of stopping; val never")
     max_image_pixels: int = key(89_478_485,
                                 "larger images are unreadable, found from the header (PIL's default limit)",
