@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from assembly.parts import run_loss
-from core.config import Config, ModelConfig, global_batch, mixing, run_values, to_dict, with_derived
+from core.config import Config, ModelConfig, mixing, run_values, to_dict, with_derived
 from core.dist import DistInfo, all_gather_object, main_first, min_over_ranks, rank0_decides
 from core.errors import UserError
 from data.hf import hub_revision
@@ -30,7 +30,7 @@ from engine.checkpoint.resume import Resume, config_changes, decide_resume
 from engine.checkpoint.run_dir import check_writable, resolve_output_dir
 from engine.checkpoint.weights import Pretrained, check_pretrained, resolve_preprocessing
 from engine.distill import check_teacher_needed, freeze_teacher, read_teacher, teacher_sha256
-from engine.optim import batch_and_lr, build_optimizer, check_optimizer, check_scheduler, scaled_lr_values
+from engine.optim import batch_and_lr, build_optimizer, check_optimizer, check_scheduler, lr_for_batch
 from engine.precision import Precision, resolve_precision
 from engine.profiling import check_trace_folder, window_warnings
 from models.factory import check_model_name, create_model, prepare_model, pretrained_cfg_of
@@ -154,11 +154,9 @@ def with_auto_batch(cfg: Config, data: DataBundle, model: nn.Module, precision: 
         raise UserError(f"train.batch_size=auto: not even a batch of {UNIT} fits ({cfg.model.name} at "
                         f"data.img_size {cfg.data.img_size}, amp={cfg.amp}); lower data.img_size, set "
                         "model.grad_checkpointing=true, or use a smaller model", all_ranks=True)
-    typed = cfg.from_command_line
-    train = resolved_batch(cfg.train, largest, info.world_size, mixing(cfg.data), "train.accum_steps" in typed)
-    images = global_batch(info.world_size, train["batch_size"], train.get("accum_steps", cfg.train.accum_steps))
-    cfg = with_derived(cfg, train=train,
-                       optim=scaled_lr_values(cfg.optim, images, typed, cfg.given, info.is_main))
+    train = resolved_batch(cfg.train, largest, info.world_size, mixing(cfg.data),
+                           "train.accum_steps" in cfg.from_command_line)
+    cfg = with_derived(cfg, train=train, optim=lr_for_batch(cfg, train, info.world_size, info.is_main))
     if info.is_main:
         log.info("train.batch_size=auto: %d per process (%s)%s", cfg.train.batch_size, how,
                  f", x train.accum_steps={cfg.train.accum_steps} for train.global_batch_size="

@@ -74,8 +74,15 @@ def batch_and_lr(cfg: Config, world_size: int, speak: bool = True) -> dict[str, 
     if cfg.train.batch_size == "auto":
         return {}
     train = global_batch_values(cfg.train, mixing(cfg.data), cfg.from_command_line, world_size, speak)
-    images = global_batch(world_size, train.get("batch_size", cfg.train.batch_size), cfg.train.accum_steps)
-    return {"train": train, "optim": scaled_lr_values(cfg.optim, images, cfg.from_command_line, cfg.given, speak)}
+    return {"train": train, "optim": lr_for_batch(cfg, train, world_size, speak)}
+
+
+def lr_for_batch(cfg: Config, train: dict[str, Any], world_size: int, speak: bool = True) -> dict[str, Any]:
+    """scaled_lr_values for the global batch that `train` (derived train.* values, over cfg's own) gives: the lr
+    follows the batch both where it is derived from train.global_batch_size and where train.batch_size=auto finds it."""
+    images = global_batch(world_size, train.get("batch_size", cfg.train.batch_size),
+                          train.get("accum_steps", cfg.train.accum_steps))
+    return scaled_lr_values(cfg.optim, images, cfg.from_command_line, cfg.given, speak)
 
 
 def global_batch_values(train: TrainConfig, mixes: bool, typed: frozenset[str], world_size: int,
