@@ -57,16 +57,16 @@ def fit(cfg: Config, info: DistInfo, lock: FolderLock | None = None,
         return None
     cfg, state, parts, data, hooks = run.cfg, run.state, run.parts, run.data, run.hooks
     try:  # close(): however the run ends, its last checkpoint write (train.async_save) finishes first
-        while state.epoch < cfg.train.epochs and not run.stops():
-            for hook in hooks:
-                hook.before_epoch(state)
+        while state.epoch < cfg.train.epochs:
             try:
+                for hook in hooks:
+                    hook.before_epoch(state)  # the first, StopRules, raises StopRun when a stop rule holds
                 train_stats = train_one_epoch(parts, data.train, state, run.loop, info, hooks)
             except Preempted as stopped:  # SIGTERM, SIGUSR1 or SIGINT: every rank stopped after the same step
                 stopped.checkpoint = run.save_now(state)  # mid-epoch: resume=auto continues where it stopped
                 stopped.overrides = continue_with(cfg.output_dir, cfg.resume)
                 raise
-            except StopRun:  # a stop rule held at a validation inside the epoch (said, checkpointed, recorded)
+            except StopRun:  # before the epoch, or at a validation inside it (said, checkpointed, recorded)
                 break
             run.end_validation(state, train_stats, finished=state.epoch_finished(data.steps_per_epoch))
         for hook in hooks:

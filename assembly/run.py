@@ -21,12 +21,12 @@ from engine.checkpoint.run_dir import FolderLock, RunRecord
 from engine.checkpoint.saver import Checkpointer
 from engine.evaluation import ImageOutcomes, validate_epoch, validation_precision
 from engine.hooks import (BestArtifact, CloseEpoch, Curves, EmaUpdate, EpochCheckpoint, EpochEnd, EpochInputs,
-                          FinishSinks, Hook, RecordRow, SkippedImages, StepCheckpoint, StopRun, Tracking,
+                          FinishSinks, Hook, RecordRow, SkippedImages, StepCheckpoint, StopRules, Tracking,
                           ValidateEvery, ValidationErrors)
 from engine.precision import Precision, resolve_precision
 from engine.profiling import FOLDER as PROFILE_FOLDER, ProfileSteps
 from engine.speed import InputAdvice
-from engine.state import TrainState, best_metric, finished_reason, lower_is_better, stop_reason
+from engine.state import TrainState, best_metric, finished_reason, lower_is_better
 from engine.tracking import CONFUSION_CLASSES, TensorBoardWriter, WandbTracker
 from engine.trainer import LoopConfig, TrainParts, train_columns
 from models.factory import hub_origin, prepare_model
@@ -51,6 +51,7 @@ class Run:
     checkpointer: Checkpointer
     record: RunRecord
     step_checkpoint: StepCheckpoint
+    stop_rules: StopRules
     hooks: list[Hook] = field(default_factory=list)
     outcomes: Any = None  # the last validation's per-image outcomes, on rank 0 (wants_outcomes)
     started: float = field(default_factory=time.monotonic)
@@ -87,28 +88,14 @@ class Run:
 
     def validate_mid_epoch(self, state: TrainState) -> None:
         """train.val_every_steps (ValidateEvery): a validation inside the epoch with the epoch's train columns so far
-        (a collective), its time kept off the training clock; raises StopRun when a stop rule holds (stops)."""
+        (a collective), its time kept off the training clock; raises StopRun when a stop rule holds (StopRules)."""
         began = self.loop.clock()
         self.end_validation(state, train_columns(state.sync_sums(), self.loop.multi_label), finished=False,
                             mid_epoch=True)
         self.step_checkpoint.saved_step = state.global_step  # EpochCheckpoint just wrote last.pth at this step
         self.parts.model.train()
         state.paused += self.loop.clock() - began
-        if self.stops():
-            raise StopRun
-
-    def stops(self) -> bool:
-        """Whether the run stops here (stop_reason, before an epoch or after a validation inside one); says why on
-        rank 0, and keeps an early stop in the W&B summary."""
-        state = self.state
-        reason = stop_reason(self.cfg.train, state, self.chosen_on)
-        if reason is None:
-            return False
-        log.info(reason)
-        if reason.startswith("stopping early"):
-            self.tracker.summary({"early_stopped_at_step": state.global_step,
-                                  **({} if state.epoch_step else {"early_stopped_before_epoch": state.epoch})})
-        return True
+        self.stop_rules.check(state)  # StopRun when a stop rule holds
 
     def save_now(self, state: TrainState) -> Path | None:
         """last.pth at this step, written (a stopped run's); every rank learns that it worked."""
@@ -164,7 +151,8 @@ def assemble(cfg: Config, info: DistInfo, lock: FolderLock | None = None, extra:
     if state.global_step == 0:
         tracker.log_samples(data.train.dataset, cfg.logging.wandb_samples)
     run = Run(cfg, info, data, parts, loop, ema, state, measured, chosen_on, tracker, checkpointer, record,
-              StepCheckpoint(record, checkpointer, cfg.train.ckpt_every_steps), started=started)
+              StepCheckpoint(record, checkpointer, cfg.train.ckpt_every_steps),
+              StopRules(cfg.train, chosen_on, tracker), started=started)
     run.hooks = [*hooks_of(run, model, tracker, board), *extra]
     return run
 
@@ -180,7 +168,8 @@ def hooks_of(run: Run, model: Any, tracker: WandbTracker, board: TensorBoardWrit
     ema = [EmaUpdate(run.ema, model, cfg.model.ema_reset_epochs)] if run.ema is not None else []
     every = ([ValidateEvery(cfg.train.val_every_steps, run.data.steps_per_epoch, run.validate_mid_epoch)]
              if cfg.train.val_every_steps else [])
-    return [EpochInputs(run.data.train, cfg.train.accum_steps, run.parts.loss_fn),
+    return [run.stop_rules,  # first: before an epoch it ends, nothing else runs
+            EpochInputs(run.data.train, cfg.train.accum_steps, run.parts.loss_fn),
             *ema,  # before the checkpoint that saves it, and before a validation of it
             *every,  # its after_epoch hooks write last.pth at the step: StepCheckpoint then need not
             run.step_checkpoint,

@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from torch import nn
 
 from engine.losses import set_loss_epoch
-from engine.state import TrainState
+from engine.state import TrainState, stop_reason
 
 if TYPE_CHECKING:  # the loop needs only Hook: keep checkpoint/tracking out of its imports
+    from core.config import TrainConfig
     from engine.checkpoint.run_dir import RunRecord
     from engine.checkpoint.saver import Checkpointer
     from engine.tracking import Sink, TensorBoardWriter, WandbTracker
@@ -96,8 +97,30 @@ def ema_copies(state: TrainState, reset_epochs: int) -> bool:
 
 
 class StopRun(Exception):
-    """A stop rule holds after a validation inside an epoch (train.early_stop_patience ran out, or train.max_steps
-    was reached at a step of train.val_every_steps): the run ends there, its checkpoint written, the reason said."""
+    """A stop rule holds (StopRules: train.max_steps reached, train.early_stop_patience run out), before an epoch or
+    after a validation inside one: the run ends there, its checkpoint written, the reason said."""
+
+
+class StopRules(Hook):
+    """The run's stop rules (engine/state.stop_reason), checked before each epoch (the first hook: nothing starts an
+    epoch they end) and after each validation inside one (`check`, once that validation's hooks have run). When one
+    holds: the reason said on rank 0, an early stop kept in the W&B summary, and StopRun raised for fit to end."""
+
+    def __init__(self, train: TrainConfig, chosen_on: str, tracker: WandbTracker) -> None:
+        self.train, self.chosen_on, self.tracker = train, chosen_on, tracker
+
+    def before_epoch(self, state: TrainState) -> None:
+        self.check(state)
+
+    def check(self, state: TrainState) -> None:
+        reason = stop_reason(self.train, state, self.chosen_on)
+        if reason is None:
+            return
+        log.info(reason)
+        if reason.startswith("stopping early"):
+            self.tracker.summary({"early_stopped_at_step": state.global_step,
+                                  **({} if state.epoch_step else {"early_stopped_before_epoch": state.epoch})})
+        raise StopRun
 
 
 class ValidateEvery(Hook):
