@@ -172,7 +172,7 @@ def load_teacher(cfg: Config, start: Resume, model: nn.Module, num_classes: int)
     if not cfg.distill.teacher_weights:
         return cfg, None
     pretrained, name = read_teacher(cfg.distill)
-    digest = teacher_sha256(cfg.distill, "distill.teacher_sha256" in cfg.given,
+    digest = teacher_sha256(cfg.distill, pretrained, "distill.teacher_sha256" in cfg.given,
                             start.ckpt["config"] if start.ckpt else None)
     check_model_name(name, key="distill.teacher_name")
     teacher = freeze_teacher(create_model(ModelConfig(name=name, kwargs=cfg.distill.teacher_kwargs), num_classes),

@@ -38,8 +38,7 @@ from torch.nn import functional as F
 
 from core.config import DistillConfig
 from core.errors import UserError
-from engine.checkpoint.weights import (Pretrained, load_weights, read_pretrained, usable, weights_files, weights_sha256,
-                                       weights_value)
+from engine.checkpoint.weights import Pretrained, load_weights, read_pretrained, usable, weights_value
 
 log = logging.getLogger(__name__)
 
@@ -116,9 +115,10 @@ def read_teacher(cfg: DistillConfig) -> tuple[Pretrained, str]:
     return pretrained, name
 
 
-def teacher_sha256(cfg: DistillConfig, given: bool, resumed: dict[str, Any] | None) -> str:
-    """distill.teacher_sha256 for this run: the file's, checked against the one given, else the resumed run's."""
-    actual = weights_sha256(weights_files(cfg.teacher_weights))
+def teacher_sha256(cfg: DistillConfig, pretrained: Pretrained, given: bool, resumed: dict[str, Any] | None) -> str:
+    """distill.teacher_sha256 for this run: the file's (read with its weights), checked against the one given, else
+    the resumed run's."""
+    actual = pretrained.sha256
     if given:
         expected, where = cfg.teacher_sha256, "distill.teacher_sha256"
     else:

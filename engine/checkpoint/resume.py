@@ -27,8 +27,7 @@ from core.errors import UnreadableCheckpoint, UserError
 from engine.checkpoint import sharded
 from engine.checkpoint.formats import PLAIN, is_sharded, read_checkpoint, set_aside
 from engine.checkpoint.saver import EPOCH_FILE
-from engine.checkpoint.weights import (Pretrained, check_architecture, load_weights, read_pretrained, weights_files,
-                                      weights_sha256)
+from engine.checkpoint.weights import Pretrained, check_architecture, load_weights, read_pretrained
 
 log = logging.getLogger(__name__)
 TRAINING_KEYS = ("model", "optimizer", "epoch", "global_step", "config", "class_names", "rng")
@@ -341,7 +340,7 @@ class Resume:
         if self.ckpt is not None:
             return self.ckpt.get("started_from")
         if pretrained is not None:
-            return {"kind": "file", "path": pretrained.path, "sha256": weights_sha256(weights_files(pretrained.path))}
+            return {"kind": "file", "path": pretrained.path, "sha256": pretrained.sha256}
         return hub or {"kind": "random"}
 
     def load_model(self, model: nn.Module, cfg: Config, class_names: list[str], world_size: int) -> None:

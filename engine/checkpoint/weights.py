@@ -88,6 +88,7 @@ class Pretrained:
     architecture: str | None = None  # the model the file names (config.json, a train.py checkpoint); None: unknown
     preprocessing: dict[str, Any] = field(default_factory=dict)  # data.* keys the weights were trained with
     key: str = "model.init_from"  # the config key that named the file (distill.teacher_weights for a teacher)
+    sha256: str = ""  # of the files the tensors were read from (weights_sha256): the model card, a teacher's check
 
     @property
     def source(self) -> str:
@@ -96,7 +97,8 @@ class Pretrained:
 
 def read_pretrained(path: str | os.PathLike, key: str = "model.init_from") -> Pretrained:
     """model.init_from's file (or `key`'s): a train.py checkpoint, a timm/torchvision .pth, a .safetensors file,
-    or a Hugging Face / timm model folder (config.json + model.safetensors or pytorch_model.bin)."""
+    or a Hugging Face / timm model folder (config.json + model.safetensors or pytorch_model.bin); with the sha256
+    of the files read (the run records it), taken as they are read."""
     path = Path(path)
     source = f"{key}={path}"
     if path.is_dir() and not is_sharded(path):
@@ -105,9 +107,11 @@ def read_pretrained(path: str | os.PathLike, key: str = "model.init_from") -> Pr
         raise UserError(f"{source}: {path} does not exist; give a checkpoint, a .pth or .safetensors file, or a "
                         "model folder (config.json + model.safetensors)")
     if path.suffix == ".safetensors":
-        return Pretrained(state_dict_in(read_safetensors(path, key), source), str(path), key=key)
-    obj = read_checkpoint(path)  # a .pth file, or a sharded .dcp folder
-    pretrained = Pretrained(state_dict_in(obj, source), str(path), key=key)
+        return Pretrained(state_dict_in(read_safetensors(path, key), source), str(path), key=key,
+                          sha256=weights_sha256([path]))
+    obj = read_checkpoint(path)  # a .pth file, or a sharded .dcp folder (every file of it: index, shards, plain data)
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    pretrained = Pretrained(state_dict_in(obj, source), str(path), key=key, sha256=weights_sha256(files))
     if isinstance(obj, dict) and isinstance(obj.get("config"), dict):  # a train.py checkpoint knows its training
         config = obj["config"]
         pretrained.architecture = config.get("model", {}).get("name")
@@ -159,22 +163,11 @@ def model_folder_files(folder: Path, key: str) -> tuple[dict[str, Any], dict[str
 
 def read_model_folder(folder: Path, key: str = "model.init_from") -> Pretrained:
     """A model folder as model.init_from's weights, with its architecture and pretrained_cfg preprocessing."""
-    meta, state_dict, _ = model_folder_files(folder, key)
+    meta, state_dict, weights = model_folder_files(folder, key)
     pretrained_cfg = meta.get("pretrained_cfg") if isinstance(meta.get("pretrained_cfg"), dict) else {}
     preprocessing = {k: pretrained_cfg[k] for k in PREPROCESSING if pretrained_cfg.get(k) is not None}
     architecture = meta.get("architecture") if isinstance(meta.get("architecture"), str) else None
-    return Pretrained(state_dict, str(folder), architecture, preprocessing, key)
-
-
-def weights_files(path: str | os.PathLike) -> list[Path]:
-    """The files holding a weights source's tensors (a teacher, model.init_from): a model folder's weights file,
-    every file of a sharded checkpoint folder (last.dcp: its index, shards and plain data), or the file itself."""
-    path = Path(path)
-    if is_sharded(path):
-        return sorted(p for p in path.iterdir() if p.is_file())
-    if path.is_dir():
-        return [next(path / name for name in (MODEL_WEIGHTS, "pytorch_model.bin") if (path / name).is_file())]
-    return [path]
+    return Pretrained(state_dict, str(folder), architecture, preprocessing, key, weights_sha256([weights]))
 
 
 def weights_sha256(paths: list[Path]) -> str:
