@@ -131,8 +131,17 @@ def assemble(cfg: Config, info: DistInfo, lock: FolderLock | None = None, extra:
     if info.device.type == "cpu":
         log.info("CPU: %s", threads_line(info.local_world_size, cfg.data.num_workers))
     out = Path(cfg.output_dir)
+    # Nothing in output_dir changes before the run's first write (record.start): a run that fails to
+    # start leaves the previous run's config.yaml, metrics.jsonl and checkpoints as they were.
+    record = RunRecord(out, to_dict(cfg), first_epoch=state.epoch, first_step=state.global_step, lock=lock,
+                       files={**(data.split.files() if data.split else {}),  # data.val_fraction's lists
+                              **pipeline_copies(cfg.data)})  # data.train_transform / eval_transform files
     tracker = WandbTracker(cfg.logging, info.is_main)  # W&B on rank 0; never raises
     tracker.start({**to_dict(cfg), "world_size": info.world_size}, out, resume_id=start.wandb_id)
+    board = TensorBoardWriter(cfg.logging, info.is_main)  # TensorBoard on rank 0; never raises
+    board.start({**to_dict(cfg), "world_size": info.world_size}, out, state.global_step, lambda: record.started)
+    if state.global_step == 0:
+        tracker.log_samples(data.train.dataset, cfg.logging.wandb_samples)
     checkpointer = Checkpointer(out, info, cfg.train.keep_last_k, model=model, optimizer=parts.optimizer,
                                 scheduler=parts.scheduler, scaler=precision.scaler, config=to_dict(cfg),
                                 class_names=data.class_names, ema=ema.module if ema is not None else None,
@@ -141,15 +150,6 @@ def assemble(cfg: Config, info: DistInfo, lock: FolderLock | None = None, extra:
                                 async_save=cfg.train.async_save, lock=lock,
                                 run_id=start.run_id or broadcast_object(uuid.uuid4().hex),  # a fresh run's: rank 0's
                                 data_sizes=data.sizes(), started_from=started_from)
-    # Nothing in output_dir changes before the run's first write (record.start): a run that fails to
-    # start leaves the previous run's config.yaml, metrics.jsonl and checkpoints as they were.
-    record = RunRecord(out, to_dict(cfg), first_epoch=state.epoch, first_step=state.global_step, lock=lock,
-                       files={**(data.split.files() if data.split else {}),  # data.val_fraction's lists
-                              **pipeline_copies(cfg.data)})  # data.train_transform / eval_transform files
-    board = TensorBoardWriter(cfg.logging, info.is_main)  # TensorBoard on rank 0; never raises
-    board.start({**to_dict(cfg), "world_size": info.world_size}, out, state.global_step, lambda: record.started)
-    if state.global_step == 0:
-        tracker.log_samples(data.train.dataset, cfg.logging.wandb_samples)
     run = Run(cfg, info, data, parts, loop, ema, state, measured, chosen_on, tracker, checkpointer, record,
               StepCheckpoint(record, checkpointer, cfg.train.ckpt_every_steps),
               StopRules(cfg.train, chosen_on, tracker), started=started)
