@@ -52,14 +52,12 @@ def build_parts(cfg: Config, info: DistInfo, data: DataBundle, precision: Precis
     updates_per_epoch = data.steps_per_epoch
     optimizer = build_optimizer(model, cfg.optim, grad_scaler=precision.scaler is not None, sharded=is_fsdp(model))
     parts = TrainParts(trained, optimizer, build_scheduler(optimizer, cfg.sched, cfg.train.epochs, updates_per_epoch),
-                       loss,
-                       precision, distill)
+                       loss, precision, distill)
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
     erasing = data.train.dataset.erasing  # data.random_erase_fill=normalized: boxes to fill after normalize
     total_steps = cfg.train.epochs * updates_per_epoch
     loop = LoopConfig(normalize=normalize, accum_steps=cfg.train.accum_steps, drop_last_accum=cfg.train.drop_last_accum,
-                      clip_grad=cfg.optim.clip_grad,
-                      max_steps=cfg.train.max_steps, log_interval=cfg.logging.interval,
+                      clip_grad=cfg.optim.clip_grad, max_steps=cfg.train.max_steps, log_interval=cfg.logging.interval,
                       show_progress=cfg.logging.progress, max_nonfinite=cfg.train.max_nonfinite,
                       total_steps=min(total_steps, cfg.train.max_steps or total_steps),
                       mix=BatchMix(data.num_classes, cfg.train.label_smoothing) if mixing(cfg.data) else None,
