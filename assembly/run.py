@@ -118,7 +118,7 @@ def assemble(cfg: Config, info: DistInfo, lock: FolderLock | None = None, extra:
     cfg, data, precision, model = build_start(cfg, start, weights, info)
     model = prepare_model(model, cfg.model, info.device, info.world_size)  # placed once it has its starting weights
     started_from = start.started_from(weights.pretrained, hub_origin(cfg.model.name, weights.hub_cfg))  # model card
-    cfg, teacher = load_teacher(cfg, start, model, data.num_classes)
+    teacher = load_teacher(cfg, weights.teacher, model, data.num_classes)
     parts, loop, ema = build_parts(cfg, info, data, precision, model, teacher, start)
     state = TrainState()
     start.load_training(state, cfg, info, data.steps_per_epoch, model=parts.model, optimizer=parts.optimizer,

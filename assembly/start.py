@@ -38,22 +38,24 @@ from models.factory import check_model_name, create_model, prepare_model, pretra
 log = logging.getLogger(__name__)
 
 
-def start_up(cfg: Config, info: DistInfo,
-             fresh: bool = False) -> tuple[Config, Resume, DataBundle, Precision, nn.Module]:
-    """What fit() checks and builds before anything is placed on the device: the checkpoint to resume and the config
-    resolved against it (resolve_start), then the data, the precision, the model with its starting weights (resumed,
-    model.init_from's through timm's loading, or timm's pretrained weights) and train.batch_size=auto's batch.
-    --dry-run stops after it. `fresh` (--find-lr): from a new model whatever output_dir and resume say."""
+def start_up(cfg: Config, info: DistInfo, fresh: bool = False
+             ) -> tuple[Config, Resume, StartingWeights, DataBundle, Precision, nn.Module]:
+    """What fit() checks and builds before anything is placed on the device: the checkpoint to resume, the weights
+    files read and the config resolved against them (resolve_start), then the data, the precision, the model with
+    its starting weights (resumed, model.init_from's through timm's loading, or timm's pretrained weights) and
+    train.batch_size=auto's batch. --dry-run stops after it. `fresh` (--find-lr): from a new model whatever
+    output_dir and resume say."""
     cfg, start, weights = resolve_start(cfg, info, fresh)
     cfg, data, precision, model = build_start(cfg, start, weights, info)
-    return cfg, start, data, precision, model
+    return cfg, start, weights, data, precision, model
 
 
 def resolve_start(cfg: Config, info: DistInfo, fresh: bool = False) -> tuple[Config, Resume, StartingWeights]:
     """The checkpoint to resume (resume=auto: only the folder's own run, Resume.check_continuation), model.init_from's
-    weights, and the config with the preprocessing (unset keys: resumed, the weights', or defaults), the batch per
-    process from train.global_batch_size and optim.lr from optim.lr_base resolved (train.batch_size=auto: later,
-    once the model is built)."""
+    weights, the teacher's (distill.teacher_weights, its sha256 checked: refused before any data is read), and the
+    config with the preprocessing (unset keys: resumed, the weights', or defaults), the batch per process from
+    train.global_batch_size, optim.lr from optim.lr_base (train.batch_size=auto: later, once the model is built) and
+    distill.teacher_sha256 resolved."""
     check_optimizer(cfg.optim)  # the config's own rules first, before any file or download is read
     batch = batch_and_lr(cfg, info.world_size, info.is_main)
     path, hub_cfg = rank0_decides(lambda: decide_start(cfg, fresh))
@@ -63,9 +65,15 @@ def resolve_start(cfg: Config, info: DistInfo, fresh: bool = False) -> tuple[Con
     data = {**resolve_preprocessing(cfg.data, cfg.model.name, cfg.given, pretrained, saved, hub_cfg),
             **pipeline_hashes(cfg.data),  # a resume with another pipeline file: refused
             "hf_revision": hub_revision(cfg.data, saved)}
-    cfg = with_derived(cfg, data=data, **batch)
+    teacher = read_teacher(cfg.distill) if cfg.distill.teacher_weights else None
+    distill = {}
+    if teacher:
+        given = "distill.teacher_sha256" in cfg.given
+        distill["teacher_sha256"] = teacher_sha256(cfg.distill, teacher[0], given, saved)
+        check_model_name(teacher[1], key="distill.teacher_name")
+    cfg = with_derived(cfg, data=data, distill=distill, **batch)
     start.check_continuation(cfg)
-    return cfg, start, StartingWeights(pretrained, hub_cfg)
+    return cfg, start, StartingWeights(pretrained, hub_cfg, teacher)
 
 
 def decide_start(cfg: Config, fresh: bool) -> tuple[str | None, dict | None]:
@@ -80,10 +88,12 @@ def decide_start(cfg: Config, fresh: bool) -> tuple[str | None, dict | None]:
 
 @dataclasses.dataclass
 class StartingWeights:
-    """Where a fresh run's weights come from: model.init_from's file, or (model.pretrained) timm's weights' config."""
+    """Where a fresh run's weights come from: model.init_from's file, or (model.pretrained) timm's weights' config;
+    and the teacher's file (distill.teacher_weights) with its timm model name."""
 
     pretrained: Pretrained | None = None
     hub_cfg: dict | None = None
+    teacher: tuple[Pretrained, str] | None = None
 
 
 def build_start(cfg: Config, start: Resume, weights: StartingWeights,
@@ -165,26 +175,24 @@ def with_auto_batch(cfg: Config, data: DataBundle, model: nn.Module, precision: 
                                 cfg.train.drop_last_accum)
 
 
-def load_teacher(cfg: Config, start: Resume, model: nn.Module, num_classes: int) -> tuple[Config, tuple | None]:
-    """distill.*: (cfg with distill.teacher_sha256 recorded, (teacher model frozen with its file's weights, the
-    file, its model name)); (cfg, None) without a teacher. engine/distill.py says what the teacher does."""
+def load_teacher(cfg: Config, teacher: tuple[Pretrained, str] | None, model: nn.Module,
+                 num_classes: int) -> tuple | None:
+    """distill.*: (the teacher model frozen with its file's weights, the file, its model name), from the file
+    resolve_start read (`teacher`); None without a teacher. engine/distill.py says what the teacher does."""
     check_teacher_needed(cfg.distill, model, cfg.model.name)
-    if not cfg.distill.teacher_weights:
-        return cfg, None
-    pretrained, name = read_teacher(cfg.distill)
-    digest = teacher_sha256(cfg.distill, pretrained, "distill.teacher_sha256" in cfg.given,
-                            start.ckpt["config"] if start.ckpt else None)
-    check_model_name(name, key="distill.teacher_name")
-    teacher = freeze_teacher(create_model(ModelConfig(name=name, kwargs=cfg.distill.teacher_kwargs), num_classes),
-                             pretrained, name)
-    return with_derived(cfg, distill={"teacher_sha256": digest}), (teacher, pretrained, name)
+    if teacher is None:
+        return None
+    pretrained, name = teacher
+    frozen = freeze_teacher(create_model(ModelConfig(name=name, kwargs=cfg.distill.teacher_kwargs), num_classes),
+                            pretrained, name)
+    return frozen, pretrained, name
 
 
 def dry_run(cfg: Config, info: DistInfo) -> str:
     """fit()'s checks up to the first training step, with nothing written to output_dir; returns a summary."""
     out = Path(cfg.output_dir)
-    cfg, start, data, _, model = start_up(cfg, info)
-    cfg, teacher = load_teacher(cfg, start, model, data.num_classes)
+    cfg, start, weights, data, _, model = start_up(cfg, info)
+    teacher = load_teacher(cfg, weights.teacher, model, data.num_classes)
     run_loss(cfg, data, info)  # refused or warned about as fit() would
     rank0_decides(lambda: check_writable(out))
     resumed = f"resumes {start.path}" if start.path else "starts fresh"

@@ -26,9 +26,8 @@ from core.dist import DistInfo
 from core.errors import UserError
 from data.transforms import DeviceNormalize
 from engine.checkpoint.formats import load_checkpoint
-from engine.checkpoint.resume import Resume
 from engine.checkpoint.weights import Pretrained, read_pretrained
-from engine.distill import build_distillation, teacher_sha256
+from engine.distill import build_distillation, read_teacher, teacher_sha256
 from engine.optim import build_optimizer, build_scheduler
 from engine.precision import Precision
 from engine.state import TrainState
@@ -82,15 +81,14 @@ def test_losses_equal_timms_distillation_tasks(token, kind):
 
 
 def test_teacher_is_frozen_and_bitwise_unchanged_by_training(tmp_path):
-    """train.py's load_teacher + build_distillation, then 2 optimizer steps of the app's loop with mixup-free
-    batches: the teacher's file tensors, BatchNorm statistics included, come out bit for bit; no gradient ever
-    reached it; the student did train."""
+    """The run's read_teacher + load_teacher + build_distillation, then 2 optimizer steps of the app's loop with
+    mixup-free batches: the teacher's file tensors, BatchNorm statistics included, come out bit for bit; no
+    gradient ever reached it; the student did train."""
     torch.save(tiny_teacher(10).state_dict(), tmp_path / "teacher.pth")
     cfg = load_config("dummy", [f"distill.teacher_weights={tmp_path / 'teacher.pth'}",
                                 "distill.teacher_name=test_resnet"])
     student = timm.create_model("test_resnet", num_classes=10)
-    cfg, teacher = load_teacher(cfg, Resume(None, None), student, 10)
-    assert cfg.distill.teacher_sha256 == hashlib.sha256((tmp_path / "teacher.pth").read_bytes()).hexdigest()
+    teacher = load_teacher(cfg, read_teacher(cfg.distill), student, 10)
     distill = build_distillation(cfg.distill, *teacher, student, *IMAGENET, CPU, channels_last=False)
     before = copy.deepcopy(student.state_dict())
     optimizer = build_optimizer(student, OptimConfig(lr=0.1), grad_scaler=False)
@@ -172,6 +170,11 @@ def test_a_sharded_checkpoint_folder_is_a_teacher(tiny_sharded_run, tmp_path, ca
      "distill.teacher_name and the number of classes"),
     (["distill.teacher_weights={tmp}/teacher.pth", "distill.teacher_name=tst_resnet"],
      "error: unknown distill.teacher_name 'tst_resnet'; did you mean"),
+    # The teacher's file and name are refused before any data is read (no data.root here: that error would come first).
+    (["distill.teacher_weights={tmp}/missing.pth", "data.name=imagefolder", "data.root={tmp}/no_images"],
+     "error: distill.teacher_weights={tmp}/missing.pth: {tmp}/missing.pth does not exist; give a checkpoint"),
+    (["distill.teacher_weights={tmp}/teacher.pth", "distill.teacher_name=tst_resnet", "data.name=imagefolder",
+      "data.root={tmp}/no_images"], "error: unknown distill.teacher_name 'tst_resnet'; did you mean"),
     (["distill.teacher_name=test_resnet"], "error: distill.teacher_name=test_resnet is set but "
      "distill.teacher_weights is empty"),
     (["model.name=deit_tiny_distilled_patch16_224", "model.kwargs.img_size=16"],

@@ -150,7 +150,7 @@ def test_finetune_from_a_safetensors_file_into_a_5_class_head(tmp_path):
     # The model as the fine-tuning run starts it: the file's backbone, a fresh 5-class head.
     cfg = load_config("digits", [*overrides, f"output_dir={tmp_path / 'start'}"])
     info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
-    cfg, start, data, precision, model = start_up(cfg, info)
+    cfg, start, _, data, precision, model = start_up(cfg, info)
     own = model.state_dict()
     assert all(torch.equal(own[k], v) for k, v in trained.items() if not k.startswith("fc."))
     assert own["fc.weight"].shape == (5, trained["fc.weight"].shape[1])
