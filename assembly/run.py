@@ -115,6 +115,7 @@ def assemble(cfg: Config, info: DistInfo, lock: FolderLock | None = None, extra:
                  "train.max_steps, train.early_stop_patience) to continue it, or use another output_dir for a new run",
                  start.path.parent, reason)  # the checkpoint's folder: output_dir, unless resume=<path> names another
         return None
+    measured = resolve_precision(cfg.eval_amp, info.device, key="eval_amp")  # refused before any data is read
     cfg, data, precision, model = build_start(cfg, start, weights, info)
     model = prepare_model(model, cfg.model, info.device, info.world_size)  # placed once it has its starting weights
     started_from = start.started_from(weights.pretrained, hub_origin(cfg.model.name, weights.hub_cfg))  # model card
@@ -123,7 +124,6 @@ def assemble(cfg: Config, info: DistInfo, lock: FolderLock | None = None, extra:
     state = TrainState()
     start.load_training(state, cfg, info, data.steps_per_epoch, model=parts.model, optimizer=parts.optimizer,
                         scheduler=parts.scheduler, scaler=precision.scaler, chosen_on=chosen_on)
-    measured = resolve_precision(cfg.eval_amp, info.device, key="eval_amp")
     log.info("model %s (%.1fM params), %d process(es) on %s, training in %s, validating in %s, global batch %d, "
              "%d steps/epoch", cfg.model.name, sum(p.numel() for p in model.parameters()) / 1e6, info.world_size,
              info.device.type, precision.name, validation_precision(measured, precision, model),

@@ -103,16 +103,16 @@ def build_start(cfg: Config, start: Resume, weights: StartingWeights,
     pretrained, hub_cfg = weights.pretrained, weights.hub_cfg
     auto_batch = cfg.train.batch_size == "auto"  # found once the model is built: with_auto_batch
     seed_everything(cfg.seed)
+    precision = resolve_precision(cfg.amp, info.device, cfg.loss_scale)  # before any data is read
+    if cfg.dist.strategy == "fsdp" and precision.scaler is not None:  # amp=fp16 itself: core/config_checks.py
+        raise UserError(f"amp={cfg.amp} chose fp16 on this GPU, which dist.strategy=fsdp cannot use (the GradScaler "
+                        "would see only each process's shard of the gradients); use amp=off, or dist.strategy=ddp")
     split = run_split(cfg.data, start.path, start.ckpt["config"].get("data") if start.ckpt else None, info.is_main)
     if auto_batch:  # loaders of UNIT images only count this rank's share: draws per group wait for the batch
         data = probe_data(cfg.data, UNIT, cfg.seed, info, split)
     else:
         data = build_data(cfg.data, cfg.train.batch_size, cfg.seed, info, cfg.train.accum_steps,
                           cfg.train.drop_last_accum, split)
-    precision = resolve_precision(cfg.amp, info.device, cfg.loss_scale)
-    if cfg.dist.strategy == "fsdp" and precision.scaler is not None:  # amp=fp16 itself: core/config_checks.py
-        raise UserError(f"amp={cfg.amp} chose fp16 on this GPU, which dist.strategy=fsdp cannot use (the GradScaler "
-                        "would see only each process's shard of the gradients); use amp=off, or dist.strategy=ddp")
     if hub_cfg is not None:  # rank 0 fills the Hugging Face cache, the others read it
         model = main_first(lambda: create_model(cfg.model, data.num_classes, from_hub=True))
         log.info("model.pretrained: the weights of %s (%s) from the Hugging Face cache%s", cfg.model.name,
@@ -191,7 +191,9 @@ def load_teacher(cfg: Config, teacher: tuple[Pretrained, str] | None, model: nn.
 def dry_run(cfg: Config, info: DistInfo) -> str:
     """fit()'s checks up to the first training step, with nothing written to output_dir; returns a summary."""
     out = Path(cfg.output_dir)
-    cfg, start, weights, data, _, model = start_up(cfg, info)
+    cfg, start, weights = resolve_start(cfg, info)
+    resolve_precision(cfg.eval_amp, info.device, key="eval_amp")  # refused where fit() refuses it
+    cfg, data, _, model = build_start(cfg, start, weights, info)
     teacher = load_teacher(cfg, weights.teacher, model, data.num_classes)
     run_loss(cfg, data, info)  # refused or warned about as fit() would
     rank0_decides(lambda: check_writable(out))

@@ -132,6 +132,18 @@ def test_digits_root_at_or_under_a_file_is_one_line_and_writes_nothing(under, ex
     assert sorted(p.name for p in folders.iterdir()) == before and not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]])
+@pytest.mark.parametrize("key", ["amp", "eval_amp"])
+def test_a_precision_this_device_cannot_use_is_refused_before_the_data(key, dry_run, tmp_path, capsys):
+    """fp16 on the CPU: refused in one line, by --dry-run as by the run (--dry-run passed eval_amp=fp16, which the run
+    then refused), before any data is read (data.root does not exist here: its error would come first)."""
+    argv = [*dry_run, *TINY, f"output_dir={tmp_path / 'run'}", f"{key}=fp16", "data.name=imagefolder",
+            f"data.root={tmp_path / 'no_images'}"]
+    line = last_error(capsys, report_errors(train.main, argv))
+    assert line.startswith(f"error: {key}=fp16 on CPU is far slower than fp32"), line
+    assert not (tmp_path / "run").exists()
+
+
 def test_yaml_syntax_error_names_the_line(tmp_path, capsys):
     config = tmp_path / "bad.yaml"
     config.write_text("optim:\n  lr: 0.1\n train:\n  epochs: 2\n")
