@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Sequence
 
 from assembly.fit import find_lr, fit
-from assembly.start import check_same_config, dry_run, with_run_folder
+from assembly.run import dry_run
+from assembly.start import check_same_config, with_run_folder
 from core.config import config_yaml, with_derived
 from core.config_load import load_config
 from core.dist import init_distributed, read_launch_env

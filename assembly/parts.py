@@ -69,7 +69,7 @@ def build_parts(cfg: Config, info: DistInfo, data: DataBundle, precision: Precis
 
 def run_loss(cfg: Config, data: DataBundle, info: DistInfo) -> Loss:
     """The run's loss, refused (a bad setting) or warned about (one class's weight dominating a batch) before
-    anything is written: fit() and --find-lr train with it, --dry-run checks it."""
+    anything else is built: fit(), --dry-run and --find-lr build it first here."""
     loss = build_loss(cfg.train, mixing(cfg.data), data.class_counts, data.class_names)
     images = global_batch(info.world_size, cfg.train.batch_size, cfg.train.accum_steps)
     if info.is_main and (warning := heavy_weight_warning(loss, data.class_names, images)):

@@ -10,14 +10,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from torch import nn
+
 from assembly.parts import build_parts
 from assembly.start import build_start, load_teacher, resolve_start
-from core.config import Config, global_batch, to_dict
-from core.dist import DistInfo, broadcast_object, broadcast_tensors, is_fsdp, replicated_tensors
+from core.config import Config, global_batch, run_values, to_dict
+from core.dist import DistInfo, broadcast_object, broadcast_tensors, is_fsdp, rank0_decides, replicated_tensors
 from core.startup import cpu_share, threads_line
 from data.loader import DataBundle, full_epoch_images
 from data.pipeline import pipeline_copies
-from engine.checkpoint.run_dir import FolderLock, RunRecord
+from engine.checkpoint.resume import Resume
+from engine.checkpoint.run_dir import FolderLock, RunRecord, check_writable
 from engine.checkpoint.saver import Checkpointer
 from engine.evaluation import ImageOutcomes, validate_epoch, validation_precision
 from engine.hooks import (BestArtifact, CloseEpoch, Curves, EmaUpdate, EpochCheckpoint, EpochEnd, EpochInputs,
@@ -104,12 +107,31 @@ class Run:
         return self.checkpointer.last
 
 
-def assemble(cfg: Config, info: DistInfo, lock: FolderLock | None = None, extra: Sequence[Hook] = ()) -> Run | None:
-    """The run fit() trains, with `extra` hooks after its own, or None when the resumed run has nothing left to
-    train (said in the log)."""
-    started = time.monotonic()
+@dataclass
+class Prepared:
+    """A run's parts before anything is written to output_dir: what assemble() adds its record, sinks and
+    checkpointer to, and what --dry-run checks (so that it makes every check fit() makes before training)."""
+
+    cfg: Config
+    start: Resume
+    chosen_on: str  # the metrics.jsonl column best.pth follows
+    data: DataBundle
+    precision: Precision
+    measured: Precision  # eval_amp's
+    model: nn.Module  # placed (prepare_model), before sharding and wrapping
+    teacher: tuple | None
+    parts: TrainParts
+    loop: LoopConfig
+    ema: Any
+    state: TrainState
+    started_from: dict[str, Any] | None  # the model card's starting weights
+
+
+def prepare(cfg: Config, info: DistInfo) -> Prepared | None:
+    """Start-up (assembly/start.py), the model placed, its teacher, its parts and the training state (resumed or
+    fresh), the run's lines said; None when the resumed run has nothing left to train (said in the log)."""
     cfg, start, weights = resolve_start(cfg, info)
-    chosen_on = best_metric(cfg)  # the metrics.jsonl column best.pth follows
+    chosen_on = best_metric(cfg)
     if (reason := finished_reason(start.ckpt, cfg.train, cfg.model.name, chosen_on)) is not None:
         log.info("the run in %s is finished (%s): nothing was trained or written; raise train.epochs (or "
                  "train.max_steps, train.early_stop_patience) to continue it, or use another output_dir for a new run",
@@ -118,7 +140,7 @@ def assemble(cfg: Config, info: DistInfo, lock: FolderLock | None = None, extra:
     measured = resolve_precision(cfg.eval_amp, info.device, key="eval_amp")  # refused before any data is read
     cfg, data, precision, model = build_start(cfg, start, weights, info)
     model = prepare_model(model, cfg.model, info.device, info.world_size)  # placed once it has its starting weights
-    started_from = start.started_from(weights.pretrained, hub_origin(cfg.model.name, weights.hub_cfg))  # model card
+    started_from = start.started_from(weights.pretrained, hub_origin(cfg.model.name, weights.hub_cfg))
     teacher = load_teacher(cfg, weights.teacher, model, data.num_classes)
     parts, loop, ema = build_parts(cfg, info, data, precision, model, teacher, start)
     state = TrainState()
@@ -130,6 +152,19 @@ def assemble(cfg: Config, info: DistInfo, lock: FolderLock | None = None, extra:
              global_batch(info.world_size, cfg.train.batch_size, cfg.train.accum_steps), data.steps_per_epoch)
     if info.device.type == "cpu":
         log.info("CPU: %s", threads_line(info.local_world_size, cfg.data.num_workers))
+    return Prepared(cfg, start, chosen_on, data, precision, measured, model, teacher, parts, loop, ema, state,
+                    started_from)
+
+
+def assemble(cfg: Config, info: DistInfo, lock: FolderLock | None = None, extra: Sequence[Hook] = ()) -> Run | None:
+    """The run fit() trains (prepare's parts, then its record, sinks and checkpointer), with `extra` hooks after its
+    own; None when the resumed run has nothing left to train."""
+    started = time.monotonic()
+    ready = prepare(cfg, info)
+    if ready is None:
+        return None
+    cfg, start, data, parts, state, model, ema = (ready.cfg, ready.start, ready.data, ready.parts, ready.state,
+                                                   ready.model, ready.ema)
     out = Path(cfg.output_dir)
     # Nothing in output_dir changes before the run's first write (record.start): a run that fails to
     # start leaves the previous run's config.yaml, metrics.jsonl and checkpoints as they were.
@@ -143,18 +178,35 @@ def assemble(cfg: Config, info: DistInfo, lock: FolderLock | None = None, extra:
     if state.global_step == 0:
         tracker.log_samples(data.train.dataset, cfg.logging.wandb_samples)
     checkpointer = Checkpointer(out, info, cfg.train.keep_last_k, model=model, optimizer=parts.optimizer,
-                                scheduler=parts.scheduler, scaler=precision.scaler, config=to_dict(cfg),
+                                scheduler=parts.scheduler, scaler=ready.precision.scaler, config=to_dict(cfg),
                                 class_names=data.class_names, ema=ema.module if ema is not None else None,
                                 wandb_id=tracker.run_id or start.wandb_id,  # kept for a resume with tracking on
-                                best_metric=chosen_on, sharded=cfg.train.ckpt_format == "sharded",
+                                best_metric=ready.chosen_on, sharded=cfg.train.ckpt_format == "sharded",
                                 async_save=cfg.train.async_save, lock=lock,
                                 run_id=start.run_id or broadcast_object(uuid.uuid4().hex),  # a fresh run's: rank 0's
-                                data_sizes=data.sizes(), started_from=started_from)
-    run = Run(cfg, info, data, parts, loop, ema, state, measured, chosen_on, tracker, checkpointer, record,
-              StepCheckpoint(record, checkpointer, cfg.train.ckpt_every_steps),
-              StopRules(cfg.train, chosen_on, tracker), started=started)
+                                data_sizes=data.sizes(), started_from=ready.started_from)
+    run = Run(cfg, info, data, parts, ready.loop, ema, state, ready.measured, ready.chosen_on, tracker, checkpointer,
+              record, StepCheckpoint(record, checkpointer, cfg.train.ckpt_every_steps),
+              StopRules(cfg.train, ready.chosen_on, tracker), started=started)
     run.hooks = [*hooks_of(run, model, tracker, board), *extra]
     return run
+
+
+def dry_run(cfg: Config, info: DistInfo) -> str:
+    """--dry-run: prepare(), every check fit() makes before its first training step, with nothing written to
+    output_dir (its writability checked); returns a summary."""
+    out = Path(cfg.output_dir)
+    ready = prepare(cfg, info)
+    rank0_decides(lambda: check_writable(out))
+    if ready is None:
+        return ("dry run passed: the resumed run is finished (the line above says why), nothing would be trained; "
+                "nothing was written")
+    cfg, data, teacher = ready.cfg, ready.data, ready.teacher
+    resumed = f"resumes {ready.start.path}" if ready.start.path else "starts fresh"
+    taught = f", distilled from {teacher[2]} ({cfg.distill.type})" if teacher else ""
+    return (f"dry run passed: {cfg.model.name}{taught} on {len(data.train.dataset)} train / {len(data.val.dataset)} "
+            f"val images, {data.num_classes} classes{', multi-label' if cfg.data.multi_label else ''}; the run "
+            f"{resumed}; {out} is writable; nothing was written\nthe run uses: {run_values(cfg, info.world_size)}")
 
 
 def hooks_of(run: Run, model: Any, tracker: WandbTracker, board: TensorBoardWriter) -> list[Hook]:

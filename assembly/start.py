@@ -16,8 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from assembly.parts import run_loss
-from core.config import Config, ModelConfig, mixing, run_values, to_dict, with_derived
+from core.config import Config, ModelConfig, mixing, to_dict, with_derived
 from core.dist import DistInfo, all_gather_object, main_first, min_over_ranks, rank0_decides
 from core.errors import UserError
 from data.hf import hub_revision
@@ -27,7 +26,7 @@ from data.split import run_split
 from engine.batch_size import (CPU_BATCH, MAX_BATCH, UNIT, largest_batch, on_device_fits, resolved_batch,
                                whole_groups, with_headroom)
 from engine.checkpoint.resume import Resume, config_changes, decide_resume
-from engine.checkpoint.run_dir import check_writable, resolve_output_dir
+from engine.checkpoint.run_dir import resolve_output_dir
 from engine.checkpoint.weights import Pretrained, check_pretrained, resolve_preprocessing
 from engine.distill import check_teacher_needed, freeze_teacher, read_teacher, teacher_sha256
 from engine.optim import batch_and_lr, build_optimizer, check_optimizer, check_scheduler, lr_for_batch
@@ -186,22 +185,6 @@ def load_teacher(cfg: Config, teacher: tuple[Pretrained, str] | None, model: nn.
     frozen = freeze_teacher(create_model(ModelConfig(name=name, kwargs=cfg.distill.teacher_kwargs), num_classes),
                             pretrained, name)
     return frozen, pretrained, name
-
-
-def dry_run(cfg: Config, info: DistInfo) -> str:
-    """fit()'s checks up to the first training step, with nothing written to output_dir; returns a summary."""
-    out = Path(cfg.output_dir)
-    cfg, start, weights = resolve_start(cfg, info)
-    resolve_precision(cfg.eval_amp, info.device, key="eval_amp")  # refused where fit() refuses it
-    cfg, data, _, model = build_start(cfg, start, weights, info)
-    teacher = load_teacher(cfg, weights.teacher, model, data.num_classes)
-    run_loss(cfg, data, info)  # refused or warned about as fit() would
-    rank0_decides(lambda: check_writable(out))
-    resumed = f"resumes {start.path}" if start.path else "starts fresh"
-    taught = f", distilled from {teacher[2]} ({cfg.distill.type})" if teacher else ""
-    return (f"dry run passed: {cfg.model.name}{taught} on {len(data.train.dataset)} train / {len(data.val.dataset)} "
-            f"val images, {data.num_classes} classes{', multi-label' if cfg.data.multi_label else ''}; the run "
-            f"{resumed}; {out} is writable; nothing was written\nthe run uses: {run_values(cfg, info.world_size)}")
 
 
 def seed_everything(seed: int) -> None:

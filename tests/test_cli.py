@@ -12,7 +12,7 @@ from assembly import launch
 from core.cli import report_errors
 from core.config import FIRST_KEYS, Config
 from core.config_load import config_from_dict, load_config
-from tests.helpers import TINY, make_image_folder
+from tests.helpers import TINY, make_image_folder, train_here
 
 
 def schema_leaves(cls: type = Config, prefix: str = "") -> list[str]:
@@ -61,16 +61,28 @@ def test_dry_run_passes_a_good_run_without_writing(tmp_path, capsys):
 
 
 def test_dry_run_catches_a_missing_data_folder_and_a_misspelled_model(tmp_path, capsys):
+    """And what the run refuses once the model is built (its placement: it passed --dry-run before)."""
     out = tmp_path / "run"
     root = make_image_folder(tmp_path / "data", {"train": {"a": 4, "b": 4}}, size=20)  # no val/
     cases = [(["data.name=imagefolder", f"data.root={root}"], f"data folder {root}/val does not exist"),
              (["model.name=resnet181"], "unknown model.name 'resnet181'; did you mean: resnet18"),
-             ([f"output_dir={root}/train/a/000.png/run"], "cannot be created: " + f"{root}/train/a/000.png is a file")]
+             ([f"output_dir={root}/train/a/000.png/run"], "cannot be created: " + f"{root}/train/a/000.png is a file"),
+             (["model.freeze=backbone", "model.kwargs={num_classes: 0}"],
+              "model.freeze=backbone: ResNet has no classifier parameters to train")]
     for args, message in cases:
         assert report_errors(train.main, [*TINY, f"output_dir={out}", *args, "--dry-run"]) == 2
         err = capsys.readouterr().err.strip()
         assert "Traceback" not in err and message in err.splitlines()[-1], err
         assert not out.exists()
+
+
+def test_dry_run_of_a_finished_run_says_so_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    train_here(*TINY, f"output_dir={out}")
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    assert report_errors(train.main, [*TINY, f"output_dir={out}", "--dry-run"]) == 0
+    assert capsys.readouterr().out.startswith("dry run passed: the resumed run is finished (the line above says why)")
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
 
 
 def test_readme_reference_table_is_the_schema():
