@@ -140,7 +140,8 @@ def prepare(cfg: Config, info: DistInfo) -> Prepared | None:
     measured = resolve_precision(cfg.eval_amp, info.device, key="eval_amp")  # refused before any data is read
     cfg, data, precision, model = build_start(cfg, start, weights, info)
     model = prepare_model(model, cfg.model, info.device, info.world_size)  # placed once it has its starting weights
-    started_from = start.started_from(weights.pretrained, hub_origin(cfg.model.name, weights.hub_cfg))
+    hub = hub_origin(cfg.model.name, weights.hub_cfg)  # timm's weights, for the model card
+    started_from = start.started_from(weights.pretrained, hub)
     teacher = load_teacher(cfg, weights.teacher, model, data.num_classes)
     parts, loop, ema = build_parts(cfg, info, data, precision, model, teacher, start)
     state = TrainState()
