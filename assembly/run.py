@@ -1,5 +1,6 @@
 """A run put together: start-up's config, data and model, the parts it trains with, its training state (resumed
-or fresh), its sinks, checkpointer and record, and the hooks that do each side effect, in their order."""
+or fresh) -- prepare(), which --dry-run runs too, writes nothing -- then its sinks, checkpointer and record, and the
+hooks that do each side effect, in their order."""
 
 from __future__ import annotations
 
