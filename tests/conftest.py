@@ -60,6 +60,18 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(os.environ["HF_HUB_CACHE"], ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def torch_threads_restored():
+    """Each test leaves torch's thread count as it found it. A run made in this process (train_here, evaluate's main)
+    sets it for its loader workers (core/startup.tune_cpu_process: 1 thread with 1 worker on 2 cores), and every
+    later test in the process computed with that count: what a test computes must not depend on the tests before it."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory) -> Path:
     """The output folder of one finished TINY training (last.pth, best.pth, metrics.jsonl, config.yaml).
