@@ -42,8 +42,8 @@ def start_up(cfg: Config, info: DistInfo, fresh: bool = False
     """What fit() checks and builds before anything is placed on the device: the checkpoint to resume, the weights
     files read and the config resolved against them (resolve_start), then the data, the precision, the model with
     its starting weights (resumed, model.init_from's through timm's loading, or timm's pretrained weights) and
-    train.batch_size=auto's batch. --dry-run stops after it. `fresh` (--find-lr): from a new model whatever
-    output_dir and resume say."""
+    train.batch_size=auto's batch. --find-lr builds on it; fit and --dry-run go through assembly/run.prepare.
+    `fresh` (--find-lr): from a new model whatever output_dir and resume say."""
     cfg, start, weights = resolve_start(cfg, info, fresh)
     cfg, data, precision, model = build_start(cfg, start, weights, info)
     return cfg, start, weights, data, precision, model
