@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Callable
 
 
-
 def setup_logging(rank: int, level: str = "INFO") -> None:
     """Rank 0 logs at `level`; the other ranks only warn, tagged with their rank."""
     fmt = "%(asctime)s %(levelname)s %(message)s" if rank == 0 else f"[rank {rank}] %(levelname)s %(message)s"

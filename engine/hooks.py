@@ -6,9 +6,9 @@ steps with the all-reduced interval stats (train_loss, lr, img_per_s). Per epoch
 column; the ones after it see it), and likewise after each validation inside an epoch (train.val_every_steps:
 `end.mid_epoch`, its row without the epoch's timings). At the end of a run that was not stopped by an error:
 `after_train(state)`. Every call happens on every rank (a hook that runs a collective is safe). assembly/run.py
-orders them on purpose: the stop rules come first (an epoch they end starts nothing); the EMA is updated before a validation inside the epoch uses it and a step checkpoint
-saves it; after an epoch the skipped-image count joins the row, the
-epoch is closed, the row is recorded, then logged by the sinks, then checkpointed (best.pth), then uploaded.
+orders them on purpose: the stop rules come first (an epoch they end starts nothing); the EMA is updated before a
+validation inside the epoch uses it and a step checkpoint saves it; after an epoch the skipped-image count joins the
+row, the epoch is closed, the row is recorded, then logged by the sinks, then checkpointed (best.pth), then uploaded.
 """
 
 from __future__ import annotations

@@ -342,7 +342,8 @@ def test_resnet50_batch_64_memory_and_speed(capsys):
 
 
 def test_resnet50_recipe_smoke_run_meets_the_documented_figures(tmp_path, capsys):
-    """`--config resnet50` as shipped (amp=fp16, NVIDIA's recipe; channels_last, 256 per GPU, 224 px), 20 steps on dummy data."""
+    """`--config resnet50` as shipped (amp=fp16, NVIDIA's recipe; channels_last, 256 per GPU, 224 px), 20 steps on
+    dummy data."""
     import train as train_script
     from core.cli import report_errors
 

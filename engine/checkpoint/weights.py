@@ -214,7 +214,8 @@ def check_pretrained(model: nn.Module, pretrained: Pretrained) -> None:
 
 
 def resolve_preprocessing(data: DataConfig, model_name: str, given: frozenset[str], pretrained: Pretrained | None,
-                          resumed: dict[str, Any] | None, pretrained_cfg: dict[str, Any] | None = None) -> dict[str, Any]:
+                          resumed: dict[str, Any] | None,
+                          pretrained_cfg: dict[str, Any] | None = None) -> dict[str, Any]:
     """data.mean/std/interpolation/crop_pct the config leaves unset (`given`: the keys the user set), decided once
     at start-up: a resumed run keeps its checkpoint's, a run from model.init_from takes the weights' own (the file's
     config, else timm's pretrained_cfg for model.name), a run with model.pretrained=true those of its weights'
