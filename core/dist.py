@@ -193,7 +193,7 @@ def init_distributed(backend: str = "auto", timeout_s: int = 0, rendezvous_timeo
             log.info("NCCL watchdog: a collective waiting over %d s (dist.timeout_s) ends this process "
                      "(TORCH_NCCL_ASYNC_ERROR_HANDLING=%s)", timeout.total_seconds(),
                      os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"])
-        store = join(rank, world, rendezvous_timeout_s)
+        store = meet_processes(rank, world, rendezvous_timeout_s)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
     return DistInfo(rank, world, local_rank, local_world, device)
@@ -205,7 +205,7 @@ def launch_vars() -> str:
     return " ".join(f"{name}={os.environ[name]}" for name in names if name in os.environ)
 
 
-def join(rank: int, world: int, timeout_s: int) -> dist.Store:
+def meet_processes(rank: int, world: int, timeout_s: int) -> dist.Store:
     """Meet the other processes at MASTER_ADDR:MASTER_PORT, giving up after timeout_s with one line."""
     where = f"{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', '?')}"
     log.info("rank %d of %d: waiting up to %d s for all processes to join at %s (dist.rendezvous_timeout_s)",
