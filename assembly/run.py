@@ -27,7 +27,7 @@ from engine.evaluation import ImageOutcomes, validate_epoch, validation_precisio
 from engine.hooks import (BestArtifact, CloseEpoch, Curves, EmaUpdate, EpochCheckpoint, EpochEnd, EpochInputs,
                           FinishSinks, Hook, RecordRow, SkippedImages, StepCheckpoint, StopRules, Tracking,
                           ValidateEvery, ValidationErrors)
-from engine.precision import Precision, resolve_precision
+from engine.precision import Precision, run_precisions
 from engine.profiling import FOLDER as PROFILE_FOLDER, ProfileSteps
 from engine.speed import InputAdvice
 from engine.state import TrainState, best_metric, finished_reason, lower_is_better
@@ -138,8 +138,8 @@ def prepare(cfg: Config, info: DistInfo) -> Prepared | None:
                  "train.max_steps, train.early_stop_patience) to continue it, or use another output_dir for a new run",
                  start.path.parent, reason)  # the checkpoint's folder: output_dir, unless resume=<path> names another
         return None
-    measured = resolve_precision(cfg.eval_amp, info.device, key="eval_amp")  # refused before any data is read
-    cfg, data, precision, model = build_start(cfg, start, weights, info)
+    precision, measured = run_precisions(cfg.amp, cfg.eval_amp, cfg.loss_scale, cfg.dist.strategy, info.device)
+    cfg, data, model = build_start(cfg, start, weights, precision, info)  # the data read after the precision
     model = prepare_model(model, cfg.model, info.device, info.world_size)  # placed once it has its starting weights
     hub = hub_origin(cfg.model.name, weights.hub_cfg)  # timm's weights, for the model card
     started_from = start.started_from(weights.pretrained, hub)

@@ -27,10 +27,10 @@ from engine.batch_size import (CPU_BATCH, MAX_BATCH, UNIT, largest_batch, on_dev
                                whole_groups, with_headroom)
 from engine.checkpoint.resume import Resume, config_changes, decide_resume
 from engine.checkpoint.run_dir import resolve_output_dir
-from engine.checkpoint.weights import Pretrained, check_pretrained, resolve_preprocessing
-from engine.distill import check_teacher_needed, freeze_teacher, read_teacher, teacher_sha256
+from engine.checkpoint.weights import Pretrained, check_pretrained, read_pretrained, resolve_preprocessing
+from engine.distill import check_teacher_needed, freeze_teacher, teacher_name, teacher_sha256
 from engine.optim import batch_and_lr, build_optimizer, check_optimizer, check_scheduler, lr_for_batch
-from engine.precision import Precision, resolve_precision
+from engine.precision import Precision, run_precisions
 from engine.profiling import check_trace_folder, window_warnings
 from models.factory import check_model_name, create_model, prepare_model, pretrained_cfg_of
 
@@ -45,7 +45,8 @@ def start_up(cfg: Config, info: DistInfo, fresh: bool = False
     train.batch_size=auto's batch. --find-lr builds on it; fit and --dry-run go through assembly/run.prepare.
     `fresh` (--find-lr): from a new model whatever output_dir and resume say."""
     cfg, start, weights = resolve_start(cfg, info, fresh)
-    cfg, data, precision, model = build_start(cfg, start, weights, info)
+    precision, _ = run_precisions(cfg.amp, cfg.eval_amp, cfg.loss_scale, cfg.dist.strategy, info.device)
+    cfg, data, model = build_start(cfg, start, weights, precision, info)
     return cfg, start, weights, data, precision, model
 
 
@@ -60,16 +61,19 @@ def resolve_start(cfg: Config, info: DistInfo, fresh: bool = False) -> tuple[Con
     path, hub_cfg = rank0_decides(lambda: decide_start(cfg, fresh))
     start = Resume.open(path, auto=not fresh and cfg.resume == "auto")
     pretrained = start.pretrained(cfg.model)
+    taught = cfg.distill.teacher_weights  # the teacher's file, read as model.init_from's is
+    teacher_file = read_pretrained(taught, key="distill.teacher_weights") if taught else None
     saved = start.ckpt["config"] if start.ckpt else None
     data = {**resolve_preprocessing(cfg.data, cfg.model.name, cfg.given, pretrained, saved, hub_cfg),
             **pipeline_hashes(cfg.data),  # a resume with another pipeline file: refused
             "hf_revision": hub_revision(cfg.data, saved)}
-    teacher = read_teacher(cfg.distill) if cfg.distill.teacher_weights else None
-    distill = {}
-    if teacher:
+    distill, teacher = {}, None
+    if teacher_file is not None:
+        name = teacher_name(cfg.distill, teacher_file)
         given = "distill.teacher_sha256" in cfg.given
-        distill["teacher_sha256"] = teacher_sha256(cfg.distill, teacher[0], given, saved)
-        check_model_name(teacher[1], key="distill.teacher_name")
+        distill["teacher_sha256"] = teacher_sha256(cfg.distill, teacher_file, given, saved)
+        check_model_name(name, key="distill.teacher_name")
+        teacher = (teacher_file, name)
     cfg = with_derived(cfg, data=data, distill=distill, **batch)
     start.check_continuation(cfg)
     return cfg, start, StartingWeights(pretrained, hub_cfg, teacher)
@@ -95,17 +99,13 @@ class StartingWeights:
     teacher: tuple[Pretrained, str] | None = None
 
 
-def build_start(cfg: Config, start: Resume, weights: StartingWeights,
-                info: DistInfo) -> tuple[Config, DataBundle, Precision, nn.Module]:
-    """The data, the precision and the model with its starting weights, checked against the resumed checkpoint; the
-    config with train.batch_size=auto's batch found."""
+def build_start(cfg: Config, start: Resume, weights: StartingWeights, precision: Precision,
+                info: DistInfo) -> tuple[Config, DataBundle, nn.Module]:
+    """The data and the model with its starting weights, checked against the resumed checkpoint; the config with
+    train.batch_size=auto's batch found (in training's `precision`)."""
     pretrained, hub_cfg = weights.pretrained, weights.hub_cfg
     auto_batch = cfg.train.batch_size == "auto"  # found once the model is built: with_auto_batch
     seed_everything(cfg.seed)
-    precision = resolve_precision(cfg.amp, info.device, cfg.loss_scale)  # before any data is read
-    if cfg.dist.strategy == "fsdp" and precision.scaler is not None:  # amp=fp16 itself: core/config_checks.py
-        raise UserError(f"amp={cfg.amp} chose fp16 on this GPU, which dist.strategy=fsdp cannot use (the GradScaler "
-                        "would see only each process's shard of the gradients); use amp=off, or dist.strategy=ddp")
     split = run_split(cfg.data, start.path, start.ckpt["config"].get("data") if start.ckpt else None, info.is_main)
     if auto_batch:  # loaders of UNIT images only count this rank's share: draws per group wait for the batch
         data = probe_data(cfg.data, UNIT, cfg.seed, info, split)
@@ -134,7 +134,7 @@ def build_start(cfg: Config, start: Resume, weights: StartingWeights,
                     + window_warnings(cfg.logging.profile_steps, *steps)):
         if info.is_main:
             log.warning(warning)
-    return cfg, data, precision, model
+    return cfg, data, model
 
 
 def with_auto_batch(cfg: Config, data: DataBundle, model: nn.Module, precision: Precision,

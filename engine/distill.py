@@ -38,7 +38,7 @@ from torch.nn import functional as F
 
 from core.config import DistillConfig
 from core.errors import UserError
-from engine.checkpoint.weights import Pretrained, load_weights, read_pretrained, usable, weights_value
+from engine.checkpoint.weights import Pretrained, load_weights, usable, weights_value
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +101,8 @@ def check_teacher_needed(cfg: DistillConfig, student: nn.Module, student_name: s
                         "the teacher's weights file (a checkpoint, .pth, .safetensors or model folder)")
 
 
-def read_teacher(cfg: DistillConfig) -> tuple[Pretrained, str]:
-    """The teacher's weights and timm model name (distill.teacher_name, else the one the file names)."""
-    pretrained = read_pretrained(cfg.teacher_weights, key="distill.teacher_weights")
+def teacher_name(cfg: DistillConfig, pretrained: Pretrained) -> str:
+    """The teacher's timm model name: distill.teacher_name, else the one its file (`pretrained`) names."""
     named = pretrained.architecture.split(".")[0] if pretrained.architecture else ""
     name = cfg.teacher_name or named
     if not name:
@@ -112,7 +111,7 @@ def read_teacher(cfg: DistillConfig) -> tuple[Pretrained, str]:
     if named and named != name.split(".")[0]:
         raise UserError(f"{pretrained.source} holds a {pretrained.architecture} but distill.teacher_name is {name}; "
                         f"set distill.teacher_name={named}")
-    return pretrained, name
+    return name
 
 
 def teacher_sha256(cfg: DistillConfig, pretrained: Pretrained, given: bool, resumed: dict[str, Any] | None) -> str:

@@ -147,6 +147,17 @@ def grad_scaler(device_type: str, loss_scale: float = 0.0) -> torch.amp.GradScal
 STATIC_GROWTH_INTERVAL = 1_000_000_000  # NVIDIA's: no growth within any run
 
 
+def run_precisions(amp: str, eval_amp: str, loss_scale: float, strategy: str,
+                   device: torch.device) -> tuple[Precision, Precision]:
+    """Training's precision (amp, with `loss_scale` and the dist.strategy it must suit) and validation's
+    (eval_amp), decided together before any data is read."""
+    precision = resolve_precision(amp, device, loss_scale)
+    if strategy == "fsdp" and precision.scaler is not None:  # amp=fp16 itself: core/config_checks.py
+        raise UserError(f"amp={amp} chose fp16 on this GPU, which dist.strategy=fsdp cannot use (the GradScaler "
+                        "would see only each process's shard of the gradients); use amp=off, or dist.strategy=ddp")
+    return precision, resolve_precision(eval_amp, device, key="eval_amp")
+
+
 def resolve_precision(mode: str, device: torch.device, loss_scale: float = 0.0, key: str = "amp") -> Precision:
     """Turn `amp: auto|bf16|fp16|off` into a Precision for this device (`loss_scale`: fp16's, see grad_scaler;
     `key`: the config key the mode came from, for messages: amp or eval_amp)."""

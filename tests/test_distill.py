@@ -27,7 +27,7 @@ from core.errors import UserError
 from data.transforms import DeviceNormalize
 from engine.checkpoint.formats import load_checkpoint
 from engine.checkpoint.weights import Pretrained, read_pretrained
-from engine.distill import build_distillation, read_teacher, teacher_sha256
+from engine.distill import build_distillation, teacher_name, teacher_sha256
 from engine.optim import build_optimizer, build_scheduler
 from engine.precision import Precision
 from engine.state import TrainState
@@ -81,14 +81,15 @@ def test_losses_equal_timms_distillation_tasks(token, kind):
 
 
 def test_teacher_is_frozen_and_bitwise_unchanged_by_training(tmp_path):
-    """The run's read_teacher + load_teacher + build_distillation, then 2 optimizer steps of the app's loop with
+    """The run's teacher read (read_pretrained, teacher_name) + load_teacher + build_distillation, then 2 optimizer steps of the app's loop with
     mixup-free batches: the teacher's file tensors, BatchNorm statistics included, come out bit for bit; no
     gradient ever reached it; the student did train."""
     torch.save(tiny_teacher(10).state_dict(), tmp_path / "teacher.pth")
     cfg = load_config("dummy", [f"distill.teacher_weights={tmp_path / 'teacher.pth'}",
                                 "distill.teacher_name=test_resnet"])
     student = timm.create_model("test_resnet", num_classes=10)
-    teacher = load_teacher(cfg, read_teacher(cfg.distill), student, 10)
+    file = read_pretrained(cfg.distill.teacher_weights)
+    teacher = load_teacher(cfg, (file, teacher_name(cfg.distill, file)), student, 10)
     distill = build_distillation(cfg.distill, *teacher, student, *IMAGENET, CPU, channels_last=False)
     before = copy.deepcopy(student.state_dict())
     optimizer = build_optimizer(student, OptimConfig(lr=0.1), grad_scaler=False)

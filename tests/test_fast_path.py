@@ -16,11 +16,12 @@ from torch.utils.data import DataLoader, default_collate
 
 from core.config import DataConfig, OptimConfig
 from core.dist import DistInfo
+from core.errors import UserError
 from data.datasets import DummyDataset
 from data.loader import build_train_loader
 from data.transforms import train_transform
 from engine.optim import build_optimizer
-from engine.precision import resolve_precision
+from engine.precision import resolve_precision, run_precisions
 from tests.helpers import REPO, script_env
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
@@ -116,6 +117,18 @@ def test_amp_auto_uses_bf16_on_cpu_only_where_the_cpu_has_bf16_instructions():
     assert resolve_precision("auto", cpu).name == ("bf16" if native else "fp32")
     assert resolve_precision("bf16", cpu).name == "bf16"  # an explicit choice is kept
     assert resolve_precision("off", cpu).name == "fp32"
+
+
+@pytest.mark.filterwarnings("ignore:torch.cuda.amp.GradScaler is enabled")  # no CUDA here: the scaler disables itself
+def test_fsdp_refuses_the_fp16_that_a_gpu_chose():
+    """The GPU-only rule through its decision function, handed a CUDA device: fp16 needs a GradScaler, which FSDP
+    would run on each process's shard of the gradients alone; DDP keeps it, and validation's eval_amp is its own."""
+    gpu = torch.device("cuda")
+    with pytest.raises(UserError, match="amp=fp16 chose fp16 on this GPU, which dist.strategy=fsdp cannot use"):
+        run_precisions("fp16", "off", 0.0, "fsdp", gpu)
+    precision, measured = run_precisions("fp16", "off", 0.0, "ddp", gpu)
+    assert (precision.name, precision.scaler is not None, measured.name) == ("fp16", True, "fp32")
+    assert run_precisions("bf16", "off", 0.0, "fsdp", gpu)[0].scaler is None
 
 
 @pytest.mark.parametrize("native", [False, True])
