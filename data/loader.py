@@ -206,11 +206,11 @@ def build_datasets(cfg: DataConfig, seed: int, local_rank: int = 0,
                    split: Split | None = None) -> tuple[AugmentedDataset, AugmentedDataset]:
     """(train, val) datasets for data.name with their transforms; val is labelled with the training class map;
     `split`: data.val_fraction's lists (data/split.py)."""
+    prepare_digits(cfg, local_rank)
     train_tf, eval_tf, tensor_tf, erasing = (train_transform(cfg), eval_transform(cfg), tensor_augment(cfg),
                                              deferred_erasing(cfg))
     if cfg.skip_corrupt and cfg.name != "dummy":
         log.info("data.skip_corrupt: unreadable training images are dropped from their batch and counted")
-    prepare_digits(cfg, local_rank)
     train = dataset_of(cfg, True, train_tf, seed, split=split)
     val = dataset_of(cfg, False, eval_tf, seed, train.classes, split)
     for dataset, pipeline_file in ((train, cfg.train_transform), (val, cfg.eval_transform)):
