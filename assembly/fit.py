@@ -30,8 +30,8 @@ def find_lr(cfg: Config, info: DistInfo) -> dict:
     """--find-lr: the LR range test on the run's data, fresh model, optimizer, precision and loss (never a checkpoint
     of output_dir, which it leaves as it is); rank 0 writes lr_find.json and lr_find.png to output_dir."""
     cfg, _, weights, data, precision, model = start_up(cfg, info, fresh=True)
+    teacher = load_teacher(cfg, weights.teacher, model, data.num_classes)  # as prepare: before the student is placed
     model = prepare_model(model, cfg.model, info.device, info.world_size)  # placed once it has its starting weights
-    teacher = load_teacher(cfg, weights.teacher, model, data.num_classes)
     parts, loop, _ = build_parts(cfg, info, data, precision, model, teacher, start=None)
     result = {**range_test(parts, data.train, loop, info, cfg.tune), "world_size": info.world_size,
               "batch_size": cfg.train.batch_size, "accum_steps": cfg.train.accum_steps}

@@ -17,7 +17,7 @@ from assembly.parts import build_parts
 from assembly.start import build_start, load_teacher, resolve_start
 from core.config import Config, global_batch, run_values, to_dict
 from core.dist import DistInfo, broadcast_object, broadcast_tensors, is_fsdp, rank0_decides, replicated_tensors
-from core.startup import cpu_share, threads_line
+from core.startup import cpu_share
 from data.loader import DataBundle, full_epoch_images
 from data.pipeline import pipeline_copies
 from engine.checkpoint.resume import Resume
@@ -54,9 +54,9 @@ class Run:
     tracker: WandbTracker
     checkpointer: Checkpointer
     record: RunRecord
-    step_checkpoint: StepCheckpoint
-    stop_rules: StopRules
     hooks: list[Hook] = field(default_factory=list)
+    step_checkpoint: StepCheckpoint = field(init=False)  # hooks_of's, with the other hooks: Run's methods call them
+    stop_rules: StopRules = field(init=False)
     outcomes: Any = None  # the last validation's per-image outcomes, on rank 0 (wants_outcomes)
     started: float = field(default_factory=time.monotonic)
 
@@ -140,10 +140,10 @@ def prepare(cfg: Config, info: DistInfo) -> Prepared | None:
         return None
     precision, measured = run_precisions(cfg.amp, cfg.eval_amp, cfg.loss_scale, cfg.dist.strategy, info.device)
     cfg, data, model = build_start(cfg, start, weights, precision, info)  # the data read after the precision
+    teacher = load_teacher(cfg, weights.teacher, model, data.num_classes)
     model = prepare_model(model, cfg.model, info.device, info.world_size)  # placed once it has its starting weights
     hub = hub_origin(cfg.model.name, weights.hub_cfg)  # timm's weights, for the model card
     started_from = start.started_from(weights.pretrained, hub)
-    teacher = load_teacher(cfg, weights.teacher, model, data.num_classes)
     parts, loop, ema = build_parts(cfg, info, data, precision, model, teacher, start)
     state = TrainState()
     start.load_training(state, cfg, info, data.steps_per_epoch, model=parts.model, optimizer=parts.optimizer,
@@ -152,8 +152,6 @@ def prepare(cfg: Config, info: DistInfo) -> Prepared | None:
              "%d steps/epoch", cfg.model.name, sum(p.numel() for p in model.parameters()) / 1e6, info.world_size,
              info.device.type, precision.name, validation_precision(measured, precision, model),
              global_batch(info.world_size, cfg.train.batch_size, cfg.train.accum_steps), data.steps_per_epoch)
-    if info.device.type == "cpu":
-        log.info("CPU: %s", threads_line(info.local_world_size, cfg.data.num_workers))
     return Prepared(cfg, start, chosen_on, data, precision, measured, model, teacher, parts, loop, ema, state,
                     started_from)
 
@@ -188,8 +186,7 @@ def assemble(cfg: Config, info: DistInfo, lock: FolderLock | None = None, extra:
                                 run_id=start.run_id or broadcast_object(uuid.uuid4().hex),  # a fresh run's: rank 0's
                                 data_sizes=data.sizes(), started_from=ready.started_from)
     run = Run(cfg, info, data, parts, ready.loop, ema, state, ready.measured, ready.chosen_on, tracker, checkpointer,
-              record, StepCheckpoint(record, checkpointer, cfg.train.ckpt_every_steps),
-              StopRules(cfg.train, ready.chosen_on, tracker), started=started)
+              record, started=started)
     run.hooks = [*hooks_of(run, model, tracker, board), *extra]
     return run
 
@@ -212,8 +209,11 @@ def dry_run(cfg: Config, info: DistInfo) -> str:
 
 
 def hooks_of(run: Run, model: Any, tracker: WandbTracker, board: TensorBoardWriter) -> list[Hook]:
-    """The run's side effects in the order they must happen (engine/hooks.py says why this order)."""
+    """The run's side effects in the order they must happen (engine/hooks.py says why this order); the stop rules and
+    the step checkpoint also kept on the run, whose validation inside an epoch calls them."""
     cfg, info, state, sinks = run.cfg, run.info, run.state, [tracker, board]
+    run.stop_rules = StopRules(cfg.train, run.chosen_on, tracker)
+    run.step_checkpoint = StepCheckpoint(run.record, run.checkpointer, cfg.train.ckpt_every_steps)
     out = Path(cfg.output_dir)
     profile = ([ProfileSteps(cfg.logging.profile_steps, out / PROFILE_FOLDER, info.device, run.record, info.is_main,
                              state)] if cfg.logging.profile_steps else [])  # off: torch.profiler never starts
