@@ -3,7 +3,6 @@ evaluate.py, predict.py, export.py) makes. The process group, the CPU threads an
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Sequence
 
@@ -15,12 +14,10 @@ from core.config_load import load_config
 from core.dist import init_distributed, read_launch_env
 from core.errors import UserError
 from core.logs import setup_logging
-from core.startup import compute_threads, threads_line, tune_cpu_process
+from core.startup import compute_threads, tune_cpu_process
 from engine.checkpoint.run_dir import check_shared, locked
 from engine.hooks import Hook
 from engine.optim import batch_and_lr
-
-log = logging.getLogger(__name__)
 
 QUICKSTART = "configs/digits.yaml"  # --config's default: the quickstart's own data and 32 px settings
 
@@ -39,8 +36,7 @@ def train(config: str | None, overrides: list[str], print_config: bool = False, 
     setup_logging(read_launch_env()[0], cfg.logging.level)  # before the rendezvous, which may wait
     info = init_distributed(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.rendezvous_timeout_s)
     if info.device.type == "cpu":
-        tune_cpu_process(compute_threads(info.local_world_size, cfg.data.num_workers))
-        log.info("CPU: %s", threads_line(info.local_world_size, cfg.data.num_workers))
+        tune_cpu_process(compute_threads(info.local_world_size, cfg.data.num_workers))  # logged: assembly/run.py
     cfg = with_run_folder(cfg)
     check_same_config(cfg)
     if dry:

@@ -17,7 +17,7 @@ from assembly.parts import build_parts
 from assembly.start import build_start, load_teacher, resolve_start
 from core.config import Config, global_batch, run_values, to_dict
 from core.dist import DistInfo, broadcast_object, broadcast_tensors, is_fsdp, rank0_decides, replicated_tensors
-from core.startup import cpu_share
+from core.startup import cpu_share, threads_line
 from data.loader import DataBundle, full_epoch_images
 from data.pipeline import pipeline_copies
 from engine.checkpoint.resume import Resume
@@ -152,6 +152,8 @@ def prepare(cfg: Config, info: DistInfo) -> Prepared | None:
              "%d steps/epoch", cfg.model.name, sum(p.numel() for p in model.parameters()) / 1e6, info.world_size,
              info.device.type, precision.name, validation_precision(measured, precision, model),
              global_batch(info.world_size, cfg.train.batch_size, cfg.train.accum_steps), data.steps_per_epoch)
+    if info.device.type == "cpu":
+        log.info("CPU: %s", threads_line(info.local_world_size, cfg.data.num_workers))
     return Prepared(cfg, start, chosen_on, data, precision, measured, model, teacher, parts, loop, ema, state,
                     started_from)
 
