@@ -370,13 +370,13 @@ class Resume:
         if self.ckpt is None:
             return
         ckpt, path = self.ckpt, self.path
-        if ckpt.get("format") == "sharded":
+        if ckpt.get("format") != "sharded":  # a .pth file
+            check_optimizer_state(ckpt["optimizer"], optimizer, path)
+            load_optimizer_state(model, optimizer, ckpt["optimizer"])  # sharded (fsdp) or whole
+        else:  # a .dcp folder
             if ckpt["optimizer_rest"]["param_groups"] is not None:  # None: saved before the first optimizer step
                 check_optimizer_state(ckpt["optimizer_rest"], optimizer, path)
             sharded.load(path, model, optimizer, ckpt["optimizer_rest"])  # resharded to this run's processes
-        else:
-            check_optimizer_state(ckpt["optimizer"], optimizer, path)
-            load_optimizer_state(model, optimizer, ckpt["optimizer"])  # sharded (fsdp) or whole
         if scaler is not None and ckpt.get("scaler"):
             scaler.load_state_dict(ckpt["scaler"])
         state.load_state_dict(ckpt)
