@@ -81,9 +81,9 @@ def test_losses_equal_timms_distillation_tasks(token, kind):
 
 
 def test_teacher_is_frozen_and_bitwise_unchanged_by_training(tmp_path):
-    """The run's teacher read (read_pretrained, teacher_name) + load_teacher + build_distillation, then 2 optimizer steps of the app's loop with
-    mixup-free batches: the teacher's file tensors, BatchNorm statistics included, come out bit for bit; no
-    gradient ever reached it; the student did train."""
+    """The run's teacher read (read_pretrained, teacher_name) + load_teacher + build_distillation, then 2 optimizer
+    steps of the app's loop with mixup-free batches: the teacher's file tensors, BatchNorm statistics included, come
+    out bit for bit; no gradient ever reached it; the student did train."""
     torch.save(tiny_teacher(10).state_dict(), tmp_path / "teacher.pth")
     cfg = load_config("dummy", [f"distill.teacher_weights={tmp_path / 'teacher.pth'}",
                                 "distill.teacher_name=test_resnet"])
