@@ -1,5 +1,6 @@
-"""The training run: fit() is the loop over epochs, its per-step and per-validation side effects are hooks
-(engine/hooks.py); --find-lr's range test."""
+"""The training run: fit() is the loop over epochs -- train, validate, the per-epoch hooks -- of the run build_run
+makes once; its side effects are hooks (engine/hooks.py, listed in order in assembly/run.hooks_of). --find-lr's
+range test builds the same run without writing."""
 
 from __future__ import annotations
 
@@ -8,9 +9,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from assembly.parts import build_parts
-from assembly.run import assemble
-from assembly.start import load_teacher, start_up
+from assembly.run import build_run
 from core.config import Config
 from core.dist import DistInfo, rank0_decides
 from core.errors import UserError
@@ -21,7 +20,6 @@ from engine.hooks import Hook, StopRun
 from engine.lr_find import LABEL as LR_RULE_LABEL, range_test, write_results
 from engine.state import TrainState
 from engine.trainer import train_one_epoch
-from models.factory import prepare_model
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +27,10 @@ log = logging.getLogger(__name__)
 def find_lr(cfg: Config, info: DistInfo) -> dict:
     """--find-lr: the LR range test on the run's data, fresh model, optimizer, precision and loss (never a checkpoint
     of output_dir, which it leaves as it is); rank 0 writes lr_find.json and lr_find.png to output_dir."""
-    cfg, _, weights, data, precision, model = start_up(cfg, info, fresh=True)
-    teacher = load_teacher(cfg, weights.teacher, model, data.num_classes)  # as prepare: before the student is placed
-    model = prepare_model(model, cfg.model, info.device, info.world_size)  # placed once it has its starting weights
-    parts, loop, _ = build_parts(cfg, info, data, precision, model, teacher, start=None)
-    result = {**range_test(parts, data.train, loop, info, cfg.tune), "world_size": info.world_size,
+    run = build_run(cfg, info, write=False, fresh=True)
+    assert run is not None  # a fresh run always has work left
+    cfg = run.cfg
+    result = {**range_test(run.parts, run.data.train, run.loop, info, cfg.tune), "world_size": info.world_size,
               "batch_size": cfg.train.batch_size, "accum_steps": cfg.train.accum_steps}
     rank0_decides(lambda: write_results(result, Path(cfg.output_dir)))  # every rank learns whether it could
     if result["suggested_lr"] is None:  # every rank's curve is the same all-reduced one: all refuse together
@@ -49,33 +46,33 @@ def find_lr(cfg: Config, info: DistInfo) -> dict:
 
 def fit(cfg: Config, info: DistInfo, lock: FolderLock | None = None,
         hooks: Sequence[Hook] = ()) -> TrainState | None:
-    """The run: epochs of training steps, each validated (and every train.val_every_steps steps inside it); what
-    happens around them is the run's hooks (assemble), then `hooks`. `lock`: rank 0's lock on output_dir
-    (launch.train holds it), checked before each write there."""
-    run = assemble(cfg, info, lock, hooks)
+    """The run: epochs of training steps, each validated (and every train.val_every_steps steps inside it: the
+    ValidateEvery hook); what happens around them is the run's hooks, then `hooks`. `lock`: rank 0's lock on
+    output_dir (launch.train holds it), checked before each write there."""
+    run = build_run(cfg, info, write=True, lock=lock, extra=hooks)
     if run is None:  # a finished run: nothing to train
         return None
-    cfg, state, parts, data, hooks = run.cfg, run.state, run.parts, run.data, run.hooks
+    cfg, state, out = run.cfg, run.state, run.outputs
     try:  # close(): however the run ends, its last checkpoint write (train.async_save) finishes first
         while state.epoch < cfg.train.epochs:
             try:
-                for hook in hooks:
+                for hook in run.hooks:
                     hook.before_epoch(state)  # the first, StopRules, raises StopRun when a stop rule holds
-                train_stats = train_one_epoch(parts, data.train, state, run.loop, info, hooks)
+                train = train_one_epoch(run.parts, run.data.train, state, run.loop, info, run.hooks)
             except Preempted as stopped:  # SIGTERM, SIGUSR1 or SIGINT: every rank stopped after the same step
-                stopped.checkpoint = run.save_now(state)  # mid-epoch: resume=auto continues where it stopped
+                stopped.checkpoint = out.save_now(state)  # mid-epoch: resume=auto continues where it stopped
                 stopped.overrides = continue_with(cfg.output_dir, cfg.resume)
                 raise
             except StopRun:  # before the epoch, or at a validation inside it (said, checkpointed, recorded)
                 break
-            run.end_validation(state, train_stats, finished=state.epoch_finished(data.steps_per_epoch))
-        for hook in hooks:
+            end = run.validation(state, train, finished=state.epoch_finished(run.data.steps_per_epoch))
+            for hook in run.hooks:
+                hook.after_epoch(state, end)
+        for hook in run.hooks:
             hook.after_train(state)
     finally:
-        run.checkpointer.close()
-        run.hooks.clear()  # a hook may refer back to the run: without the cycle its loaders' workers end on return
+        out.checkpointer.close()
     if info.is_main:
-        log.info(run_summary(run.record.rows(), run.chosen_on, state.best_value, state.best_epoch,
+        log.info(run_summary(out.record.rows(), run.chosen_on, state.best_value, state.best_epoch,
                              time.monotonic() - run.started, Path(cfg.output_dir)))
     return state
-

@@ -4,11 +4,11 @@ schedule, loss and loop settings (what fit() and --find-lr step)."""
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 from torch import nn
 
+from assembly.start import Teacher
 from core.config import Config, global_batch, mixing
 from core.dist import DistInfo, is_fsdp
 from core.startup import training_kernels
@@ -22,7 +22,7 @@ from engine.losses import Loss, build_loss, heavy_weight_warning
 from engine.optim import build_optimizer, build_scheduler
 from engine.precision import Precision
 from engine.trainer import LoopConfig, TrainParts
-from models.ema import create_ema
+from models.ema import CachedEma, create_ema
 from models.factory import compile_warning
 from models.parallel import shard_for_training, wrap_for_training
 
@@ -30,13 +30,13 @@ log = logging.getLogger(__name__)
 
 
 def build_parts(cfg: Config, info: DistInfo, data: DataBundle, precision: Precision, model: nn.Module,
-                teacher: tuple | None, start: Resume | None) -> tuple[TrainParts, LoopConfig, Any]:
+                teacher: Teacher | None, start: Resume | None) -> tuple[TrainParts, LoopConfig, CachedEma | None]:
     """The placed model's teacher and EMA (with `start`'s weights; no EMA without a `start`), the model sharded
     (dist.strategy=fsdp) and wrapped, its optimizer, schedule, loss and loop settings: (parts, loop, EMA or None).
     What fit() trains with, and what --find-lr's range test steps (engine/lr_find.py)."""
     loss = run_loss(cfg, data, info)  # first: a setting it refuses stops the run before its other parts are built
-    distill = build_distillation(cfg.distill, *teacher, model, cfg.data.mean, cfg.data.std, info.device,
-                                 cfg.model.channels_last) if teacher else None
+    distill = build_distillation(cfg.distill, teacher.model, teacher.weights, teacher.name, model, cfg.data.mean,
+                                 cfg.data.std, info.device, cfg.model.channels_last) if teacher else None
     ema = None
     if start is not None:
         ema = create_ema(model, cfg.model.ema_decay, cfg.model.ema_warmup)

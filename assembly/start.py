@@ -1,4 +1,5 @@
-"""Run start-up: everything fit(), --dry-run and --find-lr check and build before training.
+"""Run start-up: everything a run (assembly/run.build_run: fit, --dry-run, --find-lr) checks and builds before its
+model is placed.
 
 The checkpoint to resume and the config resolved against it (the batch, the lr, the preprocessing), the data, the
 precision, the model with its starting weights, the teacher. Nothing in output_dir is written here.
@@ -30,24 +31,11 @@ from engine.checkpoint.run_dir import resolve_output_dir
 from engine.checkpoint.weights import Pretrained, check_pretrained, read_pretrained, resolve_preprocessing
 from engine.distill import check_teacher_needed, freeze_teacher, teacher_name, teacher_sha256
 from engine.optim import batch_and_lr, build_optimizer, check_optimizer, check_scheduler, lr_for_batch
-from engine.precision import Precision, run_precisions
+from engine.precision import Precision
 from engine.profiling import check_trace_folder, window_warnings
 from models.factory import check_model_name, create_model, prepare_model, pretrained_cfg_of
 
 log = logging.getLogger(__name__)
-
-
-def start_up(cfg: Config, info: DistInfo, fresh: bool = False
-             ) -> tuple[Config, Resume, StartingWeights, DataBundle, Precision, nn.Module]:
-    """What fit() checks and builds before anything is placed on the device: the checkpoint to resume, the weights
-    files read and the config resolved against them (resolve_start), then the data, the precision, the model with
-    its starting weights (resumed, model.init_from's through timm's loading, or timm's pretrained weights) and
-    train.batch_size=auto's batch. --find-lr builds on it; fit and --dry-run go through assembly/run.prepare.
-    `fresh` (--find-lr): from a new model whatever output_dir and resume say."""
-    cfg, start, weights = resolve_start(cfg, info, fresh)
-    precision, _ = run_precisions(cfg.amp, cfg.eval_amp, cfg.loss_scale, cfg.dist.strategy, info.device)
-    cfg, data, model = build_start(cfg, start, weights, precision, info)
-    return cfg, start, weights, data, precision, model
 
 
 def resolve_start(cfg: Config, info: DistInfo, fresh: bool = False) -> tuple[Config, Resume, StartingWeights]:
@@ -67,16 +55,15 @@ def resolve_start(cfg: Config, info: DistInfo, fresh: bool = False) -> tuple[Con
     data = {**resolve_preprocessing(cfg.data, cfg.model.name, cfg.given, pretrained, saved, hub_cfg),
             **pipeline_hashes(cfg.data),  # a resume with another pipeline file: refused
             "hf_revision": hub_revision(cfg.data, saved)}
-    distill, teacher = {}, None
+    distill, name = {}, None
     if teacher_file is not None:
         name = teacher_name(cfg.distill, teacher_file)
         given = "distill.teacher_sha256" in cfg.given
         distill["teacher_sha256"] = teacher_sha256(cfg.distill, teacher_file, given, saved)
         check_model_name(name, key="distill.teacher_name")
-        teacher = (teacher_file, name)
     cfg = with_derived(cfg, data=data, distill=distill, **batch)
     start.check_continuation(cfg)
-    return cfg, start, StartingWeights(pretrained, hub_cfg, teacher)
+    return cfg, start, StartingWeights(pretrained, hub_cfg, teacher_file, name if teacher_file is not None else None)
 
 
 def decide_start(cfg: Config, fresh: bool) -> tuple[str | None, dict | None]:
@@ -96,7 +83,18 @@ class StartingWeights:
 
     pretrained: Pretrained | None = None
     hub_cfg: dict | None = None
-    teacher: tuple[Pretrained, str] | None = None
+    teacher: Pretrained | None = None
+    teacher_name: str | None = None
+
+
+@dataclasses.dataclass
+class Teacher:
+    """distill.*: the frozen teacher model with its file's weights, the file, its timm model name
+    (engine/distill.py says what the teacher does)."""
+
+    model: nn.Module
+    weights: Pretrained
+    name: str
 
 
 def build_start(cfg: Config, start: Resume, weights: StartingWeights, precision: Precision,
@@ -174,17 +172,15 @@ def with_auto_batch(cfg: Config, data: DataBundle, model: nn.Module, precision: 
                                 cfg.train.drop_last_accum)
 
 
-def load_teacher(cfg: Config, teacher: tuple[Pretrained, str] | None, model: nn.Module,
-                 num_classes: int) -> tuple | None:
-    """distill.*: (the teacher model frozen with its file's weights, the file, its model name), from the file
-    resolve_start read (`teacher`); None without a teacher. engine/distill.py says what the teacher does."""
+def load_teacher(cfg: Config, weights: StartingWeights, model: nn.Module, num_classes: int) -> Teacher | None:
+    """distill.*: the teacher built from the file resolve_start read (`weights.teacher`); None without a teacher."""
     check_teacher_needed(cfg.distill, model, cfg.model.name)
-    if teacher is None:
+    if weights.teacher is None or weights.teacher_name is None:
         return None
-    pretrained, name = teacher
+    name = weights.teacher_name
     frozen = freeze_teacher(create_model(ModelConfig(name=name, kwargs=cfg.distill.teacher_kwargs), num_classes),
-                            pretrained, name)
-    return frozen, pretrained, name
+                            weights.teacher, name)
+    return Teacher(frozen, weights.teacher, name)
 
 
 def seed_everything(seed: int) -> None:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from torch import nn
 
 from engine.losses import set_loss_epoch
-from engine.state import TrainState, stop_reason
+from engine.state import TrainState, stop_reason, train_columns
 
 if TYPE_CHECKING:  # the loop needs only Hook: keep checkpoint/tracking out of its imports
     from core.config import TrainConfig
@@ -36,12 +36,14 @@ log = logging.getLogger(__name__)
 class EpochEnd:
     """What a validation hands its hooks: its metrics.jsonl row, whether it beat the best of train.best_metric,
     whether every step of the epoch ran (train.max_steps can stop a run mid-epoch: resume continues that epoch),
-    and whether it is one of train.val_every_steps inside the epoch (never finished)."""
+    whether it is one of train.val_every_steps inside the epoch (never finished), and the per-image outcomes it
+    gathered to rank 0 (ValidationErrors)."""
 
     row: dict[str, Any]
     is_best: bool
     finished: bool
     mid_epoch: bool = False
+    outcomes: Any = None  # each image's outcome, gathered to rank 0 (engine/validation.py; None elsewhere or off)
 
 
 class Hook:
@@ -124,18 +126,27 @@ class StopRules(Hook):
 
 
 class ValidateEvery(Hook):
-    """train.val_every_steps: after each optimizer step whose global step is a multiple of `every`, `validate(state)`
-    (the run's validation and its after_epoch hooks, assembly/run.Run.validate_mid_epoch) -- except at the step that
-    ends the epoch, which the epoch's own validation covers: no step is validated twice (a train.max_steps stop at
-    such a step ends the run there: StopRun). The schedule is the global step's alone, so a resumed run repeats
-    or skips none."""
+    """train.val_every_steps: after each optimizer step whose global step is a multiple of `every`, a validation
+    (`validate`, the run's engine/validation.Validation) with the epoch's train columns so far, handed to the other
+    hooks' after_epoch (`after`: every hook but this one), its time kept off the training clock, then the stop rules
+    (StopRun when one holds) -- except at the step that ends the epoch, which the epoch's own validation covers: no
+    step is validated twice. The schedule is the global step's alone, so a resumed run repeats or skips none."""
 
-    def __init__(self, every: int, steps_per_epoch: int, validate: Callable[[TrainState], None]) -> None:
-        self.every, self.steps_per_epoch, self.validate = every, steps_per_epoch, validate
+    def __init__(self, every: int, steps_per_epoch: int, validate: Callable[..., EpochEnd], after: Sequence[Hook],
+                 stop_rules: StopRules, model: nn.Module, multi_label: bool, clock: Callable[[], float]) -> None:
+        self.every, self.steps_per_epoch, self.validate, self.after = every, steps_per_epoch, validate, tuple(after)
+        self.stop_rules, self.model, self.multi_label, self.clock = stop_rules, model, multi_label, clock
 
     def after_step(self, state: TrainState) -> None:
-        if state.global_step % self.every == 0 and not state.epoch_finished(self.steps_per_epoch):
-            self.validate(state)
+        if state.global_step % self.every or state.epoch_finished(self.steps_per_epoch):
+            return
+        began = self.clock()
+        end = self.validate(state, train_columns(state.sync_sums(), self.multi_label), finished=False, mid_epoch=True)
+        for hook in self.after:
+            hook.after_epoch(state, end)
+        self.model.train()
+        state.paused += self.clock() - began
+        self.stop_rules.check(state)  # StopRun when a stop rule holds
 
 
 class StepCheckpoint(Hook):
@@ -152,6 +163,10 @@ class StepCheckpoint(Hook):
     def after_step(self, state: TrainState) -> None:
         if self.every and state.global_step % self.every == 0:
             self.save(state)
+
+    def after_epoch(self, state: TrainState, end: EpochEnd) -> None:
+        if end.mid_epoch:  # EpochCheckpoint writes last.pth at this step, after this hook
+            self.saved_step = state.global_step
 
     def save(self, state: TrainState) -> None:
         """last.pth at the current step, unless this hook just wrote it (a collective: every rank calls it)."""
@@ -180,20 +195,19 @@ class Tracking(Hook):
 
 
 class ValidationErrors(Hook):
-    """Each validation's error analysis from the per-image outcomes it gathered to rank 0 (`outcomes()`: None
+    """Each validation's error analysis from the per-image outcomes it gathered to rank 0 (`end.outcomes`: None
     elsewhere, or when off): logging.wandb_errors' worst images and confusion matrix in W&B, and the confusion
     matrix as a TensorBoard figure."""
 
-    def __init__(self, tracker: WandbTracker, board: TensorBoardWriter, outcomes: Any, dataset: Any,
-                 class_names: list[str], count: int) -> None:
-        self.tracker, self.board, self.outcomes, self.dataset = tracker, board, outcomes, dataset
+    def __init__(self, tracker: WandbTracker, board: TensorBoardWriter, dataset: Any, class_names: list[str],
+                 count: int) -> None:
+        self.tracker, self.board, self.dataset = tracker, board, dataset
         self.class_names, self.count = class_names, count
 
     def after_epoch(self, state: TrainState, end: EpochEnd) -> None:
-        found = self.outcomes()
-        if found is not None:
-            self.tracker.log_errors(state.global_step, found, self.dataset, self.class_names, self.count)
-            self.board.log_confusion(state.global_step, found, self.class_names)
+        if end.outcomes is not None:
+            self.tracker.log_errors(state.global_step, end.outcomes, self.dataset, self.class_names, self.count)
+            self.board.log_confusion(state.global_step, end.outcomes, self.class_names)
 
 
 class FinishSinks(Hook):

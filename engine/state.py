@@ -128,6 +128,13 @@ class TrainState:
         self.meter = None
 
 
+def train_columns(sums: dict[str, float], multi_label: bool) -> dict[str, float]:
+    """train_loss and train_top1 (not multi-label) of the epoch's steps so far, from its synced sums."""
+    count = max(sums["count"], 1.0)
+    top1 = {} if multi_label else {"train_top1": 100.0 * sums["correct"] / count}
+    return {"train_loss": sums["loss_sum"] / count, **top1}
+
+
 def best_metric(cfg: Config) -> str:
     """The metrics.jsonl column best.pth is chosen on: train.best_metric (val_top1, the default, means val_map for
     multi-label data), of the EMA's weights with model.ema_decay and train.best_on_ema."""

@@ -32,12 +32,16 @@ from engine.precision import Precision
 from engine.prefetch import Normalize, device_batches, reads_ahead
 from engine.progress import Progress
 from engine.speed import LoaderWait, clock_start
-from engine.state import TrainState
+from engine.state import TrainState, train_columns
 
 if TYPE_CHECKING:  # the loop only calls it: keep the teacher's and weights' modules out of its imports
     from engine.distill import Distillation
 
 log = logging.getLogger(__name__)
+
+# The metrics.jsonl columns that measure the machine, not the model: two runs of the same model differ in them (the
+# tests compare runs without them). A new timing column goes here.
+MEASURED_COLUMNS = ("epoch_time_s", "train_img_per_s", "train_input_wait", "train_step_s")
 
 
 @dataclass
@@ -165,13 +169,6 @@ def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cf
     return {**train_columns(sums, cfg.multi_label),
             "train_img_per_s": sums["count"] / seconds, "epoch_time_s": seconds, "train_images": int(sums["count"]),
             "train_input_wait": wait, "train_step_s": step_s}
-
-
-def train_columns(sums: dict[str, float], multi_label: bool) -> dict[str, float]:
-    """train_loss and train_top1 (not multi-label) of the epoch's steps so far, from its synced sums."""
-    count = max(sums["count"], 1.0)
-    top1 = {} if multi_label else {"train_top1": 100.0 * sums["correct"] / count}
-    return {"train_loss": sums["loss_sum"] / count, **top1}
 
 
 class StepClock:

@@ -8,10 +8,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.trainer import MEASURED_COLUMNS
 from tests.helpers import STEPS, read_jsonl
 
-# Keys of a metrics.jsonl row that measure the machine, not the model.
-TIMING_KEYS = ("epoch_time_s", "train_img_per_s", "train_input_wait", "train_step_s")
 # A state dict's floating-point tensors in three groups of like scale: BatchNorm's running means and
 # running variances, and everything else (the parameters).
 GROUPS = ("parameters", "running_mean", "running_var")
@@ -75,7 +74,7 @@ def differing_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
 
 def model_rows(rows: list[dict]) -> list[dict]:
     """metrics.jsonl rows without the timing fields, which differ between any two runs."""
-    return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in rows]
+    return [{k: v for k, v in row.items() if k not in MEASURED_COLUMNS} for row in rows]
 
 
 def rows_without_timing(run: Path) -> list[dict]:

@@ -18,7 +18,7 @@ import torch
 from timm.task import LogitDistillationTask, TokenDistillationTask
 
 import train
-from assembly.start import load_teacher
+from assembly.start import StartingWeights, load_teacher
 from core.cli import report_errors
 from core.config import DistillConfig, OptimConfig, SchedConfig
 from core.config_load import load_config
@@ -89,8 +89,10 @@ def test_teacher_is_frozen_and_bitwise_unchanged_by_training(tmp_path):
                                 "distill.teacher_name=test_resnet"])
     student = timm.create_model("test_resnet", num_classes=10)
     file = read_pretrained(cfg.distill.teacher_weights)
-    teacher = load_teacher(cfg, (file, teacher_name(cfg.distill, file)), student, 10)
-    distill = build_distillation(cfg.distill, *teacher, student, *IMAGENET, CPU, channels_last=False)
+    weights = StartingWeights(teacher=file, teacher_name=teacher_name(cfg.distill, file))
+    teacher = load_teacher(cfg, weights, student, 10)
+    distill = build_distillation(cfg.distill, teacher.model, teacher.weights, teacher.name, student, *IMAGENET, CPU,
+                                 channels_last=False)
     before = copy.deepcopy(student.state_dict())
     optimizer = build_optimizer(student, OptimConfig(lr=0.1), grad_scaler=False)
     parts = TrainParts(student, optimizer, build_scheduler(optimizer, SchedConfig(), 1, 2), torch.nn.CrossEntropyLoss(),

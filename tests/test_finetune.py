@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from timm.layers import resample_abs_pos_embed
 
 import train
-from assembly.start import start_up
+from assembly.run import build_run
 from core.cli import report_errors
 from tests.helpers import TINY, read_jsonl, start_from, train_here
 
@@ -150,7 +150,8 @@ def test_finetune_from_a_safetensors_file_into_a_5_class_head(tmp_path):
     # The model as the fine-tuning run starts it: the file's backbone, a fresh 5-class head.
     cfg = load_config("digits", [*overrides, f"output_dir={tmp_path / 'start'}"])
     info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
-    cfg, start, _, data, precision, model = start_up(cfg, info)
+    run = build_run(cfg, info, write=False)
+    cfg, data, precision, model = run.cfg, run.data, run.precision, run.model
     own = model.state_dict()
     assert all(torch.equal(own[k], v) for k, v in trained.items() if not k.startswith("fc."))
     assert own["fc.weight"].shape == (5, trained["fc.weight"].shape[1])

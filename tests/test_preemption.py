@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 
 from engine.checkpoint.formats import load_checkpoint
-from tests.compare import TIMING_KEYS, assert_same
+from engine.trainer import MEASURED_COLUMNS
+from tests.compare import assert_same
 from tests.helpers import (HANG, REPO, children, corrupt_in_batch, free_port, make_image_folder, read_jsonl,
                            run_script, script_env)
 
@@ -73,7 +74,7 @@ def assert_stopped_mid_epoch(out: Path, text: str, signame: str, steps: int = 12
 def assert_same_run(whole: Path, resumed: Path) -> None:
     """last.pth bitwise and the metrics.jsonl rows (timings aside) of an uninterrupted run and a resumed one."""
     assert_same(load_checkpoint(whole / "last.pth"), load_checkpoint(resumed / "last.pth"))
-    rows = [{k: v for k, v in row.items() if k not in TIMING_KEYS}
+    rows = [{k: v for k, v in row.items() if k not in MEASURED_COLUMNS}
             for run in (whole, resumed) for row in read_jsonl(run / "metrics.jsonl")]
     assert rows[:2] == rows[2:] and [row["epoch"] for row in rows[:2]] == [0, 1]
 
