@@ -2,7 +2,7 @@
 
 The bare side is what a practitioner writes: timm model in channels_last, torch SGD, random batches in
 memory, forward / backward / step / zero_grad, the same number of timed steps after the same warm-up.
-benchmark.py's side is its `benchmark()` (the app's Precision step with its one inf/NaN read per step,
+benchmark.py's side is `assembly/benchmark.benchmark()` (the app's Precision step with its one inf/NaN read per step,
 fused SGD). fp32 (this machine's CPU has no bf16 instructions), 1 thread, alternating sides every round.
 
     python benchmarks/benchmark_py.py [--repeats 5] [--model resnet18] [--img-size 64] [--batch-size 32]
@@ -34,7 +34,7 @@ def main() -> None:
     import timm
     import torch
 
-    import benchmark
+    from assembly import benchmark
     from core.config_load import load_config
     from engine.precision import resolve_precision
 

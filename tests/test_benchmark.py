@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+import assembly.benchmark
 import benchmark
 from core.cli import report_errors
 
@@ -20,7 +21,7 @@ def test_benchmark_prints_a_table_and_writes_json_with_every_field(monkeypatch, 
     import torch
 
     threads = torch.get_num_threads()
-    monkeypatch.setattr(benchmark, "compute_threads", lambda processes_per_node, workers: 1)
+    monkeypatch.setattr(assembly.benchmark, "compute_threads", lambda processes_per_node, workers: 1)
     out = tmp_path / "bench.json"
     argv = ["--model", "resnet18", "--batch-size", "8", "--img-size", "32", "--warmup", "1", "--steps", "2",
             "--amp", "off", "--json", str(out)]
@@ -68,7 +69,7 @@ def test_data_mode_times_the_train_loader_per_worker_count(monkeypatch, tmp_path
     import torch
 
     threads = torch.get_num_threads()
-    monkeypatch.setattr(benchmark, "compute_threads", lambda processes_per_node, workers: 1)
+    monkeypatch.setattr(assembly.benchmark, "compute_threads", lambda processes_per_node, workers: 1)
     out, root = tmp_path / "data.json", f"data.root={tmp_path / 'digits'}"
     try:
         argv = ["--config", "digits", "--data", "--workers", "1", "2", "--data-batches", "2", "--target-img-s",
@@ -97,7 +98,7 @@ def test_sweep_batch_on_the_cpu_stops_at_max_batch(monkeypatch, tmp_path, capsys
     import torch
 
     threads = torch.get_num_threads()
-    monkeypatch.setattr(benchmark, "compute_threads", lambda processes_per_node, workers: 1)
+    monkeypatch.setattr(assembly.benchmark, "compute_threads", lambda processes_per_node, workers: 1)
     out = tmp_path / "sweep.json"
     argv = ["--model", "test_resnet", "--img-size", "32", "--amp", "off", "--sweep-batch", "--max-batch", "4",
             "--json", str(out)]
