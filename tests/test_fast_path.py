@@ -48,9 +48,11 @@ def test_sgd_is_fused_and_matches_torch_per_tensor_sgd():
     groups = [{"params": list(g["params"]), "weight_decay": g["weight_decay"]}
               for g in build_optimizer(reference_model, cfg).param_groups]
     reference = torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True, foreach=False)
-    # The fused kernel rounds the same arithmetic differently (about 1e-9 here), never more.
+    # The fused kernel rounds the same arithmetic differently, and 4 steps of forward and backward carry it on: per
+    # tensor ||got - want|| / ||want|| measured up to 8e-6 on an AVX-512 CPU (elementwise up to 9e-7 apart); torch's
+    # SGD without nesterov moves it to 3.
     for got, want in zip(_train(model, ours), _train(reference_model, reference)):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+        assert ((got - want).norm() / want.norm()).item() < 1e-4
 
 
 def test_optimizers_without_a_fused_step_still_build():
