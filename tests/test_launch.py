@@ -171,3 +171,30 @@ def test_sigterm_after_the_last_step_check_stops_as_the_training_steps_end():
     with stop_on_sigterm():  # a SIGUSR1 there waits for the next step, as documented
         with training_steps():
             os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def test_a_finished_run_is_freed_by_reference_counting_alone(tmp_path, monkeypatch):
+    """No hook refers back to the run (ValidateEvery gets the validation and the other hooks as arguments): once
+    fit returns, the Run, its hooks and its validation (with their loaders) are freed without the cycle collector."""
+    import gc
+    import weakref
+
+    import assembly.fit
+
+    made = []
+
+    def observed(*args, **kwargs):
+        run = build_run(*args, **kwargs)
+        made.extend(weakref.ref(part) for part in (run, run.validation, *run.hooks))
+        return run
+
+    build_run = assembly.fit.build_run
+    monkeypatch.setattr(assembly.fit, "build_run", observed)
+    gc.collect()
+    gc.disable()
+    try:
+        assert report_errors(train.main, [*TINY, "train.val_every_steps=2", f"output_dir={tmp_path}"]) == 0
+        alive = [ref() for ref in made if ref() is not None]
+    finally:
+        gc.enable()
+    assert len(made) > 3 and not alive, [type(part).__name__ for part in alive]
