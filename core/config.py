@@ -101,6 +101,10 @@ class DataConfig:
                               "class (train.txt/val.txt in the run folder); 0 = off",
                               within="[0, 1)")
     split_seed: int = key(0, "data.val_fraction: the seed of the split")
+    folds_file: str = key("",
+                          "audit.py's k-fold file: train on the training images of every fold but data.fold, "
+                          "validate on data.fold's; \"\" = off")
+    fold: int = key(0, "data.folds_file: the fold held out for validation", within=">= 0")
     image_column: str = key("image",
                             "hf: the column of images (an Image feature, bytes, or paths relative to data.root)")
     label_column: str = key("label", "hf: the column of labels (ClassLabel, integers or class names)")

@@ -33,6 +33,7 @@ from data.digits import export_digits
 from data.hf import HFDataset
 from data.listfile import ListFileDataset
 from data.erasing import EraseCollate
+from data.folds import fold_side, read_folds
 from data.mixing import MixCollate
 from data.shards import ShardDataset, split_index
 from data.split import Split, SplitDataset
@@ -241,8 +242,17 @@ def prepare_digits(cfg: DataConfig, local_rank: int) -> None:
 def dataset_of(cfg: DataConfig, train: bool, transform: A.Compose, seed: int, classes: list[str] | None = None,
                split: Split | None = None) -> AugmentedDataset:
     """The training or validation split in data.name's format; `classes` is the class map its labels use (None: its
-    own classes). Unreadable images are skipped (data.skip_corrupt) in training only: an evaluation counts each."""
-    skip_corrupt = train and cfg.skip_corrupt
+    own classes). Unreadable images are skipped (data.skip_corrupt) in training only: an evaluation counts each.
+    With data.folds_file (audit.py's k folds) both sides are parts of the training split (data/folds.py)."""
+    if cfg.folds_file:
+        base = side_of(cfg, True, transform, seed, classes, split, skip_corrupt=train and cfg.skip_corrupt)
+        return fold_side(base, read_folds(cfg.folds_file), cfg.fold, train, cfg.folds_file)
+    return side_of(cfg, train, transform, seed, classes, split, skip_corrupt=train and cfg.skip_corrupt)
+
+
+def side_of(cfg: DataConfig, train: bool, transform: A.Compose, seed: int, classes: list[str] | None,
+            split: Split | None, skip_corrupt: bool) -> AugmentedDataset:
+    """data.name's training split (`train`) or validation split."""
     if cfg.name == "dummy":
         size, offset = (cfg.dummy_train_size, 0) if train else (cfg.dummy_val_size, cfg.dummy_train_size)
         return DummyDataset(size, cfg.dummy_num_classes, cfg.dummy_image_size, transform, seed, offset)
