@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 THRESHOLD = 8  # bits of 64: the measured default (module docstring)
 BITS = 64
 THUMBNAIL = 32  # pixels: the pHash's DCT is taken on a 32x32 grey thumbnail, its 8x8 lowest frequencies kept
+CROPS = (0.03, 0.06)  # shares of each side also cut off before hashing: a copy cropped by 1-2 px of 32 matches
+CALIBRATION = 0.01  # near pairs per image the calibrated threshold allows (docs/benchmarks.md 19)
 BLOCK = 2048  # rows and columns of the distance buffer: 16 MB of float32 (1024-2048 fastest on 2 cores)
 CHUNK = 4096  # images decoded and hashed together: 16 MB of thumbnails
 
@@ -52,18 +54,51 @@ class Pair:
         return self.split_a != self.split_b
 
 
-def find_duplicates(items: Sequence[tuple[Path, str]], threshold: int = THRESHOLD,
-                    device: str | torch.device = "cpu", block: int = BLOCK) -> list[Pair]:
-    """Every pair of copies among (path, split) items: leaks across splits first, then by distance, for review."""
-    check_threshold(threshold)
+@dataclass(frozen=True)
+class Duplicates:
+    """The pairs found (leaks across splits first, then by distance) and the near-copy threshold they were found at."""
+
+    pairs: list[Pair]
+    threshold: int
+
+
+def find_duplicates(items: Sequence[tuple[Path, str]], threshold: int | None = None,
+                    device: str | torch.device = "cpu", block: int = BLOCK) -> Duplicates:
+    """Every pair of copies among (path, split) items, for review; `threshold` None: calibrated on these images."""
+    if threshold is not None:
+        check_threshold(threshold)
     paths = [Path(path) for path, _ in items]
-    digests, hashes, readable = hash_files(paths)
+    digests, hashes, cropped, readable = hash_files(paths)
+    near = near_pairs(hashes, cropped, THRESHOLD if threshold is None else threshold, block, device)
+    chosen = calibrated_threshold(list(near.values()), len(readable)) if threshold is None else threshold
     found = {pair: 0 for pair in exact_pairs(digests)}
-    rows, cols, distances = pairs_within(hashes, None, threshold, block=block, device=device)
-    for i, j, distance in zip(readable[rows.numpy()], readable[cols.numpy()], distances.tolist()):
-        found.setdefault((int(i), int(j)), distance)
+    for (i, j), distance in sorted(near.items()):
+        if distance <= chosen:
+            found.setdefault((int(readable[i]), int(readable[j])), distance)
     pairs = [Pair(str(paths[i]), str(paths[j]), items[i][1], items[j][1], d) for (i, j), d in found.items()]
-    return sorted(pairs, key=lambda p: (not p.cross_split, p.distance, p.path_a, p.path_b))
+    return Duplicates(sorted(pairs, key=lambda p: (not p.cross_split, p.distance, p.path_a, p.path_b)), chosen)
+
+
+def near_pairs(hashes: torch.Tensor, cropped: torch.Tensor, threshold: int, block: int,
+               device: str | torch.device) -> dict[tuple[int, int], int]:
+    """{(i, j): bits}, i < j, of the images within `threshold`: each image's hash against every other's, as it is
+    and with CROPS cut off (`cropped`: len(CROPS) rows per image, in image order), the smallest distance kept."""
+    found: dict[tuple[int, int], int] = {}
+    for other, per in ((None, 1), (cropped, len(CROPS))):
+        rows, cols, distances = pairs_within(hashes, other, threshold, block=block, device=device)
+        for i, j, distance in zip(rows.tolist(), (cols // per).tolist(), distances.tolist()):
+            if i != j:
+                key = (min(i, j), max(i, j))
+                found[key] = min(found.get(key, distance), distance)
+    return found
+
+
+def calibrated_threshold(distances: Sequence[int], images: int) -> int:
+    """The largest threshold up to THRESHOLD at which the near pairs (1 bit or more apart) are at most CALIBRATION
+    per image: beyond it unrelated images of this data pair (small, plain images such as the digits at a few bits;
+    photos rarely within THRESHOLD)."""
+    counts = np.cumsum(np.bincount([d for d in distances if d > 0], minlength=THRESHOLD + 1))
+    return max(t for t in range(THRESHOLD + 1) if counts[t] <= CALIBRATION * images)
 
 
 def check_threshold(threshold: int) -> None:
@@ -73,35 +108,39 @@ def check_threshold(threshold: int) -> None:
                         f"perceptual hash; {THRESHOLD} is the measured default")
 
 
-def hash_files(paths: Sequence[Path]) -> tuple[list[str | None], torch.Tensor, np.ndarray]:
-    """(each file's sha256 or None, [N, 64] bool pHashes of the files that decode, their positions in `paths`):
-    one read of each file, a chunk of files hashed together."""
+def hash_files(paths: Sequence[Path]) -> tuple[list[str | None], torch.Tensor, torch.Tensor, np.ndarray]:
+    """(each file's sha256 or None, [N, 64] bool pHashes of the files that decode, [N x len(CROPS), 64] their
+    cropped pHashes, their positions in `paths`): one read of each file, a chunk of files hashed together."""
     digests: list[str | None] = []
-    hashes, readable = [], []
+    hashes, cropped, readable = [], [], []
     for start in range(0, len(paths), CHUNK):
         thumbnails = []
         for i in range(start, min(start + CHUNK, len(paths))):
-            digest, thumbnail = file_hashes(paths[i])
+            digest, views = file_hashes(paths[i])
             digests.append(digest)
-            if thumbnail is not None:
-                thumbnails.append(thumbnail)
+            if views is not None:
+                thumbnails.append(views)
                 readable.append(i)
         if thumbnails:
-            hashes.append(phash(np.stack(thumbnails)))
+            views = np.stack(thumbnails)  # [n, 1 + len(CROPS), 32, 32]
+            hashes.append(phash(views[:, 0]))
+            cropped.append(phash(views[:, 1:].reshape(-1, THUMBNAIL, THUMBNAIL)))
     if len(readable) < len(paths):
         log.warning("%d of %d images could not be decoded and are compared by their bytes only (the file checks "
                     "name them)", len(paths) - len(readable), len(paths))
-    bits = torch.from_numpy(np.concatenate(hashes)) if hashes else torch.zeros(0, BITS, dtype=torch.bool)
-    return digests, bits, np.asarray(readable, dtype=np.int64)
+    as_bits = lambda parts: (torch.from_numpy(np.concatenate(parts)) if parts  # noqa: E731
+                             else torch.zeros(0, BITS, dtype=torch.bool))
+    return digests, as_bits(hashes), as_bits(cropped), np.asarray(readable, dtype=np.int64)
 
 
 def file_hashes(path: Path) -> tuple[str | None, np.ndarray | None]:
-    """(sha256 of the file's bytes, its grey thumbnail) from one read; None for what cannot be read or decoded."""
+    """(sha256 of the file's bytes, its grey thumbnails: whole, then each of CROPS) from one read; None for what
+    cannot be read or decoded."""
     try:
         data = path.read_bytes()
     except OSError:
         return None, None
-    return hashlib.sha256(data).hexdigest(), grey_thumbnail(data)
+    return hashlib.sha256(data).hexdigest(), grey_thumbnails(data)
 
 
 def exact_pairs(digests: Sequence[str | None]) -> list[tuple[int, int]]:
@@ -114,7 +153,14 @@ def exact_pairs(digests: Sequence[str | None]) -> list[tuple[int, int]]:
 
 
 def grey_thumbnail(data: bytes) -> np.ndarray | None:
-    """The image as a 32x32 float32 grey thumbnail (LANCZOS, as imagehash), or None when PIL cannot decode it.
+    """The image as a 32x32 float32 grey thumbnail (LANCZOS, as imagehash), or None when PIL cannot decode it."""
+    views = grey_thumbnails(data, ())
+    return None if views is None else views[0]
+
+
+def grey_thumbnails(data: bytes, crops: Sequence[float] = CROPS) -> np.ndarray | None:
+    """[1 + len(crops), 32, 32] float32 grey thumbnails (LANCZOS, as imagehash): the image, then with each share of
+    `crops` cut off every side; None when PIL cannot decode it.
 
     A JPEG is decoded at the smallest DCT scale of at least 64 px (PIL's draft), a fraction of a full decode.
     EXIF orientation is not applied: the pixels as stored, as the loader reads them.
@@ -124,10 +170,15 @@ def grey_thumbnail(data: bytes) -> np.ndarray | None:
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             with Image.open(io.BytesIO(data)) as image:
                 image.draft("L", (2 * THUMBNAIL, 2 * THUMBNAIL))
-                grey = image.convert("L").resize((THUMBNAIL, THUMBNAIL), Image.Resampling.LANCZOS)
-                return np.asarray(grey, dtype=np.float32)
+                grey = image.convert("L")
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
         return None
+    views = []
+    for share in (0.0, *crops):
+        x, y = round(share * grey.width), round(share * grey.height)
+        view = grey.crop((x, y, grey.width - x, grey.height - y)) if x or y else grey
+        views.append(np.asarray(view.resize((THUMBNAIL, THUMBNAIL), Image.Resampling.LANCZOS), dtype=np.float32))
+    return np.stack(views)
 
 
 def dct_basis(n: int) -> np.ndarray:

@@ -149,7 +149,7 @@ def test_planted_copies_across_splits_are_found(digits, tmp_path):
     (tmp_path / "byte_copy.png").write_bytes(train[6].read_bytes())
     items = [(p, "train") for p in [*train, big]] + [(p, "val") for p in val] + \
             [(tmp_path / name, "val") for name in planted] + [(tmp_path / "byte_copy.png", "test")]
-    pairs = find_duplicates(items, THRESHOLD, block=8)
+    pairs = find_duplicates(items, THRESHOLD, block=8).pairs
     expected = {(str(train[k]), str(tmp_path / name)) for k, name in enumerate(planted, start=1) if k < 5}
     expected |= {(str(big), str(tmp_path / "big_cropped_2px.png")), (str(train[6]), str(tmp_path / "byte_copy.png"))}
     assert {(p.path_a, p.path_b) for p in pairs} == expected
@@ -163,7 +163,7 @@ def test_exact_copies_within_a_split_follow_the_leaks(digits, tmp_path):
     (tmp_path / "again.png").write_bytes(first.read_bytes())
     (tmp_path / "leak.png").write_bytes(second.read_bytes())
     pairs = find_duplicates([(first, "train"), (second, "train"), (tmp_path / "again.png", "train"),
-                             (tmp_path / "leak.png", "val")])
+                             (tmp_path / "leak.png", "val")]).pairs
     assert [(p.path_a, p.path_b, p.split_a, p.split_b, p.distance) for p in pairs] == [
         (str(second), str(tmp_path / "leak.png"), "train", "val", 0),
         (str(first), str(tmp_path / "again.png"), "train", "train", 0)]
