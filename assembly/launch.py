@@ -9,15 +9,16 @@ from typing import Sequence
 from assembly.fit import find_lr, fit
 from assembly.run import dry_run
 from assembly.start import check_same_config, with_run_folder
-from core.config import config_yaml, with_derived
+from core.config import Config, config_yaml, with_derived
 from core.config_load import load_config
-from core.dist import init_distributed, read_launch_env
+from core.dist import DistInfo, init_distributed, read_launch_env
 from core.errors import UserError
 from core.logs import setup_logging
 from core.startup import compute_threads, tune_cpu_process
 from engine.checkpoint.run_dir import check_shared, locked
 from engine.hooks import Hook
 from engine.optim import batch_and_lr
+from engine.state import TrainState
 
 QUICKSTART = "configs/digits.yaml"  # --config's default: the quickstart's own data and 32 px settings
 
@@ -33,10 +34,7 @@ def train(config: str | None, overrides: list[str], print_config: bool = False, 
             resolved = with_derived(cfg, **batch_and_lr(cfg, world_size, False))
             print(f"# as {world_size} process(es) run it\n{config_yaml(resolved)}", end="")
         return 0
-    setup_logging(read_launch_env()[0], cfg.logging.level)  # before the rendezvous, which may wait
-    info = init_distributed(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.rendezvous_timeout_s)
-    if info.device.type == "cpu":
-        tune_cpu_process(compute_threads(info.local_world_size, cfg.data.num_workers))  # logged: assembly/run.py
+    info = training_processes(cfg)
     cfg = with_run_folder(cfg)
     check_same_config(cfg)
     if dry:
@@ -44,13 +42,29 @@ def train(config: str | None, overrides: list[str], print_config: bool = False, 
         if info.is_main:
             print(summary)
         return 0
-    with locked(Path(cfg.output_dir)) as lock:  # one live run per output_dir
-        check_shared(Path(cfg.output_dir))  # every process writes into rank 0's folder: one folder for all
-        if lr_test:
+    if lr_test:
+        with locked(Path(cfg.output_dir)):  # one live run per output_dir
+            check_shared(Path(cfg.output_dir))
             find_lr(cfg, info)
-        else:
-            fit(cfg, info, lock, hooks)  # report_errors leaves the process group, after reporting any error
+    else:
+        fit_in_folder(cfg, info, hooks)
     return 0
+
+
+def training_processes(cfg: Config) -> DistInfo:
+    """Logging, the process group and, on the CPU, the compute threads: once per process, before any run."""
+    setup_logging(read_launch_env()[0], cfg.logging.level)  # before the rendezvous, which may wait
+    info = init_distributed(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.rendezvous_timeout_s)
+    if info.device.type == "cpu":
+        tune_cpu_process(compute_threads(info.local_world_size, cfg.data.num_workers))  # logged: assembly/run.py
+    return info
+
+
+def fit_in_folder(cfg: Config, info: DistInfo, hooks: Sequence[Hook] = ()) -> TrainState | None:
+    """fit() holding output_dir's lock: one live run per folder, the same folder on every process."""
+    with locked(Path(cfg.output_dir)) as lock:
+        check_shared(Path(cfg.output_dir))  # every process writes into rank 0's folder: one folder for all
+        return fit(cfg, info, lock, hooks)  # report_errors leaves the process group, after reporting any error
 
 
 def config_file(given: str | None, overrides: list[str]) -> str:

@@ -16,7 +16,8 @@ import pytest
 from tests.helpers import REPO
 
 APP_PACKAGES = ("core", "data", "engine", "models", "assembly")
-ENTRY_POINTS = ("train.py", "evaluate.py", "predict.py", "export.py", "benchmark.py", "average_checkpoints.py")
+ENTRY_POINTS = ("train.py", "evaluate.py", "predict.py", "export.py", "benchmark.py", "average_checkpoints.py",
+                "audit.py")
 
 
 def app_imports(path: Path) -> set[str]:
