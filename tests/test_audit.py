@@ -151,6 +151,23 @@ def test_the_planted_copy_is_a_leak_and_the_report_and_counts_are_written(audite
     assert "copy_of_val_c_001.png" in page and "flip_a_000.png" in page
 
 
+def test_a_finished_run_is_audited_from_its_own_predictions_said_to_be_weaker(audited, tmp_path):
+    """audit.py <checkpoint>: the run's model on its own training images (its data and config as stored); the
+    report and audit.json say the evidence is in-sample."""
+    from tests.helpers import train_here
+
+    *_, root = audited
+    recipe = [arg for arg in RECIPE if not arg.startswith("--folds")]
+    train_here(*recipe, BATCH, f"data.root={root}", f"output_dir={tmp_path / 'run'}")
+    assert audit_here(str(tmp_path / "run" / "best.pth")) == 0
+    folder = tmp_path / "run" / "audit"
+    result = json.loads((folder / "audit.json").read_text())
+    assert "in-sample" in result["evidence"] and "in-sample" in (folder / "report.html").read_text()
+    probs = np.load(folder / "probabilities.npy")
+    assert probs.shape == (31, 3) and np.allclose(probs.sum(axis=1), 1, atol=1e-5)
+    assert result["counts"]["leaks"] >= 1 and not (folder / "folds.json").exists()
+
+
 @pytest.mark.slow  # an audit stopped by SIGTERM in its second fold, then run again (two processes)
 def test_an_interrupted_audit_continues_its_folds(tmp_path):
     root, *_ = planted_folder(tmp_path / "data")
