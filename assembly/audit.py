@@ -25,7 +25,7 @@ from core.dist import DistInfo, all_gather_object, rank0_decides
 from core.errors import UserError
 from core.files import starts_with, write_output
 from data.datasets import AugmentedDataset
-from data.folds import Folds, make_folds, read_folds
+from data.folds import Folds, FoldSubset, make_folds, read_folds
 from data.loader import build_eval_loader, build_val_dataset, dataset_of, prepare_digits, shard_bounds
 from data.split import Split, run_split, saved_split
 from data.transforms import DeviceNormalize, eval_transform
@@ -85,7 +85,8 @@ def audit_folds(config: str | None, overrides: list[str], folds: int, out: str |
             rows.append({"fold": k, "images": assignment.fold.count(k), **last_row(run)})
     if not info.is_main:
         return None
-    evidence = f"out-of-fold predictions of {assignment.count} folds (each image predicted by a model that never saw it)"
+    evidence = (f"out-of-fold predictions of {assignment.count} folds (each image predicted by a model that never "
+                "saw it)")
     scored = np.flatnonzero(np.asarray(assignment.fold) >= 0)
     return write_audit(folder, train, val, probs, scored, evidence, fold_summary(rows), cfg)
 
@@ -100,12 +101,15 @@ def audit_run(checkpoint: str, out: str | None) -> dict[str, Any] | None:
     rank0_decides(lambda: check_outputs(folder))
     train, val = audit_datasets(cfg, info, eval_transform(cfg.data), saved_split(cfg.data, checkpoint),
                                 trained.class_names)
-    probs = predicted(trained, cfg, train, info)
+    readable = np.flatnonzero(~unreadable_images(train, info))  # the file findings name the others
+    held = predicted(trained, cfg, FoldSubset(train, readable), info)
     if not info.is_main:
         return None
+    probs = np.zeros((len(train), len(trained.class_names)))
+    probs[readable] = held
     evidence = (f"in-sample predictions of {checkpoint} on its own training images: weaker evidence (the model saw "
                 "these labels; k folds, audit.py --config, do not)")
-    return write_audit(folder, train, val, probs, np.arange(len(train)), evidence, None, cfg)
+    return write_audit(folder, train, val, probs, readable, evidence, None, cfg)
 
 
 def check_auditable(cfg: Config) -> None:
@@ -214,8 +218,8 @@ def fold_summary(rows: list[dict[str, float]]) -> dict[str, Any]:
             "std": {n: float(v.std()) for n, v in values.items()}}
 
 
-def write_audit(folder: Path, train: AugmentedDataset, val: AugmentedDataset | None, probs: np.ndarray, scored: np.ndarray,
-                evidence: str, folds: dict | None, cfg: Config) -> dict[str, Any]:
+def write_audit(folder: Path, train: AugmentedDataset, val: AugmentedDataset | None, probs: np.ndarray,
+                scored: np.ndarray, evidence: str, folds: dict | None, cfg: Config) -> dict[str, Any]:
     """Rank 0: label_issues.csv, folds.json, duplicates.csv, the file findings, report.html and audit.json; the
     label findings are of the `scored` training images (those with probabilities)."""
     kept = np.full(probs.shape, np.nan, dtype=np.float32)  # the training split's order; NaN: an image not scored

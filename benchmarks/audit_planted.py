@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import io
 import json
 import shutil
 import subprocess
@@ -57,7 +56,8 @@ def plant(root: Path, flips: float, seed: int) -> dict[str, list]:
         image = Image.open(file).convert("RGB")
         target = root / "train" / file.parent.name / f"copy_{i}_{file.stem}"
         if i % 3 == 0:
-            copy, target = image.resize((36, 36), Image.BILINEAR).resize((32, 32), Image.BILINEAR), target.with_suffix(".png")
+            copy = image.resize((36, 36), Image.BILINEAR).resize((32, 32), Image.BILINEAR)
+            target = target.with_suffix(".png")
         elif i % 3 == 1:
             copy, target = image, target.with_suffix(".jpg")
         else:  # 1 or 2 px cut off each side: the loader's resize then sees the digit a little larger

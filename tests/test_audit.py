@@ -171,7 +171,8 @@ def test_a_finished_run_is_audited_from_its_own_predictions_said_to_be_weaker(au
 @pytest.mark.slow  # an audit stopped by SIGTERM in its second fold, then run again (two processes)
 def test_an_interrupted_audit_continues_its_folds(tmp_path):
     root, *_ = planted_folder(tmp_path / "data")
-    args = [sys.executable, str(REPO / "audit.py"), *RECIPE, BATCH, f"data.root={root}", f"output_dir={tmp_path / 'run'}"]
+    args = [sys.executable, str(REPO / "audit.py"), *RECIPE, BATCH, f"data.root={root}",
+            f"output_dir={tmp_path / 'run'}"]
     folder = tmp_path / "run" / "audit"
     with subprocess.Popen(args, cwd=REPO, env=script_env(), stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL) as first:
