@@ -29,6 +29,7 @@ from data.folds import Folds, FoldSubset, make_folds, read_folds
 from data.loader import build_eval_loader, build_val_dataset, dataset_of, prepare_digits, shard_bounds
 from data.split import Split, run_split, saved_split
 from data.transforms import DeviceNormalize, eval_transform
+from engine.checkpoint.inference import Trained
 from engine.evaluation import ImageProbabilities, evaluate
 from engine.label_issues import label_issues, most_confused, top_losses
 from engine.precision import resolve_precision
@@ -193,7 +194,7 @@ def held_out_probabilities(checkpoint: Path, info: DistInfo) -> np.ndarray | Non
     return predicted(trained, cfg, dataset, info)
 
 
-def predicted(trained: Any, cfg: Config, dataset: AugmentedDataset, info: DistInfo) -> np.ndarray | None:
+def predicted(trained: Trained, cfg: Config, dataset: AugmentedDataset, info: DistInfo) -> np.ndarray | None:
     """The trained model's softmax probabilities on `dataset` (with its eval transform), gathered to rank 0."""
     loader = build_eval_loader(dataset, cfg.data, cfg.train.batch_size, info)
     model = inference_model(trained, cfg, info.device)
