@@ -159,14 +159,19 @@ def test_planted_copies_across_splits_are_found(digits, tmp_path):
 
 
 def test_exact_copies_within_a_split_follow_the_leaks(digits, tmp_path):
+    """Byte copies pair at distance 0, an undecodable file and its copy too (by their bytes), and the files after an
+    undecodable one keep their own paths."""
     first, second = sorted(digits.glob("val/*/*.png"))[:2]
     (tmp_path / "again.png").write_bytes(first.read_bytes())
     (tmp_path / "leak.png").write_bytes(second.read_bytes())
-    pairs = find_duplicates([(first, "train"), (second, "train"), (tmp_path / "again.png", "train"),
-                             (tmp_path / "leak.png", "val")]).pairs
-    assert [(p.path_a, p.path_b, p.split_a, p.split_b, p.distance) for p in pairs] == [
-        (str(second), str(tmp_path / "leak.png"), "train", "val", 0),
-        (str(first), str(tmp_path / "again.png"), "train", "train", 0)]
+    (tmp_path / "broken.png").write_bytes(b"not an image")
+    (tmp_path / "broken_too.png").write_bytes(b"not an image")
+    items = [(tmp_path / "broken.png", "train"), (first, "train"), (second, "train"), (tmp_path / "again.png", "train"),
+             (tmp_path / "leak.png", "val"), (tmp_path / "broken_too.png", "val")]
+    pairs = [(p.path_a, p.path_b, p.split_a, p.split_b, p.distance) for p in find_duplicates(items).pairs]
+    leaks = sorted([(str(second), str(tmp_path / "leak.png"), "train", "val", 0),
+                    (str(tmp_path / "broken.png"), str(tmp_path / "broken_too.png"), "train", "val", 0)])
+    assert pairs == [*leaks, (str(first), str(tmp_path / "again.png"), "train", "train", 0)]
 
 
 def brute_force(a: torch.Tensor, b: torch.Tensor | None, threshold: int) -> set[tuple[int, int, int]]:
