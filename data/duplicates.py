@@ -2,7 +2,7 @@
 copy of a train image inflates every validation number, and copies within train weight an image twice.
 
 Why these choices (measured: `python benchmarks/duplicate_hashes.py` and `benchmarks/audit_planted.py`,
-docs/benchmarks.md 19):
+docs/benchmarks.md 20 and 19):
 - exact copies: the sha256 of the file bytes, with no decode; a copy saved again with the same pixels has the same
   perceptual hash, so the search reports it too, at distance 0;
 - near copies: a 64-bit DCT pHash (imagehash's, in numpy). On 80-px photo tiles it found 96.9% of planted resized,
@@ -40,7 +40,7 @@ BITS = 64
 THUMBNAIL = 32  # pixels: the pHash's DCT is taken on a 32x32 grey thumbnail, its 8x8 lowest frequencies kept
 CROPS = (0.03, 0.06)  # shares of each side also cut off before hashing: a copy cropped by 1-2 px of 32 matches
 CALIBRATION = 0.01  # near pairs per image the calibrated threshold allows (docs/benchmarks.md 19)
-BLOCK = 1024  # rows and columns of the distance buffer: 4 MB of float32 (2048: as fast, 16 MB; docs 19)
+BLOCK = 1024  # rows and columns of the distance buffer: 4 MB of float32 (2048: as fast, 16 MB; docs 20b)
 CHUNK = 4096  # images decoded and hashed together: 16 MB of thumbnails
 
 
