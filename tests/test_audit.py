@@ -209,8 +209,10 @@ def test_what_an_audit_cannot_start_from_is_one_line(tmp_path, capsys):
     root = make_image_folder(tmp_path / "data", {"train": {"a": 4, "b": 2}})
     base = [*RECIPE, BATCH, f"output_dir={tmp_path / 'run'}"]
     assert "data folder" in last_error(capsys, audit_here(*base, f"data.root={tmp_path / 'missing'}"))
-    line = last_error(capsys, audit_here(*base, f"data.root={root}", "--folds=3"))
-    assert "--folds 3: class 'b' has 2 training image(s)" in line
+    code = audit_here(*base, f"data.root={root}", "--folds=3")
+    err = capsys.readouterr().err
+    assert "no validation split" in err and "within the training images only" in err  # said, then audited on
+    assert code == 2 and "--folds 3: class 'b' has 2 training image(s)" in err.strip().splitlines()[-1]
     (tmp_path / "empty_run").mkdir()
     line = last_error(capsys, audit_here(str(tmp_path / "empty_run")))
     assert line.startswith("error: ") and "empty_run" in line
