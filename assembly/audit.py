@@ -6,6 +6,8 @@ evidence). Everything lands in one audit folder, with a self-contained report.ht
 from __future__ import annotations
 
 import argparse
+import csv
+import io
 import json
 import logging
 from pathlib import Path
@@ -17,7 +19,8 @@ import numpy as np
 from assembly.audit_checks import data_findings
 from assembly.audit_report import AuditFindings, check_report_path, write_report
 from assembly.inference import inference_model, open_trained, start_processes
-from assembly.launch import config_file, fit_in_folder, training_processes
+from assembly.fit import fit
+from assembly.launch import config_file, run_folder, training_processes
 from assembly.start import check_same_config, with_run_folder
 from core.config import Config
 from core.config_load import load_config
@@ -69,7 +72,7 @@ def audit_folds(config: str | None, overrides: list[str], folds: int, out: str |
     train, val = audit_datasets(cfg, info, A.Compose([]))  # files, labels and paths: no transform needed
     unreadable = unreadable_images(train, info)  # in no fold: a fold's validation would stop at them
     assignment = rank0_decides(lambda: kept_folds(folder / FOLDS_FILE, train, folds, cfg.seed, unreadable))
-    probs = np.zeros((len(train), len(train.classes)))
+    probs = np.full((len(train), len(train.classes)), np.nan, np.float32) if info.is_main else None
     rows = []
     for k in range(assignment.count):
         run = folder / f"fold_{k}"
@@ -79,7 +82,8 @@ def audit_folds(config: str | None, overrides: list[str], folds: int, out: str |
         if info.is_main:
             log.info("audit: fold %d of %d, %d images held out, in %s", k + 1, assignment.count,
                      assignment.fold.count(k), run)
-        fit_in_folder(fold_cfg, info)
+        with run_folder(fold_cfg) as lock:
+            fit(fold_cfg, info, lock)
         held = held_out_probabilities(last_checkpoint(run), info)
         if info.is_main:
             probs[np.asarray(assignment.fold) == k] = held
@@ -88,8 +92,7 @@ def audit_folds(config: str | None, overrides: list[str], folds: int, out: str |
         return None
     evidence = (f"out-of-fold predictions of {assignment.count} folds (each image predicted by a model that never "
                 "saw it)")
-    scored = np.flatnonzero(np.asarray(assignment.fold) >= 0)
-    return write_audit(folder, train, val, probs, scored, evidence, fold_summary(rows), cfg)
+    return write_audit(folder, train, val, probs, evidence, fold_summary(rows), cfg)
 
 
 def audit_run(checkpoint: str, out: str | None) -> dict[str, Any] | None:
@@ -106,11 +109,11 @@ def audit_run(checkpoint: str, out: str | None) -> dict[str, Any] | None:
     held = predicted(trained, cfg, FoldSubset(train, readable), info)
     if not info.is_main:
         return None
-    probs = np.zeros((len(train), len(trained.class_names)))
+    probs = np.full((len(train), len(trained.class_names)), np.nan, np.float32)
     probs[readable] = held
     evidence = (f"in-sample predictions of {checkpoint} on its own training images: weaker evidence (the model saw "
                 "these labels; k folds, audit.py --config, do not)")
-    return write_audit(folder, train, val, probs, readable, evidence, None, cfg)
+    return write_audit(folder, train, val, probs, evidence, None, cfg)
 
 
 def check_auditable(cfg: Config) -> None:
@@ -199,7 +202,7 @@ def predicted(trained: Trained, cfg: Config, dataset: AugmentedDataset, info: Di
     loader = build_eval_loader(dataset, cfg.data, cfg.train.batch_size, info)
     model = inference_model(trained, cfg, info.device)
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
-    probs = ImageProbabilities(loader.sampler.start)
+    probs = ImageProbabilities()
     evaluate(model, loader, resolve_precision(cfg.amp, info.device), info, normalize, on_batch=probs)
     return probs.gather(len(trained.class_names), info.device)
 
@@ -220,14 +223,13 @@ def fold_summary(rows: list[dict[str, float]]) -> dict[str, Any]:
 
 
 def write_audit(folder: Path, train: AugmentedDataset, val: AugmentedDataset | None, probs: np.ndarray,
-                scored: np.ndarray, evidence: str, folds: dict | None, cfg: Config) -> dict[str, Any]:
-    """Rank 0: label_issues.csv, folds.json, duplicates.csv, the file findings, report.html and audit.json; the
-    label findings are of the `scored` training images (those with probabilities)."""
-    kept = np.full(probs.shape, np.nan, dtype=np.float32)  # the training split's order; NaN: an image not scored
-    kept[scored] = probs[scored]
-    write_probabilities(folder / "probabilities.npy", kept)
+                evidence: str, folds: dict | None, cfg: Config) -> dict[str, Any]:
+    """Rank 0: probabilities.npy, label_issues.csv, folds.json, duplicates.csv, the file findings, report.html and
+    audit.json. `probs`: float32 in the training split's order, NaN rows for the images not scored (unreadable)."""
+    write_probabilities(folder / "probabilities.npy", probs)
+    scored = np.flatnonzero(~np.isnan(probs[:, 0]))
     names, labels = train.classes, np.asarray(train.labels)[scored]
-    probs = kept[scored].astype(np.float64)  # as saved: cleanlab on probabilities.npy gives label_issues.csv
+    probs = probs[scored].astype(np.float64)  # as saved: cleanlab on probabilities.npy gives label_issues.csv
     path = lambda i: train.path(int(scored[i]))  # noqa: E731 (an index into `scored`)
     issues = [{"path": path(i), "given": names[labels[i]], "suggested": names[s], "score": f"{score:.6f}"}
               for i, s, score in label_issues(labels, probs)]
@@ -254,8 +256,6 @@ def write_audit(folder: Path, train: AugmentedDataset, val: AugmentedDataset | N
 
 def write_probabilities(path: Path, probs: np.ndarray) -> None:
     """probabilities.npy: each training image's predicted probabilities (float32), over an earlier one only."""
-    import io
-
     buffer = io.BytesIO()
     np.save(buffer, probs)
     write_output(path, buffer.getvalue(), starts_with(b"\x93NUMPY"), f"an earlier {path.name} of audit.py", "--out")
@@ -267,9 +267,6 @@ def write_rows(path: Path, rows: Sequence[dict[str, Any]], columns: Sequence[str
 
 def csv_text(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> bytes:
     """A CSV file's bytes (paths that are not UTF-8 kept byte for byte)."""
-    import csv
-    import io
-
     text = io.StringIO(newline="")
     writer = csv.DictWriter(text, fieldnames=list(columns), lineterminator="\n")
     writer.writeheader()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -63,14 +64,6 @@ def data_findings(train: AugmentedDataset, val: AugmentedDataset | None, cfg: Da
     files.sort(key=lambda row: SEVERITY.index(row["kind"]) if row["kind"] in SEVERITY else len(SEVERITY))
     write_csv(folder / "duplicates.csv", pairs, PAIR_COLUMNS)
     leaks = sum(pair["split_a"] != pair["split_b"] for pair in pairs)
-    return DataFindings(pairs, files, class_counts, {"duplicate_pairs": len(pairs), "leaks": leaks,
-                                                     "file_findings": len(files), "near_copy_bits": threshold,
-                                                     **{f"files_{kind}": n for kind, n in kinds(files).items()}})
-
-
-def kinds(files: list[dict[str, Any]]) -> dict[str, int]:
-    """How many file findings of each kind, in the report's order."""
-    counted: dict[str, int] = {}
-    for row in files:
-        counted[row["kind"]] = counted.get(row["kind"], 0) + 1
-    return counted
+    counts = {"duplicate_pairs": len(pairs), "leaks": leaks, "file_findings": len(files), "near_copy_bits": threshold}
+    counts.update((f"files_{kind}", n) for kind, n in Counter(row["kind"] for row in files).items())
+    return DataFindings(pairs, files, class_counts, counts)

@@ -151,20 +151,19 @@ def is_leak(pair: dict[str, Any]) -> bool:
 
 def label_issues_html(rows: list[dict[str, Any]], thumbs: dict[str, str]) -> str:
     """ImageClassifierCleaner's view as cards: the image, its given and suggested class, the score."""
-    cards = [card(thumbs[row["path"]], row["path"],
-                  f'<span class="given">{text(row["given"])}</span> &rarr; '
-                  f'<span class="suggested">{text(row["suggested"])}</span>',
-                  f'score {number(row["score"], 3)}') for row in rows]
-    return grid(cards)
+    return grid([card(thumbs[row["path"]], row["path"], classes(row["given"], "&rarr;", row["suggested"]),
+                      f'score {number(row["score"], 3)}') for row in rows])
 
 
 def top_losses_html(rows: list[dict[str, Any]], thumbs: dict[str, str]) -> str:
     """fastai's plot_top_losses: given / predicted / loss / probability under each image."""
-    cards = [card(thumbs[row["path"]], row["path"],
-                  f'<span class="given">{text(row["given"])}</span> / '
-                  f'<span class="suggested">{text(row["predicted"])}</span>',
-                  f'loss {number(row["loss"], 3)}, probability {number(row["probability"], 3)}') for row in rows]
-    return grid(cards)
+    return grid([card(thumbs[row["path"]], row["path"], classes(row["given"], "/", row["predicted"]),
+                      f'loss {number(row["loss"], 3)}, probability {number(row["probability"], 3)}') for row in rows])
+
+
+def classes(given: Any, between: str, other: Any) -> str:
+    """A card's line of classes: the given one, then the model's."""
+    return f'<span class="given">{text(given)}</span> {between} <span class="suggested">{text(other)}</span>'
 
 
 def pairs_html(rows: list[dict[str, Any]], thumbs: dict[str, str]) -> str:

@@ -3,8 +3,9 @@ evaluate.py, predict.py, export.py) makes. The process group, the CPU threads an
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from assembly.fit import find_lr, fit
 from assembly.run import dry_run
@@ -15,10 +16,9 @@ from core.dist import DistInfo, init_distributed, read_launch_env
 from core.errors import UserError
 from core.logs import setup_logging
 from core.startup import compute_threads, tune_cpu_process
-from engine.checkpoint.run_dir import check_shared, locked
+from engine.checkpoint.run_dir import FolderLock, check_shared, locked
 from engine.hooks import Hook
 from engine.optim import batch_and_lr
-from engine.state import TrainState
 
 QUICKSTART = "configs/digits.yaml"  # --config's default: the quickstart's own data and 32 px settings
 
@@ -42,12 +42,11 @@ def train(config: str | None, overrides: list[str], print_config: bool = False, 
         if info.is_main:
             print(summary)
         return 0
-    if lr_test:
-        with locked(Path(cfg.output_dir)):  # one live run per output_dir
-            check_shared(Path(cfg.output_dir))
+    with run_folder(cfg) as lock:
+        if lr_test:
             find_lr(cfg, info)
-    else:
-        fit_in_folder(cfg, info, hooks)
+        else:
+            fit(cfg, info, lock, hooks)  # report_errors leaves the process group, after reporting any error
     return 0
 
 
@@ -60,11 +59,13 @@ def training_processes(cfg: Config) -> DistInfo:
     return info
 
 
-def fit_in_folder(cfg: Config, info: DistInfo, hooks: Sequence[Hook] = ()) -> TrainState | None:
-    """fit() holding output_dir's lock: one live run per folder, the same folder on every process."""
+@contextlib.contextmanager
+def run_folder(cfg: Config) -> Iterator[FolderLock | None]:
+    """output_dir locked for the run (one live run per folder; the lock on rank 0, None elsewhere), checked to be the
+    same folder on every process."""
     with locked(Path(cfg.output_dir)) as lock:
         check_shared(Path(cfg.output_dir))  # every process writes into rank 0's folder: one folder for all
-        return fit(cfg, info, lock, hooks)  # report_errors leaves the process group, after reporting any error
+        yield lock
 
 
 def config_file(given: str | None, overrides: list[str]) -> str:

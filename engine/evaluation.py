@@ -156,24 +156,21 @@ class ImageOutcomes:
 
 class ImageProbabilities:
     """Each image's softmax probabilities (float64, from the float32 logits), from evaluate()'s on_batch hook,
-    gathered to rank 0 in the global order (`gather`, a collective): audit.py's out-of-fold predictions."""
+    gathered to rank 0 in the set's order (`gather`, a collective): audit.py's out-of-fold predictions."""
 
-    def __init__(self, start: int) -> None:
-        self.start, self.batches = start, []
+    def __init__(self) -> None:
+        self.batches: list[torch.Tensor] = []
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor, ranked: torch.Tensor) -> None:
         self.batches.append(logits.double().softmax(dim=1))
 
     def gather(self, num_classes: int, device: torch.device) -> np.ndarray | None:
-        """[images, classes] probabilities of every rank's images in the global order, on rank 0 (None elsewhere)."""
+        """[images, classes] probabilities of every rank's images, on rank 0 (None elsewhere): each rank holds one
+        block of the set (data.loader.ShardSampler), and gather_rows joins them in rank order, the set's order."""
         local = (torch.cat(self.batches) if self.batches
                  else torch.zeros((0, num_classes), dtype=torch.float64, device=device))
-        indices = torch.arange(self.start, self.start + len(local), dtype=torch.float64, device=local.device)
-        whole = gather_rows(torch.cat([indices[:, None], local], dim=1))
-        if whole is None:
-            return None
-        whole = whole.cpu().numpy()
-        return whole[np.argsort(whole[:, 0], kind="stable"), 1:]
+        whole = gather_rows(local)
+        return None if whole is None else whole.cpu().numpy()
 
 
 def validate_epoch(model: nn.Module, ema: nn.Module | None, loader: DataLoader, precision: Precision, info: DistInfo,
