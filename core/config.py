@@ -362,6 +362,11 @@ class LoggingConfig:
     wandb_samples: int = key(0,
                              "W&B table of this many augmented training images when a training starts; 0 = none",
                              within=">= 0", continues=True)
+    samples: int = key(16,
+                       "draw samples.png in output_dir at a fresh run's start: this many training images as the model "
+                       "gets them in epoch 0 (augmented; before normalization and mixup/cutmix), with their classes "
+                       "(rank 0); 0 = none",
+                       within=">= 0", continues=True)
     wandb_errors: int = key(16,
                             "W&B, each validation (single-label): a table of its this many worst images by loss "
                             "(image, true and predicted class, confidence, loss) and its confusion matrix (up to 100 "

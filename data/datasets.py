@@ -16,6 +16,7 @@ import random
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import albumentations as A
 import cv2
@@ -111,6 +112,31 @@ class AugmentedDataset(Dataset, abc.ABC):
         """A sample's label: its class index, or (multi-label: labels is a [N, C] 0/1 array) a float multi-hot row."""
         label = self.labels[index]
         return torch.from_numpy(label.astype(np.float32)) if label.ndim else int(label)
+
+
+class Shown(NamedTuple):
+    """A training sample as shown to a person: samples.png, W&B's train_samples table."""
+    index: int
+    path: str
+    image: np.ndarray  # HWC uint8, augmented, before normalization
+    label: int | list[int]  # multi-label: the classes present
+    name: str  # their class names, "|"-joined
+
+
+def augmented_samples(dataset: AugmentedDataset, count: int, epoch: int = 0) -> list[Shown]:
+    """`count` training samples as the model gets them in `epoch` (seeded by seed, epoch and index, so drawing
+    them changes nothing in training), spread over the whole set, which an ImageFolder sorts by class. An
+    unreadable one (data.skip_corrupt) is left out."""
+    indices = np.unique(np.linspace(0, len(dataset) - 1, min(count, len(dataset))).round().astype(int))
+    shown = []
+    for index in indices.tolist():
+        sample = dataset[(epoch, index)]
+        if sample is not None:  # (data.random_erase_fill=normalized: unerased, the device fills)
+            image, label = sample[:2]
+            label = label.nonzero().flatten().tolist() if torch.is_tensor(label) else label
+            name = "|".join(dataset.classes[c] for c in (label if isinstance(label, list) else [label]))
+            shown.append(Shown(index, dataset.path(index), image.permute(1, 2, 0).numpy(), label, name))
+    return shown
 
 
 def tensor_seed(entropy: list[int]) -> int:

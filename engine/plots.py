@@ -91,3 +91,19 @@ def plot_reliability(bins: np.ndarray, path: Path, title: str, ours: Recognise =
     hist.set_xlim(0, 1)
     fig.tight_layout()
     save_png(fig, path, ours, expected, option)
+
+
+def image_grid(images: list[np.ndarray], captions: list[str], title: str) -> Any:
+    """Images (HWC uint8) in rows of up to 4, each with its caption (fastai's show_batch and plot_top_losses)."""
+    plt = pyplot()
+    columns = max(1, min(4, len(images)))
+    rows = max(1, -(-len(images) // columns))
+    fig, axes = plt.subplots(rows, columns, figsize=(2.6 * columns, 3.0 * rows + 0.4), dpi=100, squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, image, caption in zip(axes.flat, images, captions):
+        ax.imshow(image, interpolation="nearest")
+        ax.set_title(caption, fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig

@@ -14,7 +14,7 @@ from sklearn.metrics import classification_report, precision_recall_fscore_suppo
 import evaluate
 from core.cli import report_errors
 from engine.checkpoint.formats import load_checkpoint
-from tests.compare import direct_ece
+from tests.compare import direct_ece, fastai_most_confused
 from tests.helpers import make_image_folder, run_on_ranks, train_here
 from tests.wandb_reader import find_runs, read_run
 
@@ -50,7 +50,7 @@ def test_evaluate_is_identical_for_1_2_3_processes(checkpoint, tmp_path):
                             nproc=nproc, env={"WANDB_DIR": str(wandb_dir)})
         assert f"n {VAL_SIZE}" in proc.stdout
         assert sorted(p.name for p in out.iterdir()) == ["confusion_matrix.png", "eval.json", "predictions.csv",
-                                                          "reliability.png"]
+                                                          "reliability.png", "top_losses.png"]
         outputs[nproc] = ((out / "eval.json").read_text(), (out / "predictions.csv").read_text())
     assert outputs[1] == outputs[2] == outputs[3]  # byte for byte
 
@@ -87,6 +87,14 @@ def test_evaluate_is_identical_for_1_2_3_processes(checkpoint, tmp_path):
     correct = np.array([r["label"] == r["pred"] for r in rows])
     assert result["ece"] == pytest.approx(direct_ece(confidence, correct), rel=1e-12) and result["ece_bins"] == 15
     assert matplotlib.image.imread(out / "reliability.png").shape[0] >= 400
+    # fastai's most_confused and plot_top_losses, from predictions.csv's own columns
+    names = [c["class"] for c in result["per_class"]]
+    assert [(names.index(c["actual"]), names.index(c["predicted"]), c["images"]) for c in result["most_confused"]] \
+        == fastai_most_confused(np.array(y_true), np.array(y_pred), len(names))[:20]
+    by_loss = sorted(rows, key=lambda r: -float(r["loss"]))[:16]
+    assert [(e["index"], e["path"], e["loss"]) for e in result["top_losses"]] == \
+        [(int(r["index"]), r["path"], float(r["loss"])) for r in by_loss]
+    assert matplotlib.image.imread(out / "top_losses.png").shape[0] >= 4 * 250
     # The training run evaluated the same weights on the same batches in the same precision: the same top-1, though
     # it trained in bf16 (issue 46: its validation followed amp then, and differed).
     assert result["top1"] == load_checkpoint(checkpoint)["metric_value"]
