@@ -15,7 +15,7 @@ from core.config import Config, config_yaml, with_derived
 from core.config_load import load_config
 from core.errors import UserError
 from core.logs import setup_logging
-from core.startup import compute_threads, import_timm_without_wandb, tune_cpu_process
+from core.startup import compute_threads, default_workers, import_timm_without_wandb, tune_cpu_process
 
 if TYPE_CHECKING:
     from core.dist import DistInfo
@@ -42,9 +42,11 @@ def train(config: str | None, overrides: list[str], print_config: bool = False, 
             resolved = with_derived(cfg, **batch_and_lr(cfg, world_size, False))
             print(f"# as {world_size} process(es) run it\n{config_yaml(resolved)}", end="")
         return 0
+    cfg, notes = with_workers(cfg)
     info = training_processes(cfg)
     if info.is_main:
-        log.info(first_line(cfg, config, info.world_size, info.device.type))
+        for line in (first_line(cfg, config, info.world_size, info.device.type), *notes):
+            log.info(line)
     import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (core/startup.py)
     from assembly.fit import find_lr, fit  # timm, albumentations and the rest (seconds)
     from assembly.run import dry_run
@@ -63,6 +65,15 @@ def train(config: str | None, overrides: list[str], print_config: bool = False, 
         else:
             fit(cfg, info, lock, hooks)  # report_errors leaves the process group, after reporting any error
     return 0
+
+
+def with_workers(cfg: Config) -> tuple[Config, list[str]]:
+    """cfg with data.num_workers as this machine runs it (core/startup.default_workers), and the notes to say:
+    loading's (cfg.notes) and the workers'."""
+    from core.dist import read_launch_env
+
+    workers, capped = default_workers(cfg.data.num_workers, "data.num_workers" in cfg.given, read_launch_env()[3])
+    return with_derived(cfg, data={"num_workers": workers}), [*cfg.notes, *([capped] if capped else [])]
 
 
 def first_line(cfg: Config, config: str | None, world_size: int, device: str) -> str:
