@@ -26,6 +26,7 @@ from torch.utils.data import Dataset
 
 from core.config import DataConfig
 from core.errors import UserError
+from data.pipeline import FileTransform
 
 TensorTransform = Callable[[torch.Tensor], torch.Tensor]
 log = logging.getLogger(__name__)
@@ -96,11 +97,23 @@ class AugmentedDataset(Dataset, abc.ABC):
                 raise (UserError(f"{err}{self.corrupt_advice}") if self.corrupt_advice else err) from None
             log.warning("data.skip_corrupt: %s", err)
             return None
-        image = self.transform(image=image)["image"]
+        image = self.transformed(image, index)
         boxes = ()
         if self.tensor_transform is not None or self.erasing is not None:
             image, *boxes = seeded(self.augment_tensor, image, tensor_seed(entropy))
         return image, self.target(index), *boxes, *[(epoch, pair)] * (pair >= 0)
+
+    def transformed(self, image: np.ndarray, index: int) -> torch.Tensor:
+        """The albumentations pipeline's image; a user's pipeline file that fails on it is one line naming the file,
+        the transform and the image (data/pipeline.py), in this process and in a loader worker alike."""
+        try:
+            return self.transform(image=image)["image"]
+        except UserError:
+            raise
+        except Exception as err:  # noqa: BLE001 - any transform of the user's file, on any image
+            if not isinstance(self.transform, FileTransform):
+                raise
+            raise self.transform.failed(err, self.path(index), image.shape) from None
 
     def augment_tensor(self, image: torch.Tensor) -> tuple:
         """(image after the tensor policies), and with `erasing` its boxes, drawn next from the same RNG."""
