@@ -374,20 +374,26 @@ def evaluate_command(args: argparse.Namespace) -> int:
     if (hint := ema_hint(trained.source, trained.best_metric, args.ema)) and info.is_main:
         log.warning(hint)
     result = run(cfg, trained, args, info)  # report_errors leaves the process group, after reporting any error
-    if result is not None and result.get("multi_label"):
-        worst = sorted((c for c in result["per_class"] if c["ap"] is not None), key=lambda c: c["ap"])[:3]
-        print(f"mAP {result['map']:.2f}  mAP micro {result['map_micro']:.2f}  F1@{result['threshold']} "
-              f"{result['f1']:.2f}  loss {result['loss']:.4f}  n {result['n']}")
-        print("lowest per-class AP: " + ", ".join(f"{readable(c['class'])} {c['ap']:.1f}" for c in worst))
-        print(f"wrote eval.json, predictions.csv, per_class.csv to {result['output_dir']}")
-    elif result is not None:
-        worst = sorted((c for c in result["per_class"] if c["top1"] is not None), key=lambda c: c["top1"])[:3]
-        print(f"top1 {result['top1']:.2f}%  top5 {result['top5']:.2f}%  loss {result['loss']:.4f}  "
-              f"ECE {result['ece']:.2f}%  n {result['n']}")
-        print("lowest per-class top1: " + ", ".join(f"{readable(c['class'])} {c['top1']:.1f}%" for c in worst))
-        if confused := result["most_confused"][:3]:
-            print("most confused (actual -> predicted): " + ", ".join(
-                f"{readable(c['actual'])} -> {readable(c['predicted'])} {c['images']}" for c in confused))
-        matrix = ", confusion_matrix.png" if len(result["per_class"]) <= CONFUSION_MAX else ""
-        print(f"wrote eval.json, predictions.csv{matrix}, reliability.png, top_losses.png to {result['output_dir']}")
+    if result is not None:
+        print("\n".join(summary_lines(result)))
     return 0
+
+
+def summary_lines(result: dict[str, Any]) -> list[str]:
+    """The console's summary of eval.json: the headline metrics (single-label: top-1 beside the balanced accuracy
+    and macro-F1 that imbalanced classes need), the weakest classes and the files written."""
+    if result.get("multi_label"):
+        worst = sorted((c for c in result["per_class"] if c["ap"] is not None), key=lambda c: c["ap"])[:3]
+        return [f"mAP {result['map']:.2f}  mAP micro {result['map_micro']:.2f}  F1@{result['threshold']} "
+                f"{result['f1']:.2f}  loss {result['loss']:.4f}  n {result['n']}",
+                "lowest per-class AP: " + ", ".join(f"{readable(c['class'])} {c['ap']:.1f}" for c in worst),
+                f"wrote eval.json, predictions.csv, per_class.csv to {result['output_dir']}"]
+    worst = sorted((c for c in result["per_class"] if c["top1"] is not None), key=lambda c: c["top1"])[:3]
+    matrix = ", confusion_matrix.png" if len(result["per_class"]) <= CONFUSION_MAX else ""
+    confused = [f"{readable(c['actual'])} -> {readable(c['predicted'])} {c['images']}"
+                for c in result["most_confused"][:3]]
+    return [f"top1 {result['top1']:.2f}%  top5 {result['top5']:.2f}%  balanced acc {result['balanced_acc']:.2f}%  "
+            f"macro F1 {result['macro_f1']:.2f}%  loss {result['loss']:.4f}  ECE {result['ece']:.2f}%  n {result['n']}",
+            "lowest per-class top1: " + ", ".join(f"{readable(c['class'])} {c['top1']:.1f}%" for c in worst),
+            *(["most confused (actual -> predicted): " + ", ".join(confused)] if confused else []),
+            f"wrote eval.json, predictions.csv{matrix}, reliability.png, top_losses.png to {result['output_dir']}"]

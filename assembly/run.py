@@ -29,6 +29,7 @@ from engine.evaluation import validation_precision
 from engine.hooks import (BestArtifact, CloseEpoch, Curves, EmaUpdate, EpochCheckpoint, EpochInputs, FinishSinks, Hook,
                           RecordRow, SkippedImages, StepCheckpoint, StopRules, Tracking, ValidateEvery,
                           ValidationErrors)
+from engine.optim import extension_warning
 from engine.plots import PNG, image_grid, readable, save_png
 from engine.precision import Precision, run_precisions
 from engine.profiling import FOLDER as PROFILE_FOLDER, ProfileSteps
@@ -121,6 +122,8 @@ def prepare(cfg: Config, info: DistInfo, fresh: bool, started: float) -> Run | N
     state = TrainState()
     start.load_training(state, cfg, info, data.steps_per_epoch, model=parts.model, optimizer=parts.optimizer,
                         scheduler=parts.scheduler, scaler=precision.scaler, chosen_on=chosen_on)
+    if info.is_main and (warning := raised_epochs_warning(cfg, start, state.epoch, data.steps_per_epoch)):
+        log.warning(warning)
     log.info("model %s (%.1fM params), %d process(es) on %s, training in %s, validating in %s, global batch %d, "
              "%d steps/epoch", cfg.model.name, sum(p.numel() for p in model.parameters()) / 1e6, info.world_size,
              info.device.type, precision.name, validation_precision(measured, precision, model),
@@ -131,6 +134,14 @@ def prepare(cfg: Config, info: DistInfo, fresh: bool, started: float) -> Run | N
                             loop.normalize, cfg.data, parts.optimizer, chosen_on, gathers_outcomes(cfg, data))
     return Run(cfg, info, start, chosen_on, data, precision, measured, model, teacher, parts, loop, ema, state,
                started_from, validation, started)
+
+
+def raised_epochs_warning(cfg: Config, start: Resume, epoch: int, updates_per_epoch: int) -> str | None:
+    """What a train.epochs raised on a finished run trains at (engine/optim.extension_warning); None otherwise."""
+    done = ((start.ckpt or {}).get("config") or {}).get("train", {}).get("epochs")
+    if done is None or epoch < done:  # fresh, or the run had epochs left: its schedule continues as it was
+        return None
+    return extension_warning(cfg.sched, cfg.optim.lr, done, cfg.train.epochs, updates_per_epoch, str(start.path))
 
 
 def gathers_outcomes(cfg: Config, data: DataBundle) -> bool:

@@ -126,3 +126,35 @@ def test_evaluate_errors_are_one_line(checkpoint, tmp_path, capsys):
         assert report_errors(evaluate.main, [*argv, "--output-dir", str(tmp_path / "out")]) == 2
         error = capsys.readouterr().err.strip()
         assert "\n" not in error and error.startswith("error: ") and message in error, error
+
+
+def test_the_console_summary_shows_balanced_accuracy_and_macro_f1():
+    """Issue 61: evaluate.py's console gives eval.json's balanced accuracy and macro-F1 beside top-1 (imbalanced
+    classes hide behind top-1)."""
+    from assembly.evaluate import summary_lines
+
+    result = {"top1": 90.0, "top5": 100.0, "balanced_acc": 61.0, "macro_f1": 55.5, "loss": 0.3, "ece": 2.0, "n": 425,
+              "per_class": [{"class": "owl", "top1": 20.0}, {"class": "cat", "top1": 99.0}], "output_dir": "out",
+              "most_confused": [{"actual": "owl", "predicted": "cat", "images": 8}]}
+    assert summary_lines(result) == [
+        "top1 90.00%  top5 100.00%  balanced acc 61.00%  macro F1 55.50%  loss 0.3000  ECE 2.00%  n 425",
+        "lowest per-class top1: owl 20.0%, cat 99.0%",
+        "most confused (actual -> predicted): owl -> cat 8",
+        "wrote eval.json, predictions.csv, confusion_matrix.png, reliability.png, top_losses.png to out"]
+
+
+def test_the_reliability_legend_covers_no_bar():
+    """Issue 61: the legend sat inside the diagram's upper left, over a calibrated model's tall bars; now below both
+    panels, it overlaps no bar of a diagram whose every bin is filled to the top."""
+    from engine.plots import reliability_figure
+
+    count = np.full(10, 50.0)
+    bins = np.stack([count, count * (np.arange(10) + 0.5) / 10, count])  # every bin: all right
+    fig = reliability_figure(bins, "reliability")
+    fig.canvas.draw()
+    legends = fig.legends + [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+    assert len(legends) == 1
+    box = legends[0].get_window_extent()
+    bars = [patch.get_window_extent() for ax in fig.axes for patch in ax.patches]
+    assert len(bars) == 20 and not [bar for bar in bars if box.overlaps(bar)]
+    assert not [ax for ax in fig.axes if box.overlaps(ax.get_window_extent())]
