@@ -153,14 +153,27 @@ def has_yaml_node_marks(text: str) -> bool:
 
 
 def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
-    """Set raw["a"]["b"] = value for key "a.b", creating sections as needed."""
+    """Set raw["a"]["b"] = value for key "a.b", creating sections as needed; a mapping given for a section merges
+    into it (merge_section)."""
     *sections, leaf = key.split(".")
     node = raw
     for section in sections:
         node = node.setdefault(section, {})
         if not isinstance(node, dict):
             raise UserError(f"override {key!r}: {section!r} is not a section")
-    node[leaf] = value
+    merge_section(node, leaf, value)
+
+
+def merge_section(node: dict[str, Any], key: str, value: Any) -> None:
+    """node[key] = value, except that a mapping given for a section sets only the keys it names (`data={img_size:
+    48}` keeps the config file's hflip and mean, as OmegaConf's merge does); a mapping of free options
+    (`model.kwargs`) is one value and replaces the one before it."""
+    old = node.get(key)
+    if not (isinstance(value, dict) and isinstance(old, dict)) or str(key).endswith("kwargs"):
+        node[key] = value
+        return
+    for name, item in value.items():
+        merge_section(old, name, item)
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
