@@ -22,7 +22,7 @@ openmp_waits_passively()  # before torch loads OpenMP, which reads its environme
 import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (core/startup.py)
 
 from assembly import launch
-from core.cli import parse_with_overrides, run_main
+from core.cli import GivenOnce, parse_with_overrides, run_main
 from core.config import keys_help
 
 USAGE = """Train a timm image classifier: one process, or one per GPU under torchrun.
@@ -36,7 +36,7 @@ USAGE = """Train a timm image classifier: one process, or one per GPU under torc
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=USAGE, epilog=keys_help(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=None,
+    parser.add_argument("--config", default=None, action=GivenOnce,
                         help="YAML file, or a bare name looked up in configs/ (finetune, digits, resnet50, ...; "
                              "default: digits, the quickstart)")
     parser.add_argument("--print-config", action="store_true",

@@ -72,20 +72,26 @@ def read_yaml(text: str) -> Any:
 
 def resolve_config_path(name: str) -> Path:
     """Accept a path, or a bare name (`resnet50`, `resnet50.yaml`) looked up in configs/."""
+    if not name.strip():  # `--config ""`, `--config $UNSET`: would run on bare defaults
+        raise UserError(f"--config is empty; give a YAML file, or one of configs/: {', '.join(known_configs())}")
     path = Path(name)
     if path.is_file():
         return path
     for candidate in (CONFIG_DIR / name, CONFIG_DIR / f"{name}.yaml"):
         if candidate.is_file():
             return candidate
-    known = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-    raise UserError(f"config file {name!r} not found (give a path, or one of configs/: {', '.join(known)})")
+    raise UserError(f"config file {name!r} not found (give a path, or one of configs/: {', '.join(known_configs())})")
+
+
+def known_configs() -> list[str]:
+    """The bare names --config finds in configs/."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
 
 def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     """Build the Config from defaults, then the YAML file, then dotted `key=value` overrides."""
     raw: dict[str, Any] = {}
-    if path:
+    if path is not None:
         file = resolve_config_path(path)
         try:
             raw = read_yaml(read_text(file)) or {}

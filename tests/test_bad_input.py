@@ -81,6 +81,8 @@ CASES = {  # name: (arguments after TINY, text the last line must contain)
     "drop rate above 1": (["model.drop_rate=2"], "config key 'model.drop_rate' must be in [0, 1), got 2.0"),
     "flip probability above 1": (["data.hflip=5"], "config key 'data.hflip' must be in [0, 1], got 5.0"),
     "NaN learning rate": (["optim.lr=.nan"], "config key 'optim.lr' must be a finite number, got nan"),
+    "--config twice (read the second alone)": (["--config", "dummy", "--config", "digits"],
+                                               "--config given twice ('dummy', then 'digits')"),
 }
 DATA_CASES = {  # name: (arguments after TINY, text the last line must contain)
     "corrupt image": (["data.root={root}/corrupt"], "cannot read image {root}/corrupt/train/b/003.png"),
@@ -142,6 +144,12 @@ def test_a_precision_this_device_cannot_use_is_refused_before_the_data(key, dry_
     line = last_error(capsys, report_errors(train.main, argv))
     assert line.startswith(f"error: {key}=fp16 on CPU is far slower than fp32"), line
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("empty", [["--config", ""], ["--config=  "]])
+def test_an_empty_config_is_one_line_not_the_bare_defaults(empty, capsys):
+    line = last_error(capsys, report_errors(train.main, [*empty, "--print-config"]))
+    assert line.startswith("error: --config is empty; give a YAML file, or one of configs/: ") and "digits" in line
 
 
 def test_yaml_syntax_error_names_the_line(tmp_path, capsys):
