@@ -87,8 +87,8 @@ def check_one_line_names(root: Path, paths: list[str]) -> None:
     (resume and evaluate.py would then fail)."""
     for path in paths:
         if "\n" in path:
-            raise UserError(f"data.val_fraction: image {str(root / path)!r} has a line break in its name, and the split is "
-                            "written one name a line (train.txt, val.txt); rename it")
+            raise UserError(f"data.val_fraction: image {str(root / path)!r} has a line break in its name, and the "
+                            "split is written one name a line (train.txt, val.txt); rename it")
 
 
 def read_split(folder: Path) -> Split:
