@@ -72,20 +72,26 @@ def read_yaml(text: str) -> Any:
 
 def resolve_config_path(name: str) -> Path:
     """Accept a path, or a bare name (`resnet50`, `resnet50.yaml`) looked up in configs/."""
+    if not name.strip():  # `--config ""`, `--config $UNSET`: would run on bare defaults
+        raise UserError(f"--config is empty; give a YAML file, or one of configs/: {', '.join(known_configs())}")
     path = Path(name)
     if path.is_file():
         return path
     for candidate in (CONFIG_DIR / name, CONFIG_DIR / f"{name}.yaml"):
         if candidate.is_file():
             return candidate
-    known = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-    raise UserError(f"config file {name!r} not found (give a path, or one of configs/: {', '.join(known)})")
+    raise UserError(f"config file {name!r} not found (give a path, or one of configs/: {', '.join(known_configs())})")
+
+
+def known_configs() -> list[str]:
+    """The bare names --config finds in configs/."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
 
 def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     """Build the Config from defaults, then the YAML file, then dotted `key=value` overrides."""
     raw: dict[str, Any] = {}
-    if path:
+    if path is not None:
         file = resolve_config_path(path)
         try:
             raw = read_yaml(read_text(file)) or {}
@@ -168,14 +174,27 @@ def has_yaml_node_marks(text: str) -> bool:
 
 
 def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
-    """Set raw["a"]["b"] = value for key "a.b", creating sections as needed."""
+    """Set raw["a"]["b"] = value for key "a.b", creating sections as needed; a mapping given for a section merges
+    into it (merge_section)."""
     *sections, leaf = key.split(".")
     node = raw
     for section in sections:
         node = node.setdefault(section, {})
         if not isinstance(node, dict):
             raise UserError(f"override {key!r}: {section!r} is not a section")
-    node[leaf] = value
+    merge_section(node, leaf, value)
+
+
+def merge_section(node: dict[str, Any], key: str, value: Any) -> None:
+    """node[key] = value, except that a mapping given for a section sets only the keys it names (`data={img_size:
+    48}` keeps the config file's hflip and mean, as OmegaConf's merge does); a mapping of free options
+    (`model.kwargs`) is one value and replaces the one before it."""
+    old = node.get(key)
+    if not (isinstance(value, dict) and isinstance(old, dict)) or str(key).endswith("kwargs"):
+        node[key] = value
+        return
+    for name, item in value.items():
+        merge_section(old, name, item)
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:

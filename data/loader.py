@@ -504,11 +504,21 @@ class DataBundle:
 def build_data(cfg: DataConfig, batch_size: int, seed: int, info: DistInfo, accum_steps: int = 1,
                drop_last_accum: bool = False, split: Split | None = None) -> DataBundle:
     """Everything training needs from data/: both loaders, the class list, and the optimizer steps per epoch."""
+    check_held_out(cfg)
     train_set, val_set = build_datasets(cfg, seed, info.local_rank, split)
     log.info("data %s: train %d images, val %d images, %d classes%s", cfg.name, len(train_set), len(val_set),
              len(train_set.classes), ", multi-label (data.multi_label=true)" if cfg.multi_label else "")
     return dataclasses.replace(loaders(train_set, val_set, cfg, batch_size, seed, info, accum_steps, drop_last_accum),
                                split=split)
+
+
+def check_held_out(cfg: DataConfig) -> None:
+    """Training validates on a split it does not train on: data.val_split=train would score the training images each
+    epoch and pick best.pth on them."""
+    if cfg.train_split == cfg.val_split and cfg.name != "dummy" and not (cfg.val_fraction or cfg.folds_file):
+        raise UserError(f"data.val_split={cfg.val_split} is data.train_split: each epoch's validation, and the choice "
+                        "of best.pth, would score the images the model trains on; name a held-out split (e.g. "
+                        "data.val_split=val), or hold out part of it with data.val_fraction (data.name=imagefolder)")
 
 
 def probe_data(cfg: DataConfig, batch_size: int, seed: int, info: DistInfo, split: Split | None = None) -> DataBundle:

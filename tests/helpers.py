@@ -375,15 +375,17 @@ def last_error(capsys, code: int) -> str:
 
 
 def check_one_line(args: list[str], expected: str, root: Path, tmp_path: Path, capsys, monkeypatch) -> None:
-    """Run train.py's main on TINY + args from an empty working folder; the last line must hold `expected`."""
+    """Run train.py's main on TINY + args from an empty working folder; the last line must hold `expected`. A
+    `--config` in args takes the place of TINY's."""
     import train
     from core.cli import report_errors
 
     args = [a.format(root=root) for a in args]
+    base = TINY[2:] if "--config" in args else TINY
     out = [] if any(a.startswith("output_dir=") for a in args) else [f"output_dir={tmp_path / 'run'}"]
     (tmp_path / "cwd").mkdir()
     monkeypatch.chdir(tmp_path / "cwd")
-    line = last_error(capsys, report_errors(train.main, [*TINY, *out, *args]))
+    line = last_error(capsys, report_errors(train.main, [*base, *out, *args]))
     assert line.startswith("error: ") and expected.format(root=root) in line, line
     assert not any((tmp_path / "cwd").iterdir())  # nothing lands in the working folder
 

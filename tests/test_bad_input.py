@@ -50,6 +50,8 @@ def folders(tmp_path_factory) -> Path:
     os.symlink("moved-away.png", root / "dangling/val/a/gone.png")
     make_image_folder(root / "dangling_train", {"train": {"a": 8, "b": 8}, "val": {"a": 2, "b": 2}}, size=20)
     os.symlink("moved-away.png", root / "dangling_train/train/a/gone.png")
+    make_image_folder(root / "newline", {"photos": {"a": 4, "b": 4}}, size=20)
+    (root / "newline/photos/a/001.png").rename(root / "newline/photos/a/two\nlines.png")
     return root
 
 
@@ -81,6 +83,22 @@ CASES = {  # name: (arguments after TINY, text the last line must contain)
     "drop rate above 1": (["model.drop_rate=2"], "config key 'model.drop_rate' must be in [0, 1), got 2.0"),
     "flip probability above 1": (["data.hflip=5"], "config key 'data.hflip' must be in [0, 1], got 5.0"),
     "NaN learning rate": (["optim.lr=.nan"], "config key 'optim.lr' must be a finite number, got nan"),
+    "validation on the training split": (["data.name=imagefolder", "data.root={root}/good", "data.val_split=train"],
+                                         "data.val_split=train is data.train_split: each epoch's validation, and the "
+                                         "choice of best.pth, would score the images the model trains on"),
+    "data.val_fraction on a root split already": (["data.name=imagefolder", "data.root={root}/good",
+                                                   "data.val_fraction=0.2"],
+                                                  "data.root {root}/good holds train/, val/, the splits of a dataset "
+                                                  "split already"),
+    "a split name beside data.val_fraction": (["data.name=imagefolder", "data.root={root}/good/train",
+                                               "data.val_fraction=0.2", "data.val_split=test"],
+                                              "data.val_split=test is not read with data.val_fraction=0.2"),
+    "an image name holding a newline, split": (["data.name=imagefolder", "data.root={root}/newline/photos",
+                                                "data.val_fraction=0.5"],
+                                               "image '{root}/newline/photos/a/two\\nlines.png' has a line break in "
+                                               "its name"),
+    "--config twice (read the second alone)": (["--config", "dummy", "--config", "digits"],
+                                               "--config given twice ('dummy', then 'digits')"),
 }
 DATA_CASES = {  # name: (arguments after TINY, text the last line must contain)
     "corrupt image": (["data.root={root}/corrupt"], "cannot read image {root}/corrupt/train/b/003.png"),
@@ -142,6 +160,12 @@ def test_a_precision_this_device_cannot_use_is_refused_before_the_data(key, dry_
     line = last_error(capsys, report_errors(train.main, argv))
     assert line.startswith(f"error: {key}=fp16 on CPU is far slower than fp32"), line
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("empty", [["--config", ""], ["--config=  "]])
+def test_an_empty_config_is_one_line_not_the_bare_defaults(empty, capsys):
+    line = last_error(capsys, report_errors(train.main, [*empty, "--print-config"]))
+    assert line.startswith("error: --config is empty; give a YAML file, or one of configs/: ") and "digits" in line
 
 
 def test_yaml_syntax_error_names_the_line(tmp_path, capsys):

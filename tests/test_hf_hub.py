@@ -146,3 +146,63 @@ def test_only_the_config_files_are_fetched(hub_repo):
 
     assert card_files(hub_repo, "", "", offline=True) == (
         COMMIT, ["README.md", ".huggingface.yaml", "data/train-*", "data/validation-*"])
+
+
+def write_ordered_repo(cache: Path, repo: str, orders: dict[str, list[str]], card_names: list[str] | None) -> None:
+    """A repo whose splits' Parquet files (written by datasets) each record their own ClassLabel order; the card
+    declares `card_names` as every split's ClassLabel, or no features."""
+    import datasets
+
+    snapshot = write_hub_repo(cache, repo, {})
+    card = CARD.replace("validation", "val")
+    if card_names is None:
+        card = card[:card.index("dataset_info")] + card[card.index("configs:"):]
+    else:
+        card = card.replace("'0': cat\n          '1': dog", "\n          ".join(
+            f"'{i}': {name}" for i, name in enumerate(card_names))).replace(
+            "configs:", "  - name: name\n    dtype: string\nconfigs:")
+    (snapshot / "README.md").write_text(card)
+    rng = np.random.default_rng(0)
+    for split, names in orders.items():
+        rows = [names.index(name) for name in ("cat", "dog", "eel") * 2]
+        features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=names),
+                                      "name": datasets.Value("string")})
+        datasets.Dataset.from_dict({"image": [{"bytes": png(40 * row, rng), "path": None} for row in rows],
+                                    "label": rows, "name": [names[row] for row in rows]}, features=features
+                                   ).to_parquet(str(snapshot / "data" / f"{split}-00000-of-00001.parquet"))
+
+
+@pytest.mark.parametrize("card_names", [None, ["cat", "dog", "eel"]])
+def test_a_split_naming_its_classes_in_another_order_is_mapped_by_name(card_names, offline_datasets):
+    """A validation split whose ClassLabel lists the classes in another order was read by index (datasets reads every
+    split with the card's, or the first file's, features): every label was another class's."""
+    import albumentations as A
+    from huggingface_hub import constants
+
+    from data.hf import HFDataset
+
+    repo = f"org/order-{len(card_names or [])}"
+    write_ordered_repo(Path(constants.HF_HUB_CACHE), repo, {"train": ["cat", "dog", "eel"],
+                                                            "val": ["eel", "cat", "dog"]}, card_names)
+    train = HFDataset(f"hf-hub:{repo}", "train", A.Compose([]), seed=0, path_column="name")
+    val = HFDataset(f"hf-hub:{repo}", "val", A.Compose([]), seed=0, classes=train.classes, path_column="name")
+    assert train.classes == ["cat", "dog", "eel"]
+    for split in (train, val):
+        assert [split.classes[label] for label in split.labels] == [split.path(i) for i in range(len(split))]
+
+
+def test_files_of_one_split_recording_different_class_orders_are_refused(tmp_path):
+    import datasets
+
+    from core.errors import UserError
+    from data.hf import recorded_labels
+
+    files = []
+    for i, names in enumerate((["cat", "dog"], ["dog", "cat"])):
+        files.append(str(tmp_path / f"val-{i}.parquet"))
+        datasets.Dataset.from_dict({"label": [0, 1]}, features=datasets.Features(
+            {"label": datasets.ClassLabel(names=names)})).to_parquet(files[-1])
+    assert recorded_labels(files[:1], "label", "here").names == ["cat", "dog"]
+    with pytest.raises(UserError, match="here: its Parquet files name the classes of column 'label' in different "
+                                        "orders \\(val-0.parquet: cat, dog; val-1.parquet: dog, cat\\)"):
+        recorded_labels(files, "label", "here")

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from core.errors import UserError
-from data.split import make_split
+from core.config import DataConfig
+from data.split import make_split, read_split, run_split
 from tests.helpers import TINY, make_image_folder, read_jsonl, run_on_ranks, train_here
 
 COUNTS = {"a": 16, "b": 15, "c": 12}
@@ -37,6 +38,51 @@ def test_split_is_disjoint_stratified_and_refuses_a_class_too_small(tmp_path):
     (root / "a" / "000.png").rename(root / "tiny" / "000.png")
     with pytest.raises(UserError, match="class 'tiny' has 1 image"):
         make_split(root, 0.3, seed=5)
+
+
+def test_a_root_split_already_is_refused_and_a_class_named_train_is_not(tmp_path):
+    """data.root with train/ and val/ trained a 2-class model whose classes were "train" and "val"."""
+    split = make_image_folder(tmp_path / "split", {"train": {"a": 4, "b": 4}, "val": {"a": 2, "b": 2}}, size=8)
+    with pytest.raises(UserError, match=f"data.root {split} holds train/, val/, the splits of a dataset split already.*"
+                                        f"set data.root={split / 'train'}"):
+        make_split(split, 0.3, seed=0)
+    vehicles = make_image_folder(tmp_path / "vehicles", {"all": {"train": 4, "bus": 4}}, size=8) / "all"
+    assert len(make_split(vehicles, 0.25, seed=0).val) == 2  # CIFAR-100 has a class "train"
+
+
+def test_names_holding_line_breaks_are_refused_at_the_split_or_read_back_whole(tmp_path):
+    """A file name holding a newline split in val.txt, and the run could no longer resume; \\r, \\x85 and \\u2028,
+    which str.splitlines also splits at, read back whole."""
+    root = class_folders(tmp_path / "data")
+    for i, odd in enumerate(("\r", "\x85", "\u2028")):
+        (root / "a" / f"{i:03d}.png").rename(root / "a" / f"odd{odd}{i}.png")
+    split = make_split(root, 0.5, seed=0)
+    for name, data in split.files().items():
+        (tmp_path / name).write_bytes(data)
+    assert read_split(tmp_path) == split
+    (root / "b" / "000.png").rename(root / "b" / "two\nlines.png")
+    with pytest.raises(UserError, match=r"image '.*/b/two\\nlines.png' has a line break in its name.*rename it"):
+        make_split(root, 0.5, seed=0)
+
+
+def test_a_branch_keeps_the_resumed_runs_split_or_refuses_another(tmp_path):
+    """resume=<old>/last.pth output_dir=<new> with another data.val_fraction made a new split: a third of its
+    validation images had been trained on. The same split is read back from the old run's folder."""
+    root = class_folders(tmp_path / "data")
+    old = tmp_path / "old"
+    old.mkdir()
+    kept = make_split(root, 0.2, seed=0)
+    for name, data in kept.files().items():
+        (old / name).write_bytes(data)
+    (root / "a" / "000.png").rename(root / "a" / "moved.png")  # a recomputed split would differ
+    resumed = {"name": "imagefolder", "root": str(root), "val_fraction": 0.2, "split_seed": 0}
+    data = DataConfig(name="imagefolder", root=str(root), val_fraction=0.2)
+    assert run_split(data, old / "last.pth", resumed, is_main=False) == kept
+    for change in ({"val_fraction": 0.3}, {"split_seed": 1}):
+        with pytest.raises(UserError, match=f"resume={old / 'last.pth'}: that run split {root}.*"
+                                            f"data.{next(iter(change))} .* -> .* would split again and validate on "
+                                            "images it trained on; keep data.val_fraction=0.2 data.split_seed=0"):
+            run_split(DataConfig(**{**resumed, **change}), old / "last.pth", resumed, is_main=False)
 
 
 @pytest.mark.slow
