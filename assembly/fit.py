@@ -48,15 +48,15 @@ def fit(cfg: Config, info: DistInfo, lock: FolderLock | None = None,
         hooks: Sequence[Hook] = ()) -> TrainState | None:
     """The run: epochs of training steps, each validated (and every train.val_every_steps steps inside it: the
     ValidateEvery hook); what happens around them is the run's hooks, then `hooks`. `lock`: rank 0's lock on
-    output_dir (launch.train holds it), checked before each write there. A stop signal asks for a stop throughout
-    (training_steps): every rank stops after the same step, at the same validation batch, or once an epoch's hooks
-    (its checkpoint) are done, and last.pth is written there."""
+    output_dir (launch.train holds it), checked before each write there. Over the epochs a stop signal only asks for
+    a stop (training_steps): every rank stops after the same step, at the same validation batch, or once a
+    validation's hooks (its checkpoint) are done, and last.pth is written there."""
     run = build_run(cfg, info, write=True, lock=lock, extra=hooks)
     if run is None:  # a finished run: nothing to train
         return None
     cfg, state, out = run.cfg, run.state, run.outputs
     try:  # close(): however the run ends, its last checkpoint write (train.async_save) finishes first
-        with training_steps():
+        with training_steps():  # a signal after the last check is raised as the block ends (Terminated)
             while state.epoch < cfg.train.epochs:
                 try:
                     epoch(run, state, info)
@@ -66,8 +66,8 @@ def fit(cfg: Config, info: DistInfo, lock: FolderLock | None = None,
                     raise
                 except StopRun:  # before the epoch, or at a validation inside it (said, checkpointed, recorded)
                     break
-            for hook in run.hooks:
-                hook.after_train(state)
+        for hook in run.hooks:
+            hook.after_train(state)
     finally:
         out.checkpointer.close()
     if info.is_main:
@@ -77,9 +77,9 @@ def fit(cfg: Config, info: DistInfo, lock: FolderLock | None = None,
 
 
 def epoch(run: Run, state: TrainState, info: DistInfo) -> None:
-    """The epoch's (remaining) steps, then its validation and the hooks after it. A validation a stop cut short
-    (state.unvalidated, from last.pth) comes first: of the steps up to train.val_every_steps' step, then the
-    epoch trains on; of the epoch's steps, which are done."""
+    """One pass of the loop: the epoch's (remaining) steps, their validation and the hooks after it. A validation a
+    stop cut short (state.unvalidated, put back from last.pth) comes first: one inside the epoch
+    (train.val_every_steps) before the epoch trains on; the one after the steps in place of them (they are done)."""
     owed = state.unvalidated
     if owed is not None and owed["mid_epoch"]:
         validated(run, state, owed["train"], mid_epoch=True)
