@@ -27,8 +27,8 @@ from engine.checkpoint.run_dir import FolderLock, RunRecord, check_writable
 from engine.checkpoint.saver import Checkpointer
 from engine.evaluation import validation_precision
 from engine.hooks import (BestArtifact, CloseEpoch, Curves, EmaUpdate, EpochCheckpoint, EpochInputs, FinishSinks, Hook,
-                          RecordRow, SkippedImages, StepCheckpoint, StopRules, Tracking, ValidateEvery,
-                          ValidationErrors)
+                          RecordRow, SkippedImages, StepCheckpoint, StopRequests, StopRules, Tracking,
+                          ValidateEvery, ValidationErrors)
 from engine.optim import extension_warning
 from engine.plots import PNG, image_grid, readable, save_png
 from engine.precision import Precision, run_precisions
@@ -236,7 +236,8 @@ def hooks_of(run: Run, out: RunOutputs, extra: Sequence[Hook] = ()) -> list[Hook
              BestArtifact(out.tracker, out.checkpointer, folder / "best.pth", run.chosen_on, cfg.model.name),
              *profile,
              FinishSinks(sinks),  # last of the run's own: after the last write and the profile
-             *extra]
+             *extra,
+             StopRequests(info.device)]  # last after a validation: a stop during its hooks, once they are done
     if cfg.train.val_every_steps:  # after the EMA's update, before the step checkpoint: its validation's after_epoch
         # hooks (the others, as they stand now: it is not among them) write last.pth at the step, which
         # StepCheckpoint then need not

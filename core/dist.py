@@ -272,6 +272,33 @@ def min_over_ranks(value: int, device: torch.device) -> int:
     return -max_over_ranks(-value, device)
 
 
+class LaggedMax:
+    """The largest of every rank's value, asked at each call and answered one call later: the all-reduce and its copy
+    to the host are queued behind the work already queued, and the host waits only for them, so a loop that asks
+    once per batch (a validation's stop flag) never leaves the device idle waiting for the host. Every rank must
+    call it equally often (a collective)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.asked: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # the previous call's, on its way
+
+    def __call__(self, value: int) -> int:
+        """Ask with this rank's `value`; the previous call's answer (0 at the first call)."""
+        flag = torch.full((1,), value, dtype=torch.int32, device=self.device)  # a fill, not a host-to-device copy
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        copied = None
+        if self.device.type == "cuda":  # into pinned memory (non_blocking), marked done by an event
+            flag, copied = flag.to("cpu", non_blocking=True), torch.cuda.Event()
+            copied.record()
+        answered, self.asked = self.asked, (flag, copied)
+        if answered is None:
+            return 0
+        if answered[1] is not None:
+            answered[1].synchronize()
+        return int(answered[0].item())
+
+
 def step_flags_over_ranks(nonfinite: torch.Tensor, stop_signal: int) -> tuple[bool, int]:
     """Any rank's inf/NaN flag and largest stop signal: one all-reduce (MAX) of one tensor, one read on the host.
 

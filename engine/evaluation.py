@@ -22,28 +22,35 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from core.config import DataConfig
-from core.dist import DistInfo, broadcast_tensors, gather_rows, is_fsdp, max_over_ranks, rank_local_tensors
+from core.dist import (DistInfo, broadcast_tensors, gather_rows, is_fsdp, max_over_ranks, min_over_ranks,
+                       rank_local_tensors)
 from core.signals import workers_shielded
 from engine.metrics import SumMeter, add_class_counts, class_metrics, hits, ranked_classes
 from engine.precision import Precision
 from engine.prefetch import Normalize, device_batches
 
+StopCheck = Callable[[], None]  # at a batch boundary: raises to stop the evaluation there (a run's validation)
 
-def model_logits(model: nn.Module, loader: DataLoader, precision: Precision, info: DistInfo,
-                 normalize: Normalize) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+
+def model_logits(model: nn.Module, loader: DataLoader, precision: Precision, info: DistInfo, normalize: Normalize,
+                 stop_check: StopCheck | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The model in eval mode over the loader: each batch's float32 logits and its targets (for the evaluations).
 
     A sharded model's forward is a collective (each unit all-gathers its weights), and the ranks' blocks of the
     validation set may differ by a batch: a rank with fewer batches runs forwards on one image until every rank
-    has run as many (their outputs are dropped).
+    has run as many (their outputs are dropped). `stop_check` (a run's validation) is called after each batch's
+    forward that every rank has (a collective, engine/validation.StopAtBatch: it raises Preempted on all together).
     """
     model.eval()
     missing = max_over_ranks(len(loader), info.device) - len(loader) if is_fsdp(model) else 0
+    checked = min_over_ranks(len(loader), info.device) if stop_check is not None else 0
     with workers_shielded():
         batches = device_batches(iter(loader), info.device, normalize)
-    for images, targets in batches:
+    for i, (images, targets) in enumerate(batches):
         with precision.autocast(), exact_kernels(info.device):
             logits = model(images)
+        if i < checked:
+            stop_check()
         yield logits.float(), targets
     for _ in range(missing):  # every rank has at least one batch (data.loader.build_data checks it)
         with precision.autocast(), exact_kernels(info.device):
@@ -85,17 +92,19 @@ def exact_kernels(device: torch.device) -> Iterator[None]:
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: DataLoader, precision: Precision, info: DistInfo,
              normalize: Normalize,
-             on_batch: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None) -> dict[str, float]:
+             on_batch: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
+             stop_check: StopCheck | None = None) -> dict[str, float]:
     """Exact val_loss / val_top1 / val_top5, and the per-class metrics (engine.metrics.class_metrics: 3 x C counts,
     never a C x C matrix), over the whole (sharded, unpadded) validation set: one all-reduce at the end, no host
     sync per batch.
 
-    on_batch(logits, targets, ranked) sees each batch with the top-5 classes the metrics counted.
+    on_batch(logits, targets, ranked) sees each batch with the top-5 classes the metrics counted; stop_check: as
+    model_logits.
     """
     meter = SumMeter(("top1", "top5", "count"), info.device)
     counts = None  # 3 x C per-class counts (hits, true, predicted), C = the model's outputs
     losses = []  # each image's loss: val_loss is their exact mean (exact_mean)
-    for logits, targets in model_logits(model, loader, precision, info, normalize):
+    for logits, targets in model_logits(model, loader, precision, info, normalize, stop_check):
         losses.append(nn.functional.cross_entropy(logits, targets, reduction="none"))
         ranked = ranked_classes(logits, 5)
         meter.add(hits(ranked, targets, 1), hits(ranked, targets, 5), len(targets))
@@ -174,14 +183,14 @@ class ImageProbabilities:
 
 
 def validate_epoch(model: nn.Module, ema: nn.Module | None, loader: DataLoader, precision: Precision, info: DistInfo,
-                   normalize: Normalize, cfg: DataConfig,
-                   outcomes: ImageOutcomes | None = None) -> dict[str, float]:
+                   normalize: Normalize, cfg: DataConfig, outcomes: ImageOutcomes | None = None,
+                   stop_check: StopCheck | None = None) -> dict[str, float]:
     """The epoch's validation columns: the model's metrics, and its EMA's prefixed `ema_`; `outcomes` (single-
-    label) collects the model's per-image results."""
-    row = validate(model, loader, precision, info, normalize, cfg, outcomes)
+    label) collects the model's per-image results; `stop_check`: as model_logits."""
+    row = validate(model, loader, precision, info, normalize, cfg, outcomes, stop_check)
     if ema is not None:
         like_rank0(ema)
-        ema_stats = validate(ema, loader, precision, info, normalize, cfg)
+        ema_stats = validate(ema, loader, precision, info, normalize, cfg, stop_check=stop_check)
         row.update({f"ema_{k}": v for k, v in ema_stats.items() if k != "val_count"})
     return row
 
@@ -194,11 +203,13 @@ def like_rank0(ema: nn.Module) -> None:
 
 
 def validate(model: nn.Module, loader: DataLoader, precision: Precision, info: DistInfo, normalize: Normalize,
-             cfg: DataConfig, outcomes: ImageOutcomes | None = None) -> dict[str, float]:
+             cfg: DataConfig, outcomes: ImageOutcomes | None = None,
+             stop_check: StopCheck | None = None) -> dict[str, float]:
     """The epoch's validation metrics: top-1/top-5, or mAP and F1 for multi-label data (evaluate_multilabel)."""
     if cfg.multi_label:
-        return evaluate_multilabel(model, loader, precision, info, normalize, cfg.multi_label_threshold)
-    return evaluate(model, loader, precision, info, normalize, on_batch=outcomes)
+        return evaluate_multilabel(model, loader, precision, info, normalize, cfg.multi_label_threshold,
+                                   stop_check=stop_check)
+    return evaluate(model, loader, precision, info, normalize, on_batch=outcomes, stop_check=stop_check)
 
 
 
@@ -265,14 +276,16 @@ def multilabel_metrics(targets: np.ndarray, probs: np.ndarray, thresholds: float
 @torch.no_grad()
 def evaluate_multilabel(model: nn.Module, loader: DataLoader, precision: Precision, info: DistInfo,
                         normalize: Normalize, threshold: float,
-                        on_batch: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> dict[str, float]:
+                        on_batch: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+                        stop_check: StopCheck | None = None) -> dict[str, float]:
     """val_loss (mean over images of the per-class-mean BCE), val_map, val_map_micro and val_f1 (micro, at
     `threshold`) over the whole validation set, identical on every rank and for any number of ranks.
 
-    on_batch(logits, targets) sees each batch (evaluate.py writes its predictions from it).
+    on_batch(logits, targets) sees each batch (evaluate.py writes its predictions from it); stop_check: as
+    model_logits.
     """
     batches_out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    for logits, targets in model_logits(model, loader, precision, info, normalize):
+    for logits, targets in model_logits(model, loader, precision, info, normalize, stop_check):
         losses = nn.functional.binary_cross_entropy_with_logits(logits, targets, reduction="none").mean(1)
         batches_out.append((logits.sigmoid(), targets, losses))
         if on_batch is not None:

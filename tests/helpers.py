@@ -270,7 +270,8 @@ def _main_entry(rank: int, world: int, port: int, script: str, args: tuple, env:
     with open(Path(out_dir) / f"rank{rank}.out", "w") as out, open(Path(out_dir) / f"rank{rank}.err", "w") as err:
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
-        code = report_errors(importlib.import_module(Path(script).stem).main, list(args))
+        module = script.removesuffix(".py").replace("/", ".")  # train.py: train; tests/x.py: tests.x
+        code = report_errors(importlib.import_module(module).main, list(args))
         sys.stdout.flush()
     (Path(out_dir) / f"rank{rank}.code").write_text(str(code))
 

@@ -50,6 +50,7 @@ class LoopState(Protocol):
     epoch: int
     epoch_step: int
     global_step: int
+    unvalidated: dict[str, Any] | None
 
     def load_state_dict(self, ckpt: dict[str, Any]) -> None: ...
 
@@ -405,7 +406,8 @@ class Resume:
                         info.world_size)
         changes = config_changes(ckpt["config"], to_dict(cfg))
         where = f"epoch {state.epoch}, step {state.epoch_step} of it" if state.epoch_step else f"start of epoch {state.epoch}"
-        log.info("resuming from %s (%s, global step %d)%s", path, where, state.global_step,
+        owed = "; first the validation a stop cut short there" if state.unvalidated is not None else ""
+        log.info("resuming from %s (%s, global step %d)%s%s", path, where, state.global_step, owed,
                  f"; config changes: {', '.join(changes)}" if changes else "")
 
 
