@@ -142,6 +142,7 @@ def test_evaluate_and_predict_read_the_runs_checked_copy_of_the_eval_pipeline(sp
     assert own.splitlines()[0] == chosen.splitlines()[0] and own != chosen  # the file given was used
 
 
+@pytest.mark.slow  # an export and two predict.py runs (5-6 s of CPU)
 def test_the_model_folder_carries_the_eval_pipeline_and_predicts_as_its_checkpoint(split_pipeline_run, tmp_path):
     """Issue 65 item 2: export.py dropped data.eval_transform, so predict.py on the model folder used the preset and
     disagreed with best.pth, the card stated the preset, and the export check printed 0. The folder now holds the
