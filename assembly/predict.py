@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 import torch
 
-from assembly.inference import inference_model, open_trained, shared_output_dir, start_processes
+from assembly.inference import inference_model, open_trained, pipeline_line, shared_output_dir, start_processes
 from core.config import Config
 from core.config_load import parse_override
 from core.dist import DistInfo, barrier, rank0_decides
@@ -155,6 +155,8 @@ def run(trained: Trained, cfg: Config, args: argparse.Namespace, info: DistInfo)
                  cfg.train.batch_size)
     precision = resolve_precision(cfg.amp, info.device)
     if info.is_main:
+        if line := pipeline_line(trained, cfg):
+            log.info(line)
         log.info(precision_line(cfg.amp, precision.name, cfg.eval_amp))
     multi = trained.multi_label
     shown = ML_COLUMNS if multi else columns(k)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 from pathlib import Path
 
 import pytest
@@ -336,6 +337,52 @@ def test_an_inference_override_error_names_the_override_not_the_checkpoint():
     broken = Trained({"model": {"name": "test_resnet"}, "seed": -1}, {}, ["a", "b"], "checkpoint x.pth")
     with pytest.raises(UserError, match="^checkpoint x.pth: config key 'seed'"):
         inference_config(broken, [("amp", "bf16")])
+
+
+EVAL_SPLIT_CASES = {  # evaluate.py arguments after split_pipeline_run's best.pth: the text its one line must hold
+    "a new split seed and fraction": (["data.split_seed=5", "data.val_fraction=0.5"],
+                                      "data.val_fraction=0.5 data.split_seed=5: evaluate.py never splits data anew"),
+    "a new fraction": (["data.val_fraction=0.5"], "data.val_fraction=0.5: evaluate.py never splits data anew (a new "
+                       "split of the run's images would score images it trained on); it scores the run's validation "
+                       "list, val.txt beside"),
+    "a fraction with --data-dir": (["--data-dir", "{data}", "data.val_fraction=0.25"],
+                                   "data.val_fraction=0.25: evaluate.py never splits data anew"),
+}
+
+
+@pytest.mark.parametrize("name", EVAL_SPLIT_CASES)
+def test_split_overrides_evaluate_would_ignore_are_one_line(name, split_pipeline_run, tmp_path, capsys):
+    """Issue 65 item 8: `evaluate.py best.pth data.split_seed=5 data.val_fraction=0.5` scored the run's own val.txt
+    without a word; what evaluate.py would not follow is refused (data.val_fraction=0 it follows: data.val_split)."""
+    args, expected = EVAL_SPLIT_CASES[name]
+    args = [arg.format(data=split_pipeline_run.parent / "data" / "photos") for arg in args]
+    line = last_error(capsys, report_errors(evaluate.main, [str(split_pipeline_run / "best.pth"), *args,
+                                                            "--output-dir", str(tmp_path / "eval")]))
+    assert line.startswith(f"error: {expected}") and "drop" in line and "--data-dir FOLDER" in line, line
+    assert not (tmp_path / "eval").exists()
+
+
+def test_a_changed_or_missing_copy_of_the_eval_pipeline_is_one_line(split_pipeline_run, tmp_path, capsys):
+    """Issue 65 item 1: evaluate.py, predict.py and export.py read a run's eval pipeline from its copy in the run
+    folder, checked against the sha256 the run recorded: a changed copy (evaluate.py scored it without a word) or a
+    missing one is one line naming it and the way out (export.py takes no data.eval_transform=FILE)."""
+    import export
+    import predict
+
+    run = tmp_path / "run"
+    shutil.copytree(split_pipeline_run, run)
+    copy, checkpoint, images = run / "eval_transform.yaml", str(run / "best.pth"), str(tmp_path)
+    copy.write_text(copy.read_text().replace("16", "8"))  # CenterCrop(8, 8)
+    changed = f"error: {copy}, the run's copy of its data.eval_transform, has sha256 "
+    for main, args in ((evaluate.main, []), (predict.main, [images]), (export.main, ["--format", "onnx"])):
+        line = last_error(capsys, report_errors(main, [checkpoint, *args]))
+        assert line.startswith(changed) and "it was changed after training; restore it" in line, line
+        assert ("data.eval_transform=FILE" in line) == (main is not export.main), line
+    copy.unlink()
+    line = last_error(capsys, report_errors(evaluate.main, [checkpoint]))
+    assert f"the run's copy of it, {copy}, is missing: put it back" in line and "data.eval_transform=FILE" in line
+    assert sorted(path.name for path in run.iterdir()) == sorted(path.name for path in split_pipeline_run.iterdir()
+                                                                 if path.name != copy.name)  # nothing written
 
 
 class FailsAtFive(torch.utils.data.Dataset):

@@ -6,6 +6,7 @@ import csv
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from core.errors import UserError
@@ -118,3 +119,49 @@ def test_split_kept_by_resume_two_ranks_and_evaluate(tmp_path):
     assert result["n"] == len(val) and result["top1"] == pytest.approx(best["val_top1"], abs=1e-9)
     with open(out / "predictions.csv") as f:
         assert sorted(Path(row["path"]).relative_to(root).as_posix() for row in csv.DictReader(f)) == sorted(val)
+
+
+def test_evaluate_data_dir_scores_that_folders_images_whatever_split_the_run_used(split_pipeline_run, tmp_path,
+                                                                                  capsys):
+    """Issue 61's trap: on a data.val_fraction run, `evaluate.py best.pth --data-dir other/` scored only the files
+    named in the run's val.txt looked up in other/ (camera names repeat across classes and folders: here 000.png in
+    every class), and failed on a folder lacking one. It scores the folder's own images, whatever split the run used:
+    every image of a folder of class folders, the val/ split of a folder with train/ and val/, and says which."""
+    import evaluate
+    from core.cli import report_errors
+
+    best = str(split_pipeline_run / "best.pth")
+    photos = make_image_folder(tmp_path / "other", {"photos": COUNTS}, size=20, seed=1) / "photos"  # val.txt's names too
+    split = make_image_folder(tmp_path / "split", {"train": {"a": 2, "b": 2}, "val": {"a": 3, "b": 2, "c": 1}}, size=20)
+    for folder, scored, where in ((photos, photos, f"every image under {photos}'s class folders (it has no val/ split "
+                                   "folder)"), (split, split / "val", f"{split / 'val'} (the val split of --data-dir)")):
+        out = tmp_path / f"eval-{folder.name}"
+        assert report_errors(evaluate.main, [best, "--data-dir", str(folder), "--output-dir", str(out)]) == 0
+        images = sorted(str(path) for path in scored.rglob("*.png"))
+        assert f"scored {len(images)} images: {where}" in capsys.readouterr().out
+        with open(out / "predictions.csv") as f:
+            assert sorted(row["path"] for row in csv.DictReader(f)) == images
+        assert json.loads((out / "eval.json").read_text())["scored"] == where
+
+
+def test_export_of_a_val_fraction_run_checks_on_the_runs_validation_images(split_pipeline_run, tmp_path, capsys):
+    """Issue 61: export.py on a data.val_fraction run said "the run's val.txt was not given; evaluate the run's
+    checkpoint in its folder" (it was in its folder) and checked the export on random pixels; it reads val.txt beside
+    the checkpoint and checks on those images."""
+    import export
+    from core.cli import report_errors
+
+    best = split_pipeline_run / "best.pth"
+    assert report_errors(export.main, [str(best), "--format", "safetensors", "--output", str(tmp_path / "hf")]) == 0
+    captured = capsys.readouterr()
+    assert "random pixels" not in captured.err and "val.txt was not given" not in captured.err, captured.err
+    root = split_pipeline_run.parent / "data" / "photos"
+    assert f"(validation images of the run's val.txt beside {best}, in {root}): 0" in captured.out
+    from assembly.export import check_sources
+    from assembly.inference import open_trained
+    from data.datasets import read_image
+
+    _, cfg = open_trained(best, False)
+    raw, _ = check_sources(cfg, None, 8, str(best))
+    listed = lines(split_pipeline_run / "val.txt")[:8]
+    assert all(np.array_equal(image, read_image(str(root / path))) for image, path in zip(raw, listed, strict=True))
