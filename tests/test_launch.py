@@ -176,9 +176,13 @@ def test_sigterm_after_the_last_step_check_stops_as_the_training_steps_end():
 @pytest.fixture
 def signal_handlers_restored():
     """A test that sends itself SIGINT leaves pytest's handlers as it found them (the first Ctrl-C puts back SIGINT's
-    default action, a stopping run ignores SIGTERM and SIGUSR1)."""
+    default action, a stopping run ignores SIGTERM and SIGUSR1), and core.signals as a new run finds it."""
+    from core.signals import stop_on_sigterm
+
     saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     yield
+    with stop_on_sigterm():  # resets the recorded signal and the stop
+        pass
     for signum, handler in saved.items():
         signal.signal(signum, handler)
 
