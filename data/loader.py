@@ -460,17 +460,22 @@ def dropped_images_note(loader: DataLoader, world_size: int, accum_steps: int,
     last partial batch (drop_last, as torch's DistributedSampler and timm), the images past a whole batch on every
     process, and with train.drop_last_accum the micro-batches short of a step; a warning when an epoch is under
     TINY_EPOCH batches. None: nothing worth saying."""
-    total, batches = len(loader.dataset), len(loader) + loader.sampler.start // loader.batch_size
-    if drop_last_accum:
-        batches -= batches % accum_steps
+    total, whole = len(loader.dataset), len(loader) + loader.sampler.start // loader.batch_size
+    short = whole % accum_steps if drop_last_accum else 0  # batches per process short of a whole step
+    batches = whole - short
     trained = batches * loader.batch_size * world_size
     if total - trained <= DROP_NOTE_SHARE * total:
         return None
     level = logging.WARNING if batches < TINY_EPOCH else logging.INFO
+    rest = ["a last partial batch"] if whole * loader.batch_size * world_size < total else []
+    if short:
+        rest.append(f"{short} batch(es) per process short of a whole step of train.accum_steps={accum_steps}, "
+                    "train.drop_last_accum=true")
+    remedy = ", fewer processes, or train.drop_last_accum=false" if short else ", or fewer processes,"
     return level, (f"each epoch trains on {trained} of the {total} training images ({100 * trained / total:.0f}%): "
                    f"{world_size} process(es) x {batches} batch(es) of train.batch_size={loader.batch_size}, the "
-                   "rest (a last partial batch) is left out, other images each epoch; a train.batch_size (or "
-                   "train.global_batch_size) that divides the set, or fewer processes, leave out fewer")
+                   f"rest ({'; '.join(rest)}) is left out, other images each epoch; a train.batch_size (or "
+                   f"train.global_batch_size) that divides the set{remedy} leave out fewer")
 
 
 def build_eval_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: int, info: DistInfo,

@@ -7,6 +7,7 @@ snapshots/<commit>/ with the dataset card (README.md: features and split files) 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from pathlib import Path
 
@@ -137,6 +138,30 @@ def test_offline_and_uncached_is_one_line(hub_repo, offline_datasets, tmp_path, 
         errors = [line for line in err.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and expected in errors[0] and "Traceback" not in err, err
         assert not (tmp_path / "run").exists()
+
+
+def test_the_recorded_commit_is_mains_and_a_resume_reads_it_after_main_moved(offline_datasets, tmp_path):
+    """A fresh run without data.hf_revision records the commit main points at (config.yaml's data.hf_revision);
+    a resume that does not give data.hf_revision reads that recorded commit again, though main has moved since."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    from assembly.start import resolve_start
+    from core.config_load import load_config
+    from core.dist import DistInfo
+    from data.hf import card_files, hub_revision
+
+    repo, moved = "org/moved-hub", "fedcba9876543210fedcba9876543210fedcba98"
+    snapshot = write_hub_repo(Path(constants.HF_HUB_CACHE), repo, {"train": 4, "validation": 2})
+    cfg = load_config("dummy", [*HUB[2:], f"data.root=hf-hub:{repo}", f"output_dir={tmp_path / 'run'}"])
+    cfg, _, _ = resolve_start(cfg, DistInfo(0, 1, 0, 1, torch.device("cpu")))
+    assert cfg.data.hf_revision == COMMIT
+    shutil.copytree(snapshot, snapshot.parent / moved)
+    (snapshot.parent.parent / "refs" / "main").write_text(moved)
+    assert card_files(repo, "", "", offline=True)[0] == moved  # main's commit now
+    unset = dataclasses.replace(cfg.data, hf_revision="")
+    assert hub_revision(unset, {"data": {"hf_revision": COMMIT}}) == COMMIT
 
 
 def test_only_the_config_files_are_fetched(hub_repo):

@@ -475,6 +475,64 @@ def test_early_stopping_counts_validations_inside_epochs(tmp_path, capsys):
     assert (ckpt["global_step"], ckpt["validations_without_best"]) == (3, 2)
 
 
+def test_validations_inside_epochs_count_for_early_stopping_and_stop_the_run_at_once():
+    """The rules of engine/hooks.ValidateEvery, in-process on a model that does not learn (the same val_loss every
+    time): train.val_every_steps=1 on 3 steps an epoch, train.early_stop_patience=3. Steps 1 and 2 are validated
+    inside epoch 0 and counted (0, then 1 without improvement); step 3 ends the epoch, whose own validation covers it
+    (no step validated twice); step 4's validation is the third without improvement and stops the run right there."""
+    import time
+
+    from core.config import DataConfig, LoggingConfig
+    from core.dist import DistInfo
+    from data.transforms import DeviceNormalize
+    from engine.hooks import CloseEpoch, Hook, StopRules, StopRun, ValidateEvery
+    from engine.precision import Precision
+    from engine.tracking import WandbTracker
+    from engine.validation import Validation
+
+    class Validated(Hook):
+        """Each validation's (global step, inside the epoch), as the hooks after it see them."""
+
+        def __init__(self) -> None:
+            self.seen: list[tuple[int, bool]] = []
+
+        def after_epoch(self, state: TrainState, end) -> None:
+            self.seen.append((state.global_step, end.mid_epoch))
+
+    cpu = torch.device("cpu")
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 4, 3))
+    generator = torch.Generator().manual_seed(0)
+    loader = Batches([(torch.randint(0, 256, (4, 3, 4, 4), dtype=torch.uint8, generator=generator),
+                       torch.tensor([0, 1, 2, 0]))], 3)
+    validation = Validation(model, None, loader, Precision("cpu", None), DistInfo(0, 1, 0, 1, cpu),
+                            DeviceNormalize([0.5] * 3, [0.5] * 3, cpu, False), DataConfig(),
+                            torch.optim.SGD(model.parameters(), lr=0.0), "val_loss", gather_outcomes=False)
+    validated = Validated()
+    after = [CloseEpoch(), validated]  # the run's hooks that see a validation, as assembly/run.hooks_of orders them
+    stop_rules = StopRules(TrainConfig(early_stop_patience=3, best_metric="val_loss"), "val_loss",
+                           WandbTracker(LoggingConfig(), True))
+    every = ValidateEvery(1, 3, validation, after, stop_rules, model, False, time.monotonic)
+    state = TrainState()
+
+    def step() -> None:  # as engine/trainer.py ends each optimizer step
+        state.step_done(0.0)
+        every.after_step(state)
+
+    state.start_epoch(cpu, True)
+    for _ in range(3):
+        step()
+    assert validated.seen == [(1, True), (2, True)] and state.validations_without_best == 1
+    end = validation(state, {"train_loss": 0.0}, finished=True)  # the finished epoch's own, as assembly/fit.py
+    for hook in after:
+        hook.after_epoch(state, end)
+    assert validated.seen[-1] == (3, False) and state.validations_without_best == 2
+    stop_rules.before_epoch(state)  # two without improvement: epoch 1 starts
+    state.start_epoch(cpu, True)
+    with pytest.raises(StopRun):
+        step()
+    assert validated.seen[-1] == (4, True) and state.validations_without_best == 3
+
+
 def test_multi_label_data_takes_val_map_and_refuses_single_label_settings():
     """data.multi_label (issue 26 items 1-2): best.pth follows val_map unless told otherwise; the single-label
     metrics and the one-class-per-image sampler are refused in one line."""

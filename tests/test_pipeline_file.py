@@ -14,6 +14,7 @@ import yaml
 from albumentations.pytorch import ToTensorV2
 
 from core.config import DataConfig
+from core.errors import UserError
 from data.loader import build_datasets
 from tests.helpers import TINY, last_error, read_jsonl, train_here
 
@@ -92,6 +93,20 @@ def test_bad_pipeline_file_is_one_line(case, tmp_path, capsys, monkeypatch):
     line = last_error(capsys, code)
     assert line.startswith(f"error: data.train_transform={file}: ") and expected in line, line
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+@pytest.mark.parametrize("nested, name", [
+    (A.OneOf([A.Normalize(), A.HorizontalFlip()], p=0.5), "Normalize"),
+    (A.Sequential([A.HorizontalFlip(), A.Sequential([ToTensorV2()])]), "ToTensorV2"),
+])
+def test_a_step_the_app_owns_is_refused_inside_a_nested_composition(nested, name, tmp_path):
+    """Normalize inside OneOf (or ToTensorV2 in a Sequential) would normalize some images twice: refused at any
+    depth, as at the top."""
+    from data.pipeline import load_pipeline
+
+    file = saved(tmp_path / "aug.yaml", A.Compose([A.RandomCrop(16, 16), nested]))
+    with pytest.raises(UserError, match=f"data.train_transform={file}: remove {name} from the pipeline"):
+        load_pipeline(file, "data.train_transform")
 
 
 @pytest.mark.slow  # three short runs, one on 2 ranks

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core.errors import UserError
 from core.config import DataConfig
+from core.errors import UserError
 from data.split import make_split, read_split, run_split
 from tests.helpers import TINY, make_image_folder, read_jsonl, run_on_ranks, train_here
 
@@ -84,6 +84,42 @@ def test_a_branch_keeps_the_resumed_runs_split_or_refuses_another(tmp_path):
                                             f"data.{next(iter(change))} .* -> .* would split again and validate on "
                                             "images it trained on; keep data.val_fraction=0.2 data.split_seed=0"):
             run_split(DataConfig(**{**resumed, **change}), old / "last.pth", resumed, is_main=False)
+
+
+def empty_images(root: Path, counts: dict[str, int]) -> Path:
+    """root/<class>/000.png... as empty files: a split lists files, it never opens them."""
+    for name, n in counts.items():
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for i in range(n):
+            (root / name / f"{i:03d}.png").touch()
+    return root
+
+
+def test_each_class_is_shuffled_by_its_own_generator(tmp_path):
+    """docs/data.md: class c's images are shuffled by a generator seeded with (data.split_seed, c), so classes of one
+    size do not all send the same positions to validation (one generator seeded with the seed alone would)."""
+    split = make_split(empty_images(tmp_path, {"a": 20, "b": 20, "c": 20}), 0.25, seed=0)
+    picks = [frozenset(path.split("/")[1] for path in split.val if path.startswith(f"{c}/")) for c in "abc"]
+    assert [len(p) for p in picks] == [5, 5, 5] and len(set(picks)) == 3, picks
+
+
+def test_a_resume_reads_the_split_back_from_the_run_folder(tmp_path):
+    """The resumed checkpoint's folder holds the run's lists: a resume that splits the same way reads them (images
+    added to data.root since change nothing); another data.split_seed would split anew, and is refused."""
+    root = empty_images(tmp_path / "photos", {"a": 8, "b": 8})
+    run = tmp_path / "run"
+    run.mkdir()
+    written = make_split(root, 0.25, seed=3)
+    for name, content in written.files().items():
+        (run / name).write_bytes(content)
+    empty_images(root, {"a": 12})  # four more images of class a
+    cfg = DataConfig(name="imagefolder", root=str(root), val_fraction=0.25, split_seed=3)
+    recorded = {"name": "imagefolder", "root": str(root), "val_fraction": 0.25, "split_seed": 3}
+    assert make_split(root, 0.25, seed=3) != written
+    assert run_split(cfg, run / "last.pth", recorded, is_main=False) == written
+    reseeded = DataConfig(name="imagefolder", root=str(root), val_fraction=0.25, split_seed=4)
+    with pytest.raises(UserError, match="data.split_seed 3 -> 4 would split again"):
+        run_split(reseeded, run / "last.pth", recorded, is_main=False)
 
 
 @pytest.mark.slow
