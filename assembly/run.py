@@ -5,6 +5,7 @@ its outputs (record, sinks, checkpointer) and the hooks that do each side effect
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from assembly.parts import build_parts
 from assembly.start import Teacher, build_start, load_teacher, resolve_start
 from core.config import Config, global_batch, run_values, to_dict
 from core.dist import DistInfo, broadcast_object, rank0_decides
-from core.startup import cpu_share, threads_line
+from core.startup import cpu_share, starved_workers, this_process_cpus, threads_line
 from data.loader import DataBundle, full_epoch_images
 from data.pipeline import pipeline_copies
 from engine.checkpoint.resume import Resume
@@ -123,6 +124,9 @@ def prepare(cfg: Config, info: DistInfo, fresh: bool, started: float) -> Run | N
              global_batch(info.world_size, cfg.train.batch_size, cfg.train.accum_steps), data.steps_per_epoch)
     if info.device.type == "cpu":
         log.info("CPU: %s", threads_line(info.local_world_size, cfg.data.num_workers))
+    starved = starved_workers(this_process_cpus(info.local_world_size), cfg.data.num_workers, os.environ)
+    if starved is not None and info.is_main:
+        log.warning(starved)
     validation = Validation(parts.model, ema.module if ema is not None else None, data.val, measured, info,
                             loop.normalize, cfg.data, parts.optimizer, chosen_on, gathers_outcomes(cfg, data))
     return Run(cfg, info, start, chosen_on, data, precision, measured, model, teacher, parts, loop, ema, state,
