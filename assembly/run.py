@@ -108,7 +108,8 @@ def prepare(cfg: Config, info: DistInfo, fresh: bool, started: float) -> Run | N
                  "train.max_steps, train.early_stop_patience) to continue it, or use another output_dir for a new run",
                  start.path.parent, reason)  # the checkpoint's folder: output_dir, unless resume=<path> names another
         return None
-    precision, measured = run_precisions(cfg.amp, cfg.eval_amp, cfg.loss_scale, cfg.dist.strategy, info.device)
+    precision, measured = run_precisions(cfg.amp, cfg.eval_amp, cfg.loss_scale, cfg.dist.strategy, info.device,
+                                         cfg.tf32)
     cfg, data, model = build_start(cfg, start, weights, precision, info)  # the data read after the precision
     teacher = load_teacher(cfg, weights, model, data.num_classes)
     model = prepare_model(model, cfg.model, info.device, info.world_size)  # placed once it has its starting weights
@@ -120,7 +121,7 @@ def prepare(cfg: Config, info: DistInfo, fresh: bool, started: float) -> Run | N
                         scheduler=parts.scheduler, scaler=precision.scaler, chosen_on=chosen_on)
     log.info("model %s (%.1fM params), %d process(es) on %s, training in %s, validating in %s, global batch %d, "
              "%d steps/epoch", cfg.model.name, sum(p.numel() for p in model.parameters()) / 1e6, info.world_size,
-             info.device.type, precision.name, validation_precision(measured, precision, model),
+             info.device.type, precision.described, validation_precision(measured, precision, model),
              global_batch(info.world_size, cfg.train.batch_size, cfg.train.accum_steps), data.steps_per_epoch)
     if info.device.type == "cpu":
         log.info("CPU: %s", threads_line(info.local_world_size, cfg.data.num_workers))

@@ -101,13 +101,24 @@ def user_threads(env: dict[str, str] | os._Environ) -> int | None:
     return int(text)
 
 
-def training_kernels(device_type: str) -> None:
-    """On CUDA, cuDNN picks each convolution's fastest algorithm by timing it at its first call (cudnn.benchmark):
-    train.py and benchmark.py both set it here, so benchmark.py times the algorithms a run uses."""
+def training_kernels(device_type: str, tf32: bool) -> None:
+    """On CUDA, cuDNN picks each convolution's fastest algorithm by timing it at its first call (cudnn.benchmark),
+    and fp32 matmuls and convolutions use TF32 when training's precision says so (engine/precision.tf32_for):
+    train.py and benchmark.py both set them here, so benchmark.py times the kernels a run uses."""
     if device_type == "cuda":
         import torch
 
         torch.backends.cudnn.benchmark = True
+        use_tf32(tf32)
+
+
+def use_tf32(on: bool) -> None:
+    """fp32 matmuls (cuBLAS) and convolutions (cuDNN) on TF32 Tensor Cores, or in full fp32. The per-backend flags,
+    not torch.set_float32_matmul_precision, which would also let oneDNN's CPU matmuls round."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = on
+    torch.backends.cudnn.allow_tf32 = on
 
 
 def cpu_share(processes_per_node: int) -> int:

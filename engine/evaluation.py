@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 from core.config import DataConfig
 from core.dist import DistInfo, broadcast_tensors, gather_rows, is_fsdp, max_over_ranks, rank_local_tensors
 from core.signals import workers_shielded
+from core.startup import use_tf32
 from engine.metrics import SumMeter, add_class_counts, class_metrics, hits, ranked_classes
 from engine.precision import Precision
 from engine.prefetch import Normalize, device_batches
@@ -42,11 +43,11 @@ def model_logits(model: nn.Module, loader: DataLoader, precision: Precision, inf
     with workers_shielded():
         batches = device_batches(iter(loader), info.device, normalize)
     for images, targets in batches:
-        with precision.autocast(), exact_kernels(info.device):
+        with precision.autocast(), exact_kernels(info.device, precision.tf32):
             logits = model(images)
         yield logits.float(), targets
     for _ in range(missing):  # every rank has at least one batch (data.loader.build_data checks it)
-        with precision.autocast(), exact_kernels(info.device):
+        with precision.autocast(), exact_kernels(info.device, precision.tf32):
             model(images[:1])
 
 
@@ -56,15 +57,16 @@ def validation_precision(measured: Precision, training: Precision, model: nn.Mod
     if is_fsdp(model) and training.dtype is not None and measured.dtype != training.dtype:
         return (f"{training.name} (eval_amp={measured.name}, but dist.strategy=fsdp gathers the weights in "
                 f"{training.name}; evaluate.py on a checkpoint computes in eval_amp)")
-    return measured.name
+    return measured.described
 
 
 @contextlib.contextmanager
-def exact_kernels(device: torch.device) -> Iterator[None]:
+def exact_kernels(device: torch.device, tf32: bool) -> Iterator[None]:
     """The kernels every reported number is computed with, so that a run's validation, evaluate.py and predict.py
     give the same numbers for the same weights: on the CPU one thread per process (fp32 results change with the
     thread count, which follows the cores and processes); on CUDA deterministic cuDNN algorithms, none picked by
-    timing (training sets cudnn.benchmark). The settings come back after."""
+    timing (training sets cudnn.benchmark), and TF32 as the precision computing them decided (`tf32`: Precision.tf32,
+    the same rule in all three, whatever training used). The settings come back after."""
     if device.type != "cuda":
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -73,13 +75,14 @@ def exact_kernels(device: torch.device) -> Iterator[None]:
         finally:
             torch.set_num_threads(threads)
         return
-    cudnn = torch.backends.cudnn
-    saved = cudnn.benchmark, cudnn.deterministic
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    saved = cudnn.benchmark, cudnn.deterministic, matmul.allow_tf32, cudnn.allow_tf32
     cudnn.benchmark, cudnn.deterministic = False, True
+    use_tf32(tf32)
     try:
         yield
     finally:
-        cudnn.benchmark, cudnn.deterministic = saved
+        cudnn.benchmark, cudnn.deterministic, matmul.allow_tf32, cudnn.allow_tf32 = saved
 
 
 @torch.no_grad()

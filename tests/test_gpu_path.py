@@ -415,24 +415,75 @@ def test_nccl_watchdog_settings_are_explicit(env, expected):
 # 9. evaluation repeats exactly on GPUs -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("device, deterministic", [("cuda", True), ("cpu", False)])
-def test_evaluation_asks_cudnn_for_deterministic_algorithms_on_cuda(device, deterministic):
+@pytest.mark.parametrize("tf32", [True, False])
+def test_evaluation_asks_cudnn_for_deterministic_algorithms_on_cuda(device, deterministic, tf32):
     """Validation, evaluate.py and predict.py on a GPU: no algorithm picked by timing (cudnn.benchmark, which
-    training sets), only deterministic ones; training's flags come back after each batch."""
+    training sets), only deterministic ones, TF32 as their precision decided (not as training left it); training's
+    flags come back after each batch. The CPU keeps TF32's flags as they are (they are CUDA's)."""
     from engine.evaluation import exact_kernels
 
-    saved = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, torch.get_num_threads()
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = False, True
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    saved = cudnn.deterministic, cudnn.benchmark, torch.get_num_threads(), matmul.allow_tf32, cudnn.allow_tf32
+    cudnn.deterministic, cudnn.benchmark = False, True
+    matmul.allow_tf32 = cudnn.allow_tf32 = not tf32  # training's, the other way
     torch.set_num_threads(2)
     try:
-        with exact_kernels(torch.device(device)):
-            assert torch.backends.cudnn.deterministic is deterministic
-            assert torch.backends.cudnn.benchmark is not deterministic
+        with exact_kernels(torch.device(device), tf32):
+            assert cudnn.deterministic is deterministic
+            assert cudnn.benchmark is not deterministic
             assert torch.get_num_threads() == (2 if device == "cuda" else 1)  # CPU: fp32 sums follow the threads
-        assert (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark) == (False, True)
-        assert torch.get_num_threads() == 2
+            assert matmul.allow_tf32 is cudnn.allow_tf32 is (tf32 if device == "cuda" else not tf32)
+        assert (cudnn.deterministic, cudnn.benchmark) == (False, True)
+        assert torch.get_num_threads() == 2 and matmul.allow_tf32 is cudnn.allow_tf32 is (not tf32)
     finally:
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, threads = saved
+        cudnn.deterministic, cudnn.benchmark, threads, matmul.allow_tf32, cudnn.allow_tf32 = saved
         torch.set_num_threads(threads)
+
+
+# 10. TF32 for fp32 matmuls -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype, capability, allowed, expected", [
+    (None, (9, 0), True, True),  # amp=off on an H100: TF32 Tensor Cores (495 vs 67 TFLOPS)
+    (None, (8, 0), True, True),  # A100
+    (None, (7, 5), True, False),  # T4: no TF32
+    (None, (9, 0), False, False),  # tf32=false: full fp32
+    (torch.bfloat16, (9, 0), True, False),  # autocast: the matmuls are bf16; what it keeps in fp32 stays exact
+    (torch.float16, (8, 0), True, False),
+    (None, None, True, False),  # the CPU
+])
+def test_tf32_is_decided_per_precision(dtype, capability, allowed, expected):
+    from engine.precision import tf32_for
+
+    assert tf32_for(dtype, capability, allowed) is expected
+
+
+@pytest.mark.parametrize("amp, eval_amp, tf32, training, measured", [
+    ("off", "off", True, True, True),  # configs/convnext_tiny.yaml's amp: off, validated in fp32
+    ("bf16", "off", True, False, True),  # the default: bf16 training, fp32 validation with TF32
+    ("off", "off", False, False, False),  # tf32=false: every fp32 number is full fp32
+    ("bf16", "bf16", True, False, False),
+])
+def test_training_validation_and_evaluate_take_the_same_tf32_decision(monkeypatch, amp, eval_amp, tf32, training,
+                                                                     measured):
+    """On an H100 (capability given, no GPU touched): training's precision, its validation's (eval_amp) and
+    evaluate.py's (its amp defaults to the run's eval_amp) decide TF32 by one rule, so validation and evaluate.py
+    still agree; the start-up lines say it, and training's kernels are set by it."""
+    from core.startup import training_kernels
+    from engine import precision as module
+
+    monkeypatch.setattr(module, "capability_of", lambda device: (9, 0))
+    gpu = torch.device("cuda", 0)
+    train_precision, validation = module.run_precisions(amp, eval_amp, 0.0, "ddp", gpu, tf32)
+    assert (train_precision.tf32, validation.tf32) == (training, measured)
+    assert module.resolve_precision(eval_amp, gpu, tf32=tf32) == validation  # evaluate.py on the run's checkpoint
+    assert ("TF32" in validation.described) is measured and validation.name in ("fp32", "bf16")
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = cudnn.benchmark, matmul.allow_tf32, cudnn.allow_tf32
+    try:
+        training_kernels("cuda", train_precision.tf32)
+        assert matmul.allow_tf32 is cudnn.allow_tf32 is training
+    finally:
+        cudnn.benchmark, matmul.allow_tf32, cudnn.allow_tf32 = saved
 
 
 def test_the_documented_gpu_figures_are_read_by_the_smoke_test():
