@@ -19,7 +19,7 @@ from torch import nn
 from timm.utils import dispatch_clip_grad
 from torch.distributed.tensor import DTensor
 
-from core.dist import max_over_ranks, step_flags_over_ranks
+from core.dist import step_flags_over_ranks
 from core.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -56,26 +56,26 @@ class Precision:
         `stop_signal` is this rank's pending SIGTERM/SIGUSR1 (0: none); the largest over ranks comes back, so
         that every rank stops after the same step. DDP has already summed the gradients over ranks, so a NaN
         on any rank is a NaN on every rank and all ranks skip the same step. Both answers travel in one tensor,
-        one all-reduce and one read on the host per step; fp16's GradScaler reads its inf flag itself, so fp16
-        reads twice. Clipping (optim.clip_mode) sees the unscaled, summed gradients, the same on every rank.
-        Under dist.strategy=fsdp the gradients are sharded (DTensors): their total norm is reduced over the ranks,
-        so the inf/NaN decision and the clip factor are the same on every rank too.
+        one all-reduce and one read on the host per step, fp16's too: its GradScaler's inf check is that read
+        (the gradients unscaled first), not a read of its own inside scaler.step, and its update lowers the scale
+        from the inf flags unscale_ recorded, on the device. fp16's skipped steps are the scaler's search for its
+        scale, not a fault: they come back as stepped. Clipping (optim.clip_mode) sees the unscaled, summed
+        gradients, the same on every rank. Under dist.strategy=fsdp the gradients are sharded (DTensors): their
+        total norm is reduced over the ranks, so the inf/NaN decision and the clip factor are the same on every
+        rank too.
         """
-        if self.scaler:  # fp16: the scaler skips non-finite steps and lowers the scale
+        if self.scaler:
             self.scaler.unscale_(optimizer)
-            clip_gradients([p for p in model.parameters() if p.grad is not None], clip_grad, clip_mode)
-            self.scaler.step(optimizer)
-            self.scaler.update()
-            device = next(model.parameters()).device
-            return True, max_over_ranks(stop_signal, device)
         params = [p for p in model.parameters() if p.grad is not None]
         norm = total_grad_norm([p.grad for p in params])
         nonfinite, signum = step_flags_over_ranks(torch.isfinite(norm).logical_not(), stop_signal)
-        if nonfinite:
-            return False, signum
-        clip_gradients(params, clip_grad, clip_mode, norm)
-        optimizer.step()
-        return True, signum
+        if not nonfinite:
+            clip_gradients(params, clip_grad, clip_mode, norm)
+            optimizer.step()
+        if self.scaler:  # fp16: the scale halves after a non-finite step, grows after enough good ones
+            self.scaler.update()
+            return True, signum
+        return not nonfinite, signum
 
 
 def shard(grad: DTensor) -> torch.Tensor:

@@ -281,11 +281,10 @@ def host_syncs_per_epoch(rank: int, world: int) -> dict[str, int]:
 
 
 def assert_one_sync_per_step(counts: dict[str, int], world: int) -> None:
-    # One per step (the inf/NaN check fused with the stop flag), plus the epoch's final read of the sums. Under
-    # fp16 the GradScaler reads its inf flag itself, and with several ranks the stop flag is then its own read.
-    # At least one per step: 0 would mean set_sync_debug_mode's warnings never reached Python (nothing counted).
-    per_step = 1 + (counts["fp16"] and world > 1)
-    assert counts["steps"] <= counts["syncs"] <= counts["steps"] * per_step + 1, counts
+    # One per step (the inf/NaN check fused with the stop flag, fp16's GradScaler check included: engine/precision
+    # Precision.step), plus the epoch's final read of the sums. At least one per step: 0 would mean
+    # set_sync_debug_mode's warnings never reached Python (nothing counted).
+    assert counts["steps"] <= counts["syncs"] <= counts["steps"] + 1, counts
 
 
 def test_training_steps_sync_with_the_host_once_per_step():

@@ -218,6 +218,44 @@ def test_two_ranks_read_the_device_once_per_step_and_sync_bn_adds_two_collective
         assert synced["collectives"] - plain["collectives"] == 2 * synced["bn_layers"] * STEPS, (plain, synced)
 
 
+def _fp16_step_reads(rank: int, world: int) -> dict:
+    """Four fp16 steps through Precision.step with a CPU GradScaler (an inf gradient on the first, as at fp16's
+    initial scale; rank 1 gets SIGTERM before the third): the device reads of each step, what comes back, and the
+    scale after each."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    optimizer = build_optimizer(model, OptimConfig(name="momentum", lr=0.05), grad_scaler=True)
+    precision = Precision("cpu", torch.float16, torch.amp.GradScaler("cpu"))
+    generator, found = torch.Generator().manual_seed(0), {"reads": [], "answers": [], "scales": []}
+    for step in range(4):
+        precision.backward(model(torch.randn(8, 6, generator=generator)).square().mean())
+        if step == 0:
+            next(model.parameters()).grad[0, 0] = float("inf")  # DDP would have summed it onto every rank
+        with op_counter() as reads:
+            found["answers"].append(precision.step(optimizer, model, 0.0, 15 if step == 2 and rank == 1 else 0))
+        found["reads"].append(reads.ops["_local_scalar_dense"])
+        found["scales"].append(precision.scaler.get_scale())
+        optimizer.zero_grad(set_to_none=True)
+    return found
+
+
+@pytest.mark.slow  # two processes (the one-process case: test_fp16_reads_the_device_once_per_step_in_one_process)
+def test_fp16_folds_the_stop_flag_into_the_grad_scalers_inf_read_on_two_ranks(tmp_path):
+    """Issue 62 item 5: fp16 read the device twice per step on several ranks (the GradScaler's inf check inside
+    scaler.step, then the stop flag's all-reduce); now once, as bf16: the inf flag and the stop signal travel in
+    one all-reduce. The scaler still halves its scale after the inf step and every rank gets rank 1's SIGTERM."""
+    for found in run_ranks(_fp16_step_reads, 2, tmp_path):
+        assert found["reads"] == [1, 1, 1, 1], found
+        assert [signum for _, signum in found["answers"]] == [0, 0, 15, 0], found
+        assert found["scales"][0] == 32768.0 and found["scales"][1:] == [32768.0] * 3, found
+
+
+def test_fp16_reads_the_device_once_per_step_in_one_process():
+    found = _fp16_step_reads(0, 1)
+    assert found["reads"] == [1, 1, 1, 1] and found["scales"] == [32768.0] * 4, found
+    assert [answer for answer in found["answers"]] == [(True, 0)] * 4  # fp16's skips are the scaler's, not faults
+
+
 @pytest.mark.parametrize("loss", ["ce", "bce"])
 def test_mixed_training_steps_make_no_hidden_host_device_traffic(loss):
     """Mixup/cutmix (data.mixing) and the soft-target losses add no copy from the host and no device read."""
