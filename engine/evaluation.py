@@ -22,7 +22,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from core.config import DataConfig
-from core.dist import DistInfo, broadcast_tensors, gather_rows, is_fsdp, max_over_ranks, rank_local_tensors
+from core.dist import (DistInfo, broadcast_tensors, gather_rows, gather_rows_to_host, get_world_size, is_fsdp,
+                       max_over_ranks, rank_local_tensors)
 from core.signals import workers_shielded
 from core.startup import use_tf32
 from engine.metrics import SumMeter, add_class_counts, class_metrics, hits, ranked_classes
@@ -293,16 +294,18 @@ def evaluate_multilabel(model: nn.Module, loader: DataLoader, precision: Precisi
 
 
 MULTILABEL_COLUMNS = ("val_loss", "val_map", "val_map_micro", "val_f1", "val_count")
+GATHER_BLOCK_BYTES = 256 * 2**20  # multi-label validation: rank 0's device holds this much of the gather at a time
 
 
-def gathered(batches: list[tuple[torch.Tensor, ...]], num_classes: int, device: torch.device
-             ) -> tuple[np.ndarray, ...] | None:
+def gathered(batches: list[tuple[torch.Tensor, ...]], num_classes: int, device: torch.device,
+             block_bytes: int = GATHER_BLOCK_BYTES) -> tuple[np.ndarray, ...] | None:
     """(probs, targets, losses) of every rank's images in the global sample order, on rank 0 (None elsewhere):
-    padded tensors gathered to rank 0 only, one host copy there."""
+    padded tensors gathered into rank 0's host memory, at most `block_bytes` on its device at a time."""
     if batches:
         local = [torch.cat(parts) for parts in zip(*batches)]
     else:
         local = [torch.zeros((0, num_classes), device=device), torch.zeros((0, num_classes), device=device),
                  torch.zeros(0, device=device)]
-    whole = [gather_rows(part) for part in local]
-    return None if whole[0] is None else tuple(part.cpu().numpy() for part in whole)
+    rows = max(1, block_bytes // (get_world_size() * max(num_classes, 1) * local[0].element_size()))
+    whole = [gather_rows_to_host(part, rows) for part in local]
+    return None if whole[0] is None else tuple(part.numpy() for part in whole)

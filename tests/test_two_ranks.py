@@ -102,17 +102,24 @@ def ema_evaluated_as_rank0s(rank: int) -> dict[str, Any]:
             "ema_broadcasts": both.ops["broadcast_"] - 2 * alone.ops["broadcast_"]}  # besides the two evaluations
 
 
-def gathered_probabilities(rank: int) -> list[list] | None:
+def gathered_probabilities(rank: int) -> dict[str, Any]:
     """engine.evaluation.gathered over rank 0's 3 images (in 2 batches) and rank 1's 2 (probabilities, targets and
-    losses numbered by image): all of them on rank 0, None on rank 1."""
+    losses numbered by image), whole and in blocks of one row per rank (the probabilities' 4 float32 classes x 2
+    ranks = 32 bytes): all of them on rank 0, None on rank 1, and the gathers each took."""
     from engine.evaluation import gathered
+    from tests.helpers import op_counter
 
     first, count = (0, 3) if rank == 0 else (3, 2)
     images = torch.arange(first, first + count, dtype=torch.float32)
     batches = [(images[part, None].repeat(1, 4) / 10, images[part, None].repeat(1, 4), images[part])
                for part in (slice(0, 2), slice(2, None)) if len(images[part])]
-    found = gathered(batches, num_classes=4, device=torch.device("cpu"))
-    return None if found is None else [array.tolist() for array in found]  # run_ranks' files hold plain data
+    found = {}
+    for name, block_bytes in (("whole", 2**28), ("blocks", 32)):
+        with op_counter() as ops:
+            arrays = gathered(batches, num_classes=4, device=torch.device("cpu"), block_bytes=block_bytes)
+        found[name] = None if arrays is None else [array.tolist() for array in arrays]  # run_ranks' files: plain data
+        found[f"{name} gathers"] = ops.ops["gather_"]
+    return found
 
 
 def sync_bn_of_a_large_mean(rank: int) -> dict[str, float]:
@@ -189,11 +196,21 @@ def test_every_rank_evaluates_rank0s_ema(measured):
 
 def test_multi_label_probabilities_are_gathered_in_rank_order(measured):
     on_rank0, on_rank1 = result(measured, "gathered")
-    assert on_rank1 is None  # only rank 0 receives them
-    for probs, targets, losses in [map(np.array, on_rank0)]:
+    assert on_rank1["whole"] is None and on_rank1["blocks"] is None  # only rank 0 receives them
+    for probs, targets, losses in [map(np.array, on_rank0["whole"])]:
         assert np.array_equal(losses, np.arange(5.0))
         assert np.array_equal(targets, np.arange(5.0)[:, None].repeat(4, 1))
         assert np.allclose(probs, targets / 10)  # each image's probabilities beside its own targets
+
+
+def test_multi_label_probabilities_reach_rank_0s_host_in_blocks(measured):
+    """Issue 62 item 6: every probability was gathered onto rank 0's device at once (20 GB at 125k images x 9.6k
+    classes). In blocks of one row per rank: 3 gathers per tensor (rank 0's 3 rows, rank 1's 2 padded), never more
+    than 2 rows on rank 0's device at a time, the same arrays on rank 0's host as the one-block gather."""
+    for outcome in result(measured, "gathered"):
+        assert (outcome["whole gathers"], outcome["blocks gathers"]) == (3, 9), outcome
+    on_rank0 = result(measured, "gathered")[0]
+    assert on_rank0["blocks"] == on_rank0["whole"]
 
 
 def test_sync_bn_variance_holds_at_a_mean_of_1000_stds(measured):
