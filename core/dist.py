@@ -417,6 +417,15 @@ def is_fsdp(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def reshard(model: nn.Module) -> None:
+    """Free every FSDP2 unit's gathered weights and put its shards back in the module. FSDP2 keeps the root unit
+    gathered after a forward (for the backward it expects), and a gathered unit is not gathered again: an EMA,
+    whose shards change between its no-grad validations, would validate its root's stale weights the next time."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def rank_local_tensors(model: nn.Module) -> list[torch.Tensor]:
     """The tensors no collective keeps equal across ranks: buffers (BatchNorm's running statistics), not sharded
     ones. Parameters are equal already (DDP all-reduces their gradients; an EMA of them follows) or sharded."""

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from core.config import DataConfig
 from core.dist import (DistInfo, broadcast_tensors, gather_rows, gather_rows_to_host, get_world_size, is_fsdp,
-                       max_over_ranks, rank_local_tensors)
+                       max_over_ranks, rank_local_tensors, reshard)
 from core.signals import workers_shielded
 from core.startup import use_tf32
 from engine.metrics import SumMeter, add_class_counts, class_metrics, hits, ranked_classes
@@ -186,6 +186,7 @@ def validate_epoch(model: nn.Module, ema: nn.Module | None, loader: DataLoader, 
     if ema is not None:
         like_rank0(ema)
         ema_stats = validate(ema, loader, precision, info, normalize, cfg)
+        reshard(ema)  # its root unit stays gathered after the forward, while the EMA updates its shards
         row.update({f"ema_{k}": v for k, v in ema_stats.items() if k != "val_count"})
     return row
 
