@@ -325,14 +325,14 @@ def run(cfg: Config, trained: Trained, args: argparse.Namespace, info: DistInfo)
     model = inference_model(trained, cfg, info.device)
     if args.tta_flip or args.tta_crops > 1:
         model = TTAModel(model, args.tta_flip, args.tta_crops)
-    precision = resolve_precision(cfg.amp, info.device)
+    precision = resolve_precision(cfg.amp, info.device, tf32=cfg.tf32)
     size, crop_pct = eval_size(cfg.data)
     log.info("evaluating %s (%s, %s) on %d images (%s) at %d px (crop_pct %s), %d view(s) each, %d process(es), "
              "batch %d per process", args.checkpoint, cfg.model.name, "EMA weights" if args.ema else "weights",
              len(dataset), where, size, crop_pct, tta_views(args), info.world_size, cfg.train.batch_size)
     if line := pipeline_line(trained, cfg):
         log.info(line)
-    log.info(precision_line(cfg.amp, precision.name, cfg.eval_amp))
+    log.info(precision_line(cfg.amp, precision.described, cfg.eval_amp))
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
     if cfg.data.multi_label:
         return run_multilabel(cfg, args, info, out, dataset, loader, model, precision, normalize, class_names,

@@ -46,7 +46,7 @@ def build_parts(cfg: Config, info: DistInfo, data: DataBundle, precision: Precis
         shard_for_training(model, ema.module if ema is not None else None, precision.dtype, info.world_size,
                            cfg.dist.fsdp_shard_size)
     torch.manual_seed(cfg.seed + info.rank)  # dropout / drop-path differ per rank, reproducibly
-    training_kernels(info.device.type)  # cuDNN's autotuning on CUDA, as benchmark.py times it
+    training_kernels(info.device.type, precision.tf32)  # cuDNN's autotuning on CUDA, as benchmark.py times it
     if (warning := compile_warning(cfg.model, info.world_size)) and info.is_main:
         log.warning(warning)
     trained = wrap_for_training(model, info.device, info.world_size, cfg.model.compile)  # the module the loop calls

@@ -454,6 +454,11 @@ class Config:
     loss_scale: float = key(0.0,
                             "fp16's GradScaler: a static scale (halved on overflow, never grown: NVIDIA's "
                             "--static-loss-scale); 0 = dynamic (65536, grown every 2000 good steps)")
+    tf32: bool = key(True,
+                     "fp32 matmuls and convolutions (amp=off, eval_amp=off) on TF32 Tensor Cores, GPUs of compute "
+                     "capability 8.0+ (A100, H100), in training, validation and evaluate.py alike; false = full "
+                     "fp32 (cuDNN's convolutions included)",
+                     continues=True)
     resume: str = key("auto",
                       "auto (continue from <output_dir>/last.pth or last.dcp if present) | none | <checkpoint path>",
                       first=11)

@@ -22,9 +22,10 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from core.config import DataConfig
-from core.dist import (DistInfo, broadcast_tensors, gather_rows, is_fsdp, max_over_ranks, min_over_ranks,
-                       rank_local_tensors)
+from core.dist import (DistInfo, broadcast_tensors, gather_rows, gather_rows_to_host, get_world_size, is_fsdp,
+                       max_over_ranks, min_over_ranks, rank_local_tensors, reshard)
 from core.signals import workers_shielded
+from core.startup import use_tf32
 from engine.metrics import SumMeter, add_class_counts, class_metrics, hits, ranked_classes
 from engine.precision import Precision
 from engine.prefetch import Normalize, device_batches
@@ -47,13 +48,13 @@ def model_logits(model: nn.Module, loader: DataLoader, precision: Precision, inf
     with workers_shielded():
         batches = device_batches(iter(loader), info.device, normalize)
     for i, (images, targets) in enumerate(batches):
-        with precision.autocast(), exact_kernels(info.device):
+        with precision.autocast(), exact_kernels(info.device, precision.tf32):
             logits = model(images)
         if i < checked:
             stop_check()
         yield logits.float(), targets
     for _ in range(missing):  # every rank has at least one batch (data.loader.build_data checks it)
-        with precision.autocast(), exact_kernels(info.device):
+        with precision.autocast(), exact_kernels(info.device, precision.tf32):
             model(images[:1])
 
 
@@ -63,15 +64,16 @@ def validation_precision(measured: Precision, training: Precision, model: nn.Mod
     if is_fsdp(model) and training.dtype is not None and measured.dtype != training.dtype:
         return (f"{training.name} (eval_amp={measured.name}, but dist.strategy=fsdp gathers the weights in "
                 f"{training.name}; evaluate.py on a checkpoint computes in eval_amp)")
-    return measured.name
+    return measured.described
 
 
 @contextlib.contextmanager
-def exact_kernels(device: torch.device) -> Iterator[None]:
+def exact_kernels(device: torch.device, tf32: bool) -> Iterator[None]:
     """The kernels every reported number is computed with, so that a run's validation, evaluate.py and predict.py
     give the same numbers for the same weights: on the CPU one thread per process (fp32 results change with the
     thread count, which follows the cores and processes); on CUDA deterministic cuDNN algorithms, none picked by
-    timing (training sets cudnn.benchmark). The settings come back after."""
+    timing (training sets cudnn.benchmark), and TF32 as the precision computing them decided (`tf32`: Precision.tf32,
+    the same rule in all three, whatever training used). The settings come back after."""
     if device.type != "cuda":
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -80,13 +82,14 @@ def exact_kernels(device: torch.device) -> Iterator[None]:
         finally:
             torch.set_num_threads(threads)
         return
-    cudnn = torch.backends.cudnn
-    saved = cudnn.benchmark, cudnn.deterministic
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    saved = cudnn.benchmark, cudnn.deterministic, matmul.allow_tf32, cudnn.allow_tf32
     cudnn.benchmark, cudnn.deterministic = False, True
+    use_tf32(tf32)
     try:
         yield
     finally:
-        cudnn.benchmark, cudnn.deterministic = saved
+        cudnn.benchmark, cudnn.deterministic, matmul.allow_tf32, cudnn.allow_tf32 = saved
 
 
 @torch.no_grad()
@@ -191,6 +194,7 @@ def validate_epoch(model: nn.Module, ema: nn.Module | None, loader: DataLoader, 
     if ema is not None:
         like_rank0(ema)
         ema_stats = validate(ema, loader, precision, info, normalize, cfg, stop_check=stop_check)
+        reshard(ema)  # its root unit stays gathered after the forward, while the EMA updates its shards
         row.update({f"ema_{k}": v for k, v in ema_stats.items() if k != "val_count"})
     return row
 
@@ -303,16 +307,18 @@ def evaluate_multilabel(model: nn.Module, loader: DataLoader, precision: Precisi
 
 
 MULTILABEL_COLUMNS = ("val_loss", "val_map", "val_map_micro", "val_f1", "val_count")
+GATHER_BLOCK_BYTES = 256 * 2**20  # multi-label validation: rank 0's device holds this much of the gather at a time
 
 
-def gathered(batches: list[tuple[torch.Tensor, ...]], num_classes: int, device: torch.device
-             ) -> tuple[np.ndarray, ...] | None:
+def gathered(batches: list[tuple[torch.Tensor, ...]], num_classes: int, device: torch.device,
+             block_bytes: int = GATHER_BLOCK_BYTES) -> tuple[np.ndarray, ...] | None:
     """(probs, targets, losses) of every rank's images in the global sample order, on rank 0 (None elsewhere):
-    padded tensors gathered to rank 0 only, one host copy there."""
+    padded tensors gathered into rank 0's host memory, at most `block_bytes` on its device at a time."""
     if batches:
         local = [torch.cat(parts) for parts in zip(*batches)]
     else:
         local = [torch.zeros((0, num_classes), device=device), torch.zeros((0, num_classes), device=device),
                  torch.zeros(0, device=device)]
-    whole = [gather_rows(part) for part in local]
-    return None if whole[0] is None else tuple(part.cpu().numpy() for part in whole)
+    rows = max(1, block_bytes // (get_world_size() * max(num_classes, 1) * local[0].element_size()))
+    whole = [gather_rows_to_host(part, rows) for part in local]
+    return None if whole[0] is None else tuple(part.numpy() for part in whole)

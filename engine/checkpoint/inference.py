@@ -61,6 +61,7 @@ def for_inference(config: dict[str, Any]) -> dict[str, Any]:
     differ from the run's, and a checkpoint and its exported folder predict differently."""
     raw = json.loads(json.dumps(config))
     raw["amp"] = raw.setdefault("eval_amp", INFERENCE_AMP)
+    raw.setdefault("tf32", False)  # a run saved before the key validated in full fp32
     return raw
 
 
