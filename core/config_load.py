@@ -234,6 +234,8 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
         value = float(value)  # (PyYAML reads 1e-3, without a dot, as a string); float() alone takes 1_0 and ١٠
     if hint is float and isinstance(value, float) and not math.isfinite(value):
         raise UserError(f"config key {key!r} must be a finite number, got {value!r}")
+    if hint is str and isinstance(value, dict) and len(value) == 1 and None in value.values():
+        value = f"{next(iter(value))}:"  # `data.root=hf-hub:` is, to YAML, the mapping {hf-hub: null}: the text typed
     if hint in (int, float, str, bool):
         if isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
             return value
