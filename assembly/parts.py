@@ -18,7 +18,7 @@ from data.mixing import BatchMix
 from data.transforms import DeviceNormalize
 from engine.checkpoint.resume import Resume
 from engine.distill import build_distillation
-from engine.losses import Loss, build_loss, heavy_weight_warning
+from engine.losses import Loss, build_loss, capped_note, heavy_weight_warning
 from engine.optim import build_optimizer, build_scheduler
 from engine.precision import Precision
 from engine.trainer import LoopConfig, TrainParts
@@ -72,6 +72,8 @@ def run_loss(cfg: Config, data: DataBundle, info: DistInfo) -> Loss:
     anything else is built: fit(), --dry-run and --find-lr build it first here."""
     loss = build_loss(cfg.train, mixing(cfg.data), data.class_counts, data.class_names)
     images = global_batch(info.world_size, cfg.train.batch_size, cfg.train.accum_steps)
+    if info.is_main and (note := capped_note(cfg.train, data.class_counts, data.class_names)):
+        log.info(note)
     if info.is_main and (warning := heavy_weight_warning(loss, data.class_names, images)):
         log.warning(warning)
     return loss
