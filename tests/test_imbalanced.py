@@ -473,7 +473,7 @@ def test_early_stopping_stops_at_the_same_epoch_when_resumed(tmp_path, capsys):
     epoch 3 as the uninterrupted run does; without the kept count it would run epoch 3 too."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train_here(*STOPS, f"output_dir={straight}")
-    assert "stopping early at epoch 3, step 6: val_loss has not improved for 2 validations" in capsys.readouterr().err
+    assert "stopping early after epoch 2 (global step 6): val_loss has not improved for 2 validations" in capsys.readouterr().err
     train_here(*STOPS, f"output_dir={resumed}", "train.max_steps=4")  # the end of epoch 1
     assert load_checkpoint(resumed / "last.pth")["validations_without_best"] == 1
     train_here(*STOPS, f"output_dir={resumed}")
@@ -484,7 +484,7 @@ def test_early_stopping_stops_at_the_same_epoch_when_resumed(tmp_path, capsys):
         assert load_checkpoint(run / "best.pth")["epoch"] == 1  # chosen after epoch 0
     capsys.readouterr()
     train_here(*STOPS, f"output_dir={straight}")  # a finished, stopped run stays stopped
-    assert "stopping early at epoch 3" in capsys.readouterr().err
+    assert "stopping early after epoch 2" in capsys.readouterr().err
     assert len(read_jsonl(straight / "metrics.jsonl")) == 3
 
 
@@ -493,7 +493,7 @@ def test_early_stopping_counts_validations_inside_epochs(tmp_path, capsys):
     """train.val_every_steps=1 on 2 steps an epoch: validations at step 1, step 2 (the epoch's) and step 3; none
     after the first improves, so patience 2 stops the run inside epoch 1, right after step 3's validation."""
     train_here(*STOPS, "train.val_every_steps=1", f"output_dir={tmp_path}")
-    assert "stopping early at epoch 1, step 3: val_loss has not improved for 2 validations" in capsys.readouterr().err
+    assert "stopping early after step 1 of epoch 1 (global step 3): val_loss has not improved for 2 validations" in capsys.readouterr().err
     assert [(r["epoch"], r["step"]) for r in read_jsonl(tmp_path / "metrics.jsonl")] == [(0, 1), (0, 2), (1, 3)]
     ckpt = load_checkpoint(tmp_path / "last.pth")
     assert (ckpt["global_step"], ckpt["validations_without_best"]) == (3, 2)
