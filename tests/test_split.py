@@ -72,3 +72,26 @@ def test_split_kept_by_resume_two_ranks_and_evaluate(tmp_path):
     assert result["n"] == len(val) and result["top1"] == pytest.approx(best["val_top1"], abs=1e-9)
     with open(out / "predictions.csv") as f:
         assert sorted(Path(row["path"]).relative_to(root).as_posix() for row in csv.DictReader(f)) == sorted(val)
+
+
+def test_an_image_removed_from_a_resumed_split_names_its_list(tmp_path):
+    """val.txt still names an image removed since the split was made: the line says so and what works (it said
+    "cannot read image ...; remove or replace it", and a removed image is still listed)."""
+    from core.config import DataConfig
+    from data.loader import side_of
+    from data.split import read_split
+    from data.transforms import eval_transform
+
+    root, run = class_folders(tmp_path), tmp_path / "run"
+    run.mkdir()
+    for name, data in make_split(root, 0.25, seed=0).files().items():
+        (run / name).write_bytes(data)
+    split = read_split(run)
+    (root / split.val[0]).unlink()
+    cfg = DataConfig(name="imagefolder", root=str(root), val_fraction=0.25, img_size=16)
+    val = side_of(cfg, False, eval_transform(cfg), 0, None, split, skip_corrupt=False)
+    with pytest.raises(UserError, match=f"^image {root / split.val[0]} is listed in {run}/val.txt "
+                                        r"\(data.val_fraction's split\) but no longer exists; put it back, or remove "
+                                        f"its line from {run}/val.txt$"):
+        val.load_image(0)
+    assert val.load_image(1).shape[2] == 3  # the others read as before
