@@ -72,7 +72,7 @@ def fit(cfg: Config, info: DistInfo, lock: FolderLock | None = None,
         out.checkpointer.close()
     if info.is_main:
         log.info(run_summary(out.record.rows(), run.chosen_on, state.best_value, state.best_epoch,
-                             time.monotonic() - run.started, Path(cfg.output_dir)))
+                             time.monotonic() - run.started, Path(cfg.output_dir), cut_short=state.epoch_step > 0))
     return state
 
 

@@ -19,7 +19,7 @@ from data.pipeline import REPLACED_KEYS
 from data.transforms import DeviceNormalize
 from engine.checkpoint.resume import Resume
 from engine.distill import build_distillation
-from engine.losses import ImbalancedCrossEntropy, Loss, build_loss, heavy_weight_warning
+from engine.losses import ImbalancedCrossEntropy, Loss, build_loss, capped_note, heavy_weight_warning
 from engine.optim import build_optimizer, build_scheduler
 from engine.precision import Precision
 from engine.trainer import LoopConfig, TrainParts
@@ -76,6 +76,8 @@ def run_loss(cfg: Config, data: DataBundle, info: DistInfo) -> Loss:
     if info.is_main:
         for line in data_lines(cfg, data, loss):
             log.info(line)
+        if note := capped_note(cfg.train, data.class_counts, data.class_names):
+            log.info(note)
         if warning := heavy_weight_warning(loss, data.class_names, images):
             log.warning(warning)
     return loss

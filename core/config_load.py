@@ -235,6 +235,11 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     return cls(**values)
 
 
+# A number as YAML 1.2 writes it, in ASCII digits (what int keys take too): float() would also read `1_0` as 10 and
+# other scripts' digits; nan and inf in any case are read so that the finite-number check names them.
+FLOAT_TEXT = re.compile(r"[-+]?(?:(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|inf|infinity|nan)", re.IGNORECASE)
+
+
 def _coerce(key: str, hint: Any, value: Any) -> Any:
     """Check one leaf value against its annotation; ints are accepted where floats are expected."""
     if isinstance(hint, types.UnionType) and type(None) in hint.__args__:  # `bool | None`: null = a library default
@@ -257,13 +262,14 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
         except UserError as err:
             raise UserError(str(err).replace(f"must be {named.__name__},", f"must be {named.__name__} or a list,")) from None
 
-    if hint is float and isinstance(value, (int, str)) and not isinstance(value, bool):
-        try:  # (PyYAML reads 1e-3, without a dot, as a string)
-            value = float(value)
-        except (ValueError, OverflowError):
-            pass
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if hint is float and isinstance(value, str) and FLOAT_TEXT.fullmatch(value):
+        value = float(value)  # (PyYAML reads 1e-3, without a dot, as a string); float() alone takes 1_0 and ١٠
     if hint is float and isinstance(value, float) and not math.isfinite(value):
         raise UserError(f"config key {key!r} must be a finite number, got {value!r}")
+    if hint is str and isinstance(value, dict) and len(value) == 1 and None in value.values():
+        value = f"{next(iter(value))}:"  # `data.root=hf-hub:` is, to YAML, the mapping {hf-hub: null}: the text typed
     if hint in (int, float, str, bool):
         if isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
             return value

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, MutableMapping
 
+from core.errors import UserError
+
 log = logging.getLogger(__name__)
 CGROUP_ROOT = Path("/sys/fs/cgroup")  # where the cgroup file systems are mounted
 MEMBERSHIP = Path("/proc/self/cgroup")  # this process's cgroups
@@ -80,6 +82,10 @@ def tune_cpu_process(threads: int, env: dict[str, str] | None = None) -> str:
     import torch
 
     user = user_threads(os.environ if env is None else env)
+    if user is not None and user > (os.cpu_count() or 1):  # torch.set_num_threads(100000): a segfault at the first op
+        raise UserError(f"OMP_NUM_THREADS={user} asks for more threads than this machine has CPUs "
+                        f"({os.cpu_count()}); set it to at most {os.cpu_count()}, or unset it to let the app use "
+                        "its share of the CPUs")
     if user is not None:
         torch.set_num_threads(user)
         chosen = f"{user} thread(s) per process (OMP_NUM_THREADS={user}, as set)"

@@ -82,8 +82,26 @@ def hub_repo(root: str) -> str:
     """The Hub dataset repo data.root names (hf-hub:<org>/<name>, hfds/<org>/<name>), or "" for a local folder."""
     for prefix in HUB_PREFIXES:
         if str(root).startswith(prefix):
-            return str(root)[len(prefix):]
+            return checked_repo(str(root)[len(prefix):], str(root), prefix)
     return ""
+
+
+def checked_repo(repo: str, root: str, prefix: str) -> str:
+    """`repo` if the Hub could hold it; a malformed one (huggingface_hub's HFValidationError) refused in one line."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    name, at, revision = repo.partition("@")
+    if at:
+        raise UserError(f"data.root={root}: a dataset's revision is not part of its name; write "
+                        f"data.root={prefix}{name} data.hf_revision=<commit> (40 hex digits), or leave "
+                        "data.hf_revision unset for main's")
+    try:
+        validate_repo_id(repo)
+    except HFValidationError:
+        raise UserError(f"data.root={root} does not name a Hugging Face dataset repo; write {prefix}<org>/<name> "
+                        "(letters, digits, '-', '_' and '.', one '/'), or give a local folder") from None
+    return repo
 
 
 def hub_offline() -> bool:
@@ -120,8 +138,7 @@ def card_files(repo: str, revision: str, config: str, offline: bool) -> tuple[st
     """(the commit the dataset card was read at, the file patterns its config `config` names, "" = the default
     one): a repo of many configs is not downloaded whole. No card, or no files named: the revision asked, None
     (every file: datasets then finds the splits by the files' names)."""
-    from datasets.utils.metadata import MetadataConfigs
-    from huggingface_hub import DatasetCard, hf_hub_download
+    from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError  # LocalEntryNotFoundError too: snapshot_download says
 
     try:
@@ -129,15 +146,35 @@ def card_files(repo: str, revision: str, config: str, offline: bool) -> tuple[st
                                     local_files_only=offline))
     except EntryNotFoundError:
         return revision, None
-    configs = MetadataConfigs.from_dataset_card_data(DatasetCard.load(card).data)
+    patterns = split_patterns(card, repo, config)
+    if not patterns:
+        return card.parent.name, None
+    return card.parent.name, ["README.md", ".huggingface.yaml", *(p for each in patterns.values() for p in each)]
+
+
+def split_patterns(card: Path, repo: str, config: str) -> dict[str, list[str]]:
+    """The file patterns of each split the card's config `config` ("" = the default one) names ({}: none named);
+    a card whose YAML header does not read is refused in one line (was the YAML parser's traceback)."""
+    import yaml
+    from datasets.utils.metadata import MetadataConfigs
+    from huggingface_hub import DatasetCard
+
+    try:
+        configs = MetadataConfigs.from_dataset_card_data(DatasetCard.load(card).data)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)  # a line of the header, which starts on the card's line 2
+        problem = f"line {mark.line + 2}: {err.problem}" if mark else " ".join(str(err).split())
+        raise UserError(f"Hugging Face dataset {repo}: its dataset card {card} has a YAML header (between the --- "
+                        f"lines) that does not read ({problem}); fix the card in the repo, or choose a commit whose "
+                        "card reads with data.hf_revision") from None
     default = next((name for name, c in configs.items() if c.get("default")), "default")
     chosen = configs.get(config or default) or {}
-    files = chosen.get("data_files") or ([f"{chosen['data_dir']}/*"] if chosen.get("data_dir") else None)
-    if not files:
-        return card.parent.name, None
-    paths = [f["path"] if isinstance(f, dict) else f for f in (files if isinstance(files, list) else [files])]
-    return card.parent.name, ["README.md", ".huggingface.yaml", *(p for path in paths
-                                                                  for p in ([path] if isinstance(path, str) else path))]
+    files = chosen.get("data_files") or ([f"{chosen['data_dir']}/*"] if chosen.get("data_dir") else [])
+    patterns: dict[str, list[str]] = {}
+    for entry in files if isinstance(files, list) else [files]:
+        split, paths = (entry["split"], entry["path"]) if isinstance(entry, dict) else ("train", entry)
+        patterns.setdefault(split, []).extend([paths] if isinstance(paths, str) else paths)
+    return patterns
 
 
 def open_hub_split(folder: Path, repo: str, config: str, split: str) -> tuple[Any, list[str]]:
@@ -151,7 +188,13 @@ def open_hub_split(folder: Path, repo: str, config: str, split: str) -> tuple[An
         builder = datasets.load_dataset_builder(str(folder), name=config or None)
         builder.download_and_prepare()
         ds = builder.as_dataset(split=split)
-    except ValueError as err:  # an unknown config or split
+    except (ValueError, FileNotFoundError) as err:  # an unknown config or split; data files the snapshot lacks
+        missing = missing_splits(folder, repo, config)
+        if missing or isinstance(err, FileNotFoundError):
+            named = f"split(s) {', '.join(missing)} ({', '.join(missing.values())})" if missing else "its splits"
+            raise UserError(f"Hugging Face dataset {repo} at commit {folder.name}: the hub cache holds no files of "
+                            f"{named} in {folder}; download the dataset again with the network reachable "
+                            "(HF_HUB_OFFLINE unset), or point HF_HOME/HF_HUB_CACHE at a cache that holds them") from None
         raise UserError(f"Hugging Face dataset {repo}: {err}; set data.hf_config, data.train_split and "
                         "data.val_split") from None
     return ds, [str(f) for f in (builder.config.data_files or {}).get(split, [])]
@@ -185,6 +228,14 @@ def recorded_labels(files: list[str], label_column: str, where: str):
 def class_names(feature) -> list[str] | None:
     """A ClassLabel's names, or those of a list of ClassLabels (multi-label); None for any other feature."""
     return getattr(feature, "names", None) or getattr(getattr(feature, "feature", None), "names", None)
+
+
+def missing_splits(folder: Path, repo: str, config: str) -> dict[str, str]:
+    """{split: its patterns} of the splits the snapshot's card names and whose files the snapshot lacks."""
+    card = folder / "README.md"
+    patterns = split_patterns(card, repo, config) if card.is_file() else {}
+    return {split: ", ".join(each) for split, each in patterns.items()
+            if not any(next(folder.glob(pattern), None) for pattern in each)}
 
 
 def hub_revision(cfg: DataConfig, resumed: dict | None = None) -> str:

@@ -36,7 +36,7 @@ from data.erasing import EraseCollate
 from data.folds import fold_side, read_folds
 from data.mixing import MixCollate
 from data.shards import ShardDataset, split_index
-from data.split import Split, SplitDataset
+from data.split import FILES, Split, SplitDataset
 from data.transforms import deferred_erasing, eval_transform, tensor_augment, train_transform
 
 log = logging.getLogger(__name__)
@@ -280,8 +280,10 @@ def side_of(cfg: DataConfig, train: bool, transform: A.Compose, seed: int, class
         if split is None:
             raise UserError(f"data.val_fraction={cfg.val_fraction}: the run's val.txt was not given; evaluate the "
                             "run's checkpoint in its folder, or set data.val_fraction=0 and name a data.val_split")
+        name = FILES["train" if train else "val"]
         return SplitDataset(cfg.root, split.train if train else split.val, transform, seed, classes,
-                            skip_corrupt=skip_corrupt, max_pixels=cfg.max_image_pixels)
+                            skip_corrupt=skip_corrupt, max_pixels=cfg.max_image_pixels,
+                            list_file=f"{split.folder}/{name}" if split.folder else f"the run folder's {name}")
     return build_split(cfg, cfg.train_split if train else cfg.val_split, transform, seed, classes, skip_corrupt)
 
 

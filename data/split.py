@@ -39,6 +39,7 @@ class Split:
 
     train: list[str]
     val: list[str]
+    folder: str = ""  # the run folder the lists were read from; "" = made at this start-up
 
     def files(self) -> dict[str, bytes]:
         """The two list files' names and contents, for the run folder."""
@@ -103,7 +104,7 @@ def read_split(folder: Path) -> Split:
                             "train.txt and val.txt beside the checkpoint, or set data.val_fraction=0 and name a "
                             "data.val_split") from None
         sides[side] = [line for line in text.split("\n") if line]  # not splitlines(): \r, \x85 may be in a name
-    return Split(sides["train"], sides["val"])
+    return Split(sides["train"], sides["val"], str(folder))
 
 
 def run_split(cfg: DataConfig, resumed_from: str | os.PathLike | None, resumed_data: dict | None,
@@ -145,9 +146,10 @@ class SplitDataset(ImageFolderDataset):
 
     def __init__(self, root: str | Path, listed: list[str], transform: A.Compose, seed: int,
                  classes: list[str] | None = None, *, skip_corrupt: bool = False,
-                 max_pixels: int = DataConfig.max_image_pixels) -> None:
+                 max_pixels: int = DataConfig.max_image_pixels, list_file: str = "the run's list") -> None:
         AugmentedDataset.__init__(self, transform, seed)
         self.root, self.skip_corrupt, self.max_pixels = Path(root), skip_corrupt, max_pixels
+        self.list_file = list_file
         folders = [path.split("/", 1)[0] for path in listed]
         own = sorted(set(folders))
         position = {name: i for i, name in enumerate(own)}
@@ -155,6 +157,17 @@ class SplitDataset(ImageFolderDataset):
         self.labels = shared_labels(np.asarray([position[f] for f in folders], np.int64), own, self.classes,
                                     f"{root} (data.val_fraction's list)")
         self.paths = PackedStrings(listed)
+
+    def load_image(self, index: int) -> np.ndarray:
+        """The listed image; one removed since the split was made is named with the list that still holds it
+        ("remove or replace it" would not do: the list would still name it)."""
+        try:
+            return super().load_image(index)
+        except UserError:
+            if os.path.lexists(path := self.path(index)):
+                raise
+            raise UserError(f"image {path} is listed in {self.list_file} (data.val_fraction's split) but no longer "
+                            f"exists; put it back, or remove its line from {self.list_file}") from None
 
 
 def saved_split(cfg: DataConfig, checkpoint: str | os.PathLike) -> Split | None:

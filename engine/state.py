@@ -168,10 +168,18 @@ def stop_reason(train: TrainConfig, state: TrainState, chosen_on: str) -> str | 
         return f"stopping at train.max_steps={train.max_steps}"
     patience = train.early_stop_patience
     if patience and state.validations_without_best >= patience:
-        return (f"stopping early at epoch {state.epoch}, step {state.global_step}: {chosen_on} has not improved for "
-                f"{state.validations_without_best} validations (train.early_stop_patience={patience}); best "
-                f"{chosen_on} {state.best_value:.4f}")
+        return (f"stopping early after {stop_point(state)}: {chosen_on} has not improved for "
+                f"{state.validations_without_best} validations (train.early_stop_patience={patience} counts "
+                f"validations); best {chosen_on} {state.best_value:.4f}")
     return None
+
+
+def stop_point(state: TrainState) -> str:
+    """Where a stop comes, in words: checked before an epoch, it comes after the previous epoch's end (state.epoch
+    is already the next one), which said "at epoch 7" for a stop after epoch 6."""
+    if state.epoch_step:
+        return f"step {state.epoch_step} of epoch {state.epoch} (global step {state.global_step})"
+    return f"epoch {state.epoch - 1} (global step {state.global_step})"
 
 
 def finished_reason(ckpt: dict[str, Any] | None, train: TrainConfig, model_name: str, chosen_on: str) -> str | None:

@@ -81,6 +81,10 @@ CASES = {  # name: (arguments after TINY, text the last line must contain)
     "comment in a number": (["train.epochs=1 #2"], "config key 'train.epochs' must be int, got '1 #2'"),
     "seed above 2**32 - 1": (["seed=4294967296"], "config key 'seed' must be in [0, 4294967295], got 4294967296"),
     "negative seed": (["seed=-1"], "config key 'seed' must be in [0, 4294967295], got -1"),
+    "negative split seed": (["data.split_seed=-1"], "config key 'data.split_seed' must be in [0, 4294967295], got -1"),
+    "underscore in a float": (["optim.lr=1_0"], "config key 'optim.lr' must be float, got '1_0'"),
+    "Arabic-Indic digits in a float": (["optim.lr=\u0661\u0660"], "config key 'optim.lr' must be float, got "
+                                       "'\u0661\u0660'"),
     "drop rate above 1": (["model.drop_rate=2"], "config key 'model.drop_rate' must be in [0, 1), got 2.0"),
     "flip probability above 1": (["data.hflip=5"], "config key 'data.hflip' must be in [0, 1], got 5.0"),
     "NaN learning rate": (["optim.lr=.nan"], "config key 'optim.lr' must be a finite number, got nan"),

@@ -113,13 +113,14 @@ def test_workers_a_cpu_limit_cannot_feed_are_warned_about(cpus, workers, env, wa
     if warned:
         assert warned in line and f"data.num_workers={workers}" in line and "\n" not in line
         assert f"set data.num_workers={max(0, cpus.share - 1)}" in line
+CPUS = os.cpu_count()
 
 
 @pytest.mark.parametrize("env, expected", [
-    ({"OMP_NUM_THREADS": "3"}, 3),
+    ({"OMP_NUM_THREADS": str(CPUS)}, CPUS),
     ({"OMP_NUM_THREADS": "1"}, 1),  # a user's 1, outside torchrun
     ({"OMP_NUM_THREADS": "1", "TORCHELASTIC_RUN_ID": "x"}, None),  # torchrun's own default: the app's share
-    ({"OMP_NUM_THREADS": "4", "TORCHELASTIC_RUN_ID": "x"}, 4),
+    ({"OMP_NUM_THREADS": str(CPUS), "TORCHELASTIC_RUN_ID": "x"}, CPUS),
     ({"OMP_NUM_THREADS": "0"}, None), ({"OMP_NUM_THREADS": "many"}, None), ({}, None),
 ])
 def test_a_users_omp_num_threads_wins(env, expected):
@@ -131,6 +132,21 @@ def test_a_users_omp_num_threads_wins(env, expected):
         assert ("as set" in chosen) == (expected is not None)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_more_threads_than_the_machine_has_cpus_is_one_line():
+    """OMP_NUM_THREADS=100000 made torch.set_num_threads(100000) and the first parallel op a segfault (exit 139);
+    refused before torch takes it, and the threads stay as they were."""
+    from core.errors import UserError
+
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(UserError, match=f"^OMP_NUM_THREADS=100000 asks for more threads than this machine has CPUs "
+                                            f"\\({CPUS}\\); set it to at most {CPUS}, or unset it"):
+            tune_cpu_process(1, {"OMP_NUM_THREADS": "100000"})
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(threads)  # before any op: set to 100000, the next parallel op would crash the suite
 
 
 @pytest.mark.parametrize("user, read", [

@@ -164,6 +164,53 @@ def test_the_recorded_commit_is_mains_and_a_resume_reads_it_after_main_moved(off
     assert hub_revision(unset, {"data": {"hf_revision": COMMIT}}) == COMMIT
 
 
+@pytest.mark.parametrize("root, expected", [
+    ("hf-hub:../../etc", "data.root=hf-hub:../../etc does not name a Hugging Face dataset repo; write hf-hub:<org>/"),
+    ("hf-hub:me/digits/x", "data.root=hf-hub:me/digits/x does not name a Hugging Face dataset repo"),
+    ("hfds/me/digits/", "data.root=hfds/me/digits/ does not name a Hugging Face dataset repo; write hfds/<org>/<name>"),
+    ("hf-hub:me/dig its", "data.root=hf-hub:me/dig its does not name a Hugging Face dataset repo"),
+    ("hf-hub:", "data.root=hf-hub: does not name a Hugging Face dataset repo"),  # was "must be str, got {'hf-hub': None}"
+    ("hf-hub:me/digits@main", "data.root=hf-hub:me/digits@main: a dataset's revision is not part of its name; write "
+                              "data.root=hf-hub:me/digits data.hf_revision=<commit>"),
+])
+def test_a_malformed_hub_name_is_one_line(root, expected, tmp_path, capsys):
+    """Was huggingface_hub's HFValidationError traceback; refused before any look-up."""
+    import train
+    from core.cli import report_errors
+
+    from tests.helpers import last_error
+
+    line = last_error(capsys, report_errors(train.main, [*HUB, f"data.root={root}", f"output_dir={tmp_path / 'run'}"]))
+    assert line.startswith(f"error: {expected}"), line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("damage, expected", [
+    ("no data files", "the hub cache holds no files of split(s) train, validation (data/train-*, data/validation-*)"),
+    ("train only", "the hub cache holds no files of split(s) validation (data/validation-*)"),
+    ("broken card", "README.md has a YAML header (between the --- lines) that does not read (line 3: expected ','"),
+])
+def test_a_damaged_hub_cache_is_one_line(damage, expected, offline_datasets, tmp_path, capsys):
+    """A snapshot holding only the card (was DataFilesNotFoundError), one split's files only (was "Couldn't infer the
+    same data file format for all splits"), or a card whose YAML header does not parse (was yaml's ParserError)."""
+    import train
+    from huggingface_hub import constants
+
+    from core.cli import report_errors
+    from tests.helpers import last_error
+
+    repo = f"org/{damage.replace(' ', '-')}"
+    snapshot = write_hub_repo(Path(constants.HF_HUB_CACHE), repo, {"train": 8, "validation": 4})
+    if damage == "broken card":
+        (snapshot / "README.md").write_text("---\ndataset_info: [unclosed\n  features: x\n---\n")
+    for part in {"no data files": ["train", "validation"], "train only": ["validation"]}.get(damage, []):
+        (snapshot / "data" / f"{part}-00000-of-00001.parquet").unlink()
+    args = [*HUB, f"data.root=hf-hub:{repo}", f"output_dir={tmp_path / 'run'}"]
+    line = last_error(capsys, report_errors(train.main, args))
+    assert line.startswith(f"error: Hugging Face dataset {repo}") and expected in line, line
+    assert not (tmp_path / "run").exists()
+
+
 def test_only_the_config_files_are_fetched(hub_repo):
     """The snapshot is asked for the dataset card's files of data.hf_config (a repo of many configs is not
     downloaded whole), at the commit the card was read at."""

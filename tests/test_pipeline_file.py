@@ -68,6 +68,11 @@ BAD = {
     "unknown": ({"__version__": A.__version__, "transform": {"__class_fullname__": "Compose", "p": 1.0,
                  "transforms": [{"__class_fullname__": "NoSuchTransform", "p": 1.0}]}},
                 "albumentations cannot load it"),
+    "misspelled argument": ({"__version__": A.__version__, "transform": {
+        "__class_fullname__": "Compose", "p": 1.0, "transforms": [
+            {"__class_fullname__": "RandomCrop", "height": 16, "width": 16, "p": 1.0},
+            {"__class_fullname__": "Affine", "scael": 1.5, "p": 1.0}]}},  # was trained at the default scale
+        "Affine has no argument 'scael' (albumentations would ignore it and use the default); it takes "),
     "float": (A.Compose([A.RandomCrop(16, 16), A.ToFloat()]), "made a float32 image of 16x16x3"),
     "shape": (A.Compose([A.RandomCrop(12, 12)]), "made a uint8 image of 12x12x3"),
     "to_tensor": (A.Compose([A.RandomCrop(16, 16), ToTensorV2()]), "remove ToTensorV2"),
@@ -88,11 +93,13 @@ def test_bad_pipeline_file_is_one_line(case, tmp_path, capsys, monkeypatch):
     import train
     from core.cli import report_errors
 
-    code = report_errors(train.main, [*TINY, f"data.train_transform={file}", f"output_dir={tmp_path / 'run'}"])
-    assert code == 2
-    line = last_error(capsys, code)
-    assert line.startswith(f"error: data.train_transform={file}: ") and expected in line, line
-    assert not (tmp_path / "run").exists()  # nothing written
+    for dry_run in ([], ["--dry-run"]) if case == "misspelled argument" else ([],):  # --dry-run said "passed"
+        code = report_errors(train.main, [*dry_run, *TINY, f"data.train_transform={file}",
+                                          f"output_dir={tmp_path / 'run'}"])
+        assert code == 2
+        line = last_error(capsys, code)
+        assert line.startswith(f"error: data.train_transform={file}: ") and expected in line, line
+        assert not (tmp_path / "run").exists()  # nothing written
 
 
 @pytest.mark.parametrize("nested, name", [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 from pathlib import Path
 
@@ -60,7 +61,8 @@ def test_names_holding_line_breaks_are_refused_at_the_split_or_read_back_whole(t
     split = make_split(root, 0.5, seed=0)
     for name, data in split.files().items():
         (tmp_path / name).write_bytes(data)
-    assert read_split(tmp_path) == split
+    read = read_split(tmp_path)
+    assert (read.train, read.val, read.folder) == (split.train, split.val, str(tmp_path))
     (root / "b" / "000.png").rename(root / "b" / "two\nlines.png")
     with pytest.raises(UserError, match=r"image '.*/b/two\\nlines.png' has a line break in its name.*rename it"):
         make_split(root, 0.5, seed=0)
@@ -78,7 +80,7 @@ def test_a_branch_keeps_the_resumed_runs_split_or_refuses_another(tmp_path):
     (root / "a" / "000.png").rename(root / "a" / "moved.png")  # a recomputed split would differ
     resumed = {"name": "imagefolder", "root": str(root), "val_fraction": 0.2, "split_seed": 0}
     data = DataConfig(name="imagefolder", root=str(root), val_fraction=0.2)
-    assert run_split(data, old / "last.pth", resumed, is_main=False) == kept
+    assert run_split(data, old / "last.pth", resumed, is_main=False) == dataclasses.replace(kept, folder=str(old))
     for change in ({"val_fraction": 0.3}, {"split_seed": 1}):
         with pytest.raises(UserError, match=f"resume={old / 'last.pth'}: that run split {root}.*"
                                             f"data.{next(iter(change))} .* -> .* would split again and validate on "
@@ -116,7 +118,7 @@ def test_a_resume_reads_the_split_back_from_the_run_folder(tmp_path):
     cfg = DataConfig(name="imagefolder", root=str(root), val_fraction=0.25, split_seed=3)
     recorded = {"name": "imagefolder", "root": str(root), "val_fraction": 0.25, "split_seed": 3}
     assert make_split(root, 0.25, seed=3) != written
-    assert run_split(cfg, run / "last.pth", recorded, is_main=False) == written
+    assert run_split(cfg, run / "last.pth", recorded, is_main=False) == dataclasses.replace(written, folder=str(run))
     reseeded = DataConfig(name="imagefolder", root=str(root), val_fraction=0.25, split_seed=4)
     with pytest.raises(UserError, match="data.split_seed 3 -> 4 would split again"):
         run_split(reseeded, run / "last.pth", recorded, is_main=False)
@@ -201,3 +203,26 @@ def test_export_of_a_val_fraction_run_checks_on_the_runs_validation_images(split
     raw, _ = check_sources(cfg, None, 8, str(best))
     listed = lines(split_pipeline_run / "val.txt")[:8]
     assert all(np.array_equal(image, read_image(str(root / path))) for image, path in zip(raw, listed, strict=True))
+
+
+def test_an_image_removed_from_a_resumed_split_names_its_list(tmp_path):
+    """val.txt still names an image removed since the split was made: the line says so and what works (it said
+    "cannot read image ...; remove or replace it", and a removed image is still listed)."""
+    from core.config import DataConfig
+    from data.loader import side_of
+    from data.split import read_split
+    from data.transforms import eval_transform
+
+    root, run = class_folders(tmp_path), tmp_path / "run"
+    run.mkdir()
+    for name, data in make_split(root, 0.25, seed=0).files().items():
+        (run / name).write_bytes(data)
+    split = read_split(run)
+    (root / split.val[0]).unlink()
+    cfg = DataConfig(name="imagefolder", root=str(root), val_fraction=0.25, img_size=16)
+    val = side_of(cfg, False, eval_transform(cfg), 0, None, split, skip_corrupt=False)
+    with pytest.raises(UserError, match=f"^image {root / split.val[0]} is listed in {run}/val.txt "
+                                        r"\(data.val_fraction's split\) but no longer exists; put it back, or remove "
+                                        f"its line from {run}/val.txt$"):
+        val.load_image(0)
+    assert val.load_image(1).shape[2] == 3  # the others read as before

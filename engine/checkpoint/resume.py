@@ -224,8 +224,8 @@ def epoch_boundary(ckpt: dict[str, Any], path: Path, kept: str) -> str:
 
 
 def yaml_value(value: Any) -> str:
-    """A config value as a user types it (true, not True)."""
-    return str(value).lower() if isinstance(value, bool) else str(value)
+    """A config value as a user types it (true, not True; "" for an emptied key, which would print as nothing)."""
+    return str(value).lower() if isinstance(value, bool) else '""' if value == "" else str(value)
 
 
 def check_optimizer_state(saved: dict[str, Any], optimizer: torch.optim.Optimizer, path: Path) -> None:
