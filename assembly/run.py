@@ -25,7 +25,7 @@ from engine.checkpoint.run_dir import FolderLock, RunRecord, check_writable
 from engine.checkpoint.saver import Checkpointer
 from engine.evaluation import validation_precision
 from engine.hooks import (BestArtifact, CloseEpoch, Curves, EmaUpdate, EpochCheckpoint, EpochInputs, FinishSinks, Hook,
-                          RecordRow, SkippedImages, StepCheckpoint, StopRules, Tracking, ValidateEvery,
+                          RecordRow, SkippedImages, StepCheckpoint, StopRules, Tracking, Unfreeze, ValidateEvery,
                           ValidationErrors)
 from engine.precision import Precision, run_precisions
 from engine.profiling import FOLDER as PROFILE_FOLDER, ProfileSteps
@@ -36,6 +36,7 @@ from engine.trainer import LoopConfig, TrainParts
 from engine.validation import Validation
 from models.ema import CachedEma
 from models.factory import hub_origin, prepare_model
+from models.freeze import Frozen
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class Run:
     parts: TrainParts
     loop: LoopConfig
     ema: CachedEma | None
+    frozen: Frozen | None  # model.freeze_epochs' backbone, until the Unfreeze hook releases it
     state: TrainState
     started_from: dict[str, Any] | None  # the model card's starting weights
     validation: Validation
@@ -113,7 +115,7 @@ def prepare(cfg: Config, info: DistInfo, fresh: bool, started: float) -> Run | N
     model = prepare_model(model, cfg.model, info.device, info.world_size)  # placed once it has its starting weights
     hub = hub_origin(cfg.model.name, weights.hub_cfg)  # timm's weights, for the model card
     started_from = start.started_from(weights.pretrained, hub)
-    parts, loop, ema = build_parts(cfg, info, data, precision, model, teacher, None if fresh else start)
+    parts, loop, ema, frozen = build_parts(cfg, info, data, precision, model, teacher, None if fresh else start)
     state = TrainState()
     start.load_training(state, cfg, info, data.steps_per_epoch, model=parts.model, optimizer=parts.optimizer,
                         scheduler=parts.scheduler, scaler=precision.scaler, chosen_on=chosen_on)
@@ -125,8 +127,8 @@ def prepare(cfg: Config, info: DistInfo, fresh: bool, started: float) -> Run | N
         log.info("CPU: %s", threads_line(info.local_world_size, cfg.data.num_workers))
     validation = Validation(parts.model, ema.module if ema is not None else None, data.val, measured, info,
                             loop.normalize, cfg.data, parts.optimizer, chosen_on, gathers_outcomes(cfg, data))
-    return Run(cfg, info, start, chosen_on, data, precision, measured, model, teacher, parts, loop, ema, state,
-               started_from, validation, started)
+    return Run(cfg, info, start, chosen_on, data, precision, measured, model, teacher, parts, loop, ema, frozen,
+               state, started_from, validation, started)
 
 
 def gathers_outcomes(cfg: Config, data: DataBundle) -> bool:
@@ -191,7 +193,9 @@ def hooks_of(run: Run, out: RunOutputs, extra: Sequence[Hook] = ()) -> list[Hook
     skipped = ([SkippedImages(full_epoch_images(data.train, info.world_size), info.is_main)]
                if cfg.data.skip_corrupt else [])
     ema = [EmaUpdate(run.ema, run.model, cfg.model.ema_reset_epochs)] if run.ema is not None else []
+    unfreeze = [Unfreeze(cfg.model.freeze_epochs, run.frozen.release, info.is_main)] if run.frozen else []
     hooks = [stop_rules,  # first: before an epoch it ends, nothing else runs
+             *unfreeze,  # before the epoch's first step
              EpochInputs(data.train, cfg.train.accum_steps, run.parts.loss_fn),
              *ema,  # before the checkpoint that saves it, and before a validation of it
              out.step_checkpoint,

@@ -84,6 +84,10 @@ class ModelConfig:
     freeze: str = key("none",
                       "none | backbone: train only the classifier (linear probing; frozen BatchNorm stays in eval)",
                       choices=("none", "backbone"))
+    freeze_epochs: int = key(0,
+                             "with model.freeze=backbone: only the classifier trains for this many epochs, then the "
+                             "whole model (fastai's fine_tune); 0 = frozen for the whole run",
+                             within=">= 0")
 
 
 @dataclass

@@ -83,6 +83,7 @@ def validate(cfg: Config) -> None:
         if len(low_high) != 2 or not 0 < low_high[0] <= low_high[1]:
             raise UserError(f"config key {key!r} must be [low, high] with 0 < low <= high, got {low_high}")
     validate_sched(cfg.sched, cfg.train.epochs)
+    validate_freeze(cfg)
     validate_optim(cfg.optim)
     validate_bce(cfg.train)
     validate_multi_label(cfg)
@@ -153,6 +154,22 @@ def validate_sched(cfg: SchedConfig, epochs: int) -> None:
                         f"train.epochs {epochs} for the schedule after it; lower sched.warmup_epochs")
     if cfg.cooldown_epochs >= epochs:
         raise UserError(f"sched.cooldown_epochs must be below train.epochs ({epochs}), got {cfg.cooldown_epochs}")
+
+
+def validate_freeze(cfg: Config) -> None:
+    """model.freeze_epochs: a head-only phase that ends within the run, on a backbone that can be frozen for it."""
+    epochs = cfg.model.freeze_epochs
+    if not epochs:
+        return
+    if cfg.model.freeze != "backbone":
+        raise UserError(f"model.freeze_epochs={epochs} needs model.freeze=backbone (what is frozen for those epochs); "
+                        "add model.freeze=backbone, or remove model.freeze_epochs")
+    if epochs >= cfg.train.epochs:
+        raise UserError(f"model.freeze_epochs={epochs} is not below train.epochs={cfg.train.epochs}: the whole model "
+                        "would never train; lower model.freeze_epochs, or set it to 0 (frozen for the whole run)")
+    if cfg.dist.strategy == "fsdp":
+        raise UserError(f"model.freeze_epochs={epochs} with dist.strategy=fsdp: a sharded model cannot unfreeze "
+                        "mid-run here; use dist.strategy=ddp, or model.freeze_epochs=0 (frozen for the whole run)")
 
 
 def validate_optim(cfg: OptimConfig) -> None:

@@ -77,6 +77,25 @@ class EpochInputs(Hook):
         set_loss_epoch(self.loss_fn, state.epoch)
 
 
+class Unfreeze(Hook):
+    """model.freeze_epochs: before epoch `epochs` (or the first epoch of a run resumed past it) the frozen backbone is
+    released (`release`) and the whole model trains from there, said once on rank 0. Decided by the epoch alone, so
+    a resumed run unfreezes at the same step as one not stopped."""
+
+    def __init__(self, epochs: int, release: Callable[[], None], is_main: bool) -> None:
+        self.epochs, self.release, self.is_main = epochs, release, is_main
+        self.done = False
+
+    def before_epoch(self, state: TrainState) -> None:
+        if self.done or state.epoch < self.epochs:
+            return
+        self.release()
+        self.done = True
+        if self.is_main:
+            log.info("epoch %d: the backbone is unfrozen, the whole model trains from here (model.freeze_epochs=%d)",
+                     state.epoch, self.epochs)
+
+
 class EmaUpdate(Hook):
     """model.ema_decay: fold the model's weights into the EMA after every optimizer step.
 

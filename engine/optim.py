@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 FUSED_CLASSES = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
 
-def fused_kwargs(name: str, grad_scaler: bool = False, sharded: bool = False) -> dict:
+def fused_kwargs(name: str, grad_scaler: bool = False, sharded: bool = False, unfreezes: bool = False) -> dict:
     """{"fused": True} when timm maps `name` to a torch optimizer with a fused step, else {}.
 
     It is the same arithmetic, rounded differently in the last bits (not bitwise equal to the per-tensor
@@ -30,13 +30,14 @@ def fused_kwargs(name: str, grad_scaler: bool = False, sharded: bool = False) ->
     takes the scaler's found_inf flag instead of being skipped, and on a skipped first step it keeps momentum
     buffers made with empty_like, uninitialised (fused Adam/AdamW zero theirs: tests/test_gpu_path.py).
     Nor for sharded (FSDP2, DTensor) parameters: DTensor has no sharding rule for fused SGD's kernel (it has
-    for fused Adam/AdamW).
+    for fused Adam/AdamW). Nor when some parameters start stepping later than others (`unfreezes`:
+    model.freeze_epochs): fused SGD takes a group's momentum buffers all made or none, and raises on a mix.
     """
     try:
         cls = get_optimizer_class(name, bind_defaults=False)
     except Exception:  # unknown name, or an optimizer needing CUDA libraries: timm's own error comes later
         return {}
-    if cls is torch.optim.SGD and (grad_scaler or sharded):
+    if cls is torch.optim.SGD and (grad_scaler or sharded or unfreezes):
         return {}
     return {"fused": True} if cls in FUSED_CLASSES else {}
 
@@ -135,12 +136,12 @@ def scaled_lr_values(optim: OptimConfig, images: int, typed: frozenset[str], giv
     return {"lr": lr}
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, grad_scaler: bool = False,
-                    sharded: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, grad_scaler: bool = False, sharded: bool = False,
+                    unfreezes: bool = False) -> torch.optim.Optimizer:
     """timm optimizer (fused when that is safe); norm weights and biases get no weight decay if no_decay_norm_bias.
 
-    `grad_scaler`: the run steps through a GradScaler (fp16), `sharded`: the parameters are FSDP2's DTensors;
-    either rules out fused SGD.
+    `grad_scaler`: the run steps through a GradScaler (fp16), `sharded`: the parameters are FSDP2's DTensors,
+    `unfreezes`: frozen parameters join the steps later (model.freeze_epochs); each rules out fused SGD.
     """
     knobs = {"betas": tuple(cfg.betas) if cfg.betas else None, "eps": cfg.eps, "nesterov": cfg.nesterov}
     knobs = {key: value for key, value in knobs.items() if value is not None}  # unset: the optimizer's default
@@ -150,7 +151,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, grad_scaler: bool = Fals
         return create_optimizer_v2(params, opt=cfg.name, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                    momentum=cfg.momentum, filter_bias_and_bn=cfg.no_decay_norm_bias,
                                    layer_decay=cfg.layer_decay or None,
-                                   **{**fused_kwargs(cfg.name, grad_scaler, sharded), **knobs, **cfg.kwargs})
+                                   **{**fused_kwargs(cfg.name, grad_scaler, sharded, unfreezes), **knobs,
+                                      **cfg.kwargs})
     except (AssertionError, ValueError) as err:
         raise UserError(f"optim.name {cfg.name!r} is not a timm optimizer ({err})") from None
     except TypeError as err:  # an optim.kwargs entry this optimizer does not take
