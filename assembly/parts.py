@@ -21,6 +21,7 @@ from engine.distill import build_distillation
 from engine.losses import Loss, build_loss, heavy_weight_warning
 from engine.optim import build_optimizer, build_scheduler
 from engine.precision import Precision
+from engine.state import best_metric, lower_is_better
 from engine.trainer import LoopConfig, TrainParts
 from models.ema import CachedEma, create_ema
 from models.factory import compile_warning
@@ -59,8 +60,9 @@ def build_parts(cfg: Config, info: DistInfo, data: DataBundle, precision: Precis
     # model.freeze_epochs: DDP and the optimizer hold every parameter, then the backbone is frozen (the Unfreeze hook
     # releases it), so a run resumed on either side of the unfreeze steps the same optimizer as one not stopped.
     frozen = freeze_backbone(model, cfg.model.freeze_epochs) if unfreezes else None
-    parts = TrainParts(trained, optimizer, build_scheduler(optimizer, cfg.sched, cfg.train.epochs, updates_per_epoch),
-                       loss, precision, distill)
+    scheduler = build_scheduler(optimizer, cfg.sched, cfg.train.epochs, updates_per_epoch,
+                                lower_is_better(best_metric(cfg)))
+    parts = TrainParts(trained, optimizer, scheduler, loss, precision, distill)
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
     erasing = data.train.dataset.erasing  # data.random_erase_fill=normalized: boxes to fill after normalize
     total_steps = cfg.train.epochs * updates_per_epoch

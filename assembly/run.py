@@ -25,8 +25,8 @@ from engine.checkpoint.run_dir import FolderLock, RunRecord, check_writable
 from engine.checkpoint.saver import Checkpointer
 from engine.evaluation import validation_precision
 from engine.hooks import (BestArtifact, CloseEpoch, Curves, EmaUpdate, EpochCheckpoint, EpochInputs, FinishSinks, Hook,
-                          RecordRow, SkippedImages, StepCheckpoint, StopRules, Tracking, Unfreeze, ValidateEvery,
-                          ValidationErrors)
+                          RecordRow, SkippedImages, StepCheckpoint, StepOnMetric, StopRules, Tracking, Unfreeze,
+                          ValidateEvery, ValidationErrors)
 from engine.precision import Precision, run_precisions
 from engine.profiling import FOLDER as PROFILE_FOLDER, ProfileSteps
 from engine.speed import InputAdvice
@@ -193,6 +193,8 @@ def hooks_of(run: Run, out: RunOutputs, extra: Sequence[Hook] = ()) -> list[Hook
     skipped = ([SkippedImages(full_epoch_images(data.train, info.world_size), info.is_main)]
                if cfg.data.skip_corrupt else [])
     ema = [EmaUpdate(run.ema, run.model, cfg.model.ema_reset_epochs)] if run.ema is not None else []
+    plateau = ([StepOnMetric(run.parts.scheduler, run.chosen_on, run.parts.optimizer)]
+               if cfg.sched.name == "plateau" else [])
     unfreeze = [Unfreeze(cfg.model.freeze_epochs, run.frozen.release, info.is_main)] if run.frozen else []
     hooks = [stop_rules,  # first: before an epoch it ends, nothing else runs
              *unfreeze,  # before the epoch's first step
@@ -202,6 +204,7 @@ def hooks_of(run: Run, out: RunOutputs, extra: Sequence[Hook] = ()) -> list[Hook
              InputAdvice(cfg.data, cpu_share(info.local_world_size), info.is_main),
              *skipped,  # in the row before it is recorded
              CloseEpoch(),  # before the record and the checkpoint: resume=auto starts at the next epoch
+             *plateau,  # the row's lr, and the schedule's state in the checkpoint, after its decision
              RecordRow(out.record),
              *([Curves(out.record, run.chosen_on, info.is_main)] if cfg.logging.curves else []),  # the row recorded
              Tracking(sinks, run.chosen_on, info.is_main),

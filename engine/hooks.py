@@ -284,6 +284,21 @@ class CloseEpoch(Hook):
             state.count_validation()
 
 
+class StepOnMetric(Hook):
+    """sched.name=plateau: each counted validation's value of `metric` (train.best_metric's column, all-reduced: the
+    same on every rank) goes to the schedule, before the row is recorded and checkpointed; the row's lr is then the
+    lr the next step trains with, as every schedule's row shows. A train.max_steps stop's validation is not counted
+    (as for early stopping): the run resumed there validates that epoch again at its end."""
+
+    def __init__(self, scheduler: Any, metric: str, optimizer: Any) -> None:
+        self.scheduler, self.metric, self.optimizer = scheduler, metric, optimizer
+
+    def after_epoch(self, state: TrainState, end: EpochEnd) -> None:
+        if end.finished or end.mid_epoch:
+            self.scheduler.step_metric(end.row[self.metric])
+            end.row["lr"] = self.optimizer.param_groups[0]["lr"]
+
+
 class RecordRow(Hook):
     """metrics.jsonl: each validation's row (rank 0 writes; the run's folder starts at its first write)."""
 

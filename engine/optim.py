@@ -15,6 +15,7 @@ from torchvision.ops._utils import split_normalization_params  # torchvision's o
 
 from core.config import Config, OptimConfig, SchedConfig, TrainConfig, global_batch, mixing
 from core.errors import UserError
+from engine.schedules import OneCycle, Plateau
 
 log = logging.getLogger(__name__)
 
@@ -177,14 +178,20 @@ def norm_layer_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": norm, "weight_decay": 0.0}, {"params": other, "weight_decay": weight_decay}]
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedConfig, epochs: int,
-                    updates_per_epoch: int) -> Scheduler | EpochSteps:
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedConfig, epochs: int, updates_per_epoch: int,
+                    lower_is_better: bool = False) -> Scheduler | EpochSteps | OneCycle | Plateau:
     """timm scheduler stepped every optimizer update (`step_update`), so warmup is smooth; with
-    sched.step_on_epochs, the same schedule counted in epochs (EpochSteps), the lr changing once per epoch.
+    sched.step_on_epochs, the same schedule counted in epochs (EpochSteps), the lr changing once per epoch;
+    sched.name=onecycle and plateau are torch's schedulers (engine/schedules.py; plateau follows a metric that
+    `lower_is_better` or not: train.best_metric's).
 
     Every length is converted to the schedule's unit here, in one place (timm then counts in that unit:
     updates_per_epoch=1), which lets warmup be given in steps as well as in epochs.
     """
+    if cfg.name == "onecycle":
+        return OneCycle(optimizer, cfg, epochs * updates_per_epoch)
+    if cfg.name == "plateau":
+        return Plateau(optimizer, cfg, lower_is_better)
     per_epoch = 1 if cfg.step_on_epochs else updates_per_epoch
     # timm applies a multistep milestone m at update m - 1 (its convention, kept for old recipes): + 1 starts
     # the decay with epoch m's first update, as torch's MultiStepLR does.
