@@ -34,9 +34,7 @@ def train(config: str | None, overrides: list[str], print_config: bool = False, 
             resolved = with_derived(cfg, **batch_and_lr(cfg, world_size, False))
             print(f"# as {world_size} process(es) run it\n{config_yaml(resolved)}", end="")
         return 0
-    info = training_processes(cfg)
-    cfg = with_run_folder(cfg)
-    check_same_config(cfg)
+    info, cfg = start_training(cfg)
     if dry:
         summary = dry_run(cfg, info)
         if info.is_main:
@@ -48,6 +46,15 @@ def train(config: str | None, overrides: list[str], print_config: bool = False, 
         else:
             fit(cfg, info, lock, hooks)  # report_errors leaves the process group, after reporting any error
     return 0
+
+
+def start_training(cfg: Config) -> tuple[DistInfo, Config]:
+    """The processes (training_processes) and cfg with its run folder resolved once for every rank, checked to be the
+    same config on each: what train.py and assembly/api.train do before a run."""
+    info = training_processes(cfg)
+    cfg = with_run_folder(cfg)
+    check_same_config(cfg)
+    return info, cfg
 
 
 def training_processes(cfg: Config) -> DistInfo:
@@ -68,7 +75,7 @@ def run_folder(cfg: Config) -> Iterator[FolderLock | None]:
         yield lock
 
 
-def config_file(given: str | None, overrides: list[str]) -> str:
+def config_file(given: str | dict | None, overrides: list[str]) -> str | dict:
     """--config, or the quickstart's; other data without --config is refused in one line: the digits config's
     32 px and mean/std 0.5 would silently apply to the user's photos."""
     if given is not None:

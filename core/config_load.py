@@ -3,6 +3,7 @@ coerced to its annotation, an unknown key answered with the closest valid one, t
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
@@ -82,10 +83,13 @@ def resolve_config_path(name: str) -> Path:
     raise UserError(f"config file {name!r} not found (give a path, or one of configs/: {', '.join(known)})")
 
 
-def load_config(path: str | None, overrides: list[str] = ()) -> Config:
-    """Build the Config from defaults, then the YAML file, then dotted `key=value` overrides."""
+def load_config(path: str | dict[str, Any] | None, overrides: list[str] = ()) -> Config:
+    """Build the Config from defaults, then the YAML file (or a mapping of its sections in its place: a notebook's,
+    assembly/api.py), then dotted `key=value` overrides."""
     raw: dict[str, Any] = {}
-    if path:
+    if isinstance(path, dict):
+        raw = copy.deepcopy(path)
+    elif path:
         file = resolve_config_path(path)
         try:
             raw = read_yaml(read_text(file)) or {}

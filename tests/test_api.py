@@ -1,0 +1,32 @@
+"""The Python entry (assembly/api.py): train and evaluate in this process, as a notebook calls them, return the numbers
+train.py and evaluate.py write and print."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers import read_jsonl
+
+
+def test_train_and_evaluate_from_python_return_the_run_folders_numbers(tmp_path):
+    """The digits quickstart's config with the smallest settings: train() returns metrics.jsonl's rows as written and
+    best.pth's value; evaluate() returns eval.json's contents, best.pth scored on the same validation images as the
+    run's own validation (the same loss and top-1); a mistake is train.py's one-line UserError."""
+    from assembly.api import evaluate, train
+    from core.errors import UserError
+
+    out = tmp_path / "run"
+    result = train("digits", {"model.name": "test_resnet", "train.epochs": 1, "train.max_steps": 3,
+                              "train.batch_size": 32, "data.num_workers": 0, "logging.progress": False,
+                              "logging.curves": False, "output_dir": str(out)})
+    written = read_jsonl(out / "metrics.jsonl")
+    assert result.output_dir == out and result.rows == written and len(written) == 1
+    assert result.best_metric == "val_top1" and result.best_value == written[0]["val_top1"]
+    scored = evaluate(out / "best.pth", batch_size=64)
+    assert scored == {**json.loads((out / "eval-best" / "eval.json").read_text()), "output_dir": str(out / "eval-best")}
+    assert scored["n"] == 361 and scored["top1"] == pytest.approx(written[0]["val_top1"], abs=1e-9)
+    assert scored["loss"] == pytest.approx(written[0]["val_loss"], rel=1e-6)
+    with pytest.raises(UserError, match="config key 'train.epochs' must be > 0, got 0"):
+        train("digits", ["train.epochs=0", f"output_dir={tmp_path / 'other'}"])
