@@ -90,18 +90,23 @@ def train(config: str | Path | dict[str, Any] | None = None, overrides: Override
     return TrainResult(Path(cfg.output_dir), best_metric(cfg), state.best_value, state.best_epoch, kept.rows)
 
 
-def evaluate(checkpoint: str | Path, data_dir: str | Path | None = None, overrides: Overrides = (), *,
-             batch_size: int | None = None, output_dir: str | Path | None = None, ema: bool = False,
-             tta_flip: bool = False, tta_crops: int = 1, tune_thresholds: bool = False) -> dict[str, Any]:
-    """evaluate.py in this process, its options as keywords: eval.json's contents (top1, loss, per_class, ...) with
-    the folder it was written to (output_dir)."""
-    args = argparse.Namespace(checkpoint=str(checkpoint), data_dir=None if data_dir is None else str(data_dir),
-                              batch_size=batch_size, output_dir=None if output_dir is None else str(output_dir),
-                              ema=ema, tta_flip=tta_flip, tta_crops=tta_crops, tune_thresholds=tune_thresholds,
-                              debug=False, overrides=as_overrides(overrides))
+def evaluate(checkpoint: str | Path, data_dir: str | Path | None = None, overrides: Overrides = (),
+             **options: Any) -> dict[str, Any]:
+    """evaluate.py in this process, its options as keywords (evaluate_args): eval.json's contents (top1, loss,
+    per_class, ...) with the folder it was written to (output_dir)."""
     try:
-        result = evaluated(args)
+        result = evaluated(evaluate_args(checkpoint, data_dir, overrides, **options))
     finally:
         cleanup()
     assert result is not None  # one process: rank 0's
     return result
+
+
+def evaluate_args(checkpoint: str | Path, data_dir: str | Path | None = None, overrides: Overrides = (), *,
+                  batch_size: int | None = None, output_dir: str | Path | None = None, ema: bool = False,
+                  tta_flip: bool = False, tta_crops: int = 1, tune_thresholds: bool = False) -> argparse.Namespace:
+    """evaluate.py's parsed arguments, with its defaults (tests/test_api.py holds them to its parser's)."""
+    return argparse.Namespace(checkpoint=str(checkpoint), data_dir=None if data_dir is None else str(data_dir),
+                              batch_size=batch_size, output_dir=None if output_dir is None else str(output_dir),
+                              ema=ema, tta_flip=tta_flip, tta_crops=tta_crops, tune_thresholds=tune_thresholds,
+                              debug=False, overrides=as_overrides(overrides))

@@ -30,3 +30,17 @@ def test_train_and_evaluate_from_python_return_the_run_folders_numbers(tmp_path)
     assert scored["loss"] == pytest.approx(written[0]["val_loss"], rel=1e-6)
     with pytest.raises(UserError, match="config key 'train.epochs' must be > 0, got 0"):
         train("digits", ["train.epochs=0", f"output_dir={tmp_path / 'other'}"])
+
+
+def test_evaluate_takes_evaluate_pys_arguments_with_its_defaults():
+    """assembly/api.evaluate builds evaluate.py's arguments itself: each option evaluate.py parses, with its default,
+    and dict overrides as the command line's strings."""
+    import evaluate as evaluate_py
+    from assembly.api import evaluate_args
+
+    assert vars(evaluate_args("ckpt.pth")) == vars(evaluate_py.parse_args(["ckpt.pth"]))
+    given = evaluate_args("ckpt.pth", "photos", {"data.val_split": "test", "data.mean": [0.5, 0.5, 0.5]},
+                          tta_flip=True, batch_size=4)
+    parsed = evaluate_py.parse_args(["ckpt.pth", "--data-dir", "photos", "--tta-flip", "--batch-size", "4",
+                                     "data.val_split=test", "data.mean=[0.5, 0.5, 0.5]"])
+    assert vars(given) == vars(parsed)
