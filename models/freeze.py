@@ -21,8 +21,8 @@ log = logging.getLogger(__name__)
 class Frozen:
     """The backbone of `model` frozen; `release()` makes the whole model trainable again (model.freeze_epochs)."""
 
-    def __init__(self, model: nn.Module, trainable: set[int], handles: list[RemovableHandle]) -> None:
-        self.model, self.trainable, self.handles = model, trainable, handles
+    def __init__(self, model: nn.Module, handles: list[RemovableHandle]) -> None:
+        self.model, self.handles = model, handles
 
     def release(self) -> None:
         """Every parameter trainable, every BatchNorm following model.train() again."""
@@ -48,7 +48,7 @@ def freeze_backbone(model: nn.Module, epochs: int = 0) -> Frozen:
     until = f"for the first {epochs} epoch(s) (model.freeze_epochs), then the whole model" if epochs else "(the classifier)"
     log.info("model.freeze=backbone: training %d of %d parameter tensors %s", len(trainable),
              len(list(model.parameters())), until)
-    return Frozen(model, trainable, handles)
+    return Frozen(model, handles)
 
 
 def stay_in_eval(module: nn.Module, args: tuple) -> None:

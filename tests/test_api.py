@@ -18,8 +18,8 @@ def test_train_and_evaluate_from_python_return_the_run_folders_numbers(tmp_path)
     from core.errors import UserError
 
     out = tmp_path / "run"
-    result = train("digits", {"model.name": "test_resnet", "train.epochs": 1, "train.max_steps": 3,
-                              "train.batch_size": 32, "data.num_workers": 0, "logging.progress": False,
+    result = train("digits", {"model.name": "test_resnet", "train.epochs": 1, "train.max_steps": 1,
+                              "train.batch_size": 16, "data.num_workers": 0, "logging.progress": False,
                               "logging.curves": False, "output_dir": str(out)})
     written = read_jsonl(out / "metrics.jsonl")
     assert result.output_dir == out and result.rows == written and len(written) == 1
