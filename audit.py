@@ -22,9 +22,6 @@ import argparse
 from core.startup import import_timm_without_wandb, openmp_waits_passively
 
 openmp_waits_passively()  # before torch loads OpenMP, which reads its environment once (core/startup.py)
-import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (core/startup.py)
-
-from assembly.audit import audit_command
 from core.cli import is_config_override, parse_with_overrides, run_main
 
 
@@ -45,7 +42,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str]) -> int:
-    return audit_command(parse_args(argv))
+    args = parse_args(argv)  # --help and a wrong argument answer before the imports below (seconds)
+    import_timm_without_wandb()  # first: the import below reaches timm, which would import wandb (core/startup.py)
+    from assembly.audit import audit_command
+
+    return audit_command(args)
 
 
 if __name__ == "__main__":

@@ -27,12 +27,8 @@ if __name__ == "__main__":  # first: a SIGTERM or SIGUSR1 during the imports bel
 
 import argparse
 
-from core.startup import import_timm_without_wandb
-
-import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (core/startup.py)
-
-from assembly.predict import predict_command
 from core.cli import parse_with_overrides, run_main
+from core.startup import import_timm_without_wandb
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -58,7 +54,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str]) -> int:
-    return predict_command(parse_args(argv))
+    args = parse_args(argv)  # --help and a wrong argument answer before the imports below (seconds)
+    import_timm_without_wandb()  # first: the import below reaches timm, which would import wandb (core/startup.py)
+    from assembly.predict import predict_command
+
+    return predict_command(args)
 
 
 if __name__ == "__main__":

@@ -16,12 +16,11 @@ if __name__ == "__main__":  # first: a SIGTERM or SIGUSR1 during the imports bel
 
 import argparse
 
-from core.startup import import_timm_without_wandb, openmp_waits_passively
+from core.startup import openmp_waits_passively
 
 openmp_waits_passively()  # before torch loads OpenMP, which reads its environment once (core/startup.py)
-import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (core/startup.py)
 
-from assembly import launch
+from assembly import launch  # torch, timm and the rest load once the config is read (assembly/launch.py)
 from core.cli import parse_with_overrides, run_main
 from core.config import keys_help
 

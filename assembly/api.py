@@ -80,7 +80,7 @@ def train(config: str | Path | dict[str, Any] | None = None, overrides: Override
     cfg = load_config(config_file(source, given), given)
     kept = KeepRows()
     try:
-        info, cfg = start_training(cfg)
+        info, cfg = start_training(cfg, source)
         with run_folder(cfg) as lock:
             state = fit(cfg, info, lock, [kept])
     finally:

@@ -239,7 +239,8 @@ def write_audit(folder: Path, train: AugmentedDataset, val: AugmentedDataset | N
     found = data_findings(train, val, cfg.data, write_rows, folder)
     losses = [{"path": path(i), "given": names[labels[i]], "predicted": names[int(probs[i].argmax())],
                "loss": loss, "probability": float(probs[i].max())} for i, loss in top_losses(labels, probs, TOP_LOSSES)]
-    confused = [{"actual": names[a], "predicted": names[p], "count": n} for a, p, n in most_confused(labels, probs)]
+    confused = [{"actual": names[a], "predicted": names[p], "count": n} for a, p, n in
+                most_confused(labels, probs.argmax(axis=1), probs.shape[1])]
     counts = {"images": len(train) + (len(val) if val is not None else 0), "label_issues": len(issues), **found.counts}
     write_report(folder / "report.html", AuditFindings(
         evidence=evidence, label_issues=issues, duplicates=found.duplicates, top_losses=losses, confused=confused,

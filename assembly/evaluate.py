@@ -28,21 +28,24 @@ from engine.checkpoint.inference import Trained, ema_hint, precision_line
 from engine.checkpoint.weights import MODEL_CONFIG
 from engine.evaluation import (best_thresholds, confidence_and_loss, evaluate, evaluate_multilabel,
                                multilabel_metrics)
+from engine.label_issues import most_confused
 from engine.metrics import (ECE_BINS, calibration_bins, class_metrics, class_report, confusion_matrix,
                             expected_calibration_error)
-from engine.plots import PNG, confusion_figure, plot_reliability, readable, save_png
+from engine.plots import PNG, confusion_figure, image_grid, plot_reliability, readable, save_png
 from engine.precision import resolve_precision
 from engine.tracking import WandbTracker
 from models.tta import CROPS, TTAModel, describe
 
 log = logging.getLogger(__name__)
 COLUMNS = ("index", "path", "label", "pred", "confidence", "top5", "label_name", "pred_name", "loss")
+TOP_LOSSES = 16  # images in top_losses.png and eval.json's top_losses (fastai's plot_top_losses)
+MOST_CONFUSED = 20  # class pairs in eval.json's most_confused (fastai's most_confused), most images first
 CONFUSION_MAX = 1000  # classes up to which confusion_matrix.png is drawn (C x C counts on the host: 8 MB at 1000)
 ML_COLUMNS = ("index", "path", "labels", "pred", "label_names", "pred_names", "probs", "loss")  # multi-label
 NUMBERS = {"index": int, "label": int, "pred": int, "confidence": float, "loss": float}  # as numbers in W&B's table
 ML_NUMBERS = {"index": int, "loss": float}  # multi-label: labels, pred and probs are lists of numbers (text)
 OUTPUTS = {"eval.json": starts_with(b'{\n  "checkpoint": '), "predictions.csv": CSV_OUTPUT,  # as written here
-           "confusion_matrix.png": PNG, "reliability.png": PNG,
+           "confusion_matrix.png": PNG, "reliability.png": PNG, "top_losses.png": PNG,
            "per_class.csv": starts_with(b"class,positives,ap,")}  # multi-label
 
 
@@ -219,8 +222,32 @@ def summarize(rows: list[dict[str, str]], metrics: dict[str, float], class_names
         "ece": expected_calibration_error(*calibration(rows)),
         "ece_bins": ECE_BINS,
         "per_class": per_class,
+        "most_confused": [{"actual": class_names[a], "predicted": class_names[p], "images": n}
+                          for a, p, n in most_confused(labels, preds, num_classes)[:MOST_CONFUSED]],
+        "top_losses": top_loss_rows(rows, class_names),
     }
     return result, confusion
+
+
+def top_loss_rows(rows: list[dict[str, str]], class_names: list[str]) -> list[dict[str, Any]]:
+    """The TOP_LOSSES images of predictions.csv with the largest loss, largest first (ties in index order)."""
+    order = sorted(range(len(rows)), key=lambda i: -float(rows[i]["loss"]))[:TOP_LOSSES]
+    return [{"index": int(rows[i]["index"]), "path": rows[i]["path"], "actual": class_names[int(rows[i]["label"])],
+             "predicted": class_names[int(rows[i]["pred"])], "confidence": float(rows[i]["confidence"]),
+             "loss": float(rows[i]["loss"])} for i in order]
+
+
+def plot_top_losses(dataset: AugmentedDataset, top: list[dict[str, Any]], crops: int, path: Path, title: str) -> None:
+    """top_losses.png: each image as the model got it (the eval pipeline, before normalization; the centre view of
+    --tta-crops 5), captioned actual / predicted / loss / confidence, as fastai's plot_top_losses."""
+    images = []
+    for entry in top:
+        image = dataset[entry["index"]][0].permute(1, 2, 0).numpy()
+        images.append(image[: image.shape[0] // crops])  # ResizeFiveCrop stacks the centre crop on top
+    captions = [f"{readable(e['actual'])} -> {readable(e['predicted'])}\nloss {e['loss']:.2f}  p {e['confidence']:.2f}"
+                for e in top]
+    save_png(image_grid(images, captions, title), path, OUTPUTS[path.name], f"an earlier {path.name} of evaluate.py",
+             "--output-dir")
 
 
 def plot_confusion(confusion: np.ndarray, class_names: list[str], path: Path, title: str) -> None:
@@ -277,6 +304,9 @@ def run(cfg: Config, trained: Trained, args: argparse.Namespace, info: DistInfo)
     else:
         log.info("%d classes: no confusion_matrix.png (written up to %d classes); eval.json has the per-class "
                  "results", len(class_names), CONFUSION_MAX)
+    if result["top_losses"]:
+        plot_top_losses(dataset, result["top_losses"], args.tta_crops, out / "top_losses.png",
+                        f"{cfg.model.name}: the {len(result['top_losses'])} largest losses (actual -> predicted)")
     plot_reliability(calibration_bins(*calibration(rows)), out / "reliability.png",
                      f"{cfg.model.name}: ECE {result['ece']:.2f}% ({ECE_BINS} bins)", OUTPUTS["reliability.png"])
     log_to_wandb(cfg, args, result, out, rows, trained.wandb_id)
@@ -350,17 +380,26 @@ def evaluated(args: argparse.Namespace) -> dict[str, Any] | None:
 def evaluate_command(args: argparse.Namespace) -> int:
     """evaluate.py on every rank, after its arguments are parsed; rank 0 prints the summary."""
     result = evaluated(args)
-    if result is not None and result.get("multi_label"):
-        worst = sorted((c for c in result["per_class"] if c["ap"] is not None), key=lambda c: c["ap"])[:3]
-        print(f"mAP {result['map']:.2f}  mAP micro {result['map_micro']:.2f}  F1@{result['threshold']} "
-              f"{result['f1']:.2f}  loss {result['loss']:.4f}  n {result['n']}")
-        print("lowest per-class AP: " + ", ".join(f"{readable(c['class'])} {c['ap']:.1f}" for c in worst))
-        print(f"wrote eval.json, predictions.csv, per_class.csv to {result['output_dir']}")
-    elif result is not None:
-        worst = sorted((c for c in result["per_class"] if c["top1"] is not None), key=lambda c: c["top1"])[:3]
-        print(f"top1 {result['top1']:.2f}%  top5 {result['top5']:.2f}%  loss {result['loss']:.4f}  "
-              f"ECE {result['ece']:.2f}%  n {result['n']}")
-        print("lowest per-class top1: " + ", ".join(f"{readable(c['class'])} {c['top1']:.1f}%" for c in worst))
-        matrix = ", confusion_matrix.png" if len(result["per_class"]) <= CONFUSION_MAX else ""
-        print(f"wrote eval.json, predictions.csv{matrix}, reliability.png to {result['output_dir']}")
+    if result is not None:
+        print("\n".join(summary_lines(result)))
     return 0
+
+
+def summary_lines(result: dict[str, Any]) -> list[str]:
+    """The console's summary of eval.json: the headline metrics (single-label: top-1 beside the balanced accuracy
+    and macro-F1 that imbalanced classes need), the weakest classes and the files written."""
+    if result.get("multi_label"):
+        worst = sorted((c for c in result["per_class"] if c["ap"] is not None), key=lambda c: c["ap"])[:3]
+        return [f"mAP {result['map']:.2f}  mAP micro {result['map_micro']:.2f}  F1@{result['threshold']} "
+                f"{result['f1']:.2f}  loss {result['loss']:.4f}  n {result['n']}",
+                "lowest per-class AP: " + ", ".join(f"{readable(c['class'])} {c['ap']:.1f}" for c in worst),
+                f"wrote eval.json, predictions.csv, per_class.csv to {result['output_dir']}"]
+    worst = sorted((c for c in result["per_class"] if c["top1"] is not None), key=lambda c: c["top1"])[:3]
+    matrix = ", confusion_matrix.png" if len(result["per_class"]) <= CONFUSION_MAX else ""
+    confused = [f"{readable(c['actual'])} -> {readable(c['predicted'])} {c['images']}"
+                for c in result["most_confused"][:3]]
+    return [f"top1 {result['top1']:.2f}%  top5 {result['top5']:.2f}%  balanced acc {result['balanced_acc']:.2f}%  "
+            f"macro F1 {result['macro_f1']:.2f}%  loss {result['loss']:.4f}  ECE {result['ece']:.2f}%  n {result['n']}",
+            "lowest per-class top1: " + ", ".join(f"{readable(c['class'])} {c['top1']:.1f}%" for c in worst),
+            *(["most confused (actual -> predicted): " + ", ".join(confused)] if confused else []),
+            f"wrote eval.json, predictions.csv{matrix}, reliability.png, top_losses.png to {result['output_dir']}"]

@@ -1,24 +1,28 @@
 """What each command does once its arguments are parsed: the one call train.py (and, in later modules,
-evaluate.py, predict.py, export.py) makes. The process group, the CPU threads and the run folder are set up here."""
+evaluate.py, predict.py, export.py) makes. The process group, the CPU threads and the run folder are set up here.
+
+The config is read and checked before anything heavy is imported: a refused key answers at once, and torch, timm,
+albumentations and the rest load after it (seconds), once the run's first line has said what starts."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
-from assembly.fit import find_lr, fit
-from assembly.run import dry_run
-from assembly.start import check_same_config, with_run_folder
 from core.config import Config, config_yaml, with_derived
 from core.config_load import load_config
-from core.dist import DistInfo, init_distributed, read_launch_env
 from core.errors import UserError
 from core.logs import setup_logging
-from core.startup import compute_threads, tune_cpu_process
-from engine.checkpoint.run_dir import FolderLock, check_shared, locked
-from engine.hooks import Hook
-from engine.optim import batch_and_lr
+from core.startup import compute_threads, default_workers, import_timm_without_wandb, tune_cpu_process
+
+if TYPE_CHECKING:
+    from core.dist import DistInfo
+    from engine.checkpoint.run_dir import FolderLock
+    from engine.hooks import Hook
+
+log = logging.getLogger(__name__)
 
 QUICKSTART = "configs/digits.yaml"  # --config's default: the quickstart's own data and 32 px settings
 
@@ -29,12 +33,19 @@ def train(config: str | None, overrides: list[str], print_config: bool = False, 
     after the run's own: benchmarks time epochs so); every rank calls it. `main` of train.py holds nothing else."""
     cfg = load_config(config_file(config, overrides), overrides)
     if print_config:
+        import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (core/startup.py)
+        from core.dist import read_launch_env
+        from engine.optim import batch_and_lr
+
         rank, world_size, *_ = read_launch_env()
         if rank == 0:  # the batch and lr for this launch's processes; preprocessing: --dry-run shows it
             resolved = with_derived(cfg, **batch_and_lr(cfg, world_size, False))
             print(f"# as {world_size} process(es) run it\n{config_yaml(resolved)}", end="")
         return 0
-    info, cfg = start_training(cfg)
+    info, cfg = start_training(cfg, config)
+    from assembly.fit import find_lr, fit  # timm, albumentations and the rest (seconds), loaded by start_training
+    from assembly.run import dry_run
+
     if dry:
         summary = dry_run(cfg, info)
         if info.is_main:
@@ -48,17 +59,45 @@ def train(config: str | None, overrides: list[str], print_config: bool = False, 
     return 0
 
 
-def start_training(cfg: Config) -> tuple[DistInfo, Config]:
-    """The processes (training_processes) and cfg with its run folder resolved once for every rank, checked to be the
-    same config on each: what train.py and assembly/api.train do before a run."""
+def start_training(cfg: Config, config: str | dict | None) -> tuple[DistInfo, Config]:
+    """The processes (training_processes) and the run's first lines, said before the slow imports, then cfg with its
+    run folder resolved once for every rank, checked to be the same config on each: what train.py and
+    assembly/api.train do before a run (`config`: as given, for the first line)."""
+    cfg, notes = with_workers(cfg)
     info = training_processes(cfg)
+    if info.is_main:
+        for line in (first_line(cfg, config, info.world_size, info.device.type), *notes):
+            log.info(line)
+    import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (core/startup.py)
+    from assembly.start import check_same_config, with_run_folder
+
     cfg = with_run_folder(cfg)
     check_same_config(cfg)
     return info, cfg
 
 
+def with_workers(cfg: Config) -> tuple[Config, list[str]]:
+    """cfg with data.num_workers as this machine runs it (core/startup.default_workers), and the notes to say:
+    loading's (cfg.notes) and the workers'."""
+    from core.dist import read_launch_env
+
+    workers, capped = default_workers(cfg.data.num_workers, "data.num_workers" in cfg.given, read_launch_env()[3])
+    return with_derived(cfg, data={"num_workers": workers}), [*cfg.notes, *([capped] if capped else [])]
+
+
+def first_line(cfg: Config, config: str | dict | None, world_size: int, device: str) -> str:
+    """The run's first line, said before the slow imports: what starts, where, on what (a config given as a dict, by
+    assembly/api.train, is named so)."""
+    data = cfg.data.name if cfg.data.name == "dummy" else f"{cfg.data.name} {cfg.data.root}"
+    source = "a config dict" if isinstance(config, dict) else config_file(config, [])
+    return (f"starting {source}: model {cfg.model.name}, data {data}, {world_size} process(es) on "
+            f"{device}, output_dir {cfg.output_dir}")
+
+
 def training_processes(cfg: Config) -> DistInfo:
     """Logging, the process group and, on the CPU, the compute threads: once per process, before any run."""
+    from core.dist import init_distributed, read_launch_env
+
     setup_logging(read_launch_env()[0], cfg.logging.level)  # before the rendezvous, which may wait
     info = init_distributed(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.rendezvous_timeout_s)
     if info.device.type == "cpu":
@@ -70,6 +109,8 @@ def training_processes(cfg: Config) -> DistInfo:
 def run_folder(cfg: Config) -> Iterator[FolderLock | None]:
     """output_dir locked for the run (one live run per folder; the lock on rank 0, None elsewhere), checked to be the
     same folder on every process."""
+    from engine.checkpoint.run_dir import check_shared, locked
+
     with locked(Path(cfg.output_dir)) as lock:
         check_shared(Path(cfg.output_dir))  # every process writes into rank 0's folder: one folder for all
         yield lock

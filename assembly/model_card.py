@@ -3,15 +3,19 @@ chosen on, how well they did, and what they are not for; no local path leaks int
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
 from pathlib import Path
 from typing import Any
 
+import albumentations as A
+import yaml
 from torch import nn
 
 from core.config import Config
+from data.pipeline import REPLACED_KEYS, file_sha256, load_pipeline
 from data.transforms import eval_size
 from engine.checkpoint.inference import Trained
 
@@ -23,7 +27,6 @@ def model_card(cfg: Config, trained: Trained, model: nn.Module, name: str) -> st
     """The folder's README.md by timm's own card writer (generate_readme, as its push_to_hf_hub uses): the Hub's
     header, what the model was trained on and from, the metrics its checkpoint records of these weights and how far
     to trust them, preprocessing, usage and limitations; then the training config without local paths."""
-    import yaml
     from timm.models._hub import generate_readme
 
     size, crop_pct = eval_size(cfg.data)
@@ -58,11 +61,42 @@ def model_card(cfg: Config, trained: Trained, model: nn.Module, name: str) -> st
                            "placeholder: set the license of these weights (and of any weights they started from) "
                            "before publishing."}
     title = f"{arch} {trained_how} on {data_set_name(data)} ({len(classes)} classes)"
-    config = yaml.safe_dump(without_local_paths(trained.config), sort_keys=False) if trained.config else "{}\n"
-    return (f"{generate_readme(card, title)}\n{limitations(trained, len(classes))}\n## Training config\n\n"
+    config = yaml.safe_dump(without_local_paths(card_config(trained.config)), sort_keys=False) if trained.config \
+        else "{}\n"
+    augmentation = augmentation_section(data, Path(trained.source.split(" ", 1)[-1]).parent)
+    return (f"{generate_readme(card, title)}\n{limitations(trained, len(classes))}\n{augmentation}"
+            "## Training config\n\n"
             "The run's resolved config (its config.yaml), with each local path cut to its last component (`<local "
             f"path>` where it has none):\n\n```yaml\n{config}```\n\n"
             f"{CARD_MARK} from {Path(trained.source.split(' ', 1)[-1]).name}; export again to rewrite it -->\n")
+
+
+def card_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The training config the card shows: without the preset's augmentation keys a pipeline file replaced (they
+    did nothing; the card's augmentation section says what the file did)."""
+    data = config.get("data", {})
+    if not data.get("train_transform"):
+        return config
+    return {**config, "data": {key: value for key, value in data.items() if key not in REPLACED_KEYS}}
+
+
+def augmentation_section(data: dict[str, Any], folder: Path) -> str:
+    """What a data.train_transform file did, by albumentations' own serialization (A.to_dict) of the run folder's
+    copy (or the file named, when its sha256 is the one the run recorded); "" without a file."""
+    if not (path := data.get("train_transform")):
+        return ""
+    digest = data.get("train_transform_sha256", "")
+    replaced = ", ".join(f"`data.{key}`" for key in REPLACED_KEYS)
+    head = (f"## Training augmentation\n\nThe albumentations pipeline file `{Path(path).name}` (data.train_transform, "
+            f"sha256 {digest or 'not recorded'}) replaced the preset's {replaced}, left out of the config below")
+    candidates = [folder / f"train_transform{Path(path).suffix}", Path(path)]
+    found = next((file for file in candidates if file.is_file() and file_sha256(str(file), "data.train_transform")
+                  == digest), None)
+    if found is None:
+        return f"{head}; the file was not found beside the checkpoint, so its transforms are not listed here.\n\n"
+    serialized = json.loads(json.dumps(A.to_dict(load_pipeline(str(found), "data.train_transform"))["transform"]))
+    return (f"{head}. Its transforms, as albumentations serializes them (`A.to_dict`):\n\n```yaml\n"
+            f"{yaml.safe_dump(serialized, sort_keys=False)}```\n\n")
 
 
 DATA_SETS = {"digits": "scikit-learn's handwritten digits", "dummy": "synthetic dummy data"}  # data.name's own data

@@ -9,16 +9,17 @@ import torch
 from torch import nn
 
 from assembly.start import Teacher
-from core.config import Config, global_batch, mixing
+from core.config import Config, DataConfig, global_batch, mixing
 from core.dist import DistInfo, is_fsdp
 from core.startup import training_kernels
 from data.erasing import NormalizedFill
 from data.loader import DataBundle
 from data.mixing import BatchMix
+from data.pipeline import REPLACED_KEYS
 from data.transforms import DeviceNormalize
 from engine.checkpoint.resume import Resume
 from engine.distill import build_distillation
-from engine.losses import Loss, build_loss, heavy_weight_warning
+from engine.losses import ImbalancedCrossEntropy, Loss, build_loss, heavy_weight_warning
 from engine.optim import build_optimizer, build_scheduler
 from engine.precision import Precision
 from engine.state import best_metric, lower_is_better
@@ -82,6 +83,55 @@ def run_loss(cfg: Config, data: DataBundle, info: DistInfo) -> Loss:
     anything else is built: fit(), --dry-run and --find-lr build it first here."""
     loss = build_loss(cfg.train, mixing(cfg.data), data.class_counts, data.class_names)
     images = global_batch(info.world_size, cfg.train.batch_size, cfg.train.accum_steps)
-    if info.is_main and (warning := heavy_weight_warning(loss, data.class_names, images)):
-        log.warning(warning)
+    if info.is_main:
+        for line in data_lines(cfg, data, loss):
+            log.info(line)
+        if warning := heavy_weight_warning(loss, data.class_names, images):
+            log.warning(warning)
     return loss
+
+
+CLASSES_SHOWN = 20  # classes the start-up block lists by name (the fewest and most images are said beyond it)
+
+
+def data_lines(cfg: Config, data: DataBundle, loss: Loss) -> list[str]:
+    """The start-up block of what training sees: the classes in their index order with their training images, how
+    they are sampled, the class weights of the loss, and the augmentation (preset or the user's file). A list of
+    weights (train.class_weights) follows this order, which nothing else shows."""
+    names, counts = data.class_names, data.class_counts
+    shown = [f"{name} {count}" for name, count in zip(names[:CLASSES_SHOWN], counts)]
+    if len(names) > CLASSES_SHOWN:
+        fewest, most = counts.index(min(counts)), counts.index(max(counts))
+        shown.append(f"... and {len(names) - CLASSES_SHOWN} more (fewest: {names[fewest]} {counts[fewest]}, most: "
+                     f"{names[most]} {counts[most]})")
+    what = "positive images" if cfg.data.multi_label else "training images"
+    sampler = ("data.sampler=class_balanced: each class drawn equally often (with replacement)"
+               if cfg.data.sampler == "class_balanced" else "data.sampler=uniform: each image once an epoch")
+    return [f"classes ({len(names)}, in index order, with their {what}): {', '.join(shown)}",
+            f"sampling: {sampler}; loss: {weights_said(cfg, names, loss)}",
+            f"augmentation: {augmentation_said(cfg.data)}"]
+
+
+def weights_said(cfg: Config, names: list[str], loss: Loss) -> str:
+    """The class weights (and logit adjustment) the loss applies, in words."""
+    weight = loss.weight if isinstance(loss, ImbalancedCrossEntropy) else None
+    if weight is None:
+        said = "no class weights"
+    else:
+        values = [f"{name} {float(w):.3g}" for name, w in zip(names[:CLASSES_SHOWN], weight)]
+        more = f", ... ({len(names) - CLASSES_SHOWN} more)" if len(names) > CLASSES_SHOWN else ""
+        start = f", from epoch {loss.from_epoch}" if loss.from_epoch else ""
+        said = f"class weights (train.class_weights={cfg.train.class_weights}{start}): {', '.join(values)}{more}"
+    return said + (f", logit adjustment tau {cfg.train.logit_adjustment:g}" if cfg.train.logit_adjustment else "")
+
+
+def augmentation_said(cfg: DataConfig) -> str:
+    """Which training augmentation runs: the user's albumentations file (in place of the preset's keys) or the
+    preset's values."""
+    if cfg.train_transform:
+        return (f"the albumentations file data.train_transform={cfg.train_transform}, in place of the preset's "
+                f"{', '.join(f'data.{key}' for key in REPLACED_KEYS)}")
+    if not cfg.augment:
+        return "none (data.augment=false: the eval preset's resize and centre crop)"
+    jitter = f", color_jitter {cfg.color_jitter:g}" if cfg.color_jitter else ""
+    return f"the preset: random resized crop scale {cfg.scale} ratio {cfg.ratio}, hflip {cfg.hflip:g}{jitter}"

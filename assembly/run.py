@@ -15,9 +15,11 @@ from torch import nn
 
 from assembly.parts import build_parts
 from assembly.start import Teacher, build_start, load_teacher, resolve_start
-from core.config import Config, global_batch, run_values, to_dict
+from core.config import Config, LoggingConfig, global_batch, run_values, to_dict
 from core.dist import DistInfo, broadcast_object, rank0_decides
 from core.startup import cpu_share, threads_line
+from core.errors import UserError
+from data.datasets import AugmentedDataset, augmented_samples
 from data.loader import DataBundle, full_epoch_images
 from data.pipeline import pipeline_copies
 from engine.checkpoint.resume import Resume
@@ -27,6 +29,8 @@ from engine.evaluation import validation_precision
 from engine.hooks import (BestArtifact, CloseEpoch, Curves, EmaUpdate, EpochCheckpoint, EpochInputs, FinishSinks, Hook,
                           RecordRow, SkippedImages, StepCheckpoint, StepOnMetric, StopRules, Tracking, Unfreeze,
                           ValidateEvery, ValidationErrors)
+from engine.optim import extension_warning
+from engine.plots import PNG, image_grid, readable, save_png
 from engine.precision import Precision, run_precisions
 from engine.profiling import FOLDER as PROFILE_FOLDER, ProfileSteps
 from engine.speed import InputAdvice
@@ -39,6 +43,7 @@ from models.factory import hub_origin, prepare_model
 from models.freeze import Frozen
 
 log = logging.getLogger(__name__)
+SAMPLES = "samples.png"  # logging.samples: a fresh run's augmented training images (fastai's show_batch)
 
 
 @dataclass
@@ -119,6 +124,8 @@ def prepare(cfg: Config, info: DistInfo, fresh: bool, started: float) -> Run | N
     state = TrainState()
     start.load_training(state, cfg, info, data.steps_per_epoch, model=parts.model, optimizer=parts.optimizer,
                         scheduler=parts.scheduler, scaler=precision.scaler, chosen_on=chosen_on)
+    if info.is_main and (warning := raised_epochs_warning(cfg, start, state.epoch, data.steps_per_epoch)):
+        log.warning(warning)
     log.info("model %s (%.1fM params), %d process(es) on %s, training in %s, validating in %s, global batch %d, "
              "%d steps/epoch", cfg.model.name, sum(p.numel() for p in model.parameters()) / 1e6, info.world_size,
              info.device.type, precision.name, validation_precision(measured, precision, model),
@@ -129,6 +136,14 @@ def prepare(cfg: Config, info: DistInfo, fresh: bool, started: float) -> Run | N
                             loop.normalize, cfg.data, parts.optimizer, chosen_on, gathers_outcomes(cfg, data))
     return Run(cfg, info, start, chosen_on, data, precision, measured, model, teacher, parts, loop, ema, frozen,
                state, started_from, validation, started)
+
+
+def raised_epochs_warning(cfg: Config, start: Resume, epoch: int, updates_per_epoch: int) -> str | None:
+    """What a train.epochs raised on a finished run trains at (engine/optim.extension_warning); None otherwise."""
+    done = ((start.ckpt or {}).get("config") or {}).get("train", {}).get("epochs")
+    if done is None or epoch < done:  # fresh, or the run had epochs left: its schedule continues as it was
+        return None
+    return extension_warning(cfg.sched, cfg.optim.lr, done, cfg.train.epochs, updates_per_epoch, str(start.path))
 
 
 def gathers_outcomes(cfg: Config, data: DataBundle) -> bool:
@@ -151,8 +166,8 @@ def open_outputs(run: Run, lock: FolderLock | None) -> RunOutputs:
     tracker.start({**to_dict(cfg), "world_size": run.info.world_size}, out, resume_id=start.wandb_id)
     board = TensorBoardWriter(cfg.logging, run.info.is_main)  # TensorBoard on rank 0; never raises
     board.start({**to_dict(cfg), "world_size": run.info.world_size}, out, state.global_step, lambda: record.started)
-    if state.global_step == 0:
-        tracker.log_samples(data.train.dataset, cfg.logging.wandb_samples)
+    if state.global_step == 0 and run.info.is_main:
+        show_samples(data.train.dataset, cfg.logging, tracker, out)
     checkpointer = Checkpointer(out, run.info, cfg.train.keep_last_k, model=run.model, optimizer=run.parts.optimizer,
                                 scheduler=run.parts.scheduler, scaler=run.precision.scaler, config=to_dict(cfg),
                                 class_names=data.class_names, ema=run.ema.module if run.ema is not None else None,
@@ -163,6 +178,21 @@ def open_outputs(run: Run, lock: FolderLock | None) -> RunOutputs:
                                 data_sizes=data.sizes(), started_from=run.started_from)
     step_checkpoint = StepCheckpoint(record, checkpointer, cfg.train.ckpt_every_steps)
     return RunOutputs(record, tracker, board, checkpointer, step_checkpoint)
+
+
+def show_samples(dataset: AugmentedDataset, logging: LoggingConfig, tracker: WandbTracker, folder: Path) -> None:
+    """A fresh run's first augmented images, as fastai's show_batch: samples.png (logging.samples) and W&B's
+    train_samples table (logging.wandb_samples). Rank 0 only; a figure that cannot be written is a warning."""
+    if logging.wandb_samples and tracker.active:
+        tracker.log_samples(augmented_samples(dataset, logging.wandb_samples))
+    if logging.samples:
+        try:
+            shown = augmented_samples(dataset, logging.samples)
+            fig = image_grid([s.image for s in shown], [readable(s.name) for s in shown],
+                             f"{len(shown)} training images as the model gets them (epoch 0, before normalization)")
+            save_png(fig, folder / SAMPLES, PNG, f"an earlier {SAMPLES} of training", "output_dir")
+        except (OSError, UserError) as err:  # a file of the user's own there is kept
+            log.warning("%s not written (%s)", folder / SAMPLES, err)
 
 
 def dry_run(cfg: Config, info: DistInfo) -> str:

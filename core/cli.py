@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import math
 import os
@@ -90,7 +91,12 @@ def is_config_override(item: str) -> bool:
 
 
 def run_main(main: Callable[[list[str]], int | None], after_sigterm: str) -> NoReturn:
-    """`python train.py ...`: main(sys.argv[1:]) through report_errors, and torch's `record` for torchrun."""
+    """`python train.py ...`: main(sys.argv[1:]) through report_errors, and torch's `record` under torchrun (it writes
+    the error file torchrun reports); alone, the fault handler record would enable, and no torch import before the
+    arguments are parsed (`--help` answers at once)."""
+    if "TORCHELASTIC_ERROR_FILE" not in os.environ:
+        faulthandler.enable(all_threads=True)
+        sys.exit(report_errors(main, after_sigterm=after_sigterm))
     from torch.distributed.elastic.multiprocessing.errors import record
 
     sys.exit(record(report_errors)(main, after_sigterm=after_sigterm))
@@ -102,12 +108,10 @@ def report_errors(main: Callable[[list[str]], int | None], argv: list[str] | Non
 
     `after_sigterm` ends the line of a run stopped by SIGTERM: what the tool's user can do next."""
     argv = sys.argv[1:] if argv is None else argv
-    import torch.distributed as dist
-
-    from core.dist import cleanup
 
     def prefix() -> str:
-        return f"[rank {dist.get_rank()}] " if dist.is_initialized() and dist.get_world_size() > 1 else ""
+        group = rank_and_size()
+        return f"[rank {group[0]}] " if group and group[1] > 1 else ""
 
     # The final messages are print()ed to stderr, not logged: they must appear whatever the rank's
     # log level and must be the last line a user sees.
@@ -120,13 +124,13 @@ def report_errors(main: Callable[[list[str]], int | None], argv: list[str] | Non
         # Before the process group exists every rank fails the same way: rank 0 alone says so.
         rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
         line = f"{prefix()}error: {err}"
-        if rank == 0 or err.before_group or (dist.is_initialized() and not err.all_ranks):
+        if rank == 0 or err.before_group or (rank_and_size() is not None and not err.all_ranks):
             print(line, file=sys.stderr, flush=True)
         tell_torchrun(line, caused_here=True)
         return 2
     except RuntimeError as err:
-        grouped = dist.is_initialized() and dist.get_world_size() > 1
-        line = collective_failure_line(err, dist.get_rank()) if grouped and "--debug" not in argv else None
+        group = rank_and_size()
+        line = collective_failure_line(err, group[0]) if group and group[1] > 1 and "--debug" not in argv else None
         if line is None:
             raise
         print(line, file=sys.stderr, flush=True)
@@ -147,12 +151,25 @@ def report_errors(main: Callable[[list[str]], int | None], argv: list[str] | Non
         interrupted = stopped.signum == signal.SIGINT
         line = f"{stopped}: {stopped.checkpoint} written; " + (how_to_continue(stopped) if interrupted
                                                                  else "resume=auto continues")
-        if not dist.is_initialized() or dist.get_rank() == 0:  # every rank stopped at the same step
+        if (group := rank_and_size()) is None or group[0] == 0:  # every rank stopped at the same step
             print(line, file=sys.stderr, flush=True)
         tell_torchrun(line, caused_here=True)
         return INTERRUPTED if interrupted else PREEMPTED
     finally:
-        cleanup()  # only now: the messages above need to know whether a process group existed
+        if "torch" in sys.modules:  # only now: the messages above need to know whether a process group existed
+            from core.dist import cleanup
+
+            cleanup()
+
+
+def rank_and_size() -> tuple[int, int] | None:
+    """(rank, world size) of this process's group, or None without one. Without torch loaded no group can exist, and
+    torch is not imported to learn it: --help and the refusals made before the first torch import stay fast."""
+    if "torch" not in sys.modules:
+        return None
+    import torch.distributed as dist
+
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else None
 
 
 def how_to_continue(stopped: Preempted) -> str:

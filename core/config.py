@@ -144,7 +144,8 @@ class DataConfig:
     color_jitter: float = key(0.0, "brightness/contrast/saturation strength; 0 disables it", within=">= 0")
     mean: list[float] = key([0.485, 0.456, 0.406], "RGB, 0-1; unset: init_from weights'")
     std: list[float] = key([0.229, 0.224, 0.225], "RGB, 0-1; unset: init_from weights'")
-    num_workers: int = key(2, "DataLoader workers per process; on the CPU each takes one of its compute threads",
+    num_workers: int = key(2, "DataLoader workers per process; on the CPU each takes one of its compute threads; "
+                              "unset: 2, capped at the process's share of the CPUs",
                            within=">= 0", continues=True, first=8)
     skip_corrupt: bool = key(False, "train: drop unreadable images (counted per epoch) instead of stopping; val never")
     max_image_pixels: int = key(89_478_485,
@@ -385,6 +386,11 @@ class LoggingConfig:
     wandb_samples: int = key(0,
                              "W&B table of this many augmented training images when a training starts; 0 = none",
                              within=">= 0", continues=True)
+    samples: int = key(16,
+                       "draw samples.png in output_dir at a fresh run's start: this many training images as the model "
+                       "gets them in epoch 0 (augmented; before normalization and mixup/cutmix), with their classes "
+                       "(rank 0); 0 = none",
+                       within=">= 0", continues=True)
     wandb_errors: int = key(16,
                             "W&B, each validation (single-label): a table of its this many worst images by loss "
                             "(image, true and predicted class, confidence, loss) and its confusion matrix (up to 100 "
@@ -489,6 +495,8 @@ class Config:
     # config file's own values it may. Attributes, not fields: no YAML key, and dataclasses.replace drops them.
     given: typing.ClassVar[frozenset[str]] = frozenset()
     from_command_line: typing.ClassVar[frozenset[str]] = frozenset()
+    # What loading decided for the user (a value the command line implies), said on the run's first lines.
+    notes: typing.ClassVar[tuple[str, ...]] = ()
 
 
 def with_derived(cfg: Config, **changes: Any) -> Config:

@@ -104,9 +104,24 @@ def load_config(path: str | dict[str, Any] | None, overrides: list[str] = ()) ->
         key, value = parse_override(item)
         set_dotted(raw, key, value)
         on_command_line += dotted_keys({key: value}) if isinstance(value, dict) else [key]
+    notes = implied_by_command_line(raw, on_command_line)
     cfg = config_from_dict(raw)
     cfg.from_command_line = frozenset(on_command_line)  # core/config.Config.from_command_line says why
+    cfg.notes = notes
     return cfg
+
+
+def implied_by_command_line(raw: dict[str, Any], on_command_line: list[str]) -> tuple[str, ...]:
+    """A model.init_from given on the command line over a config file's model.pretrained: true (finetune.yaml's)
+    starts from that file: model.pretrained becomes false, and a note says so. The command line is the user's latest
+    word; a model.pretrained=true given there too is still refused with both named (core/config_checks.py)."""
+    model = raw.get("model")
+    if ("model.init_from" not in on_command_line or "model.pretrained" in on_command_line
+            or not isinstance(model, dict) or not model.get("init_from") or model.get("pretrained") is not True):
+        return ()
+    model["pretrained"] = False
+    return (f"model.pretrained=false: model.init_from={model['init_from']} on the command line names the starting "
+            "weights, over the config file's model.pretrained: true",)
 
 
 def read_text(file: Path) -> str:

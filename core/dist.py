@@ -19,8 +19,6 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from core.errors import UserError
 
@@ -387,15 +385,21 @@ def local_main_first(local_rank: int) -> Iterator[None]:
 
 def is_fsdp(model: nn.Module) -> bool:
     """The one test for "is this model sharded": FSDP2 shards its parameters (its state dicts then hold DTensors)."""
+    from torch.distributed.fsdp import FSDPModule  # here, not at the top: seconds of start-up a run without it skips
+
     return isinstance(model, FSDPModule)
 
 
 def rank_local_tensors(model: nn.Module) -> list[torch.Tensor]:
     """The tensors no collective keeps equal across ranks: buffers (BatchNorm's running statistics), not sharded
     ones. Parameters are equal already (DDP all-reduces their gradients; an EMA of them follows) or sharded."""
+    from torch.distributed.tensor import DTensor
+
     return [t for t in model.buffers() if not isinstance(t, DTensor)]
 
 
 def replicated_tensors(model: nn.Module) -> list[torch.Tensor]:
     """The state a sharded model keeps whole on every rank (buffers such as BatchNorm's running statistics)."""
+    from torch.distributed.tensor import DTensor
+
     return [t for t in model.state_dict().values() if not isinstance(t, DTensor)]

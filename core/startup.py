@@ -115,6 +115,17 @@ def cpu_share(processes_per_node: int) -> int:
     return max(1, int(usable_cpus() // processes_per_node))
 
 
+def default_workers(workers: int, given: bool, processes_per_node: int) -> tuple[int, str | None]:
+    """data.num_workers as a run uses it, and the line that says why when it differs: a value the user gave (config
+    file or command line) as given; the default capped at this process's share of the CPUs (more workers than
+    cores only wait for each other, and torch warns that the DataLoader "might get slow or even freeze")."""
+    share = cpu_share(processes_per_node)
+    if given or workers <= share:
+        return workers, None
+    return share, (f"data.num_workers {share}: the default {workers}, capped at this process's {share} CPU(s) "
+                   f"({processes_per_node} process(es) on this node); set data.num_workers to choose")
+
+
 def compute_threads(processes_per_node: int, workers: int) -> int:
     """The threads a training process computes with: its share of the CPUs less one per loader worker, at least 1.
     Each worker is a process that decodes and augments on a core of its own: a thread beyond the cores left waits

@@ -16,6 +16,7 @@ import random
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import albumentations as A
 import cv2
@@ -26,6 +27,7 @@ from torch.utils.data import Dataset
 
 from core.config import DataConfig
 from core.errors import UserError
+from data.pipeline import FileTransform
 
 TensorTransform = Callable[[torch.Tensor], torch.Tensor]
 log = logging.getLogger(__name__)
@@ -60,6 +62,7 @@ class AugmentedDataset(Dataset, abc.ABC):
     classes: list[str]
     labels: np.ndarray
     skip_corrupt = False  # True: an unreadable image gives None (collate_readable drops it), not an error
+    corrupt_advice = ""  # the training set's: data.skip_corrupt, said with an unreadable image that stops the run
     erasing = None  # data.random_erase_fill=normalized: a TimmErasing whose boxes (not pixels) each sample carries
 
     def __init__(self, transform: A.Compose, seed: int, tensor_transform: TensorTransform | None = None) -> None:
@@ -92,14 +95,26 @@ class AugmentedDataset(Dataset, abc.ABC):
             image = self.load_image(index)
         except UserError as err:
             if not self.skip_corrupt:
-                raise
+                raise (UserError(f"{err}{self.corrupt_advice}") if self.corrupt_advice else err) from None
             log.warning("data.skip_corrupt: %s", err)
             return None
-        image = self.transform(image=image)["image"]
+        image = self.transformed(image, index)
         boxes = ()
         if self.tensor_transform is not None or self.erasing is not None:
             image, *boxes = seeded(self.augment_tensor, image, tensor_seed(entropy))
         return image, self.target(index), *boxes, *[(epoch, pair)] * (pair >= 0)
+
+    def transformed(self, image: np.ndarray, index: int) -> torch.Tensor:
+        """The albumentations pipeline's image; a user's pipeline file that fails on it is one line naming the file,
+        the transform and the image (data/pipeline.py), in this process and in a loader worker alike."""
+        try:
+            return self.transform(image=image)["image"]
+        except UserError:
+            raise
+        except Exception as err:  # noqa: BLE001 - any transform of the user's file, on any image
+            if not isinstance(self.transform, FileTransform):
+                raise
+            raise self.transform.failed(err, self.path(index), image.shape) from None
 
     def augment_tensor(self, image: torch.Tensor) -> tuple:
         """(image after the tensor policies), and with `erasing` its boxes, drawn next from the same RNG."""
@@ -111,6 +126,31 @@ class AugmentedDataset(Dataset, abc.ABC):
         """A sample's label: its class index, or (multi-label: labels is a [N, C] 0/1 array) a float multi-hot row."""
         label = self.labels[index]
         return torch.from_numpy(label.astype(np.float32)) if label.ndim else int(label)
+
+
+class Shown(NamedTuple):
+    """A training sample as shown to a person: samples.png, W&B's train_samples table."""
+    index: int
+    path: str
+    image: np.ndarray  # HWC uint8, augmented, before normalization
+    label: int | list[int]  # multi-label: the classes present
+    name: str  # their class names, "|"-joined
+
+
+def augmented_samples(dataset: AugmentedDataset, count: int, epoch: int = 0) -> list[Shown]:
+    """`count` training samples as the model gets them in `epoch` (seeded by seed, epoch and index, so drawing
+    them changes nothing in training), spread over the whole set, which an ImageFolder sorts by class. An
+    unreadable one (data.skip_corrupt) is left out."""
+    indices = np.unique(np.linspace(0, len(dataset) - 1, min(count, len(dataset))).round().astype(int))
+    shown = []
+    for index in indices.tolist():
+        sample = dataset[(epoch, index)]
+        if sample is not None:  # (data.random_erase_fill=normalized: unerased, the device fills)
+            image, label = sample[:2]
+            label = label.nonzero().flatten().tolist() if torch.is_tensor(label) else label
+            name = "|".join(dataset.classes[c] for c in (label if isinstance(label, list) else [label]))
+            shown.append(Shown(index, dataset.path(index), image.permute(1, 2, 0).numpy(), label, name))
+    return shown
 
 
 def tensor_seed(entropy: list[int]) -> int:
@@ -167,11 +207,26 @@ def multi_hot(label_sets: list[list[int]], own: list[str], classes: list[str], w
     return hot
 
 
+SPLIT_NAMES = {"train", "val", "valid", "validation", "test"}  # folders that make a root one of splits, not classes
+
+
+def missing_split_advice(root: Path) -> str:
+    """What to do about a missing split folder: a root of class folders and no split is split by data.val_fraction."""
+    folders = sorted(entry.name for entry in list_folder(root) if is_dir(entry) and not entry.name.startswith(".")) \
+        if root.is_dir() else []
+    if not folders or set(folders) & SPLIT_NAMES:
+        return ("expected <data.root>/<split>/<class>/* for data.train_split and data.val_split (set data.root, or "
+                "the split names)")
+    shown = ", ".join(folders[:3]) + (", ..." if len(folders) > 3 else "")
+    return (f"{root} holds folders ({shown}) but no such split: if they are the classes, add data.val_fraction=0.2 "
+            "(a stratified validation split made for you, docs/data.md); else name the splits with data.train_split "
+            "and data.val_split")
+
+
 def find_classes(split_dir: Path) -> list[str]:
     """Sorted class folder names, so class indices are the same on every rank and machine."""
     if not split_dir.is_dir():
-        raise UserError(f"data folder {split_dir} does not exist; expected <data.root>/<split>/<class>/* for "
-                        "data.train_split and data.val_split (set data.root, or the split names)")
+        raise UserError(f"data folder {split_dir} does not exist; {missing_split_advice(split_dir.parent)}")
     classes = []
     for entry in list_folder(split_dir):
         if entry.name.startswith("."):

@@ -213,6 +213,8 @@ def build_datasets(cfg: DataConfig, seed: int, local_rank: int = 0,
     if cfg.skip_corrupt and cfg.name != "dummy":
         log.info("data.skip_corrupt: unreadable training images are dropped from their batch and counted")
     train = dataset_of(cfg, True, train_tf, seed, split=split)
+    if not cfg.skip_corrupt:
+        train.corrupt_advice = "; or set data.skip_corrupt=true to drop unreadable training images (counted each epoch)"
     val = dataset_of(cfg, False, eval_tf, seed, train.classes, split)
     for dataset, pipeline_file in ((train, cfg.train_transform), (val, cfg.eval_transform)):
         if pipeline_file:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import random
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import albumentations as A
@@ -23,6 +24,7 @@ from albumentations.pytorch import ToTensorV2
 from core.config import DataConfig
 from core.errors import UserError
 
+REPLACED_KEYS = ("scale", "ratio", "hflip", "color_jitter")  # the preset's keys (data/transforms.py) a file replaces
 APP_OWNS = {"ToTensorV2": "the app makes the uint8 tensor itself",
             "Normalize": "the app normalizes with data.mean/data.std on the device"}
 
@@ -87,6 +89,25 @@ class FileTransform:
     def __call__(self, **data: Any) -> dict[str, Any]:
         image = check_size(self.pipeline(**data)["image"], self.size, self.key, self.path)
         return self.to_tensor(image=image)
+
+    def failed(self, err: Exception, image: str, shape: tuple[int, ...]) -> UserError:
+        """The one line for the pipeline failing on an image: the file, the transform that raised and the image."""
+        steps = {id(step): step for step in steps_of(self.pipeline)}
+        failing = [steps[id(owner)] for owner in frame_owners(err.__traceback__) if id(owner) in steps]
+        name = type(failing[-1]).__name__ if failing else "a transform"
+        first = (str(err).strip().splitlines() or [""])[0]
+        return UserError(f"{self.key}={self.path}: {name} failed on image {image} ({'x'.join(map(str, shape))}): "
+                         f"{type(err).__name__}: {first}; make the pipeline fit every image (a resize, or PadIfNeeded "
+                         "before a crop), or remove the image")
+
+
+def frame_owners(tb: TracebackType | None) -> list[Any]:
+    """The `self` of each frame of a traceback, outermost first (the innermost transform is the one that raised)."""
+    owners = []
+    while tb is not None:
+        owners.append(tb.tb_frame.f_locals.get("self"))
+        tb = tb.tb_next
+    return owners
 
 
 def pipeline_hashes(cfg: DataConfig) -> dict[str, str]:

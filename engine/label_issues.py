@@ -32,11 +32,11 @@ def top_losses(labels: np.ndarray, probs: np.ndarray, count: int) -> list[tuple[
     return [(int(i), float(losses[i])) for i in order]
 
 
-def most_confused(labels: np.ndarray, probs: np.ndarray) -> list[tuple[int, int, int]]:
-    """(given class, predicted class, images) for each pair that differs, most images first (fastai's most_confused)."""
-    classes = probs.shape[1]
-    counts = np.bincount(labels * classes + probs.argmax(axis=1), minlength=classes * classes).reshape(classes, -1)
+def most_confused(labels: np.ndarray, predicted: np.ndarray, classes: int) -> list[tuple[int, int, int]]:
+    """(given class, predicted class, images) for each pair that differs, most images first, ties in class order
+    (fastai's most_confused: its confusion matrix's off-diagonal cells, stably sorted by count)."""
+    counts = np.bincount(labels * classes + predicted, minlength=classes * classes).reshape(classes, -1)
     np.fill_diagonal(counts, 0)
-    given, predicted = np.nonzero(counts)
-    order = np.lexsort((predicted, given, -counts[given, predicted]))
-    return [(int(given[i]), int(predicted[i]), int(counts[given[i], predicted[i]])) for i in order]
+    given, guessed = np.nonzero(counts)
+    order = np.lexsort((guessed, given, -counts[given, guessed]))
+    return [(int(given[i]), int(guessed[i]), int(counts[given[i], guessed[i]])) for i in order]

@@ -245,6 +245,28 @@ class EpochSteps:
         self.scheduler.load_state_dict(state_dict)
 
 
+def lr_at(cfg: SchedConfig, lr: float, epochs: int, updates_per_epoch: int, update: int) -> float:
+    """The schedule's lr at optimizer update `update` (a schedule is a function of the step), on a stand-in."""
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=lr)
+    build_scheduler(optimizer, cfg, epochs, updates_per_epoch).step_update(num_updates=update)
+    return optimizer.param_groups[0]["lr"]
+
+
+def extension_warning(cfg: SchedConfig, lr: float, finished_epochs: int, epochs: int, updates_per_epoch: int,
+                      checkpoint: str) -> str | None:
+    """What a raised train.epochs does to a finished run's schedule, rebuilt over the new length from where the run
+    stopped: its extra epochs train at the rebuilt schedule's tail (a cosine's near-zero lr); None when not raised, and
+    for sched.name=plateau, whose lr follows the validations, not the run's length (it continues as it was)."""
+    if epochs <= finished_epochs or cfg.name == "plateau":
+        return None
+    now = lr_at(cfg, lr, epochs, updates_per_epoch, finished_epochs * updates_per_epoch)
+    end = lr_at(cfg, lr, epochs, updates_per_epoch, epochs * updates_per_epoch - 1)
+    return (f"train.epochs {finished_epochs} -> {epochs} continues a finished run: sched.name={cfg.name} is rebuilt "
+            f"over {epochs} epochs from epoch {finished_epochs} on, so the extra epochs train at lr {now:.3g} falling "
+            f"to {end:.3g} (optim.lr {lr:g}); for a whole schedule instead, start a new run from these weights: "
+            f"model.init_from={checkpoint} resume=none in another output_dir")
+
+
 def check_scheduler(cfg: SchedConfig, epochs: int, updates_per_epoch: int) -> list[str]:
     """Build the schedule once over a stand-in parameter, so start-up (and --dry-run) meets any error timm
     raises; returns warnings for a schedule longer than the run (the caller's main rank logs them)."""

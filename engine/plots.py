@@ -71,6 +71,12 @@ def confusion_figure(confusion: np.ndarray, class_names: list[str], title: str) 
 def plot_reliability(bins: np.ndarray, path: Path, title: str, ours: Recognise = PNG,
                      expected: str = "an earlier reliability.png of evaluate.py", option: str = "--output-dir") -> None:
     """A reliability diagram: each confidence bin's accuracy against its mean confidence (calibration_bins)."""
+    save_png(reliability_figure(bins, title), path, ours, expected, option)
+
+
+def reliability_figure(bins: np.ndarray, title: str) -> Any:
+    """The reliability diagram's figure; its legend sits below both panels, where no bar can be (inside, a
+    well-calibrated model's tall bars filled every corner)."""
     plt = pyplot()
     count, confidences, hits = bins
     edges = np.linspace(0.0, 1.0, len(count) + 1)
@@ -83,11 +89,27 @@ def plot_reliability(bins: np.ndarray, path: Path, title: str, ours: Recognise =
             label="mean confidence")
     ax.set_ylabel("accuracy")
     ax.set_ylim(0, 1)
-    ax.legend(loc="upper left")
     ax.set_title(title)
     hist.bar(edges[:-1], count, width=1 / len(count), align="edge", edgecolor="black")
     hist.set_xlabel("top-1 confidence")
     hist.set_ylabel("images")
     hist.set_xlim(0, 1)
+    fig.legend(*ax.get_legend_handles_labels(), loc="lower center", ncol=3, fontsize="small", frameon=False)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))  # the bottom 5% for the legend
+    return fig
+
+
+def image_grid(images: list[np.ndarray], captions: list[str], title: str) -> Any:
+    """Images (HWC uint8) in rows of up to 4, each with its caption (fastai's show_batch and plot_top_losses)."""
+    plt = pyplot()
+    columns = max(1, min(4, len(images)))
+    rows = max(1, -(-len(images) // columns))
+    fig, axes = plt.subplots(rows, columns, figsize=(2.6 * columns, 3.0 * rows + 0.4), dpi=100, squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, image, caption in zip(axes.flat, images, captions):
+        ax.imshow(image, interpolation="nearest")
+        ax.set_title(caption, fontsize=8)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    save_png(fig, path, ours, expected, option)
+    return fig

@@ -23,7 +23,7 @@ import contextlib
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import yaml
@@ -143,26 +143,16 @@ class WandbTracker(Sink):
                 self.run.define_metric(key, step_metric="epoch", summary=f"{best},last" if best else None)
                 self.defined.add(key)
 
-    def log_samples(self, dataset: Any, count: int, epoch: int = 0, step: int = 0) -> None:
-        """A table of `count` training images as the model gets them (augmented, before normalization).
-
-        `dataset[(epoch, index)]` is the sample's augmentation in that epoch (seeded by seed, epoch and index,
-        so drawing it here changes nothing in training); indices are spread over the whole set, which an
-        ImageFolder sorts by class.
-        """
-        if not (self.active and count > 0):
+    def log_samples(self, samples: Sequence[Any], step: int = 0) -> None:
+        """A table of training images as the model gets them (data.datasets.Shown: index, path, HWC image, label,
+        class name)."""
+        if not (self.active and samples):
             return
         with self._guard("logging training samples"):
             import wandb
 
-            indices = np.unique(np.linspace(0, len(dataset) - 1, min(count, len(dataset))).round().astype(int))
-            rows = []
-            for index in indices.tolist():
-                sample = dataset[(epoch, index)]
-                if sample is not None:  # None: unreadable, with data.skip_corrupt
-                    image, label = sample[:2]  # (data.random_erase_fill=normalized: unerased, the device fills)
-                    rows.append([index, wandb.Image(image.permute(1, 2, 0).numpy()), label, dataset.classes[label]])
-            table = wandb.Table(columns=["index", "image", "label", "class"], data=rows)
+            rows = [[s.index, s.path, wandb.Image(s.image), s.label, s.name] for s in samples]
+            table = wandb.Table(columns=["index", "path", "image", "label", "class"], data=rows)
             self.run.log({"train_samples": table}, step=step)
 
     def log_errors(self, step: int, outcomes: np.ndarray, dataset: Any, class_names: list[str], count: int) -> None:
@@ -178,10 +168,10 @@ class WandbTracker(Sink):
             rows = []
             for index, true, pred, confidence, loss in outcomes[np.argsort(-outcomes[:, 4], kind="stable")[:count]]:
                 image = dataset[int(index)][0]  # evaluation's own deterministic pipeline
-                rows.append([int(index), wandb.Image(image.permute(1, 2, 0).numpy()), class_names[int(true)],
-                             class_names[int(pred)], float(confidence), float(loss)])
-            logged = {"val/worst": wandb.Table(columns=["index", "image", "true", "predicted", "confidence", "loss"],
-                                               data=rows)}
+                rows.append([int(index), dataset.path(int(index)), wandb.Image(image.permute(1, 2, 0).numpy()),
+                             class_names[int(true)], class_names[int(pred)], float(confidence), float(loss)])
+            columns = ["index", "path", "image", "true", "predicted", "confidence", "loss"]
+            logged = {"val/worst": wandb.Table(columns=columns, data=rows)}
             if len(class_names) <= CONFUSION_CLASSES:
                 logged["val/confusion"] = wandb.plot.confusion_matrix(
                     y_true=outcomes[:, 1].astype(int).tolist(), preds=outcomes[:, 2].astype(int).tolist(),

@@ -1,8 +1,10 @@
-"""Compare what two training runs left behind: the weights in last.pth and the rows of metrics.jsonl."""
+"""Compare what two training runs left behind (the weights in last.pth and the rows of metrics.jsonl), and the
+references metrics are compared with."""
 
 from __future__ import annotations
 
 import math
+import operator
 from pathlib import Path
 
 import numpy as np
@@ -135,3 +137,12 @@ def direct_ece(confidence: np.ndarray, correct: np.ndarray, bins: int = 15) -> f
         if inside.any():
             ece += abs(confidence[inside].mean() - correct[inside].mean()) * inside.mean()
     return 100.0 * ece
+
+
+def fastai_most_confused(labels: np.ndarray, predicted: np.ndarray, classes: int) -> list[tuple[int, int, int]]:
+    """fastai's ClassificationInterpretation.most_confused(min_val=1), its lines on its confusion matrix."""
+    cm = np.zeros((classes, classes), dtype=int)
+    np.add.at(cm, (labels, predicted), 1)
+    np.fill_diagonal(cm, 0)
+    res = [(i, j, int(cm[i, j])) for i, j in zip(*np.where(cm >= 1))]
+    return sorted(res, key=operator.itemgetter(2), reverse=True)

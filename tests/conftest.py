@@ -79,7 +79,8 @@ def tiny_run(tmp_path_factory) -> Path:
     Read it, never write into it: tests that change a run copy it or train their own.
     """
     out = tmp_path_factory.mktemp("tiny") / "run"
-    run_script("train.py", *TINY, "logging.curves=true", f"output_dir={out}")  # the one shared run draws curves.png
+    # the one shared run that draws curves.png and samples.png
+    run_script("train.py", *TINY, "logging.curves=true", "logging.samples=6", f"output_dir={out}")
     return out
 
 

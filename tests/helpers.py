@@ -30,14 +30,15 @@ LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MAS
 # The tiny training run most tests start from: synthetic data, a 0.4M-parameter model at 16 px, fp32, one epoch.
 TINY = ["--config", "dummy", "model.name=test_resnet", "model.channels_last=false", "amp='off'",
         "data.img_size=16", "data.dummy_image_size=20", "data.dummy_train_size=32", "data.dummy_val_size=10",
-        "data.num_workers=0", "train.batch_size=8", "train.epochs=1", "logging.progress=false", "logging.curves=false"]
+        "data.num_workers=0", "train.batch_size=8", "train.epochs=1", "logging.progress=false", "logging.curves=false",
+        "logging.samples=0"]
 # A config's recipe cut to two optimizer steps on dummy data, on the CPU (tests/test_recipes.py).
 SMALL = ["data.name=dummy", "data.img_size=32", "data.dummy_image_size=36", "data.dummy_train_size=32",
          "data.dummy_val_size=8", "data.dummy_num_classes=4", "data.num_workers=0", "train.batch_size=4",
          "train.max_steps=2", "amp=off", "model.init_from=", "model.pretrained=false", "model.sync_bn=false",
          "data.mix_group=0",  # one mixing draw per batch of 4 (the recipes draw per GPU batch of 128-256)
          "model.channels_last=false",
-         "logging.progress=false", "logging.curves=false",
+         "logging.progress=false", "logging.curves=false", "logging.samples=0",
          "dist.backend=auto"]  # resnet50.yaml asks for nccl; here: the CPU
 # The run that resume must reproduce bit for bit (tests/test_resume.py).
 RUN = ["--config", "configs/dummy.yaml", "model.name=test_resnet", "model.drop_rate=0.3", "model.drop_path_rate=0.1",
@@ -59,7 +60,8 @@ STEPS = EPOCHS * (TRAIN_SIZE // GLOBAL_BATCH)
 COMMON = ("--config", "configs/dummy.yaml", "amp=off", "data.augment=false", "data.img_size=16",
           "data.dummy_image_size=16", f"data.dummy_train_size={TRAIN_SIZE}", f"data.dummy_val_size={VAL_SIZE}",
           "data.num_workers=0", "optim.name=sgd", "optim.lr=0.01", "optim.momentum=0.9",
-          "optim.weight_decay=0.01", f"train.epochs={EPOCHS}", "logging.progress=false", "logging.curves=false")
+          "optim.weight_decay=0.01", f"train.epochs={EPOCHS}", "logging.progress=false", "logging.curves=false",
+          "logging.samples=0")
 # No BatchNorm anywhere (GroupNorm): micro-batches are then normalized exactly like the full batch, which
 # is what makes accumulation equal to one big step. A timm test model, 0.1M parameters.
 NO_BN_MODEL = "model.name=test_efficientnet_gn"

@@ -160,3 +160,32 @@ def test_kwargs_mappings_reach_timm_and_bad_ones_are_one_line_errors():
         build_optimizer(model, load_config(None, ["optim.kwargs.no_such_option=1"]).optim)
     with pytest.raises(UserError, match="rejected its options"):
         create_model(load_config(None, ["model.name=resnet10t", "model.kwargs.no_such_option=1"]).model, 3)
+
+
+def test_init_from_on_the_command_line_overrules_the_config_files_pretrained(tmp_path):
+    """Issue 61: `--config finetune model.init_from=w.safetensors` starts from the file (finetune.yaml's
+    model.pretrained: true becomes false, and a note for the run's first lines says so); both given on the command
+    line are still refused."""
+    cfg = load_config("finetune", ["model.init_from=w.safetensors"])
+    assert cfg.model.pretrained is False and cfg.model.init_from == "w.safetensors"
+    assert cfg.notes == ("model.pretrained=false: model.init_from=w.safetensors on the command line names the "
+                         "starting weights, over the config file's model.pretrained: true",)
+    assert load_config("finetune").notes == ()
+    with pytest.raises(UserError, match="model.pretrained=true and model.init_from=w.safetensors"):
+        load_config("finetune", ["model.init_from=w.safetensors", "model.pretrained=true"])
+    with pytest.raises(UserError, match="model.pretrained=true and model.init_from"):  # both in one file: its own
+        load_config(write(tmp_path, "model:\n  pretrained: true\n  init_from: w.safetensors\n"))
+
+
+def test_default_loader_workers_are_capped_at_the_cpus_a_given_value_is_kept():
+    """Issue 61: finetune.yaml leaves data.num_workers at its default, which a run caps at the process's share of
+    the CPUs (torch warns above the cores), saying so; a value the user gave is used as given."""
+    from core.startup import cpu_share, default_workers
+
+    assert "data.num_workers" not in load_config("finetune").given
+    share = cpu_share(4096)  # 4096 processes on this node: 1 CPU each
+    assert default_workers(2, False, 4096) == (share, f"data.num_workers {share}: the default 2, capped at this "
+                                                      f"process's {share} CPU(s) (4096 process(es) on this node); "
+                                                      "set data.num_workers to choose")
+    assert default_workers(4, True, 4096) == (4, None)
+    assert default_workers(0, False, 4096) == (0, None)

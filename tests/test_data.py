@@ -234,3 +234,36 @@ def test_device_normalize_matches_albumentations_normalize(channels_last):
     assert normalized.dtype == torch.float32
     assert normalized.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     torch.testing.assert_close(normalized, want, rtol=0, atol=1e-5)
+
+
+def test_a_root_of_class_folders_without_splits_is_told_about_val_fraction(tmp_path):
+    """Issue 61: one folder per class and no train/ (the Keras/fastai layout) is refused in one line that names
+    data.val_fraction; a root of splits missing one keeps the layout's own advice."""
+    root = make_image_folder(tmp_path, {"photos": {"cat": 2, "dog": 2}}, size=8) / "photos"
+    with pytest.raises(UserError) as err:
+        build_datasets(DataConfig(name="imagefolder", root=str(root), img_size=8), seed=0)
+    assert str(err.value) == (f"data folder {root}/train does not exist; {root} holds folders (cat, dog) but no such "
+                              "split: if they are the classes, add data.val_fraction=0.2 (a stratified validation "
+                              "split made for you, docs/data.md); else name the splits with data.train_split and "
+                              "data.val_split")
+    splits = make_image_folder(tmp_path / "splits", {"train": {"cat": 2}}, size=8)
+    with pytest.raises(UserError, match="val does not exist; expected <data.root>/<split>/<class>/"):
+        build_datasets(DataConfig(name="imagefolder", root=str(splits), img_size=8), seed=0)
+
+
+def test_an_unreadable_training_image_names_data_skip_corrupt(tmp_path):
+    """Issue 61: a corrupt training JPEG met mid-epoch stops the run in one line that names data.skip_corrupt (which
+    skips it); validation never skips, so its line does not offer it."""
+    root = make_image_folder(tmp_path, {"train": {"cat": 2}, "val": {"cat": 1}}, size=8)
+    for split in ("train", "val"):
+        data = write_jpeg(root / split / "cat" / "z.jpg", size=32)
+        (root / split / "cat" / "z.jpg").write_bytes(data[: len(data) // 2])  # cut short: no end marker
+    train, val = build_datasets(DataConfig(name="imagefolder", root=str(root), img_size=8), seed=0)
+    with pytest.raises(UserError) as err:
+        train[(0, 2)]
+    assert str(err.value) == (f"cannot read image {root}/train/cat/z.jpg (corrupt, truncated or not an image); "
+                              "remove or replace it; or set data.skip_corrupt=true to drop unreadable training "
+                              "images (counted each epoch)")
+    with pytest.raises(UserError) as err:
+        val[1]
+    assert "skip_corrupt" not in str(err.value)

@@ -1,7 +1,9 @@
-"""Error analysis: calibration (ECE, Guo et al. 2017) against a direct computation; a run's curves.png."""
+"""Error analysis: calibration (ECE, Guo et al. 2017) against a direct computation; a run's curves.png and
+samples.png; evaluate.py's most-confused pairs and top losses against fastai's definitions."""
 
 from __future__ import annotations
 
+import logging
 import math
 import shutil
 
@@ -10,9 +12,17 @@ import numpy as np
 import pytest
 
 from core.cli import report_errors
+from assembly.evaluate import TOP_LOSSES, top_loss_rows
+from assembly.run import SAMPLES, show_samples
+from core.config import LoggingConfig
+from core.config_load import load_config
+from data.datasets import augmented_samples
+from data.loader import build_datasets
 from engine import curves
+from engine.label_issues import most_confused
+from engine.tracking import WandbTracker
 from engine.metrics import calibration_bins, expected_calibration_error
-from tests.compare import direct_ece
+from tests.compare import direct_ece, fastai_most_confused
 
 
 def test_ece_is_the_direct_computation_on_fixed_probabilities():
@@ -44,3 +54,38 @@ def test_a_run_draws_curves_png_and_the_redraw_command_draws_the_same(tiny_run, 
     assert (tmp_path / "curves.png").read_bytes() == drawn
     assert report_errors(curves.main, [str(tmp_path / "empty")]) == 2
     assert "has no metrics.jsonl rows to draw" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_most_confused_is_fastais_with_its_tie_order():
+    """Pairs by count, most first; equal counts keep the confusion matrix's row-major order (fastai's stable sort)."""
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 7, 500)
+    predicted = np.where(rng.random(500) < 0.5, labels, rng.integers(0, 7, 500))
+    assert most_confused(labels, predicted, 7) == fastai_most_confused(labels, predicted, 7)
+    assert most_confused(np.array([2, 2, 0, 1]), np.array([0, 0, 2, 0]), 3) == [(2, 0, 2), (0, 2, 1), (1, 0, 1)]
+
+
+def test_top_losses_are_the_largest_losses_of_predictions_csv_ties_in_index_order():
+    rows = [{"index": str(i), "path": f"p{i}.png", "label": str(i % 2), "pred": "1", "confidence": "0.5",
+             "loss": repr(float(loss))} for i, loss in enumerate([0.1, 3.0, 2.0, 3.0] + [0.0] * 20)]
+    top = top_loss_rows(rows, ["a", "b"])
+    assert [e["index"] for e in top[:4]] == [1, 3, 2, 0] and len(top) == TOP_LOSSES
+    assert top[0] == {"index": 1, "path": "p1.png", "actual": "b", "predicted": "b", "confidence": 0.5, "loss": 3.0}
+
+
+def test_a_fresh_run_draws_samples_png_of_its_first_augmented_images(tiny_run, tmp_path, caplog):
+    """samples.png: logging.samples images, each epoch 0's augmentation of its sample (what W&B's train_samples
+    table holds); a samples.png of the user's own (not a PNG) is kept, with a warning."""
+    assert (tiny_run / SAMPLES).read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert matplotlib.image.imread(tiny_run / SAMPLES).shape[1] >= 4 * 150
+    cfg = load_config(str(tiny_run / "config.yaml"))
+    train_set, _ = build_datasets(cfg.data, seed=cfg.seed)
+    shown = augmented_samples(train_set, 6)
+    assert [s.index for s in shown] == [0, 6, 12, 19, 25, 31]  # spread over the 32 images
+    for s in shown:
+        image, label = train_set[(0, s.index)]
+        assert (s.image == image.permute(1, 2, 0).numpy()).all() and (s.label, s.name) == (label, f"class_{label}")
+    (tmp_path / SAMPLES).write_text("my notes")
+    with caplog.at_level(logging.WARNING):
+        show_samples(train_set, LoggingConfig(samples=2), WandbTracker(LoggingConfig(), False), tmp_path)
+    assert (tmp_path / SAMPLES).read_text() == "my notes" and "samples.png not written" in caplog.text

@@ -14,7 +14,7 @@ from sklearn.metrics import classification_report, precision_recall_fscore_suppo
 import evaluate
 from core.cli import report_errors
 from engine.checkpoint.formats import load_checkpoint
-from tests.compare import direct_ece
+from tests.compare import direct_ece, fastai_most_confused
 from tests.helpers import make_image_folder, run_on_ranks, train_here
 from tests.wandb_reader import find_runs, read_run
 
@@ -50,7 +50,7 @@ def test_evaluate_is_identical_for_1_2_3_processes(checkpoint, tmp_path):
                             nproc=nproc, env={"WANDB_DIR": str(wandb_dir)})
         assert f"n {VAL_SIZE}" in proc.stdout
         assert sorted(p.name for p in out.iterdir()) == ["confusion_matrix.png", "eval.json", "predictions.csv",
-                                                          "reliability.png"]
+                                                          "reliability.png", "top_losses.png"]
         outputs[nproc] = ((out / "eval.json").read_text(), (out / "predictions.csv").read_text())
     assert outputs[1] == outputs[2] == outputs[3]  # byte for byte
 
@@ -87,6 +87,14 @@ def test_evaluate_is_identical_for_1_2_3_processes(checkpoint, tmp_path):
     correct = np.array([r["label"] == r["pred"] for r in rows])
     assert result["ece"] == pytest.approx(direct_ece(confidence, correct), rel=1e-12) and result["ece_bins"] == 15
     assert matplotlib.image.imread(out / "reliability.png").shape[0] >= 400
+    # fastai's most_confused and plot_top_losses, from predictions.csv's own columns
+    names = [c["class"] for c in result["per_class"]]
+    assert [(names.index(c["actual"]), names.index(c["predicted"]), c["images"]) for c in result["most_confused"]] \
+        == fastai_most_confused(np.array(y_true), np.array(y_pred), len(names))[:20]
+    by_loss = sorted(rows, key=lambda r: -float(r["loss"]))[:16]
+    assert [(e["index"], e["path"], e["loss"]) for e in result["top_losses"]] == \
+        [(int(r["index"]), r["path"], float(r["loss"])) for r in by_loss]
+    assert matplotlib.image.imread(out / "top_losses.png").shape[0] >= 4 * 250
     # The training run evaluated the same weights on the same batches in the same precision: the same top-1, though
     # it trained in bf16 (issue 46: its validation followed amp then, and differed).
     assert result["top1"] == load_checkpoint(checkpoint)["metric_value"]
@@ -118,3 +126,35 @@ def test_evaluate_errors_are_one_line(checkpoint, tmp_path, capsys):
         assert report_errors(evaluate.main, [*argv, "--output-dir", str(tmp_path / "out")]) == 2
         error = capsys.readouterr().err.strip()
         assert "\n" not in error and error.startswith("error: ") and message in error, error
+
+
+def test_the_console_summary_shows_balanced_accuracy_and_macro_f1():
+    """Issue 61: evaluate.py's console gives eval.json's balanced accuracy and macro-F1 beside top-1 (imbalanced
+    classes hide behind top-1)."""
+    from assembly.evaluate import summary_lines
+
+    result = {"top1": 90.0, "top5": 100.0, "balanced_acc": 61.0, "macro_f1": 55.5, "loss": 0.3, "ece": 2.0, "n": 425,
+              "per_class": [{"class": "owl", "top1": 20.0}, {"class": "cat", "top1": 99.0}], "output_dir": "out",
+              "most_confused": [{"actual": "owl", "predicted": "cat", "images": 8}]}
+    assert summary_lines(result) == [
+        "top1 90.00%  top5 100.00%  balanced acc 61.00%  macro F1 55.50%  loss 0.3000  ECE 2.00%  n 425",
+        "lowest per-class top1: owl 20.0%, cat 99.0%",
+        "most confused (actual -> predicted): owl -> cat 8",
+        "wrote eval.json, predictions.csv, confusion_matrix.png, reliability.png, top_losses.png to out"]
+
+
+def test_the_reliability_legend_covers_no_bar():
+    """Issue 61: the legend sat inside the diagram's upper left, over a calibrated model's tall bars; now below both
+    panels, it overlaps no bar of a diagram whose every bin is filled to the top."""
+    from engine.plots import reliability_figure
+
+    count = np.full(10, 50.0)
+    bins = np.stack([count, count * (np.arange(10) + 0.5) / 10, count])  # every bin: all right
+    fig = reliability_figure(bins, "reliability")
+    fig.canvas.draw()
+    legends = fig.legends + [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+    assert len(legends) == 1
+    box = legends[0].get_window_extent()
+    bars = [patch.get_window_extent() for ax in fig.axes for patch in ax.patches]
+    assert len(bars) == 20 and not [bar for bar in bars if box.overlaps(bar)]
+    assert not [ax for ax in fig.axes if box.overlaps(ax.get_window_extent())]

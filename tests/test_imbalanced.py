@@ -485,3 +485,33 @@ def test_multi_label_data_takes_val_map_and_refuses_single_label_settings():
                               ("data.sampler=class_balanced", "multi-label images have several")):
         with pytest.raises(UserError, match=message):
             load_config("configs/digits.yaml", [*multi, override])
+
+
+def test_the_start_up_block_shows_the_classes_in_order_the_sampler_weights_and_augmentation(caplog):
+    """Issue 61: rank 0 says the classes in their index order (the order a train.class_weights list follows) with
+    their training images, the sampler, the loss's class weights and whether an albumentations file replaces the
+    preset; many classes are cut to 20 with the fewest and the most."""
+    from assembly.parts import data_lines, run_loss
+    from core.config_load import load_config
+    from core.dist import DistInfo
+    from data.loader import DataBundle
+
+    names, counts = ["cat", "dog", "fox", "owl", "yak"], [200, 120, 60, 25, 20]
+    data = DataBundle(train=None, val=None, num_classes=5, class_names=names, class_counts=counts)
+    cfg = load_config(None, ["data.sampler=class_balanced", "train.class_weights=[1, 1, 2, 4, 4]",
+                             "data.train_transform=aug.yaml"])
+    info = DistInfo(0, 1, 0, 1, torch.device("cpu"))
+    with caplog.at_level("INFO", logger="assembly.parts"):
+        loss = run_loss(cfg, data, info)
+    weights = ", ".join(f"{name} {float(w):.3g}" for name, w in zip(names, loss.weight))
+    assert [r.getMessage() for r in caplog.records][:3] == data_lines(cfg, data, loss) == [
+        "classes (5, in index order, with their training images): cat 200, dog 120, fox 60, owl 25, yak 20",
+        "sampling: data.sampler=class_balanced: each class drawn equally often (with replacement); loss: class "
+        f"weights (train.class_weights=[1.0, 1.0, 2.0, 4.0, 4.0]): {weights}",
+        "augmentation: the albumentations file data.train_transform=aug.yaml, in place of the preset's data.scale, "
+        "data.ratio, data.hflip, data.color_jitter"]
+    many = DataBundle(None, None, 25, [f"c{i:02d}" for i in range(25)], [100 - i for i in range(25)])
+    lines = data_lines(load_config(None), many, run_loss(load_config(None), many, DistInfo(1, 2, 1, 2, info.device)))
+    assert lines[0].endswith("c19 81, ... and 5 more (fewest: c24 76, most: c00 100)")
+    assert lines[1] == "sampling: data.sampler=uniform: each image once an epoch; loss: no class weights"
+    assert lines[2].startswith("augmentation: the preset: random resized crop scale [0.08, 1.0] ratio [0.75, 1.33")

@@ -81,3 +81,37 @@ def test_plain_export_of_an_ema_chosen_checkpoint_reports_its_own_metric_not_the
     assert "**Data:** flowers: images per split not recorded" in card
     assert "**Started from:** not recorded (a checkpoint written before runs recorded it); its config sets " \
            "model.init_from" in card
+
+
+def test_card_of_a_pipeline_file_run_says_what_the_file_did_not_the_replaced_preset(tmp_path):
+    """Issue 61: a run trained with data.train_transform: the card lists the file's transforms as albumentations
+    serializes them (from the run folder's copy), and its training config leaves out the preset's scale, ratio,
+    hflip and color_jitter, which the file replaced."""
+    import albumentations as A
+    import timm
+
+    from assembly.model_card import model_card
+    from core.config import Config, to_dict
+    from data.pipeline import file_sha256
+    from engine.checkpoint.inference import Trained
+
+    run = tmp_path / "run"
+    run.mkdir()
+    A.save(A.Compose([A.RandomCrop(16, 16), A.HorizontalFlip(p=0.25)]), str(run / "train_transform.yaml"),
+           data_format="yaml")
+    config = to_dict(Config())
+    config["data"].update(train_transform=str(tmp_path / "gone" / "aug.yaml"),  # moved since: the run's copy counts
+                          train_transform_sha256=file_sha256(str(run / "train_transform.yaml"), "data.train_transform"))
+    trained = Trained(config=config, weights={}, class_names=["cat", "dog"], source=f"checkpoint {run / 'best.pth'}")
+    card = model_card(Config(), trained, timm.create_model("test_resnet", num_classes=2), "flowers")
+    augmentation = card.split("## Training augmentation\n", 1)[1].split("## Training config", 1)[0]
+    assert augmentation.startswith("\nThe albumentations pipeline file `aug.yaml` (data.train_transform, sha256 "
+                                   f"{config['data']['train_transform_sha256']}) replaced the preset's `data.scale`, "
+                                   "`data.ratio`, `data.hflip`, `data.color_jitter`, left out of the config below.")
+    steps = yaml.safe_load(augmentation.split("```yaml\n", 1)[1].split("```", 1)[0])["transforms"]
+    assert [(step["__class_fullname__"], step["p"]) for step in steps] == [("RandomCrop", 1.0),
+                                                                           ("HorizontalFlip", 0.25)]
+    assert (steps[0]["height"], steps[0]["width"]) == (16, 16)
+    shown = yaml.safe_load(card.split("## Training config", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0])
+    assert shown["data"]["train_transform"] == "aug.yaml"
+    assert not {"scale", "ratio", "hflip", "color_jitter"} & set(shown["data"])

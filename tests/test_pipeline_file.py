@@ -107,3 +107,29 @@ def test_a_pipeline_file_trains_the_same_model_on_1_and_2_processes(tmp_path):
     train_here(*args, "train.batch_size=12", f"output_dir={tmp_path}/one")
     run_on_ranks("train.py", *args, "train.batch_size=6", f"output_dir={tmp_path}/two", nproc=2)
     assert_same_model(tmp_path / "one", tmp_path / "two")
+
+
+def test_a_pipeline_that_fails_on_an_image_is_one_line_in_this_process_and_in_a_worker(tmp_path):
+    """Issue 61: a RandomCrop larger than one small photo names the file, the transform and the image in one line,
+    whether the image is read here (data.num_workers=0) or in a loader worker mid-epoch."""
+    from core.errors import UserError
+    from data.loader import OneLineErrorLoader
+    from tests.helpers import make_image_folder
+
+    root = make_image_folder(tmp_path / "photos", {"train": {"cat": 2}, "val": {"cat": 1}}, size=40)
+    make_image_folder(tmp_path / "small", {"train": {"cat": 1}}, size=20)
+    (tmp_path / "small/train/cat/000.png").rename(root / "train/cat/small.png")  # sorted last: index 2
+    file = saved(tmp_path / "aug.yaml", A.Compose([A.HorizontalFlip(p=0.5), A.RandomCrop(32, 32)]))
+    cfg = DataConfig(name="imagefolder", root=str(root), img_size=32, train_transform=file)
+    train = build_datasets(cfg, seed=0)[0]
+    expected = (f"data.train_transform={file}: RandomCrop failed on image {root}/train/cat/small.png (20x20x3): "
+                "CropSizeError: Crop size (height, width) exceeds image dimensions (height, width): (32, 32) vs "
+                "(20, 20); make the pipeline fit every image (a resize, or PadIfNeeded before a crop), or remove the "
+                "image")
+    with pytest.raises(UserError) as err:
+        train[(0, 2)]
+    assert str(err.value) == expected
+    loader = OneLineErrorLoader(train, batch_size=1, sampler=[(0, 0), (0, 2)], num_workers=1)
+    with pytest.raises(UserError) as err:
+        list(loader)
+    assert str(err.value) == expected

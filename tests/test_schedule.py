@@ -417,6 +417,30 @@ def test_drop_last_accum_without_a_whole_group_is_one_line():
         steps_per_epoch(DataLoader(range(2)), 3, drop_last_accum=True)
 
 
+def test_raising_epochs_on_a_finished_cosine_run_says_the_tail_lr():
+    """Issue 61: train.epochs 10 -> 12 on a finished run rebuilds the cosine over 12 epochs from epoch 10 on: the
+    extra epochs train at its tail, whose lr (timm's own CosineLRScheduler, side by side) the warning gives with the
+    way to a whole schedule instead; not raised: nothing to say."""
+    from timm.scheduler import CosineLRScheduler
+
+    from core.config import SchedConfig
+    from engine.optim import extension_warning
+
+    reference = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    cosine = CosineLRScheduler(reference, t_initial=60, lr_min=0.0, t_in_epochs=False)  # 12 epochs x 5 updates
+    tail = []
+    for update in (50, 59):
+        cosine.step_update(num_updates=update)
+        tail.append(reference.param_groups[0]["lr"])
+    assert 0 < tail[1] < tail[0] < 0.1 * 0.07  # near zero: the tail of the rebuilt cosine
+    assert extension_warning(SchedConfig(name="cosine"), 0.1, 10, 12, 5, "runs/x/last.pth") == (
+        f"train.epochs 10 -> 12 continues a finished run: sched.name=cosine is rebuilt over 12 epochs from epoch 10 "
+        f"on, so the extra epochs train at lr {tail[0]:.3g} falling to {tail[1]:.3g} (optim.lr 0.1); for a whole "
+        "schedule instead, start a new run from these weights: model.init_from=runs/x/last.pth resume=none in "
+        "another output_dir")
+    assert extension_warning(SchedConfig(name="cosine"), 0.1, 10, 10, 5, "runs/x/last.pth") is None
+
+
 @pytest.mark.parametrize("settings", [
     {"pct_start": 0.25, "div_factor": 10.0, "final_div_factor": 100.0, "anneal_strategy": "cos"},
     {"pct_start": 0.4, "anneal_strategy": "linear", "three_phase": True, "cycle_momentum": [0.8, 0.9]},

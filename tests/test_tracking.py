@@ -372,12 +372,13 @@ def test_sample_table_holds_the_augmented_images_the_model_is_fed(tracked):
     [artifact] = [a for a in run.artifacts if a.name == f"run-{run.run_id}-train_samples"]
     files = staged_files(artifact)
     table = json.loads(files["train_samples.table.json"].read_text())
-    assert table["columns"] == ["index", "image", "label", "class"]
+    assert table["columns"] == ["index", "path", "image", "label", "class"]
     assert len(table["data"]) == 5 and len({row[0] for row in table["data"]}) == 5
     cfg = load_config(str(out / "config.yaml"))
     train_set, _ = build_datasets(cfg.data, seed=cfg.seed)  # the run's own seed
-    for index, image, label, name in table["data"]:
+    for index, path, image, label, name in table["data"]:
         assert (type(index), image["_type"], type(label), type(name)) == (int, "image-file", int, str)  # typed cells
+        assert path == train_set.path(index)  # where the image comes from, for a person to open
         expected, expected_label = train_set[(0, index)]  # epoch 0's augmentation of sample `index`
         png = cv2.imread(str(files[image["path"]]), cv2.IMREAD_UNCHANGED)
         assert (png[..., ::-1] == expected.permute(1, 2, 0).numpy()).all()  # PNG is lossless; cv2 reads BGR
@@ -405,11 +406,12 @@ def test_each_validation_logs_its_worst_images_and_confusion_matrix(tracked):
         files = staged_files(artifact)
         [name] = [n for n in files if n.endswith(".table.json")]
         table = json.loads(files[name].read_text())
-        assert table["columns"] == ["index", "image", "true", "predicted", "confidence", "loss"]
+        assert table["columns"] == ["index", "path", "image", "true", "predicted", "confidence", "loss"]
         assert 0 < len(table["data"]) <= 3
-        losses = [row[5] for row in table["data"]]
+        losses = [row[6] for row in table["data"]]
         assert losses == sorted(losses, reverse=True)
-        for index, image, true, predicted, confidence, loss in table["data"]:
+        for index, path, image, true, predicted, confidence, loss in table["data"]:
+            assert path == val_set.path(index)
             assert (type(index), image["_type"], type(true), type(predicted), type(confidence), type(loss)) == \
                 (int, "image-file", str, str, float, float)
             expected, label = val_set[index]
