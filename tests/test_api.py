@@ -44,3 +44,18 @@ def test_evaluate_takes_evaluate_pys_arguments_with_its_defaults():
     parsed = evaluate_py.parse_args(["ckpt.pth", "--data-dir", "photos", "--tta-flip", "--batch-size", "4",
                                      "data.val_split=test", "data.mean=[0.5, 0.5, 0.5]"])
     assert vars(given) == vars(parsed)
+
+
+def test_a_config_dict_is_read_as_a_file_and_an_overrides_dict_as_the_command_line():
+    """train()'s dict config takes the file's place (its keys given, not typed: a start-up rule may derive over them)
+    and its dict overrides are train.py's key=value strings, each value the type it was."""
+    from assembly.api import as_overrides
+    from core.config_load import load_config
+
+    overrides = as_overrides({"output_dir": "runs/x #1", "data.mean": [0.5, 0.5, 0.5], "amp": "off",
+                              "train.epochs": 3, "model.pretrained": False})
+    cfg = load_config({"optim": {"lr": 0.3}, "train": {"epochs": 5}}, overrides)
+    assert (cfg.optim.lr, cfg.train.epochs, cfg.output_dir, cfg.amp, cfg.data.mean, cfg.model.pretrained) == (
+        0.3, 3, "runs/x #1", "off", [0.5, 0.5, 0.5], False)
+    assert "optim.lr" in cfg.given and "optim.lr" not in cfg.from_command_line
+    assert "train.epochs" in cfg.from_command_line
