@@ -22,14 +22,15 @@ import argparse
 from core.startup import import_timm_without_wandb, openmp_waits_passively
 
 openmp_waits_passively()  # before torch loads OpenMP, which reads its environment once (core/startup.py)
-from core.cli import is_config_override, parse_with_overrides, run_main
+from core.cli import GivenOnce, is_config_override, parse_with_overrides, run_main
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", nargs="?", help="a finished run's checkpoint (best.pth, last.pth): audit from "
                         "its own predictions instead of k folds")
-    parser.add_argument("--config", default=None, help="YAML file, or a name in configs/ (as train.py's --config)")
+    parser.add_argument("--config", default=None, action=GivenOnce,
+                        help="YAML file, or a name in configs/ (as train.py's --config)")
     parser.add_argument("--folds", type=int, default=5, help="k of the k-fold cross-validation (default 5)")
     parser.add_argument("--out", help="the audit folder (default: <output_dir>/audit, or audit/ beside the "
                         "checkpoint)")

@@ -40,13 +40,14 @@ openmp_waits_passively()  # before torch loads OpenMP: steps timed as train.py r
 import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (core/startup.py)
 
 from assembly.benchmark import CUDA_MAX_BATCH, benchmark_command
-from core.cli import run_main
+from core.cli import GivenOnce, run_main
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="take model, batch size, image size, amp, channels_last, compile from this "
-                                         "config (YAML file or a name in configs/); the options below override it")
+    parser.add_argument("--config", action=GivenOnce,
+                        help="take model, batch size, image size, amp, channels_last, compile from this config (YAML "
+                             "file or a name in configs/); the options below override it")
     parser.add_argument("--model", help="timm model name (default: the config's, else resnet18)")
     parser.add_argument("--batch-size", type=int, help="images per step (default: the config's train.batch_size)")
     parser.add_argument("--img-size", type=int, help="input side in pixels (default: the config's data.img_size)")

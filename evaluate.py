@@ -5,8 +5,10 @@
     python evaluate.py ckpt.pth --data-dir /data/other --batch-size 256 data.val_crop_pct=1.0
     python evaluate.py ckpt.pth --tta-flip --tta-crops 5    # test-time augmentation: 10 views per image
 
-The model and the eval pipeline are rebuilt from the config stored in the checkpoint; options
-and dotted overrides change it. Every rank evaluates its block of whole batches and writes its
+The model and the eval pipeline are rebuilt from the config stored in the checkpoint (a data.eval_transform file
+from the run folder's copy, its sha256 checked); options and dotted overrides change it. --data-dir scores that
+folder's images (its val split, or every image of its class folders), never the run's val.txt looked up there; the
+output says which images were scored. Every rank evaluates its block of whole batches and writes its
 predictions to a part file; rank 0 merges them into predictions.csv (sorted by index), writes
 eval.json and confusion_matrix.png (and, with logging.wandb=true, an "eval" W&B run), and
 removes the parts. The results do not depend on the
@@ -30,8 +32,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a checkpoint written by train.py (last.pth, best.pth, last.dcp, ...), or a "
                         "model folder from export.py (with --data-dir)")
-    parser.add_argument("--data-dir", help="an ImageFolder root with <split>/<class>/*, split data.val_split (val; "
-                        "data.val_split=test for another) (default: the checkpoint's data)")
+    parser.add_argument("--data-dir", help="score this folder's images, whatever split the run used: its "
+                        "data.val_split folder (<split>/<class>/*: val; data.val_split=test for another), or with no "
+                        "split folders every image under its <class>/ folders (default: the run's validation data)")
     parser.add_argument("--batch-size", type=int, help="per process (default: the checkpoint's train.batch_size)")
     parser.add_argument("--output-dir", help="where results go (default: <checkpoint folder>/eval-<checkpoint name>)")
     parser.add_argument("--ema", action="store_true", help="evaluate the checkpoint's EMA weights")

@@ -8,9 +8,11 @@
 ONNX and TorchScript take a float32 NCHW batch of any size, already resized, centre-cropped and normalized as
 the stored config says (its mean, std, image size and crop_pct are in the ONNX metadata and in the TorchScript
 file's config.json); they return logits. Before it reports success the command runs the exported model and
-the PyTorch model on real images (--images, else the checkpoint's validation set; random pixels if neither
-can be read) in batches of 1 and --check-batch, prints the largest absolute difference of the logits, and
-fails above --atol. The model folder (config.json: architecture, num_classes, label_names, pretrained_cfg with
+the PyTorch model on real images (--images, else the checkpoint's validation set, a data.val_fraction run's val.txt
+beside it; random pixels if neither can be read) in batches of 1 and --check-batch, prints the largest absolute
+difference of the logits, and fails above --atol. A run's data.eval_transform file goes with the export (the model
+folder's eval_transform.yaml, the ONNX / TorchScript metadata), and a model folder read back must preprocess the
+check images as the checkpoint does. The model folder (config.json: architecture, num_classes, label_names, pretrained_cfg with
 the preprocessing; model.safetensors; README.md, the model card the Hugging Face Hub shows) loads with
 `timm.create_model("local-dir:FOLDER")`, with `timm.create_model(arch, pretrained=True, num_classes=N,
 pretrained_cfg_overlay=dict(file="FOLDER/model.safetensors", num_classes=N))`, with predict.py and as

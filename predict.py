@@ -7,7 +7,8 @@
     torchrun --nproc_per_node=N predict.py runs/digits/best.pth images/    # N processes, same output
 
 The model is a checkpoint written by train.py or a model folder written by `export.py --format safetensors`;
-the images go through the eval pipeline stored with it (resize, centre crop, mean/std, interpolation); with
+the images go through the eval pipeline stored with it (resize, centre crop, mean/std, interpolation; a
+data.eval_transform file from the run folder's or model folder's copy, its sha256 checked); with
 --tta-flip / --tta-crops 5 the probabilities are the mean softmax probabilities over the views (models/tta.py).
 Writes predictions.csv (index, path, class_1, prob_1, ..., class_k, prob_k) and predictions.json (the same,
 plus the unreadable files) to --output-dir. An unreadable file is reported and skipped; the others are predicted.

@@ -21,7 +21,7 @@ from core.startup import openmp_waits_passively
 openmp_waits_passively()  # before torch loads OpenMP, which reads its environment once (core/startup.py)
 
 from assembly import launch  # torch, timm and the rest load once the config is read (assembly/launch.py)
-from core.cli import parse_with_overrides, run_main
+from core.cli import GivenOnce, parse_with_overrides, run_main
 from core.config import keys_help
 
 USAGE = """Train a timm image classifier: one process, or one per GPU under torchrun.
@@ -35,7 +35,7 @@ USAGE = """Train a timm image classifier: one process, or one per GPU under torc
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=USAGE, epilog=keys_help(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=None,
+    parser.add_argument("--config", default=None, action=GivenOnce,
                         help="YAML file, or a bare name looked up in configs/ (finetune, digits, resnet50, ...; "
                              "default: digits, the quickstart)")
     parser.add_argument("--print-config", action="store_true",

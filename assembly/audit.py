@@ -203,7 +203,7 @@ def predicted(trained: Trained, cfg: Config, dataset: AugmentedDataset, info: Di
     model = inference_model(trained, cfg, info.device)
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
     probs = ImageProbabilities()
-    evaluate(model, loader, resolve_precision(cfg.amp, info.device), info, normalize, on_batch=probs)
+    evaluate(model, loader, resolve_precision(cfg.amp, info.device, tf32=cfg.tf32), info, normalize, on_batch=probs)
     return probs.gather(len(trained.class_names), info.device)
 
 

@@ -45,8 +45,8 @@ def benchmark_command(args: argparse.Namespace) -> int:
     device = info.device  # the device train.py would pick
     if device.type == "cpu":
         tune_cpu_process(compute_threads(1, cfg.data.num_workers))  # the threads train.py computes with
-    training_kernels(device.type)  # the backend settings train.py makes (cuDNN's autotuning on CUDA)
-    precision = resolve_precision(cfg.amp, device)
+    precision = resolve_precision(cfg.amp, device, tf32=cfg.tf32)
+    training_kernels(device.type, precision.tf32)  # train.py's backend settings (cuDNN's autotuning, TF32 on CUDA)
     if args.sweep_batch and args.max_batch is None and device.type == "cpu":
         raise UserError("--sweep-batch on the CPU needs --max-batch (host RAM is not probed for running out)")
     result = {"benchmark": "benchmark.py", "device": device_name(device)}

@@ -13,17 +13,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from assembly.inference import inference_model, open_trained, shared_output_dir, start_processes
-from core.config import Config, to_dict
+from assembly.inference import inference_model, open_trained, pipeline_line, shared_output_dir, start_processes
+from core.config import Config, DataConfig, to_dict
 from core.config_load import parse_override
 from core.dist import DistInfo, barrier
 from core.errors import UserError
 from core.files import (CSV_OUTPUT, merge_parts, part_file, starts_with, write_csv,
                         write_output)
-from data.datasets import AugmentedDataset
+from data.datasets import AugmentedDataset, ImageFolderDataset
 from data.loader import build_eval_loader, build_val_dataset
-from data.split import saved_split
-from data.transforms import DeviceNormalize, eval_size
+from data.split import FILES, saved_split
+from data.transforms import DeviceNormalize, eval_size, eval_transform
 from engine.checkpoint.inference import Trained, ema_hint, precision_line
 from engine.checkpoint.weights import MODEL_CONFIG
 from engine.evaluation import (best_thresholds, confidence_and_loss, evaluate, evaluate_multilabel,
@@ -54,8 +54,9 @@ def settings(args: argparse.Namespace, folder: bool) -> list[tuple[str, Any]]:
     records no data: it needs --data-dir."""
     check_tta(args)
     found: list[tuple[str, Any]] = []
-    if args.data_dir:  # always an ImageFolder root (never a digits cache to (re)write, never dummy data)
-        found += [("data.name", "imagefolder"), ("data.root", args.data_dir)]
+    if args.data_dir:  # always an ImageFolder root (never a digits cache to (re)write, never dummy data), and its
+        # own images, never the run's val.txt looked up in it (scored_images)
+        found += [("data.name", "imagefolder"), ("data.root", args.data_dir), ("data.val_fraction", 0.0)]
     elif folder:
         raise UserError(f"model folder {args.checkpoint} records no data set; give --data-dir (an ImageFolder root "
                         "holding <data.val_split>/<class>/*)")
@@ -64,6 +65,53 @@ def settings(args: argparse.Namespace, folder: bool) -> list[tuple[str, Any]]:
             raise UserError(f"--batch-size must be > 0, got {args.batch_size}")
         found.append(("train.batch_size", args.batch_size))
     return found + [parse_override(item) for item in args.overrides]
+
+
+def check_split(cfg: Config, trained: Trained, args: argparse.Namespace) -> None:
+    """data.val_fraction / data.split_seed overrides: evaluate.py never splits data anew (a new split of the run's
+    images would score images it trained on), so one it would not follow is refused. data.val_fraction=0 is followed:
+    data.root's data.val_split is scored instead of the run's val.txt."""
+    stored, data_dir = trained.config.get("data", {}), args.data_dir
+    fraction = cfg.data.val_fraction
+    ignored = [f"data.val_fraction={fraction}"] if fraction and (data_dir or fraction != stored.get(
+        "val_fraction", DataConfig.val_fraction)) else []
+    if cfg.data.split_seed != stored.get("split_seed", DataConfig.split_seed):
+        ignored.append(f"data.split_seed={cfg.data.split_seed}")
+    if not ignored:
+        return
+    if data_dir:
+        scored = f"--data-dir {data_dir}'s {cfg.data.val_split}/ split, or every image of its class folders"
+    elif stored.get("val_fraction"):
+        scored = f"the run's validation list, {FILES['val']} beside {args.checkpoint}"
+    else:
+        scored = f"data.root's data.val_split={cfg.data.val_split}"
+    raise UserError(f"{' '.join(ignored)}: evaluate.py never splits data anew (a new split of the run's images would "
+                    f"score images it trained on); it scores {scored}: drop {'them' if len(ignored) > 1 else 'it'}, "
+                    "or give --data-dir FOLDER to score another folder's images")
+
+
+def scored_images(cfg: Config, args: argparse.Namespace, info: DistInfo, class_names: list[str]
+                  ) -> tuple[AugmentedDataset, str]:
+    """The images to score and where they are, for the output. --data-dir: its data.val_split folder, or (it has none
+    and no data.train_split folder either) every image of its class folders, whatever split the run used; else the
+    run's own validation data (data.val_fraction: exactly its val.txt)."""
+    data = cfg.data
+    if args.data_dir and data.name == "imagefolder":
+        root = Path(args.data_dir)
+        split_given = any(parse_override(item)[0] == "data.val_split" for item in args.overrides)
+        if not (split_given or (root / data.val_split).is_dir() or (root / data.train_split).is_dir()):
+            dataset = ImageFolderDataset(root, eval_transform(data, args.tta_crops), cfg.seed, class_names,
+                                         max_pixels=data.max_image_pixels)
+            return dataset, f"every image under {root}'s class folders (it has no {data.val_split}/ split folder)"
+        dataset = build_val_dataset(data, cfg.seed, info.local_rank, class_names, args.tta_crops)
+        return dataset, f"{root / data.val_split} (the {data.val_split} split of --data-dir)"
+    split = saved_split(data, args.checkpoint)
+    dataset = build_val_dataset(data, cfg.seed, info.local_rank, class_names, args.tta_crops, split)
+    if split is not None:
+        return dataset, (f"the run's validation list {Path(args.checkpoint).parent / FILES['val']} (data.val_fraction="
+                         f"{data.val_fraction} of {data.root})")
+    where = f" in {data.root}" if data.name not in ("dummy", "digits") else ""
+    return dataset, f"the {data.val_split} split of data.name={data.name}{where}"
 
 
 def check_options(cfg: Config, args: argparse.Namespace) -> None:
@@ -272,22 +320,23 @@ def run(cfg: Config, trained: Trained, args: argparse.Namespace, info: DistInfo)
     out = Path(args.output_dir or Path(args.checkpoint).parent / f"eval-{Path(args.checkpoint).stem}")
     shared_output_dir(out, OUTPUTS)  # every rank writes its part file there
     # Labelled with the checkpoint's class map: classes the data lacks are fine, unknown ones are refused.
-    dataset = build_val_dataset(cfg.data, cfg.seed, info.local_rank, class_names, args.tta_crops,
-                                saved_split(cfg.data, args.checkpoint))  # data.val_fraction: the run's val.txt
+    dataset, where = scored_images(cfg, args, info, class_names)
     loader = build_eval_loader(dataset, cfg.data, cfg.train.batch_size, info)
     model = inference_model(trained, cfg, info.device)
     if args.tta_flip or args.tta_crops > 1:
         model = TTAModel(model, args.tta_flip, args.tta_crops)
-    precision = resolve_precision(cfg.amp, info.device)
+    precision = resolve_precision(cfg.amp, info.device, tf32=cfg.tf32)
     size, crop_pct = eval_size(cfg.data)
-    log.info("evaluating %s (%s, %s) on %d images at %d px (crop_pct %s), %d view(s) each, %d process(es), batch %d "
-             "per process", args.checkpoint, cfg.model.name, "EMA weights" if args.ema else "weights", len(dataset),
-             size, crop_pct, tta_views(args), info.world_size, cfg.train.batch_size)
-    log.info(precision_line(cfg.amp, precision.name, cfg.eval_amp))
+    log.info("evaluating %s (%s, %s) on %d images (%s) at %d px (crop_pct %s), %d view(s) each, %d process(es), "
+             "batch %d per process", args.checkpoint, cfg.model.name, "EMA weights" if args.ema else "weights",
+             len(dataset), where, size, crop_pct, tta_views(args), info.world_size, cfg.train.batch_size)
+    if line := pipeline_line(trained, cfg):
+        log.info(line)
+    log.info(precision_line(cfg.amp, precision.described, cfg.eval_amp))
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
     if cfg.data.multi_label:
         return run_multilabel(cfg, args, info, out, dataset, loader, model, precision, normalize, class_names,
-                              trained.wandb_id)
+                              trained.wandb_id, where)
     writer = PredictionWriter(dataset, loader.sampler.start, class_names)
     metrics = evaluate(model, loader, precision, info, normalize, on_batch=writer)
     rows = merged_predictions(writer, out, info, len(dataset), COLUMNS)
@@ -295,7 +344,7 @@ def run(cfg: Config, trained: Trained, args: argparse.Namespace, info: DistInfo)
         return None
     result, confusion = summarize(rows, metrics, class_names, str(args.checkpoint), args.ema)
     result.update(img_size=size, crop_pct=crop_pct, precision=precision.name,
-                  tta=describe(args.tta_flip, args.tta_crops))
+                  tta=describe(args.tta_flip, args.tta_crops), scored=where)
     write_output(out / "eval.json", (json.dumps(result, indent=2) + "\n").encode(), OUTPUTS["eval.json"],
                  "an earlier eval.json of evaluate.py", "--output-dir")
     title = f"{cfg.model.name} on {len(rows)} images: top-1 {result['top1']:.2f}%"
@@ -329,7 +378,7 @@ def merged_predictions(writer: PredictionWriter | MultiLabelWriter, out: Path, i
 
 def run_multilabel(cfg: Config, args: argparse.Namespace, info: DistInfo, out: Path, dataset: AugmentedDataset,
                    loader: torch.utils.data.DataLoader, model: torch.nn.Module, precision, normalize: DeviceNormalize,
-                   class_names: list[str], trained_run_id: str | None) -> dict[str, Any] | None:
+                   class_names: list[str], trained_run_id: str | None, where: str) -> dict[str, Any] | None:
     """run() for multi-label data: predictions.csv with probabilities, eval.json with mAP/F1, per_class.csv."""
     threshold = cfg.data.multi_label_threshold
     writer = MultiLabelWriter(dataset, loader.sampler.start, class_names, threshold)
@@ -340,7 +389,7 @@ def run_multilabel(cfg: Config, args: argparse.Namespace, info: DistInfo, out: P
     result = summarize_multilabel(rows, metrics, class_names, threshold, args.tune_thresholds, str(args.checkpoint),
                                   args.ema)
     size, crop_pct = eval_size(cfg.data)
-    result.update(img_size=size, crop_pct=crop_pct, precision=precision.name)
+    result.update(img_size=size, crop_pct=crop_pct, precision=precision.name, scored=where)
     write_output(out / "eval.json", (json.dumps(result, indent=2) + "\n").encode(), OUTPUTS["eval.json"],
                  "an earlier eval.json of evaluate.py", "--output-dir")
     write_output(out / "per_class.csv", per_class_table(result), OUTPUTS["per_class.csv"],
@@ -371,6 +420,7 @@ def evaluated(args: argparse.Namespace) -> dict[str, Any] | None:
     folder = Path(args.checkpoint).is_dir() and (Path(args.checkpoint) / MODEL_CONFIG).is_file()
     trained, cfg = open_trained(args.checkpoint, args.ema, settings(args, folder), use="evaluated")
     check_options(cfg, args)
+    check_split(cfg, trained, args)
     info = start_processes(cfg)
     if (hint := ema_hint(trained.source, trained.best_metric, args.ema)) and info.is_main:
         log.warning(hint)
@@ -387,12 +437,14 @@ def evaluate_command(args: argparse.Namespace) -> int:
 
 def summary_lines(result: dict[str, Any]) -> list[str]:
     """The console's summary of eval.json: the headline metrics (single-label: top-1 beside the balanced accuracy
-    and macro-F1 that imbalanced classes need), the weakest classes and the files written."""
+    and macro-F1 that imbalanced classes need), the weakest classes, which images were scored and the files
+    written."""
     if result.get("multi_label"):
         worst = sorted((c for c in result["per_class"] if c["ap"] is not None), key=lambda c: c["ap"])[:3]
         return [f"mAP {result['map']:.2f}  mAP micro {result['map_micro']:.2f}  F1@{result['threshold']} "
                 f"{result['f1']:.2f}  loss {result['loss']:.4f}  n {result['n']}",
                 "lowest per-class AP: " + ", ".join(f"{readable(c['class'])} {c['ap']:.1f}" for c in worst),
+                f"scored {result['n']} images: {result['scored']}",
                 f"wrote eval.json, predictions.csv, per_class.csv to {result['output_dir']}"]
     worst = sorted((c for c in result["per_class"] if c["top1"] is not None), key=lambda c: c["top1"])[:3]
     matrix = ", confusion_matrix.png" if len(result["per_class"]) <= CONFUSION_MAX else ""
@@ -402,4 +454,5 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
             f"macro F1 {result['macro_f1']:.2f}%  loss {result['loss']:.4f}  ECE {result['ece']:.2f}%  n {result['n']}",
             "lowest per-class top1: " + ", ".join(f"{readable(c['class'])} {c['top1']:.1f}%" for c in worst),
             *(["most confused (actual -> predicted): " + ", ".join(confused)] if confused else []),
+            f"scored {result['n']} images: {result['scored']}",
             f"wrote eval.json, predictions.csv{matrix}, reliability.png, top_losses.png to {result['output_dir']}"]

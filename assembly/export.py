@@ -6,9 +6,12 @@ from __future__ import annotations
 import argparse
 import errno
 import io
+import itertools
 import json
 import logging
+import math
 import os
+import random
 import zipfile
 from pathlib import Path
 from typing import Any, Callable
@@ -17,53 +20,84 @@ import numpy as np
 import torch
 from torch import nn
 
-from assembly.inference import inference_model, open_trained
+from assembly.inference import inference_model, open_trained, pipeline_line
 from assembly.model_card import CARD_MARK, MODEL_CARD, model_card
 from core.config import Config
 from core.errors import UserError
 from core.files import replace_with, temp_beside
 from core.files import check_folder, check_replaceable, write_new
 from core.logs import setup_logging
-from data.datasets import ImageListDataset, find_images
+from data.datasets import find_images, read_image
 from data.loader import build_val_dataset
+from data.split import saved_split
 from data.transforms import DeviceNormalize, eval_size, eval_transform
 from engine.checkpoint.inference import ema_hint
-from engine.checkpoint.inference import Trained
+from engine.checkpoint.inference import PIPELINE_NAMES, Trained
 from engine.checkpoint.weights import MODEL_CONFIG, MODEL_WEIGHTS
 
 log = logging.getLogger(__name__)
 NOT_OURS = ("tag", "license", "hf_hub_id", "url", "origin_url", "paper_ids", "paper_name", "notes", "source", "file")
 SUFFIXES = {"onnx": ".onnx", "torchscript": ".torchscript.pt", "safetensors": "-hf"}
 EXPECTED = {"onnx": "an ONNX file export.py wrote", "torchscript": "a TorchScript file export.py wrote",
-            "safetensors": f"a model folder export.py wrote (only {MODEL_CONFIG}, {MODEL_WEIGHTS} and its "
-                           f"{MODEL_CARD})"}
+            "safetensors": f"a model folder export.py wrote (only {MODEL_CONFIG}, {MODEL_WEIGHTS}, its "
+                           f"{MODEL_CARD} and an {PIPELINE_NAMES[0]} or {PIPELINE_NAMES[2]})"}
 
 
-def check_images(cfg: Config, images: str | None, count: int) -> tuple[torch.Tensor, str]:
-    """Up to `count` eval-preprocessed images (float32 NCHW) and where they come from."""
-    transform = eval_transform(cfg.data)
+def check_sources(cfg: Config, images: str | None, count: int, checkpoint: str | None) -> tuple[list[np.ndarray], str]:
+    """Up to `count` decoded images (HWC uint8 RGB) to check the export on, and where they come from: --images, else
+    the checkpoint's validation images (data.val_fraction: the run's val.txt beside `checkpoint`), else (said)
+    random pixels."""
     if images:
-        dataset = ImageListDataset(find_images(images), transform, cfg.data.max_image_pixels)
-        samples = [dataset[i][0] for i in range(len(dataset))]
-        batch = [s for s in samples if s is not None][:count]
-        if not batch:
+        decoded = (readable(path, cfg) for path in find_images(images))
+        raw = list(itertools.islice((image for image in decoded if image is not None), count))
+        if not raw:
             raise UserError(f"--images {images}: none of its images can be read")
-        where = f"--images {images}"
-    else:
-        try:
-            dataset = build_val_dataset(cfg.data, cfg.seed)
-            batch = [dataset[i][0] for i in range(min(count, len(dataset)))]
-            where = f"validation images of data.name={cfg.data.name}"
-            where += f" in {cfg.data.root}" if cfg.data.name != "dummy" else ""
-        except UserError as err:
-            log.warning("checking on random pixels: the stored validation data cannot be read (%s); "
-                        "pass --images to check on real images", err)
-            generator = torch.Generator().manual_seed(0)
-            size = eval_size(cfg.data)[0]
-            batch = list(torch.randint(0, 256, (count, 3, size, size), dtype=torch.uint8, generator=generator))
-            where = "random pixels"
+        return raw, f"--images {images}"
+    try:
+        split = saved_split(cfg.data, checkpoint) if checkpoint else None
+        dataset = build_val_dataset(cfg.data, cfg.seed, split=split)
+        raw = [dataset.load_image(i) for i in range(min(count, len(dataset)))]
+    except UserError as err:
+        log.warning("checking on random pixels: the stored validation data cannot be read (%s); "
+                    "pass --images to check on real images", err)
+        size, crop_pct = eval_size(cfg.data)
+        side = math.floor(size / crop_pct)
+        return list(np.random.default_rng(0).integers(0, 256, (count, side, side, 3), dtype=np.uint8)), "random pixels"
+    if split is not None:
+        return raw, f"validation images of the run's val.txt beside {checkpoint}, in {cfg.data.root}"
+    return raw, f"validation images of data.name={cfg.data.name}" + (
+        f" in {cfg.data.root}" if cfg.data.name != "dummy" else "")
+
+
+def readable(path: str, cfg: Config) -> np.ndarray | None:
+    """The decoded image, or None for a file that cannot be read (--images may hold some)."""
+    try:
+        return read_image(path, cfg.data.max_image_pixels)
+    except UserError:
+        return None
+
+
+def preprocessed(cfg: Config, raw: list[np.ndarray]) -> torch.Tensor:
+    """`raw` through cfg's eval pipeline (each image's random state seeded alike, for any pipeline) and normalized:
+    the float32 NCHW batch the model takes."""
+    transform = eval_transform(cfg.data)
+    batch = []
+    for index, image in enumerate(raw):
+        rng = np.random.default_rng([0, index])
+        transform.set_random_state(rng, random.Random(int(rng.integers(2**63))))
+        batch.append(transform(image=image)["image"])
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, torch.device("cpu"), channels_last=False)
-    return normalize(torch.stack(batch)), where
+    return normalize(torch.stack(batch))
+
+
+def check_folder_preprocessing(cfg: Config, folder: Path, raw: list[np.ndarray], where: str, out: Path) -> None:
+    """The model folder, read back as predict.py and evaluate.py read it, preprocesses the check images exactly as
+    the checkpoint does (its eval pipeline file, size, mean and std): else the two would predict differently."""
+    _, read_back = open_trained(folder, False, [("data.num_workers", 0)], may_override=False)
+    if not torch.equal(preprocessed(read_back, raw), preprocessed(cfg, raw)):
+        raise UserError(f"the model folder preprocesses the check images ({where}) differently from the checkpoint, "
+                        f"as predict.py would read it back, so their predictions would disagree; {out} was not "
+                        "written")
 
 
 def max_difference(run: Callable[[torch.Tensor], np.ndarray], model: nn.Module, batch: torch.Tensor,
@@ -83,15 +117,29 @@ def max_difference(run: Callable[[torch.Tensor], np.ndarray], model: nn.Module, 
 
 
 def metadata(cfg: Config, trained: Trained) -> dict[str, Any]:
-    """What a user of an exported file needs to feed it: architecture, classes, preprocessing."""
+    """What a user of an exported file needs to feed it: architecture, classes, preprocessing (the run's eval
+    pipeline file itself when it had one)."""
     size, crop_pct = eval_size(cfg.data)
-    return {"architecture": cfg.model.name, "num_classes": len(trained.class_names),
+    meta = {"architecture": cfg.model.name, "num_classes": len(trained.class_names),
             "label_names": trained.class_names, "input_size": [3, size, size],
             "crop_pct": crop_pct, "mean": cfg.data.mean, "std": cfg.data.std,
             "interpolation": cfg.data.interpolation,
             "input": "float32 NCHW: short side resized to floor(input_size / crop_pct) (antialiased, as timm's "
                      "eval transform), centre-cropped, (x / 255 - mean) / std",
             **multi_label_meta(trained)}
+    if cfg.data.eval_transform:
+        meta.update(eval_transform=Path(cfg.data.eval_transform).read_text(), eval_transform_sha256=cfg.data
+                    .eval_transform_sha256, input=f"float32 NCHW: the RGB uint8 image through the albumentations "
+                    f"pipeline in eval_transform (the run's data.eval_transform file: save the text as "
+                    f"{pipeline_name(cfg)} and A.load it), as CHW, (x / 255 - mean) / std; crop_pct and "
+                    "interpolation do not apply")
+    return meta
+
+
+def pipeline_name(cfg: Config) -> str:
+    """The name of the eval pipeline file in a model folder: its format (YAML or JSON) kept, as A.load reads it."""
+    yaml_file = Path(cfg.data.eval_transform).suffix.lower() in (".yaml", ".yml")
+    return PIPELINE_NAMES[0] if yaml_file else PIPELINE_NAMES[2]
 
 
 def multi_label_meta(trained: Trained) -> dict[str, Any]:
@@ -154,6 +202,9 @@ def export_model_folder(model: nn.Module, cfg: Config, trained: Trained, folder:
     model_config = {"label_names": trained.class_names, **multi_label_meta(trained),
                     "eval_amp": cfg.eval_amp}  # predict.py computes in it, as from the checkpoint
     model_config.pop("output", None)
+    if cfg.data.eval_transform:  # the run's eval pipeline goes with the weights (predict.py reads it, sha256 checked)
+        model_config.update(eval_transform=pipeline_name(cfg), eval_transform_sha256=cfg.data.eval_transform_sha256)
+        write_new(folder / pipeline_name(cfg), Path(cfg.data.eval_transform).read_bytes())
     save_config_for_hf(model, str(config_file), model_config=model_config,
                        model_args=dict(cfg.model.kwargs), data_config=data_config)
     written = json.loads(config_file.read_text())
@@ -162,7 +213,8 @@ def export_model_folder(model: nn.Module, cfg: Config, trained: Trained, folder:
     config_file.write_text(json.dumps(written, indent=2) + "\n")
     tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     write_new(folder / MODEL_WEIGHTS, save(tensors))  # save_file: mode 0600 and a SafetensorError on EFBIG
-    write_new(folder / MODEL_CARD, model_card(cfg, trained, model, name).encode())
+    file = pipeline_name(cfg) if cfg.data.eval_transform else None
+    write_new(folder / MODEL_CARD, model_card(cfg, trained, model, name, file).encode())
     loaded = timm.create_model(f"local-dir:{folder.resolve()}", pretrained=True).eval()
 
     def run(x: torch.Tensor) -> np.ndarray:
@@ -203,11 +255,12 @@ def is_torchscript_export(path: Path) -> bool:
 
 
 def is_model_folder_export(path: Path) -> bool:
-    """A model folder this tool wrote: config.json (naming the architecture), model.safetensors and its own model card
-    (a folder written before the card came holds the first two only), and nothing else."""
+    """A model folder this tool wrote: config.json (naming the architecture), model.safetensors, its own model card
+    (a folder written before the card came holds the first two only) and maybe the run's eval pipeline file, and
+    nothing else."""
     if not path.is_dir() or path.is_symlink():
         return False
-    names = sorted(p.name for p in path.iterdir())
+    names = sorted(p.name for p in path.iterdir() if p.name not in PIPELINE_NAMES or p.is_symlink())
     if names not in ([MODEL_CONFIG, MODEL_WEIGHTS], sorted([MODEL_CONFIG, MODEL_WEIGHTS, MODEL_CARD])):
         return False
     try:
@@ -256,16 +309,22 @@ def export_command(args: argparse.Namespace) -> int:
     checkpoint = Path(args.checkpoint)
     out = Path(args.output) if args.output else checkpoint.parent / f"{checkpoint.stem}{SUFFIXES[args.format]}"
     check_output(out, checkpoint, args.format)  # before any work: nothing at --output is lost
-    trained, cfg = open_trained(args.checkpoint, args.ema, [("data.num_workers", 0), ("model.channels_last", False)])
+    trained, cfg = open_trained(args.checkpoint, args.ema, [("data.num_workers", 0), ("model.channels_last", False)],
+                                may_override=False)
     if hint := ema_hint(trained.source, trained.best_metric, args.ema):
         log.warning(hint)
+    if line := pipeline_line(trained, cfg):
+        log.info(line)
     model = inference_model(trained, cfg, torch.device("cpu")).float()  # exported from the CPU, in fp32
-    batch, where = check_images(cfg, args.images, args.check_batch)
+    raw, where = check_sources(cfg, args.images, args.check_batch, args.checkpoint)
+    batch = preprocessed(cfg, raw)
     example = batch[:2] if len(batch) > 1 else batch.repeat(2, 1, 1, 1)  # export with 2: batch 1 is checked too
     meta = metadata(cfg, trained)
     try:
         with temp_beside(out) as tmp:
             runner = write_export(args, model, cfg, trained, example, meta, tmp, out.name)
+            if args.format == "safetensors":
+                check_folder_preprocessing(cfg, tmp, raw, where, out)
             difference = max_difference(runner, model, batch, (1, args.check_batch))
             print(f"max abs difference of the logits, {args.format} vs PyTorch, batches of 1 and "
                   f"{args.check_batch} ({where}): {difference:.3g}")

@@ -9,12 +9,12 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from assembly.run import build_run
+from assembly.run import Run, build_run
 from core.config import Config
 from core.dist import DistInfo, rank0_decides
 from core.errors import UserError
 from core.logs import run_summary
-from core.signals import Preempted
+from core.signals import Preempted, training_steps
 from engine.checkpoint.run_dir import FolderLock, continue_with
 from engine.hooks import Hook, StopRun
 from engine.lr_find import LABEL as LR_RULE_LABEL, range_test, write_results
@@ -48,31 +48,54 @@ def fit(cfg: Config, info: DistInfo, lock: FolderLock | None = None,
         hooks: Sequence[Hook] = ()) -> TrainState | None:
     """The run: epochs of training steps, each validated (and every train.val_every_steps steps inside it: the
     ValidateEvery hook); what happens around them is the run's hooks, then `hooks`. `lock`: rank 0's lock on
-    output_dir (launch.train holds it), checked before each write there."""
+    output_dir (launch.train holds it), checked before each write there. Over the epochs a stop signal only asks for
+    a stop (training_steps): every rank stops after the same step, at the same validation batch, or once a
+    validation's hooks (its checkpoint) are done, and last.pth is written there."""
     run = build_run(cfg, info, write=True, lock=lock, extra=hooks)
     if run is None:  # a finished run: nothing to train
         return None
     cfg, state, out = run.cfg, run.state, run.outputs
     try:  # close(): however the run ends, its last checkpoint write (train.async_save) finishes first
-        while state.epoch < cfg.train.epochs:
-            try:
-                for hook in run.hooks:
-                    hook.before_epoch(state)  # the first, StopRules, raises StopRun when a stop rule holds
-                train = train_one_epoch(run.parts, run.data.train, state, run.loop, info, run.hooks)
-            except Preempted as stopped:  # SIGTERM, SIGUSR1 or SIGINT: every rank stopped after the same step
-                stopped.checkpoint = out.save_now(state)  # mid-epoch: resume=auto continues where it stopped
-                stopped.overrides = continue_with(cfg.output_dir, cfg.resume)
-                raise
-            except StopRun:  # before the epoch, or at a validation inside it (said, checkpointed, recorded)
-                break
-            end = run.validation(state, train, finished=state.epoch_finished(run.data.steps_per_epoch))
-            for hook in run.hooks:
-                hook.after_epoch(state, end)
+        with training_steps():  # a signal after the last check is raised as the block ends (Terminated)
+            while state.epoch < cfg.train.epochs:
+                try:
+                    epoch(run, state, info)
+                except Preempted as stopped:  # SIGTERM, SIGUSR1 or SIGINT: every rank stopped at the same place
+                    stopped.checkpoint = out.save_now(state)  # resume=auto continues there (a cut validation first)
+                    stopped.overrides = continue_with(cfg.output_dir, cfg.resume)
+                    raise
+                except StopRun:  # before the epoch, or at a validation inside it (said, checkpointed, recorded)
+                    break
         for hook in run.hooks:
             hook.after_train(state)
     finally:
         out.checkpointer.close()
     if info.is_main:
         log.info(run_summary(out.record.rows(), run.chosen_on, state.best_value, state.best_epoch,
-                             time.monotonic() - run.started, Path(cfg.output_dir)))
+                             time.monotonic() - run.started, Path(cfg.output_dir), cut_short=state.epoch_step > 0))
     return state
+
+
+def epoch(run: Run, state: TrainState, info: DistInfo) -> None:
+    """One pass of the loop: the epoch's (remaining) steps, their validation and the hooks after it. A validation a
+    stop cut short (state.unvalidated, put back from last.pth) comes first: one inside the epoch
+    (train.val_every_steps) before the epoch trains on; the one after the steps in place of them (they are done)."""
+    owed = state.unvalidated
+    if owed is not None and owed["mid_epoch"]:
+        validated(run, state, owed["train"], mid_epoch=True)
+    if owed is None or owed["mid_epoch"]:
+        for hook in run.hooks:
+            hook.before_epoch(state)  # the first, StopRules, raises StopRun when a stop rule holds
+        train = train_one_epoch(run.parts, run.data.train, state, run.loop, info, run.hooks)
+    else:
+        train = owed["train"]
+    validated(run, state, train)
+
+
+def validated(run: Run, state: TrainState, train: dict[str, float], mid_epoch: bool = False) -> None:
+    """A validation with the train columns `train`, then every hook's after_epoch (the last, StopRequests, raises
+    Preempted when a stop signal came meanwhile)."""
+    finished = not mid_epoch and state.epoch_finished(run.data.steps_per_epoch)
+    end = run.validation(state, train, finished=finished, mid_epoch=mid_epoch)
+    for hook in run.hooks:
+        hook.after_epoch(state, end)

@@ -13,12 +13,13 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from core.config import Config
+from core.config import Config, with_derived
 from core.dist import DistInfo, init_distributed, rank0_decides, read_launch_env
 from core.errors import UserError
 from core.files import Recognise
 from core.logs import setup_logging
 from core.startup import tune_cpu_process
+from data.pipeline import file_sha256
 from engine.checkpoint.inference import Trained, inference_config, load_trained, make_output_dir
 from engine.checkpoint.run_dir import check_shared
 from engine.checkpoint.weights import load_weights
@@ -26,16 +27,68 @@ from models.factory import create_model, prepare_model
 
 
 def open_trained(path: str | os.PathLike, ema: bool, overrides: Sequence[tuple[str, Any]] = (),
-                 use: str = "used") -> tuple[Trained, Config]:
+                 use: str = "used", may_override: bool = True) -> tuple[Trained, Config]:
     """The trained weights (the EMA's with `ema`) and their stored config with `overrides` applied; model.name may
-    not be overridden into another architecture (`use`: what the tool does with it, for the message)."""
+    not be overridden into another architecture (`use`: what the tool does with it, for the message); the eval
+    pipeline file is the run's own copy (`may_override`: the tool takes data.eval_transform=FILE instead)."""
     trained = load_trained(path, ema)
     cfg = inference_config(trained, overrides)
     stored = trained.config.get("model", {}).get("name")
     if cfg.model.name != stored:
         raise UserError(f"{trained.source} is a {stored}; it cannot be {use} as model.name={cfg.model.name} "
                         "(drop that override)")
-    return trained, cfg
+    given = any(key == "data.eval_transform" for key, _ in overrides)
+    return trained, with_eval_pipeline(cfg, trained, given, may_override)
+
+
+def with_eval_pipeline(cfg: Config, trained: Trained, given: bool, may_override: bool) -> Config:
+    """data.eval_transform read from the run's own copy (the checkpoint's run folder, or the model folder), its
+    recorded sha256 checked: the file at the recorded path may have been edited or removed since. A file `given` on
+    the command line is used instead, with its own sha256 (pipeline_line says so)."""
+    if given:
+        chosen = cfg.data.eval_transform
+        return with_derived(cfg, data={"eval_transform_sha256": file_sha256(chosen, "data.eval_transform")
+                                       if chosen else ""})
+    data, own = trained.config.get("data", {}), run_pipeline(trained)
+    if own is None:
+        return cfg
+    recorded = data.get("eval_transform_sha256") or "(none)"
+    other = ", or give data.eval_transform=FILE to use another pipeline file" if may_override else ""
+    if not own.is_file():
+        writer = ("export.py writes it into the model folder" if trained.source.startswith("model folder")
+                  else "train.py writes it beside the checkpoint")
+        raise UserError(f"{trained.source} was trained with data.eval_transform={data['eval_transform']} (sha256 "
+                        f"{recorded}); the run's copy of it, {own}, is missing: put it back ({writer}){other}")
+    found = file_sha256(str(own), "data.eval_transform")
+    if found != recorded:
+        raise UserError(f"{own}, the run's copy of its data.eval_transform, has sha256 {found}, not the {recorded} "
+                        f"{trained.source} recorded: it was changed after training; restore it{other}")
+    return with_derived(cfg, data={"eval_transform": str(own)})
+
+
+def run_pipeline(trained: Trained) -> Path | None:
+    """Where the run keeps its copy of its data.eval_transform file (None: it used the preset): `eval_transform`
+    with the file's suffix, in the checkpoint's run folder (train.py writes it there) or in the model folder."""
+    name = trained.config.get("data", {}).get("eval_transform")
+    if not name or trained.folder is None:
+        return None
+    return trained.folder / f"eval_transform{Path(name).suffix}"
+
+
+def pipeline_line(trained: Trained, cfg: Config) -> str | None:
+    """What the eval pipeline is, for the log: the run's own file (its copy, checked), a file or the preset given on
+    the command line in its place (None: the preset, as the run used)."""
+    own, used = run_pipeline(trained), cfg.data.eval_transform
+    if own is not None and used == str(own):
+        return (f"eval pipeline: the run's data.eval_transform, its copy {own} (sha256 "
+                f"{cfg.data.eval_transform_sha256}, as recorded)")
+    run_side = f"the run's own pipeline file ({own.name})" if own is not None else "the run's eval preset"
+    if used:
+        return (f"eval pipeline: data.eval_transform={used} given on the command line (sha256 "
+                f"{cfg.data.eval_transform_sha256}), in place of {run_side}")
+    if own is not None:
+        return f"eval pipeline: the app's eval preset (data.eval_transform= given), in place of {run_side}"
+    return None
 
 
 def inference_model(trained: Trained, cfg: Config, device: torch.device) -> nn.Module:

@@ -23,13 +23,15 @@ log = logging.getLogger(__name__)
 MODEL_CARD = "README.md"  # a model folder's card: what the Hugging Face Hub shows for it
 CARD_MARK = "<!-- model card written by export.py"  # how a later export knows the card is its own
 CLASSES_SHOWN = 20  # class names listed in the card (all of them are in config.json)
-def model_card(cfg: Config, trained: Trained, model: nn.Module, name: str) -> str:
+
+
+def model_card(cfg: Config, trained: Trained, model: nn.Module, name: str, file: str | None = None) -> str:
     """The folder's README.md by timm's own card writer (generate_readme, as its push_to_hf_hub uses): the Hub's
     header, what the model was trained on and from, the metrics its checkpoint records of these weights and how far
-    to trust them, preprocessing, usage and limitations; then the training config without local paths."""
+    to trust them, preprocessing (`file`: the folder's eval pipeline file, the run's), usage and limitations; then
+    the training config without local paths."""
     from timm.models._hub import generate_readme
 
-    size, crop_pct = eval_size(cfg.data)
     arch = model.pretrained_cfg.get("architecture") or cfg.model.name
     classes, data = trained.class_names, trained.config.get("data", {})
     hidden = len(classes) - CLASSES_SHOWN
@@ -45,9 +47,7 @@ def model_card(cfg: Config, trained: Trained, model: nn.Module, name: str) -> st
         "Data": f"{data_set_name(data)}: {split_sizes(trained.data_sizes, data)}",
         "Classes": f"{len(classes)}: {', '.join(classes[:CLASSES_SHOWN])}{more}",
         "Metrics (validation split, as the checkpoint records them)": trained.metrics or "none recorded",
-        "Preprocessing": {"resize": f"short side to {math.floor(size / crop_pct)} px ({cfg.data.interpolation}), "
-                                    f"centre crop {size} x {size} (crop_pct {crop_pct})",
-                          "normalize": f"mean {list(cfg.data.mean)}, std {list(cfg.data.std)} (RGB, 0-1)"},
+        "Preprocessing": preprocessing(cfg, file),
     }
     scores = "sigmoid()" if trained.multi_label else "softmax(-1)"
     usage = ("```python\nimport timm\nfrom PIL import Image\n\n"
@@ -55,6 +55,8 @@ def model_card(cfg: Config, trained: Trained, model: nn.Module, name: str) -> st
              "transform = timm.data.create_transform(**timm.data.resolve_data_config({}, model=model))\n"
              f'scores = model(transform(Image.open("photo.jpg").convert("RGB")).unsqueeze(0)).{scores}\n'
              'labels = model.pretrained_cfg["label_names"]\n```\n')
+    if file:
+        usage = pipeline_usage(name, file, scores)
     card = {"tags": ["image-classification", "timm"], "license": "other", "details": details, "usage": usage,
             "description": f"A timm {arch} {trained_how} with the image classification reference trainer "
                            f"(export.py wrote this folder). {selection_note(trained)} `license: other` above is a "
@@ -97,6 +99,36 @@ def augmentation_section(data: dict[str, Any], folder: Path) -> str:
     serialized = json.loads(json.dumps(A.to_dict(load_pipeline(str(found), "data.train_transform"))["transform"]))
     return (f"{head}. Its transforms, as albumentations serializes them (`A.to_dict`):\n\n```yaml\n"
             f"{yaml.safe_dump(serialized, sort_keys=False)}```\n\n")
+
+
+def preprocessing(cfg: Config, file: str | None) -> dict[str, str]:
+    """What the model expects of an image: the run's eval pipeline file (`file`, in the folder), or the preset's
+    resize and centre crop; then the normalization."""
+    size, crop_pct = eval_size(cfg.data)
+    normalize = f"mean {list(cfg.data.mean)}, std {list(cfg.data.std)} (RGB, 0-1)"
+    if file:
+        steps = " -> ".join(" ".join(repr(step).split()) for step in load_pipeline(cfg.data.eval_transform,
+                                                                                   "data.eval_transform").transforms)
+        return {"pipeline": f"the albumentations pipeline {file} in this folder (the run's data.eval_transform, "
+                            f"sha256 {cfg.data.eval_transform_sha256}; A.load reads it): {steps}; it ends at "
+                            f"{size} x {size} uint8 RGB", "normalize": normalize}
+    return {"resize": f"short side to {math.floor(size / crop_pct)} px ({cfg.data.interpolation}), "
+                      f"centre crop {size} x {size} (crop_pct {crop_pct})", "normalize": normalize}
+
+
+def pipeline_usage(name: str, file: str, scores: str) -> str:
+    """Usage code for a model whose eval pipeline is an albumentations file: timm's own transform would differ."""
+    data_format = "yaml" if file.endswith(".yaml") else "json"
+    return ("```python\nimport albumentations as A\nimport numpy as np\nimport timm\nimport torch\n"
+            "from PIL import Image\n\n"
+            f'model = timm.create_model("hf-hub:<user>/{name}", pretrained=True).eval()  # or "local-dir:{name}"\n'
+            f'pipeline = A.load("{file}", data_format="{data_format}")  # this folder\'s {file}: the eval pipeline '
+            "it was trained with (timm's create_transform would differ)\n"
+            'image = pipeline(image=np.asarray(Image.open("photo.jpg").convert("RGB")))["image"]\n'
+            "mean, std = (torch.tensor(model.pretrained_cfg[k]).view(3, 1, 1) for k in (\"mean\", \"std\"))\n"
+            "x = (torch.from_numpy(image).permute(2, 0, 1).float() / 255 - mean) / std\n"
+            f"scores = model(x.unsqueeze(0)).{scores}\n"
+            'labels = model.pretrained_cfg["label_names"]\n```\n')
 
 
 DATA_SETS = {"digits": "scikit-learn's handwritten digits", "dummy": "synthetic dummy data"}  # data.name's own data

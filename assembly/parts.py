@@ -19,7 +19,7 @@ from data.pipeline import REPLACED_KEYS
 from data.transforms import DeviceNormalize
 from engine.checkpoint.resume import Resume
 from engine.distill import build_distillation
-from engine.losses import ImbalancedCrossEntropy, Loss, build_loss, heavy_weight_warning
+from engine.losses import ImbalancedCrossEntropy, Loss, build_loss, capped_note, heavy_weight_warning
 from engine.optim import build_optimizer, build_scheduler
 from engine.precision import Precision
 from engine.state import best_metric, lower_is_better
@@ -50,7 +50,7 @@ def build_parts(cfg: Config, info: DistInfo, data: DataBundle, precision: Precis
         shard_for_training(model, ema.module if ema is not None else None, precision.dtype, info.world_size,
                            cfg.dist.fsdp_shard_size)
     torch.manual_seed(cfg.seed + info.rank)  # dropout / drop-path differ per rank, reproducibly
-    training_kernels(info.device.type)  # cuDNN's autotuning on CUDA, as benchmark.py times it
+    training_kernels(info.device.type, precision.tf32)  # cuDNN's autotuning on CUDA, as benchmark.py times it
     if (warning := compile_warning(cfg.model, info.world_size)) and info.is_main:
         log.warning(warning)
     unfreezes = cfg.model.freeze_epochs > 0
@@ -86,6 +86,8 @@ def run_loss(cfg: Config, data: DataBundle, info: DistInfo) -> Loss:
     if info.is_main:
         for line in data_lines(cfg, data, loss):
             log.info(line)
+        if note := capped_note(cfg.train, data.class_counts, data.class_names):
+            log.info(note)
         if warning := heavy_weight_warning(loss, data.class_names, images):
             log.warning(warning)
     return loss

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 import torch
 
-from assembly.inference import inference_model, open_trained, shared_output_dir, start_processes
+from assembly.inference import inference_model, open_trained, pipeline_line, shared_output_dir, start_processes
 from core.config import Config
 from core.config_load import parse_override
 from core.dist import DistInfo, barrier, rank0_decides
@@ -103,7 +103,7 @@ def predict(model: torch.nn.Module, loader, dataset: ImageListDataset, class_nam
         rows += [{"index": index, "path": dataset.path(index), "error": error} for index, error in failed]
         if images is None:
             continue
-        with precision.autocast(), exact_kernels(info.device):  # the kernels evaluate.py and validation use
+        with precision.autocast(), exact_kernels(info.device, precision.tf32):  # the kernels evaluate.py and validation use
             logits = model(normalize(images.to(info.device)))
         if thresholds is not None:
             rows += multi_label_rows(logits, indices.tolist(), dataset, class_names, thresholds)
@@ -153,9 +153,11 @@ def run(trained: Trained, cfg: Config, args: argparse.Namespace, info: DistInfo)
         log.info("predicting %d images with %s (%s, %d classes), %d process(es), batch %d per process",
                  len(paths), trained.source, cfg.model.name, len(trained.class_names), info.world_size,
                  cfg.train.batch_size)
-    precision = resolve_precision(cfg.amp, info.device)
+    precision = resolve_precision(cfg.amp, info.device, tf32=cfg.tf32)
     if info.is_main:
-        log.info(precision_line(cfg.amp, precision.name, cfg.eval_amp))
+        if line := pipeline_line(trained, cfg):
+            log.info(line)
+        log.info(precision_line(cfg.amp, precision.described, cfg.eval_amp))
     multi = trained.multi_label
     shown = ML_COLUMNS if multi else columns(k)
     rows = predict(model, loader, dataset, trained.class_names, k, cfg, info, precision,

@@ -5,6 +5,7 @@ its outputs (record, sinks, checkpointer) and the hooks that do each side effect
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -17,8 +18,8 @@ from assembly.parts import build_parts
 from assembly.start import Teacher, build_start, load_teacher, resolve_start
 from core.config import Config, LoggingConfig, global_batch, run_values, to_dict
 from core.dist import DistInfo, broadcast_object, rank0_decides
-from core.startup import cpu_share, threads_line
 from core.errors import UserError
+from core.startup import cpu_share, starved_workers, this_process_cpus, threads_line
 from data.datasets import AugmentedDataset, augmented_samples
 from data.loader import DataBundle, full_epoch_images
 from data.pipeline import pipeline_copies
@@ -27,8 +28,8 @@ from engine.checkpoint.run_dir import FolderLock, RunRecord, check_writable
 from engine.checkpoint.saver import Checkpointer
 from engine.evaluation import validation_precision
 from engine.hooks import (BestArtifact, CloseEpoch, Curves, EmaUpdate, EpochCheckpoint, EpochInputs, FinishSinks, Hook,
-                          RecordRow, SkippedImages, StepCheckpoint, StepOnMetric, StopRules, Tracking, Unfreeze,
-                          ValidateEvery, ValidationErrors)
+                          RecordRow, SkippedImages, StepCheckpoint, StepOnMetric, StopRequests, StopRules, Tracking,
+                          Unfreeze, ValidateEvery, ValidationErrors)
 from engine.optim import extension_warning
 from engine.plots import PNG, image_grid, readable, save_png
 from engine.precision import Precision, run_precisions
@@ -114,7 +115,8 @@ def prepare(cfg: Config, info: DistInfo, fresh: bool, started: float) -> Run | N
                  "train.max_steps, train.early_stop_patience) to continue it, or use another output_dir for a new run",
                  start.path.parent, reason)  # the checkpoint's folder: output_dir, unless resume=<path> names another
         return None
-    precision, measured = run_precisions(cfg.amp, cfg.eval_amp, cfg.loss_scale, cfg.dist.strategy, info.device)
+    precision, measured = run_precisions(cfg.amp, cfg.eval_amp, cfg.loss_scale, cfg.dist.strategy, info.device,
+                                         cfg.tf32)
     cfg, data, model = build_start(cfg, start, weights, precision, info)  # the data read after the precision
     teacher = load_teacher(cfg, weights, model, data.num_classes)
     model = prepare_model(model, cfg.model, info.device, info.world_size)  # placed once it has its starting weights
@@ -128,10 +130,13 @@ def prepare(cfg: Config, info: DistInfo, fresh: bool, started: float) -> Run | N
         log.warning(warning)
     log.info("model %s (%.1fM params), %d process(es) on %s, training in %s, validating in %s, global batch %d, "
              "%d steps/epoch", cfg.model.name, sum(p.numel() for p in model.parameters()) / 1e6, info.world_size,
-             info.device.type, precision.name, validation_precision(measured, precision, model),
+             info.device.type, precision.described, validation_precision(measured, precision, model),
              global_batch(info.world_size, cfg.train.batch_size, cfg.train.accum_steps), data.steps_per_epoch)
     if info.device.type == "cpu":
         log.info("CPU: %s", threads_line(info.local_world_size, cfg.data.num_workers))
+    starved = starved_workers(this_process_cpus(info.local_world_size), cfg.data.num_workers, os.environ)
+    if starved is not None and info.is_main:
+        log.warning(starved)
     validation = Validation(parts.model, ema.module if ema is not None else None, data.val, measured, info,
                             loop.normalize, cfg.data, parts.optimizer, chosen_on, gathers_outcomes(cfg, data))
     return Run(cfg, info, start, chosen_on, data, precision, measured, model, teacher, parts, loop, ema, frozen,
@@ -243,7 +248,8 @@ def hooks_of(run: Run, out: RunOutputs, extra: Sequence[Hook] = ()) -> list[Hook
              BestArtifact(out.tracker, out.checkpointer, folder / "best.pth", run.chosen_on, cfg.model.name),
              *profile,
              FinishSinks(sinks),  # last of the run's own: after the last write and the profile
-             *extra]
+             *extra,
+             StopRequests(info.device)]  # last after a validation: a stop during its hooks, once they are done
     if cfg.train.val_every_steps:  # after the EMA's update, before the step checkpoint: its validation's after_epoch
         # hooks (the others, as they stand now: it is not among them) write last.pth at the step, which
         # StepCheckpoint then need not

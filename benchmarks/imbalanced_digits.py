@@ -4,6 +4,8 @@
     python benchmarks/imbalanced_digits.py --ratio 100 --epochs 30 --seeds 0 1 2 --only "plain cross-entropy" \
         train.class_weights=balanced train.class_weights=effective DRW "logit adjustment" \
         "logit adjustment tau=0.5" data.sampler=class_balanced  # the 100:1 (CIFAR-10-LT profile) table
+    python benchmarks/imbalanced_digits.py --ratio 100 --epochs 30 --seeds 0 1 2 --only "plain cross-entropy" \
+        train.class_weights=balanced "balanced uncapped" "balanced max=5"  # issue 65: the cap on balanced
 
 The training split of scikit-learn's digits (data/digits.py: about 143 images per class) is cut so class c
 keeps max(1, round(largest x ratio^(-c / 9))) images: class 0 all of them, class 9 a twentieth (ratio 20) or one
@@ -35,7 +37,9 @@ from tests.helpers import run_script  # noqa: E402
 
 VARIANTS = {  # {from}: the epoch DRW's weights start at (the last quarter of --epochs)
     "plain cross-entropy": [],
-    "train.class_weights=balanced": ["train.class_weights=balanced"],
+    "train.class_weights=balanced": ["train.class_weights=balanced"],  # capped at train.class_weights_max=10
+    "balanced uncapped": ["train.class_weights=balanced", "train.class_weights_max=0"],  # scikit-learn's
+    "balanced max=5": ["train.class_weights=balanced", "train.class_weights_max=5"],
     "train.class_weights=effective": ["train.class_weights=effective"],
     "DRW": ["train.class_weights=effective", "train.class_weights_from_epoch={from}"],
     "logit adjustment": ["train.logit_adjustment=1"],

@@ -52,6 +52,18 @@ def parse_with_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> ar
     return parser.parse_intermixed_args(as_overrides(argv, flags))
 
 
+class GivenOnce(argparse.Action):
+    """A flag with one value (`--config`): given twice is one line, where argparse keeps the last silently (`--config
+    a --config b` read b alone)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: str,
+                 option_string: str | None = None) -> None:
+        if (before := getattr(namespace, self.dest, None)) is not None:
+            raise UserError(f"{option_string} given twice ({before!r}, then {values!r}); a run reads one config file: "
+                            "copy the keys you need from one into the other, or give them as key=value overrides")
+        setattr(namespace, self.dest, values)
+
+
 def parse_without_overrides(parser: argparse.ArgumentParser, argv: list[str], why: str) -> argparse.Namespace:
     """A tool that takes no config overrides (export.py): `amp=bf16` is one line saying why, not argparse's
     `unrecognized arguments` beside docs that name the key."""

@@ -340,8 +340,12 @@ class TrainConfig:
                                            "ce: none | balanced (n / (classes x class count)) | effective (Cui et al. "
                                            "2019: (1 - beta) / (1 - beta^count), summing to the class count) | [w0, "
                                            "w1, ...]; weights each image's whole (smoothed) loss, averaged over the "
-                                           "batch's images; balanced diverges at 100:1 with lr 0.1 (docs/data.md): "
-                                           "use effective or class_weights_from_epoch there")
+                                           "batch's images; balanced is capped at class_weights_max (uncapped, its "
+                                           "loss spiked for epochs at 142:1 with lr 0.1: docs/data.md)")
+    class_weights_max: float = key(10.0,
+                                   "class_weights=balanced: no class weighs more than this (balanced averages 1 per "
+                                   "image); 0 = scikit-learn's weights uncapped (they spiked at 142:1: docs/data.md)",
+                                   within=">= 0")
     class_weights_beta: float = key(0.9999,
                                     "class_weights=effective: beta in [0, 1); 0 = no weighting, towards 1 = balanced")
     class_weights_from_epoch: int = key(0,
@@ -477,6 +481,11 @@ class Config:
     loss_scale: float = key(0.0,
                             "fp16's GradScaler: a static scale (halved on overflow, never grown: NVIDIA's "
                             "--static-loss-scale); 0 = dynamic (65536, grown every 2000 good steps)")
+    tf32: bool = key(True,
+                     "fp32 matmuls and convolutions (amp=off, eval_amp=off) on TF32 Tensor Cores, GPUs of compute "
+                     "capability 8.0+ (A100, H100), in training, validation and evaluate.py alike; false = full "
+                     "fp32 (cuDNN's convolutions included)",
+                     continues=True)
     resume: str = key("auto",
                       "auto (continue from <output_dir>/last.pth or last.dcp if present) | none | <checkpoint path>",
                       first=11)

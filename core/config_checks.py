@@ -61,8 +61,9 @@ def validate(cfg: Config) -> None:
         raise UserError(f"config key 'train.keep_last_k' is {cfg.train.keep_last_k}, but with "
                         "train.ckpt_format=sharded only last.dcp is kept (an epoch file would gather the whole model "
                         "on rank 0); set train.keep_last_k=0, or train.ckpt_format=file")
-    if not 0 <= cfg.seed <= MAX_SEED:
-        raise UserError(f"config key 'seed' must be in [0, {MAX_SEED}], got {cfg.seed}")
+    for key, seed in (("seed", cfg.seed), ("data.split_seed", cfg.data.split_seed)):
+        if not 0 <= seed <= MAX_SEED:
+            raise UserError(f"config key {key!r} must be in [0, {MAX_SEED}], got {seed}")
     if not cfg.output_dir.strip():  # an unset shell variable: checkpoints would land in the current folder
         raise UserError("config key 'output_dir' is empty; give the folder for this run's checkpoints and metrics")
     for key in ("data.train_split", "data.val_split"):

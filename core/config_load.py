@@ -73,14 +73,20 @@ def read_yaml(text: str) -> Any:
 
 def resolve_config_path(name: str) -> Path:
     """Accept a path, or a bare name (`resnet50`, `resnet50.yaml`) looked up in configs/."""
+    if not name.strip():  # `--config ""`, `--config $UNSET`: would run on bare defaults
+        raise UserError(f"--config is empty; give a YAML file, or one of configs/: {', '.join(known_configs())}")
     path = Path(name)
     if path.is_file():
         return path
     for candidate in (CONFIG_DIR / name, CONFIG_DIR / f"{name}.yaml"):
         if candidate.is_file():
             return candidate
-    known = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-    raise UserError(f"config file {name!r} not found (give a path, or one of configs/: {', '.join(known)})")
+    raise UserError(f"config file {name!r} not found (give a path, or one of configs/: {', '.join(known_configs())})")
+
+
+def known_configs() -> list[str]:
+    """The bare names --config finds in configs/."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
 
 def load_config(path: str | dict[str, Any] | None, overrides: list[str] = ()) -> Config:
@@ -89,7 +95,7 @@ def load_config(path: str | dict[str, Any] | None, overrides: list[str] = ()) ->
     raw: dict[str, Any] = {}
     if isinstance(path, dict):
         raw = copy.deepcopy(path)
-    elif path:
+    elif path is not None:
         file = resolve_config_path(path)
         try:
             raw = read_yaml(read_text(file)) or {}
@@ -172,14 +178,27 @@ def has_yaml_node_marks(text: str) -> bool:
 
 
 def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
-    """Set raw["a"]["b"] = value for key "a.b", creating sections as needed."""
+    """Set raw["a"]["b"] = value for key "a.b", creating sections as needed; a mapping given for a section merges
+    into it (merge_section)."""
     *sections, leaf = key.split(".")
     node = raw
     for section in sections:
         node = node.setdefault(section, {})
         if not isinstance(node, dict):
             raise UserError(f"override {key!r}: {section!r} is not a section")
-    node[leaf] = value
+    merge_section(node, leaf, value)
+
+
+def merge_section(node: dict[str, Any], key: str, value: Any) -> None:
+    """node[key] = value, except that a mapping given for a section sets only the keys it names (`data={img_size:
+    48}` keeps the config file's hflip and mean, as OmegaConf's merge does); a mapping of free options
+    (`model.kwargs`) is one value and replaces the one before it."""
+    old = node.get(key)
+    if not (isinstance(value, dict) and isinstance(old, dict)) or str(key).endswith("kwargs"):
+        node[key] = value
+        return
+    for name, item in value.items():
+        merge_section(old, name, item)
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
@@ -220,6 +239,11 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     return cls(**values)
 
 
+# A number as YAML 1.2 writes it, in ASCII digits (what int keys take too): float() would also read `1_0` as 10 and
+# other scripts' digits; nan and inf in any case are read so that the finite-number check names them.
+FLOAT_TEXT = re.compile(r"[-+]?(?:(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|inf|infinity|nan)", re.IGNORECASE)
+
+
 def _coerce(key: str, hint: Any, value: Any) -> Any:
     """Check one leaf value against its annotation; ints are accepted where floats are expected."""
     if isinstance(hint, types.UnionType) and type(None) in hint.__args__:  # `bool | None`: null = a library default
@@ -242,13 +266,14 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
         except UserError as err:
             raise UserError(str(err).replace(f"must be {named.__name__},", f"must be {named.__name__} or a list,")) from None
 
-    if hint is float and isinstance(value, (int, str)) and not isinstance(value, bool):
-        try:  # (PyYAML reads 1e-3, without a dot, as a string)
-            value = float(value)
-        except (ValueError, OverflowError):
-            pass
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if hint is float and isinstance(value, str) and FLOAT_TEXT.fullmatch(value):
+        value = float(value)  # (PyYAML reads 1e-3, without a dot, as a string); float() alone takes 1_0 and ١٠
     if hint is float and isinstance(value, float) and not math.isfinite(value):
         raise UserError(f"config key {key!r} must be a finite number, got {value!r}")
+    if hint is str and isinstance(value, dict) and len(value) == 1 and None in value.values():
+        value = f"{next(iter(value))}:"  # `data.root=hf-hub:` is, to YAML, the mapping {hf-hub: null}: the text typed
     if hint in (int, float, str, bool):
         if isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
             return value

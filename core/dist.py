@@ -272,6 +272,33 @@ def min_over_ranks(value: int, device: torch.device) -> int:
     return -max_over_ranks(-value, device)
 
 
+class LaggedMax:
+    """The largest of every rank's value, asked at each call and answered one call later: the all-reduce and its copy
+    to the host are queued behind the work already queued, and the host waits only for them, so a loop that asks
+    once per batch (a validation's stop flag) never leaves the device idle waiting for the host. Every rank must
+    call it equally often (a collective)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.asked: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # the previous call's, on its way
+
+    def __call__(self, value: int) -> int:
+        """Ask with this rank's `value`; the previous call's answer (0 at the first call)."""
+        flag = torch.full((1,), value, dtype=torch.int32, device=self.device)  # a fill, not a host-to-device copy
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        copied = None
+        if self.device.type == "cuda":  # into pinned memory (non_blocking), marked done by an event
+            flag, copied = flag.to("cpu", non_blocking=True), torch.cuda.Event()
+            copied.record()
+        answered, self.asked = self.asked, (flag, copied)
+        if answered is None:
+            return 0
+        if answered[1] is not None:
+            answered[1].synchronize()
+        return int(answered[0].item())
+
+
 def step_flags_over_ranks(nonfinite: torch.Tensor, stop_signal: int) -> tuple[bool, int]:
     """Any rank's inf/NaN flag and largest stop signal: one all-reduce (MAX) of one tensor, one read on the host.
 
@@ -310,16 +337,43 @@ def gather_rows(local: torch.Tensor) -> torch.Tensor | None:
     rank's arrays, pickled, to every rank: ~10 GB per rank per epoch at 10k classes x 125k images)."""
     if not dist.is_initialized():
         return local
-    world = dist.get_world_size()
-    sizes = torch.zeros(world, dtype=torch.int64, device=local.device)
-    sizes[dist.get_rank()] = len(local)
-    dist.all_reduce(sizes)
-    counts = sizes.tolist()
+    counts = rows_per_rank(local)
     padded = local.new_zeros((max(counts), *local.shape[1:]))
     padded[:len(local)] = local
-    parts = [torch.empty_like(padded) for _ in range(world)] if is_main() else None
+    parts = [torch.empty_like(padded) for _ in range(len(counts))] if is_main() else None
     dist.gather(padded, parts, dst=0)
     return torch.cat([part[:n] for part, n in zip(parts, counts)]) if parts is not None else None
+
+
+def gather_rows_to_host(local: torch.Tensor, block_rows: int) -> torch.Tensor | None:
+    """gather_rows into rank 0's host memory, `block_rows` rows of each rank at a time: rank 0's device holds one
+    block of every rank, never the whole set (multi-label validation at 125k images x 9.6k classes: 20 GB of
+    probabilities, which gather_rows would put on rank 0's GPU). A CPU tensor on rank 0, None on the others."""
+    if not dist.is_initialized():
+        return local.cpu()
+    counts, main = rows_per_rank(local), is_main()
+    whole = torch.empty((sum(counts), *local.shape[1:]), dtype=local.dtype) if main else None
+    firsts = [sum(counts[:rank]) for rank in range(len(counts))]
+    for start in range(0, max(counts), block_rows):
+        mine = local[start:start + block_rows]
+        padded = local.new_zeros((min(block_rows, max(counts) - start), *local.shape[1:]))
+        padded[:len(mine)] = mine
+        parts = [torch.empty_like(padded) for _ in counts] if main else None
+        dist.gather(padded, parts, dst=0)
+        if parts is not None:
+            arrived = torch.cat(parts).cpu()  # one copy to the host per block
+            for rank, first in enumerate(firsts):
+                rows = min(max(counts[rank] - start, 0), len(padded))
+                whole[first + start:first + start + rows] = arrived[rank * len(padded):rank * len(padded) + rows]
+    return whole
+
+
+def rows_per_rank(local: torch.Tensor) -> list[int]:
+    """Every rank's row count of `local` (one all-reduce)."""
+    sizes = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=local.device)
+    sizes[dist.get_rank()] = len(local)
+    dist.all_reduce(sizes)
+    return sizes.tolist()
 
 
 def rank0_decides(decide: Callable[[], T]) -> T:
@@ -388,6 +442,17 @@ def is_fsdp(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule  # here, not at the top: seconds of start-up a run without it skips
 
     return isinstance(model, FSDPModule)
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every FSDP2 unit's gathered weights and put its shards back in the module. FSDP2 keeps the root unit
+    gathered after a forward (for the backward it expects), and a gathered unit is not gathered again: an EMA,
+    whose shards change between its no-grad validations, would validate its root's stale weights the next time."""
+    from torch.distributed.fsdp import FSDPModule  # (as is_fsdp)
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def rank_local_tensors(model: nn.Module) -> list[torch.Tensor]:

@@ -70,11 +70,12 @@ def shown(name: str, value: float | None) -> str:
 
 
 def run_summary(rows: list[dict], metric: str, best_value: float, best_epoch: int | None, wall_s: float,
-                out: str | Path) -> str:
+                out: str | Path, cut_short: bool = False) -> str:
     """The end of a run in three lines (as timm's `*** Best metric` and Lightning's results table): the best value
     of `metric` (train.best_metric, the one best.pth follows) and its epoch, the last metrics.jsonl row's main
     metrics, the training speed over `rows` (total images / total training seconds, not a mean of the epochs'
-    img/s) and this process's wall time, and the output folder."""
+    img/s) and this process's wall time, and the output folder. `cut_short`: the run stopped inside its last epoch
+    (train.max_steps, or a stop rule at a validation inside it), whose row is then not a whole epoch's."""
     if math.isfinite(best_value):
         at = f" at epoch {best_epoch}" if best_epoch is not None else ""
         best = f"*** best {shown(metric, best_value)}{at} (best.pth)"
@@ -87,9 +88,12 @@ def run_summary(rows: list[dict], metric: str, best_value: float, best_epoch: in
                                                        else [])
     timed = [r for r in rows if r.get("train_images") is not None and r.get("epoch_time_s")]
     seconds = sum(r["epoch_time_s"] for r in timed)
-    speed = f"{sum(r['train_images'] for r in timed) / seconds:.0f} img/s" if seconds else "img/s n/a"
+    speed = (f"training at {sum(r['train_images'] for r in timed) / seconds:.0f} img/s" if seconds else
+             "no training speed (measured at an epoch's end, which this run did not reach)")
     mid = sum("epoch_time_s" not in r for r in rows)  # validations inside epochs: no timings
-    epochs = f"{len(rows) - mid} epoch(s)" + (f" and {mid} validation(s) inside epochs" if mid else "")
+    partial = cut_short and "epoch_time_s" in last  # the row of the epoch the stop cut short
+    epochs = f"{len(rows) - mid - partial} whole epoch(s)"
+    epochs += f", epoch {last['epoch']} cut short at step {last['step']}" if cut_short and "step" in last else ""
+    epochs += f" and {mid} validation(s) inside epochs" if mid else ""
     return (f"{best}\n*** last epoch {last['epoch']}: {' '.join(shown(c, last[c]) for c in columns)}\n"
-            f"*** {epochs} in metrics.jsonl, training at {speed}; wall time {duration(wall_s)}; outputs "
-            f"in {out}")
+            f"*** {epochs} in metrics.jsonl, {speed}; wall time {duration(wall_s)}; outputs in {out}")

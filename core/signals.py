@@ -1,10 +1,13 @@
 """SIGTERM, SIGUSR1 and SIGINT: stop training at a step boundary with a checkpoint, or stop at once outside training.
 
 A scheduler ends a job with SIGTERM, and Slurm warns with a signal of the user's choice before a time limit
-(`sbatch --signal=USR1@120`). While training steps run (`training_steps()`), both only ask for a stop: the loop
-asks every rank at each step boundary (one all-reduce), every rank stops after the same step, last.pth is
-written and the process exits with PREEMPTED. From then on the process ignores both, so that a SIGTERM sent
-once the first rank has exited (srun --kill-on-bad-exit) cannot turn that exit code into a signal.
+(`sbatch --signal=USR1@120`). While a run trains (`training_steps()`: fit holds it over its epochs, their steps,
+validations and the hooks after them), both only ask for a stop: the loop asks every rank at each step boundary,
+the validation at each batch boundary and fit once an epoch's hooks (its checkpoint) are done (one all-reduce
+each), every rank stops at the same place, last.pth is written (a validation cut short is recorded in it, and
+the continued run does it first) and the process exits with PREEMPTED. From then on the process ignores both, so
+that a SIGTERM sent once the first rank has exited (srun --kill-on-bad-exit) cannot turn that exit code into a
+signal.
 
 Outside training (start-up, evaluation) SIGTERM raises `Terminated` at once, so the entry point prints one line
 and exits 143; inside `sigterm_deferred()` (a torch.save, whose C++ writer aborts the process if a Python
@@ -58,11 +61,12 @@ class Terminated(BaseException):
 
 
 class Preempted(BaseException):
-    """Every rank stopped after the same optimizer step because a rank got SIGTERM, SIGUSR1 or SIGINT."""
+    """Every rank stopped at the same place (after an optimizer step; `during`: inside a validation, which the
+    continued run does first) because a rank got SIGTERM, SIGUSR1 or SIGINT."""
 
-    def __init__(self, signum: int, step: int) -> None:
+    def __init__(self, signum: int, step: int, during: str = "") -> None:
         what = "interrupted (SIGINT)" if signum == signal.SIGINT else f"preempted by {signal.Signals(signum).name}"
-        super().__init__(f"{what} at global step {step}")
+        super().__init__(f"{what} at global step {step}" + (f", during {during}" if during else ""))
         self.signum, self.step = signum, step
         self.checkpoint: Path | None = None  # set once last.pth holds this step
         self.overrides: list[str] = []  # key=value to add to the command that started the run so that it continues
@@ -172,8 +176,8 @@ def interrupt() -> None:
     _interrupted = True
     if (_in_steps or _stopping) and int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
         # os.write: a print() here could land inside one the main thread is making (a reentrant write raises)
-        os.write(2, b"\n" * os.isatty(2) + b"stopping after this step to write last.pth (Ctrl-C again stops at "
-                 b"once, without it)\n")
+        os.write(2, b"\n" * os.isatty(2) + b"stopping after this step (or validation batch) to write last.pth "
+                 b"(Ctrl-C again stops at once, without it)\n")
 
 
 def raise_for(signum: int) -> None:
@@ -183,10 +187,10 @@ def raise_for(signum: int) -> None:
 
 @contextlib.contextmanager
 def training_steps() -> Iterator[None]:
-    """Inside: SIGTERM and SIGINT ask for a stop at the next step boundary instead of raising.
+    """Inside: SIGTERM and SIGINT ask for a stop at the next step (or validation batch) boundary instead of raising.
 
-    A SIGTERM or SIGINT that came after the last step's check (the ranks agreed to go on) has no boundary left in
-    the block: it is acted on as the block ends, as one that arrives outside training steps.
+    A SIGTERM or SIGINT that came after the last check (the ranks agreed to go on) has no boundary left in the
+    block: it is acted on as the (outermost) block ends, as one that arrives outside training steps.
     """
     global _in_steps
     _in_steps += 1
@@ -207,6 +211,14 @@ def stop(signum: int) -> None:
     """Every rank agreed to stop (`signum`: the signal one of them got); from now on signals are only recorded."""
     global _requested, _stopping
     _requested, _stopping = max(_requested, signum), True
+
+
+def stop_together(signum: int, step: int, during: str = "") -> None:
+    """`signum`: the largest stop signal over ranks, from one all-reduce every rank made at the same place (0: none,
+    go on); all raise Preempted there together."""
+    if signum:
+        stop(signum)
+        raise Preempted(signum, step, during)
 
 
 @contextlib.contextmanager

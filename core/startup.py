@@ -19,8 +19,11 @@ import ctypes
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, MutableMapping
+
+from core.errors import UserError
 
 log = logging.getLogger(__name__)
 CGROUP_ROOT = Path("/sys/fs/cgroup")  # where the cgroup file systems are mounted
@@ -79,6 +82,10 @@ def tune_cpu_process(threads: int, env: dict[str, str] | None = None) -> str:
     import torch
 
     user = user_threads(os.environ if env is None else env)
+    if user is not None and user > (os.cpu_count() or 1):  # torch.set_num_threads(100000): a segfault at the first op
+        raise UserError(f"OMP_NUM_THREADS={user} asks for more threads than this machine has CPUs "
+                        f"({os.cpu_count()}); set it to at most {os.cpu_count()}, or unset it to let the app use "
+                        "its share of the CPUs")
     if user is not None:
         torch.set_num_threads(user)
         chosen = f"{user} thread(s) per process (OMP_NUM_THREADS={user}, as set)"
@@ -100,19 +107,63 @@ def user_threads(env: dict[str, str] | os._Environ) -> int | None:
     return int(text)
 
 
-def training_kernels(device_type: str) -> None:
-    """On CUDA, cuDNN picks each convolution's fastest algorithm by timing it at its first call (cudnn.benchmark):
-    train.py and benchmark.py both set it here, so benchmark.py times the algorithms a run uses."""
+def training_kernels(device_type: str, tf32: bool) -> None:
+    """On CUDA, cuDNN picks each convolution's fastest algorithm by timing it at its first call (cudnn.benchmark),
+    and fp32 matmuls and convolutions use TF32 when training's precision says so (engine/precision.tf32_for):
+    train.py and benchmark.py both set them here, so benchmark.py times the kernels a run uses."""
     if device_type == "cuda":
         import torch
 
         torch.backends.cudnn.benchmark = True
+        use_tf32(tf32)
+
+
+def use_tf32(on: bool) -> None:
+    """fp32 matmuls (cuBLAS) and convolutions (cuDNN) on TF32 Tensor Cores, or in full fp32. The per-backend flags,
+    not torch.set_float32_matmul_precision, which would also let oneDNN's CPU matmuls round."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = on
+    torch.backends.cudnn.allow_tf32 = on
 
 
 def cpu_share(processes_per_node: int) -> int:
     """This process's share of the CPUs it may use: the cores of its affinity mask, capped by its cgroup's CPU quota
-    (a container's limit, which the affinity mask does not show), divided among the processes on this node."""
-    return max(1, int(usable_cpus() // processes_per_node))
+    (a container's limit, which the affinity mask does not show), divided among the processes that share them."""
+    return this_process_cpus(processes_per_node).share
+
+
+@dataclass(frozen=True)
+class CpuShare:
+    """The CPUs a process may use and how many processes of its node share them."""
+
+    cores: int  # in its affinity mask
+    quota: float | None  # its cgroup's CPU quota (cpu.max), None: none
+    sharing: int  # processes the mask and quota are divided among: 1 when Slurm bound this task to its own CPUs
+
+    @property
+    def usable(self) -> float:
+        return min(self.cores, self.quota) if self.quota is not None else self.cores
+
+    @property
+    def share(self) -> int:
+        return max(1, int(self.usable // self.sharing))
+
+
+def this_process_cpus(processes_per_node: int) -> CpuShare:
+    """CpuShare of this process: its affinity mask, the node's CPUs, its cgroup quota, its launcher's variables."""
+    cores = len(os.sched_getaffinity(0))
+    own = own_cpus(cores, os.cpu_count() or cores, processes_per_node, os.environ)
+    return CpuShare(cores, cgroup_cpu_limit(), 1 if own else processes_per_node)
+
+
+def own_cpus(cores: int, node_cores: int, processes_per_node: int, env: Mapping[str, str]) -> bool:
+    """Whether this process's affinity mask of `cores` CPUs is its own, not its node's processes' to share: Slurm
+    started it as one task of several (srun, not torchrun) and bound it to CPUs of its own (srun --cpus-per-task:
+    10 of the node's 80 for each of 8 tasks). Dividing such a mask again would leave each task a fraction of what
+    Slurm gave it. A mask covering the node, or one too large for the node's processes to hold apart, is shared."""
+    slurm_task = "SLURM_PROCID" in env and "RANK" not in env
+    return slurm_task and cores < node_cores and cores * processes_per_node <= node_cores
 
 
 def default_workers(workers: int, given: bool, processes_per_node: int) -> tuple[int, str | None]:
@@ -140,23 +191,39 @@ def threads_line(processes_per_node: int, workers: int) -> str:
 
     user = user_threads(os.environ)
     why = f"OMP_NUM_THREADS={user}, as set" if user is not None else "its share less its loader workers"
-    return (f"{torch.get_num_threads()} thread(s) per process ({why}): {cpu_budget(processes_per_node, workers)}; "
+    return (f"{torch.get_num_threads()} thread(s) per process ({why}): "
+            f"{cpu_budget(this_process_cpus(processes_per_node), processes_per_node, workers)}; "
             f"idle threads wait: {openmp_waiting()}")
 
 
-def cpu_budget(processes_per_node: int, workers: int) -> str:
+def cpu_budget(cpus: CpuShare, processes_per_node: int, workers: int) -> str:
     """Why a process got its threads, for the start-up log: what it may use, shared by how many."""
-    cores, quota = len(os.sched_getaffinity(0)), cgroup_cpu_limit()
-    limit = f"a cgroup CPU quota of {quota:g}" if quota is not None else "no cgroup CPU quota"
-    return (f"{min(cores, quota) if quota is not None else cores:g} CPU(s) usable ({cores} core(s) in the affinity "
-            f"mask, {limit}) for {processes_per_node} process(es) on this node, each with {workers} loader worker(s)")
+    limit = f"a cgroup CPU quota of {cpus.quota:g}" if cpus.quota is not None else "no cgroup CPU quota"
+    shared = (f"for {processes_per_node} process(es) on this node" if cpus.sharing > 1 or processes_per_node == 1
+              else "this process's own (Slurm bound each task to CPUs of its own)")
+    return (f"{cpus.usable:g} CPU(s) usable ({cpus.cores} core(s) in the affinity mask, {limit}) {shared}, each with "
+            f"{workers} loader worker(s)")
 
 
-def usable_cpus(cgroup_root: Path = CGROUP_ROOT, membership: Path = MEMBERSHIP) -> float:
-    """The CPUs this process may use: its affinity mask, or fewer under a cgroup CPU quota."""
-    cores = len(os.sched_getaffinity(0))
-    quota = cgroup_cpu_limit(cgroup_root, membership)
-    return min(cores, quota) if quota is not None else cores
+def starved_workers(cpus: CpuShare, workers: int, env: Mapping[str, str]) -> str | None:
+    """The start-up warning for loader workers a CPU limit cannot feed, or None. Under a cgroup quota (Kubernetes
+    limits.cpu, docker --cpus) or Slurm's --cpus-per-task, workers beyond the share do not just wait for a core:
+    the quota stops the whole group, the training process feeding the GPU included, for the rest of each period,
+    and under Slurm's binding they take the training process's own cores. Each process needs its workers + 1."""
+    need = workers + 1
+    if cpus.usable / cpus.sharing >= need:
+        return None
+    if cpus.quota is not None and cpus.quota < cpus.cores:
+        limit = f"the cgroup CPU quota of {cpus.quota:g} CPU(s) (cpu.max: Kubernetes limits.cpu, docker --cpus)"
+    elif "SLURM_CPUS_PER_TASK" in env:
+        limit = f"Slurm's --cpus-per-task={env['SLURM_CPUS_PER_TASK']} ({cpus.cores} core(s) in the affinity mask)"
+    else:
+        return None  # the machine's own cores: the run's input advice speaks if the input waits
+    fits = max(0, int(cpus.usable // cpus.sharing) - 1)
+    return (f"data.num_workers={workers} with {cpus.sharing} process(es) sharing {limit}: each process has "
+            f"{cpus.usable / cpus.sharing:g} CPU(s) for its {workers} worker(s) + itself ({need}), so busy workers "
+            f"throttle the training process too; set data.num_workers={fits} or raise the CPU limit to "
+            f"{cpus.sharing * need} or more")
 
 
 def cgroup_cpu_limit(root: Path = CGROUP_ROOT, membership: Path = MEMBERSHIP) -> float | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from core.config import Config
+from core.config import Config, DataConfig
 from core.config_checks import add_check
 from core.errors import UserError
 
@@ -48,11 +48,24 @@ MULTI_LABEL_FORMATS = ("listfile", "hf", "wds")  # the formats whose samples can
 
 
 def check_data_keys(cfg: Config) -> None:
-    """data.auto_augment reads as a policy; data.multi_label names a format that can hold a set of labels."""
+    """data.auto_augment reads as a policy; data.multi_label names a format that can hold a set of labels; split names
+    are not given beside data.val_fraction, which makes its own."""
     parse_auto_augment(cfg.data.auto_augment)
     if cfg.data.multi_label and cfg.data.name not in MULTI_LABEL_FORMATS:
         raise UserError(f"data.multi_label=true needs data.name {', '.join(MULTI_LABEL_FORMATS)}: data.name="
                         f"{cfg.data.name} gives each image one class (write a list file: path,labels with a|b)")
+    check_split_names(cfg.data)
+
+
+def check_split_names(data: DataConfig) -> None:
+    """data.train_split and data.val_split are not read with data.val_fraction (its two sides are data.root's class
+    folders, split in two): one given beside it is refused, not silently ignored."""
+    named = [f"data.{key}={getattr(data, key)}" for key in ("train_split", "val_split")
+             if getattr(data, key) != getattr(DataConfig, key)]
+    if data.val_fraction and named:
+        raise UserError(f"{' and '.join(named)} is not read with data.val_fraction={data.val_fraction}, which splits "
+                        "data.root's class folders itself; remove the split name, or set data.val_fraction=0 to use "
+                        "data.root's named splits")
 
 
 add_check(check_data_keys)

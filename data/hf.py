@@ -7,7 +7,10 @@ data.image_column holds the encoded image (an Image feature stored with its byte
 column), decoded by decode_image in the DataLoader workers, or a file path (a string column, relative
 to data.root); data.label_column is a ClassLabel (its names are the classes), integers, or strings (the
 classes are their sorted names). A row without a label (null, or -1 in a ClassLabel) is an error naming
-it; with data.skip_corrupt the training split leaves such rows out, counted in a warning.
+it; with data.skip_corrupt the training split leaves such rows out, counted in a warning. A split's ClassLabel is the
+one its own Parquet files record (datasets reads every split of a repo with the card's or the first file's features,
+so a split listing its class names in another order would be read by index), and its labels are mapped to the
+training classes by name.
 data.path_column names each image in predictions.csv (default: the file path stored, else `<split>[row]`).
 Multi-label (data.multi_label=true): the label column is a list per row (Sequence(ClassLabel), lists of
 integers or of class names); an empty list is an image with no labels.
@@ -24,10 +27,12 @@ tables it prepared itself: "Couldn't reach '<org>/<name>' on the Hub (OfflineMod
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import albumentations as A
 import numpy as np
@@ -40,8 +45,9 @@ from data.datasets import AugmentedDataset, decode_image, multi_hot, read_image,
 log = logging.getLogger(__name__)
 
 
-def open_split(root: Path, split: str):
-    """The split's datasets.Dataset, never from the network."""
+def open_split(root: Path, split: str) -> tuple[Any, list[str]]:
+    """The split's datasets.Dataset, never from the network, and the Parquet files it was read from (none for a
+    save_to_disk folder, whose splits keep their own features)."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # before datasets reads its config
     import datasets
 
@@ -51,17 +57,18 @@ def open_split(root: Path, split: str):
         if (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file():
             loaded = datasets.load_from_disk(str(folder))
             if not isinstance(loaded, datasets.DatasetDict):
-                return loaded
+                return loaded, []
             if split not in loaded:
                 raise UserError(f"Hugging Face dataset {folder} has no split {split!r} (it has "
                                 f"{', '.join(loaded)}); set data.train_split / data.val_split")
-            return loaded[split]
+            return loaded[split], []
     files = sorted({*root.glob(f"{split}.parquet"), *root.glob(f"{split}-*.parquet"), *root.glob(f"{split}/*.parquet")})
     if not files:
         raise UserError(f"no Hugging Face dataset for split {split!r} in {root}: expected a save_to_disk folder "
                         f"(dataset_dict.json) or {split}.parquet files; set data.root and the split names")
     try:
-        return datasets.load_dataset("parquet", data_files={split: [str(f) for f in files]}, split=split)
+        names = [str(f) for f in files]
+        return datasets.load_dataset("parquet", data_files={split: names}, split=split), names
     except Exception as err:  # pyarrow and datasets raise many types for a file that is not Parquet
         raise UserError(f"cannot read the Parquet files of split {split!r} in {root} ({err}); check them") from None
 
@@ -75,8 +82,26 @@ def hub_repo(root: str) -> str:
     """The Hub dataset repo data.root names (hf-hub:<org>/<name>, hfds/<org>/<name>), or "" for a local folder."""
     for prefix in HUB_PREFIXES:
         if str(root).startswith(prefix):
-            return str(root)[len(prefix):]
+            return checked_repo(str(root)[len(prefix):], str(root), prefix)
     return ""
+
+
+def checked_repo(repo: str, root: str, prefix: str) -> str:
+    """`repo` if the Hub could hold it; a malformed one (huggingface_hub's HFValidationError) refused in one line."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    name, at, revision = repo.partition("@")
+    if at:
+        raise UserError(f"data.root={root}: a dataset's revision is not part of its name; write "
+                        f"data.root={prefix}{name} data.hf_revision=<commit> (40 hex digits), or leave "
+                        "data.hf_revision unset for main's")
+    try:
+        validate_repo_id(repo)
+    except HFValidationError:
+        raise UserError(f"data.root={root} does not name a Hugging Face dataset repo; write {prefix}<org>/<name> "
+                        "(letters, digits, '-', '_' and '.', one '/'), or give a local folder") from None
+    return repo
 
 
 def hub_offline() -> bool:
@@ -113,8 +138,7 @@ def card_files(repo: str, revision: str, config: str, offline: bool) -> tuple[st
     """(the commit the dataset card was read at, the file patterns its config `config` names, "" = the default
     one): a repo of many configs is not downloaded whole. No card, or no files named: the revision asked, None
     (every file: datasets then finds the splits by the files' names)."""
-    from datasets.utils.metadata import MetadataConfigs
-    from huggingface_hub import DatasetCard, hf_hub_download
+    from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError  # LocalEntryNotFoundError too: snapshot_download says
 
     try:
@@ -122,28 +146,96 @@ def card_files(repo: str, revision: str, config: str, offline: bool) -> tuple[st
                                     local_files_only=offline))
     except EntryNotFoundError:
         return revision, None
-    configs = MetadataConfigs.from_dataset_card_data(DatasetCard.load(card).data)
+    patterns = split_patterns(card, repo, config)
+    if not patterns:
+        return card.parent.name, None
+    return card.parent.name, ["README.md", ".huggingface.yaml", *(p for each in patterns.values() for p in each)]
+
+
+def split_patterns(card: Path, repo: str, config: str) -> dict[str, list[str]]:
+    """The file patterns of each split the card's config `config` ("" = the default one) names ({}: none named);
+    a card whose YAML header does not read is refused in one line (was the YAML parser's traceback)."""
+    import yaml
+    from datasets.utils.metadata import MetadataConfigs
+    from huggingface_hub import DatasetCard
+
+    try:
+        configs = MetadataConfigs.from_dataset_card_data(DatasetCard.load(card).data)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)  # a line of the header, which starts on the card's line 2
+        problem = f"line {mark.line + 2}: {err.problem}" if mark else " ".join(str(err).split())
+        raise UserError(f"Hugging Face dataset {repo}: its dataset card {card} has a YAML header (between the --- "
+                        f"lines) that does not read ({problem}); fix the card in the repo, or choose a commit whose "
+                        "card reads with data.hf_revision") from None
     default = next((name for name, c in configs.items() if c.get("default")), "default")
     chosen = configs.get(config or default) or {}
-    files = chosen.get("data_files") or ([f"{chosen['data_dir']}/*"] if chosen.get("data_dir") else None)
-    if not files:
-        return card.parent.name, None
-    paths = [f["path"] if isinstance(f, dict) else f for f in (files if isinstance(files, list) else [files])]
-    return card.parent.name, ["README.md", ".huggingface.yaml", *(p for path in paths
-                                                                  for p in ([path] if isinstance(path, str) else path))]
+    files = chosen.get("data_files") or ([f"{chosen['data_dir']}/*"] if chosen.get("data_dir") else [])
+    patterns: dict[str, list[str]] = {}
+    for entry in files if isinstance(files, list) else [files]:
+        split, paths = (entry["split"], entry["path"]) if isinstance(entry, dict) else ("train", entry)
+        patterns.setdefault(split, []).extend([paths] if isinstance(paths, str) else paths)
+    return patterns
 
 
-def open_hub_split(folder: Path, repo: str, config: str, split: str):
-    """One split of the snapshot, through datasets.load_dataset (its Arrow tables kept in HF_DATASETS_CACHE)."""
+def open_hub_split(folder: Path, repo: str, config: str, split: str) -> tuple[Any, list[str]]:
+    """One split of the snapshot, as datasets.load_dataset reads it (its Arrow tables kept in HF_DATASETS_CACHE), and
+    the data files it was read from."""
     import datasets
 
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
     try:
-        return datasets.load_dataset(str(folder), name=config or None, split=split)
-    except ValueError as err:  # an unknown config or split
+        builder = datasets.load_dataset_builder(str(folder), name=config or None)
+        builder.download_and_prepare()
+        ds = builder.as_dataset(split=split)
+    except (ValueError, FileNotFoundError) as err:  # an unknown config or split; data files the snapshot lacks
+        missing = missing_splits(folder, repo, config)
+        if missing or isinstance(err, FileNotFoundError):
+            named = f"split(s) {', '.join(missing)} ({', '.join(missing.values())})" if missing else "its splits"
+            raise UserError(f"Hugging Face dataset {repo} at commit {folder.name}: the hub cache holds no files of "
+                            f"{named} in {folder}; download the dataset again with the network reachable "
+                            "(HF_HUB_OFFLINE unset), or point HF_HOME/HF_HUB_CACHE at a cache that holds them") from None
         raise UserError(f"Hugging Face dataset {repo}: {err}; set data.hf_config, data.train_split and "
                         "data.val_split") from None
+    return ds, [str(f) for f in (builder.config.data_files or {}).get(split, [])]
+
+
+def recorded_labels(files: list[str], label_column: str, where: str):
+    """The label column's ClassLabel as the split's own Parquet files record it (datasets' `huggingface` schema
+    metadata), None if they record none: datasets reads every split with the card's or the first file's features, so
+    a split whose ClassLabel names its classes in another order would be read by index. Files of one split that
+    disagree are refused."""
+    import datasets
+    import pyarrow.parquet as pq
+
+    found: dict[str, Any] = {}
+    for file in (f for f in files if f.endswith(".parquet")):
+        try:
+            features = json.loads((pq.read_schema(file).metadata or {})[b"huggingface"])["info"]["features"]
+            feature = datasets.Features.from_dict({label_column: features[label_column]})[label_column]
+        except (KeyError, TypeError, ValueError):
+            continue  # no features recorded (a Parquet file not written by datasets)
+        if class_names(feature):
+            found[file] = feature
+    orders = {tuple(class_names(feature)): file for file, feature in found.items()}
+    if len(orders) > 1:
+        shown = "; ".join(f"{Path(file).name}: {', '.join(names)}" for names, file in list(orders.items())[:2])
+        raise UserError(f"{where}: its Parquet files name the classes of column {label_column!r} in different orders "
+                        f"({shown}); write the split with one ClassLabel")
+    return next(iter(found.values()), None)
+
+
+def class_names(feature) -> list[str] | None:
+    """A ClassLabel's names, or those of a list of ClassLabels (multi-label); None for any other feature."""
+    return getattr(feature, "names", None) or getattr(getattr(feature, "feature", None), "names", None)
+
+
+def missing_splits(folder: Path, repo: str, config: str) -> dict[str, str]:
+    """{split: its patterns} of the splits the snapshot's card names and whose files the snapshot lacks."""
+    card = folder / "README.md"
+    patterns = split_patterns(card, repo, config) if card.is_file() else {}
+    return {split: ", ".join(each) for split, each in patterns.items()
+            if not any(next(folder.glob(pattern), None) for pattern in each)}
 
 
 def hub_revision(cfg: DataConfig, resumed: dict | None = None) -> str:
@@ -270,22 +362,23 @@ class HFDataset(AugmentedDataset):
         self.where = f"Hugging Face dataset {root} split {split}"
         if repo := hub_repo(str(root)):
             self.root = hub_snapshot(repo, hf_revision, hf_config)  # a column's file paths: in the snapshot
-            ds = open_hub_split(self.root, repo, hf_config, split)
+            ds, files = open_hub_split(self.root, repo, hf_config, split)
         else:
             self.root = Path(root)
-            ds = open_split(self.root, split)
+            ds, files = open_split(self.root, split)
         for key, column in (("image", image_column), ("label", label_column), ("path", path_column)):
             if column and column not in ds.column_names:
                 raise UserError(f"{self.where} has no column {column!r} (data.{key}_column); it has "
                                 f"{', '.join(ds.column_names)}")
         check_column_types(ds.features, image_column, label_column, self.where, multi_label)
         self.rows, column = labelled_rows(ds, label_column, self.where, skip_corrupt, multi_label)
+        feature = recorded_labels(files, label_column, self.where) or ds.features[label_column]  # mapped by name
         if multi_label:
-            own, sets = label_sets(column, ds.features[label_column], self.where)
+            own, sets = label_sets(column, feature, self.where)
             self.classes = classes if classes is not None else own
             self.labels = multi_hot(sets, own, self.classes, self.where)
         else:
-            own, labels = class_labels(column, ds.features[label_column], self.where)
+            own, labels = class_labels(column, feature, self.where)
             self.classes = classes if classes is not None else own
             self.labels = shared_labels(labels, own, self.classes, self.where)
         keep = [image_column] + ([path_column] if path_column else [])

@@ -36,7 +36,7 @@ from data.erasing import EraseCollate
 from data.folds import fold_side, read_folds
 from data.mixing import MixCollate
 from data.shards import ShardDataset, split_index
-from data.split import Split, SplitDataset
+from data.split import FILES, Split, SplitDataset
 from data.transforms import deferred_erasing, eval_transform, tensor_augment, train_transform
 
 log = logging.getLogger(__name__)
@@ -88,36 +88,48 @@ class EpochSampler(DistributedSampler):
         super().set_epoch(epoch)
         self.start = start
 
-    def global_order(self) -> list[tuple[int, int]]:
-        """(index, repeat) at each position of this epoch, the same list for every rank and world size."""
+    def global_order(self) -> tuple[np.ndarray, np.ndarray]:
+        """(index, repeat) at each position of this epoch, as two arrays, the same for every rank and world size.
+        Array operations, not a Python tuple per sample: 1.28M images took 2.3 s per epoch on every rank before
+        its first batch that way (docs/benchmarks.md, section 21)."""
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)  # DistributedSampler's shuffle
         if self.by_class is None:
-            perm = torch.randperm(len(self.dataset), generator=generator).tolist()
+            perm = torch.randperm(len(self.dataset), generator=generator).numpy()
         else:
             perm = balanced_draws(*self.by_class, len(self.dataset), generator)
         if self.group:
             return source_layout(perm, self.repeats, self.step // self.group, self.group, len(perm) // self.step,
                                  self.roll)
         if self.unit == 2 and self.repeats > 1:
-            return repeated_pairs(perm, self.repeats)[:len(perm)]
-        units = [perm[i:i + self.unit] for i in range(0, len(perm), self.unit)]
-        return [(index, repeat) for unit in units for repeat in range(self.repeats) for index in unit][:len(perm)]
+            indices, repeats = repeated_pairs(perm, self.repeats)
+            return indices[:len(perm)], repeats[:len(perm)]
+        return repeated_units(perm, self.unit, self.repeats)
 
     def __iter__(self) -> Iterator[tuple[int, ...]]:
-        order, u = self.global_order(), self.unit
-        positions = (p for first in range(self.rank * u, self.total_size, self.num_replicas * u)
-                     for p in range(first, first + u))
-        return itertools.islice((self.key(order[p], p) for p in positions), self.start, None)
-
-    def key(self, item: tuple[int, int], position: int) -> tuple[int, ...]:
-        index, repeat = item
+        (indices, repeats), u = self.global_order(), self.unit
+        firsts = np.arange(self.rank * u, self.total_size, self.num_replicas * u)
+        positions = (firsts[:, None] + np.arange(u)[None, :]).reshape(-1)[self.start:]
+        epoch = itertools.repeat(self.epoch)
         if not self.mixed and self.repeats == 1:
-            return self.epoch, index
-        return self.epoch, index, repeat, position // 2 if self.mixed else -1
+            return zip(epoch, indices[positions].tolist())
+        pairs = (positions // 2).tolist() if self.mixed else itertools.repeat(-1)
+        return zip(epoch, indices[positions].tolist(), repeats[positions].tolist(), pairs)
 
     def __len__(self) -> int:
         return max(self.num_samples - self.start, 0)
+
+
+def repeated_units(perm: np.ndarray, unit: int, repeats: int) -> tuple[np.ndarray, np.ndarray]:
+    """(index, repeat) of `perm` cut into units of `unit`, each unit written `repeats` times in a row (repeat 0, 1,
+    ...), the whole cut to perm's length."""
+    whole = len(perm) // unit * unit
+    rest = perm[whole:]
+    indices = np.concatenate([np.repeat(perm[:whole].reshape(-1, 1, unit), repeats, axis=1).reshape(-1),
+                              np.tile(rest, repeats)])
+    copies = np.concatenate([np.tile(np.repeat(np.arange(repeats), unit), whole // unit),
+                             np.repeat(np.arange(repeats), len(rest))])
+    return indices[:len(perm)], copies[:len(perm)]
 
 
 def images_by_class(labels, classes: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,15 +146,15 @@ def images_by_class(labels, classes: list[str]) -> tuple[torch.Tensor, torch.Ten
     return torch.argsort(labels, stable=True), starts
 
 
-def balanced_draws(order: torch.Tensor, starts: torch.Tensor, n: int, generator: torch.Generator) -> list[int]:
+def balanced_draws(order: torch.Tensor, starts: torch.Tensor, n: int, generator: torch.Generator) -> np.ndarray:
     """n image indices drawn with replacement: a uniform class, then a uniform image of that class."""
     classes = torch.randint(len(starts) - 1, (n,), generator=generator)
     counts = starts[1:] - starts[:-1]
     within = torch.randint(2**62, (n,), generator=generator) % counts[classes]  # bias < count / 2^62
-    return order[starts[classes] + within].tolist()
+    return order[starts[classes] + within].numpy()
 
 
-def repeated_pairs(perm: list[int], repeats: int) -> list[tuple[int, int]]:
+def repeated_pairs(perm: np.ndarray, repeats: int) -> tuple[np.ndarray, np.ndarray]:
     """(index, repeat) for mixed pairs with repeated augmentation: an image meets a different partner in
     each of its `repeats` copies.
 
@@ -151,21 +163,28 @@ def repeated_pairs(perm: list[int], repeats: int) -> list[tuple[int, int]]:
     after pair. A last block too short for that (only a dataset barely larger than `repeats`) reuses rounds.
     """
     size = repeats + 2 - repeats % 2
-    order = []
-    for start in range(0, len(perm), size):
-        block = perm[start:start + size]
-        block = block[:len(block) - len(block) % 2]
-        last, ring = len(block) - 1, block[:-1]
-        for repeat in range(repeats if block else 0):
-            r = repeat % max(last, 1)
-            pairs = [(block[last], ring[r])] if ring else []
-            pairs += [(ring[(r + i) % last], ring[(r - i) % last]) for i in range(1, len(block) // 2)]
-            order += [(index, repeat) for pair in pairs for index in pair]
-    return order
+    whole = len(perm) // size * size
+    rest = perm[whole:len(perm) - (len(perm) - whole) % 2]  # the last block, of an even length
+    where, copies = tournament(size, repeats)
+    last_where, last_copies = tournament(len(rest), repeats)
+    return (np.concatenate([perm[:whole].reshape(-1, size)[:, where].reshape(-1), rest[last_where]]),
+            np.concatenate([np.tile(copies, whole // size), last_copies]))
 
 
-def source_layout(perm: list[int], repeats: int, ranks: int, group: int, steps: int,
-                  roll: bool = False) -> list[tuple[int, int]]:
+def tournament(size: int, repeats: int) -> tuple[np.ndarray, np.ndarray]:
+    """The positions in a block of `size` (even) images that repeated_pairs writes, pair after pair, and the repeat
+    of each: round r % (size - 1) of the circle method, position size - 1 in the middle."""
+    last, where, copies = size - 1, [], []
+    for repeat in range(repeats if size else 0):
+        r = repeat % max(last, 1)
+        pairs = [(last, r)] + [((r + i) % last, (r - i) % last) for i in range(1, size // 2)]
+        where += [position for pair in pairs for position in pair]
+        copies += [repeat] * size
+    return np.array(where, dtype=np.int64), np.array(copies, dtype=np.int64)
+
+
+def source_layout(perm: np.ndarray, repeats: int, ranks: int, group: int, steps: int,
+                  roll: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(index, repeat) of `steps` steps as the sources deal an epoch to `ranks` processes of `group` images:
     process v's batch j is rows (j group + i) ranks + v of the permutation, each index repeated `repeats` times in
     a row (torch's DistributedSampler; DeiT's RASampler, timm's RepeatAugSampler: k copies on k processes).
@@ -174,8 +193,7 @@ def source_layout(perm: list[int], repeats: int, ranks: int, group: int, steps: 
     rows = np.arange(group) if roll else np.array([row for k in range(group // 2) for row in (k, group - 1 - k)])
     batches = np.arange(steps)[:, None, None] * group + rows[None, None, :]  # [step, process, row]
     stream = (batches * ranks + np.arange(ranks)[None, :, None]).reshape(-1)
-    indices = np.asarray(perm)[stream // repeats]
-    return list(zip(indices.tolist(), (stream % repeats).tolist()))
+    return perm[stream // repeats], stream % repeats
 
 
 class ShardSampler(Sampler[int]):
@@ -262,8 +280,10 @@ def side_of(cfg: DataConfig, train: bool, transform: A.Compose, seed: int, class
         if split is None:
             raise UserError(f"data.val_fraction={cfg.val_fraction}: the run's val.txt was not given; evaluate the "
                             "run's checkpoint in its folder, or set data.val_fraction=0 and name a data.val_split")
+        name = FILES["train" if train else "val"]
         return SplitDataset(cfg.root, split.train if train else split.val, transform, seed, classes,
-                            skip_corrupt=skip_corrupt, max_pixels=cfg.max_image_pixels)
+                            skip_corrupt=skip_corrupt, max_pixels=cfg.max_image_pixels,
+                            list_file=f"{split.folder}/{name}" if split.folder else f"the run folder's {name}")
     return build_split(cfg, cfg.train_split if train else cfg.val_split, transform, seed, classes, skip_corrupt)
 
 
@@ -460,17 +480,22 @@ def dropped_images_note(loader: DataLoader, world_size: int, accum_steps: int,
     last partial batch (drop_last, as torch's DistributedSampler and timm), the images past a whole batch on every
     process, and with train.drop_last_accum the micro-batches short of a step; a warning when an epoch is under
     TINY_EPOCH batches. None: nothing worth saying."""
-    total, batches = len(loader.dataset), len(loader) + loader.sampler.start // loader.batch_size
-    if drop_last_accum:
-        batches -= batches % accum_steps
+    total, whole = len(loader.dataset), len(loader) + loader.sampler.start // loader.batch_size
+    short = whole % accum_steps if drop_last_accum else 0  # batches per process short of a whole step
+    batches = whole - short
     trained = batches * loader.batch_size * world_size
     if total - trained <= DROP_NOTE_SHARE * total:
         return None
     level = logging.WARNING if batches < TINY_EPOCH else logging.INFO
+    rest = ["a last partial batch"] if whole * loader.batch_size * world_size < total else []
+    if short:
+        rest.append(f"{short} batch(es) per process short of a whole step of train.accum_steps={accum_steps}, "
+                    "train.drop_last_accum=true")
+    remedy = ", fewer processes, or train.drop_last_accum=false" if short else ", or fewer processes,"
     return level, (f"each epoch trains on {trained} of the {total} training images ({100 * trained / total:.0f}%): "
                    f"{world_size} process(es) x {batches} batch(es) of train.batch_size={loader.batch_size}, the "
-                   "rest (a last partial batch) is left out, other images each epoch; a train.batch_size (or "
-                   "train.global_batch_size) that divides the set, or fewer processes, leave out fewer")
+                   f"rest ({'; '.join(rest)}) is left out, other images each epoch; a train.batch_size (or "
+                   f"train.global_batch_size) that divides the set{remedy} leave out fewer")
 
 
 def build_eval_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: int, info: DistInfo,
@@ -504,11 +529,21 @@ class DataBundle:
 def build_data(cfg: DataConfig, batch_size: int, seed: int, info: DistInfo, accum_steps: int = 1,
                drop_last_accum: bool = False, split: Split | None = None) -> DataBundle:
     """Everything training needs from data/: both loaders, the class list, and the optimizer steps per epoch."""
+    check_held_out(cfg)
     train_set, val_set = build_datasets(cfg, seed, info.local_rank, split)
     log.info("data %s: train %d images, val %d images, %d classes%s", cfg.name, len(train_set), len(val_set),
              len(train_set.classes), ", multi-label (data.multi_label=true)" if cfg.multi_label else "")
     return dataclasses.replace(loaders(train_set, val_set, cfg, batch_size, seed, info, accum_steps, drop_last_accum),
                                split=split)
+
+
+def check_held_out(cfg: DataConfig) -> None:
+    """Training validates on a split it does not train on: data.val_split=train would score the training images each
+    epoch and pick best.pth on them."""
+    if cfg.train_split == cfg.val_split and cfg.name != "dummy" and not (cfg.val_fraction or cfg.folds_file):
+        raise UserError(f"data.val_split={cfg.val_split} is data.train_split: each epoch's validation, and the choice "
+                        "of best.pth, would score the images the model trains on; name a held-out split (e.g. "
+                        "data.val_split=val), or hold out part of it with data.val_fraction (data.name=imagefolder)")
 
 
 def probe_data(cfg: DataConfig, batch_size: int, seed: int, info: DistInfo, split: Split | None = None) -> DataBundle:

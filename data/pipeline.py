@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import warnings
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -48,7 +49,9 @@ def load_pipeline(path: str, key: str) -> A.BaseCompose:
     read_bytes(path, key)
     data_format = "yaml" if Path(path).suffix.lower() in (".yaml", ".yml") else "json"
     try:
-        pipeline = A.load(path, data_format=data_format)
+        with warnings.catch_warnings():  # an argument albumentations does not know: refused below, by its transform
+            warnings.filterwarnings("ignore", message="Argument\\(s\\) '.*' are not valid for transform")
+            pipeline = A.load(path, data_format=data_format)
     except Exception as err:  # noqa: BLE001 - yaml/json syntax, an unknown name, bad arguments: A.load's own words
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise UserError(f"{key}={path}: albumentations cannot load it ({type(err).__name__}: {first}); write it with "
@@ -57,7 +60,18 @@ def load_pipeline(path: str, key: str) -> A.BaseCompose:
     for step in steps_of(pipeline):
         if (name := type(step).__name__) in APP_OWNS:
             raise UserError(f"{key}={path}: remove {name} from the pipeline ({APP_OWNS[name]})")
+        unknown_arguments(step, key, path)
     return pipeline
+
+
+def unknown_arguments(step: Any, key: str, path: str) -> None:
+    """A transform given an argument it does not take (a misspelling: `scael:`) is refused: albumentations only
+    warns, and the transform then runs with that argument's default."""
+    if unknown := getattr(step, "invalid_args", None):
+        schema = getattr(type(step), "InitSchema", None)
+        takes = sorted({"p", *(schema.model_fields if schema else ())} - {"strict"})
+        raise UserError(f"{key}={path}: {type(step).__name__} has no argument {', '.join(map(repr, unknown))} "
+                        f"(albumentations would ignore it and use the default); it takes {', '.join(takes)}")
 
 
 def steps_of(transform: Any) -> list[Any]:

@@ -5,7 +5,10 @@ generator, round(fraction x its images) of it to validation), so every process c
 collective. It is made in memory at start-up and written to the run folder as train.txt and val.txt at the run's
 first write (RunRecord.start), never before: a run that fails to start leaves the folder as it was. A resumed run,
 evaluate.py and the model card read the lists back from the checkpoint's folder; they are never recomputed, so
-images added to data.root later change nothing.
+images added to data.root later change nothing, and a run resumed (or branched) with another data.val_fraction or
+data.split_seed is refused: its new validation side would hold images the checkpoint trained on. A data.root that
+holds train/ and val/ is a dataset split already (refused: its classes would be "train" and "val"), and a file name
+holding a line break is refused (it would read back as two lines).
 
 Each line is an image path relative to data.root, `<class>/<file>`: the ImageFolder's own form, where the class
 is the folder, so no label is written that could disagree with it (a `path,label` list file would say it twice).
@@ -36,6 +39,7 @@ class Split:
 
     train: list[str]
     val: list[str]
+    folder: str = ""  # the run folder the lists were read from; "" = made at this start-up
 
     def files(self) -> dict[str, bytes]:
         """The two list files' names and contents, for the run folder."""
@@ -43,11 +47,16 @@ class Split:
             "utf-8", "surrogateescape") for side in FILES}
 
 
+SPLIT_FOLDERS = ("train", "val", "valid", "validation", "test")  # the folder names of a dataset split already
+
+
 def make_split(root: Path, fraction: float, seed: int) -> Split:
     """Stratified: each class gives round(fraction x its images) to validation, at least one to each side, or the
     class is named."""
     classes = find_classes(root)
+    check_not_split(root, classes, fraction)
     paths, labels = scan_images(root, classes)
+    check_one_line_names(root, paths)
     train: list[str] = []
     val: list[str] = []
     for label, name in enumerate(classes):
@@ -63,6 +72,26 @@ def make_split(root: Path, fraction: float, seed: int) -> Split:
     return Split(sorted(train), sorted(val))
 
 
+def check_not_split(root: Path, classes: list[str], fraction: float) -> None:
+    """data.root holding train/ and val/ (a dataset split already) is not a root of class folders: split, it would
+    train a model whose classes are "train" and "val"."""
+    found = [name for name in SPLIT_FOLDERS if name in classes]
+    if "train" in found and len(found) > 1:
+        raise UserError(f"data.val_fraction={fraction}: data.root {root} holds {'/, '.join(found)}/, the splits of a "
+                        f"dataset split already, which would become the classes; remove data.val_fraction to validate "
+                        f"on its own {found[1]}/ (data.val_split={found[1]}), or set data.root={root / 'train'} to "
+                        "split that folder's classes")
+
+
+def check_one_line_names(root: Path, paths: list[str]) -> None:
+    """Each image is one line of train.txt or val.txt: a name holding a line break would be read back as two
+    (resume and evaluate.py would then fail)."""
+    for path in paths:
+        if "\n" in path:
+            raise UserError(f"data.val_fraction: image {str(root / path)!r} has a line break in its name, and the "
+                            "split is written one name a line (train.txt, val.txt); rename it")
+
+
 def read_split(folder: Path) -> Split:
     """The lists a run wrote to its folder; a missing one is named."""
     sides = {}
@@ -74,8 +103,8 @@ def read_split(folder: Path) -> Split:
             raise UserError(f"data.val_fraction: cannot read {file} ({err.strerror}), the run's {side} list; keep "
                             "train.txt and val.txt beside the checkpoint, or set data.val_fraction=0 and name a "
                             "data.val_split") from None
-        sides[side] = [line for line in text.splitlines() if line]
-    return Split(sides["train"], sides["val"])
+        sides[side] = [line for line in text.split("\n") if line]  # not splitlines(): \r, \x85 may be in a name
+    return Split(sides["train"], sides["val"], str(folder))
 
 
 def run_split(cfg: DataConfig, resumed_from: str | os.PathLike | None, resumed_data: dict | None,
@@ -87,9 +116,9 @@ def run_split(cfg: DataConfig, resumed_from: str | os.PathLike | None, resumed_d
     if cfg.name != "imagefolder":
         raise UserError(f"data.val_fraction splits an ImageFolder of class folders; data.name={cfg.name} has its own "
                         "validation split: set data.val_fraction=0, or data.name=imagefolder")
-    same = resumed_data is not None and all(resumed_data.get(k) == getattr(cfg, k)
-                                            for k in ("val_fraction", "split_seed", "root"))
-    if resumed_from is not None and same:
+    if resumed_from is not None and resumed_data is not None and resumed_data.get("val_fraction") \
+            and resumed_data.get("root") == cfg.root:
+        check_same_split(cfg, resumed_from, resumed_data)
         return read_split(Path(resumed_from).parent)
     split = make_split(Path(cfg.root), cfg.val_fraction, cfg.split_seed)
     if is_main:
@@ -99,14 +128,28 @@ def run_split(cfg: DataConfig, resumed_from: str | os.PathLike | None, resumed_d
     return split
 
 
+def check_same_split(cfg: DataConfig, resumed_from: str | os.PathLike, resumed_data: dict) -> None:
+    """A run resumed (or branched) from one that split the same data.root keeps that split: another would validate
+    on images the checkpoint trained on."""
+    changed = [f"data.{key} {resumed_data.get(key)} -> {getattr(cfg, key)}" for key in ("val_fraction", "split_seed")
+               if resumed_data.get(key, 0) != getattr(cfg, key)]
+    if changed:
+        kept = " ".join(f"data.{key}={resumed_data.get(key, 0)}" for key in ("val_fraction", "split_seed"))
+        raise UserError(f"resume={resumed_from}: that run split {cfg.root} into the train.txt and val.txt beside it "
+                        f"and trained on the first; {', '.join(changed)} would split again and validate on images "
+                        f"it trained on; keep {kept} (the run's lists are kept), or train a new model without its "
+                        "weights")
+
+
 class SplitDataset(ImageFolderDataset):
     """One side of a Split: the listed images under data.root, their class the folder each is in."""
 
     def __init__(self, root: str | Path, listed: list[str], transform: A.Compose, seed: int,
                  classes: list[str] | None = None, *, skip_corrupt: bool = False,
-                 max_pixels: int = DataConfig.max_image_pixels) -> None:
+                 max_pixels: int = DataConfig.max_image_pixels, list_file: str = "the run's list") -> None:
         AugmentedDataset.__init__(self, transform, seed)
         self.root, self.skip_corrupt, self.max_pixels = Path(root), skip_corrupt, max_pixels
+        self.list_file = list_file
         folders = [path.split("/", 1)[0] for path in listed]
         own = sorted(set(folders))
         position = {name: i for i, name in enumerate(own)}
@@ -114,6 +157,17 @@ class SplitDataset(ImageFolderDataset):
         self.labels = shared_labels(np.asarray([position[f] for f in folders], np.int64), own, self.classes,
                                     f"{root} (data.val_fraction's list)")
         self.paths = PackedStrings(listed)
+
+    def load_image(self, index: int) -> np.ndarray:
+        """The listed image; one removed since the split was made is named with the list that still holds it
+        ("remove or replace it" would not do: the list would still name it)."""
+        try:
+            return super().load_image(index)
+        except UserError:
+            if os.path.lexists(path := self.path(index)):
+                raise
+            raise UserError(f"image {path} is listed in {self.list_file} (data.val_fraction's split) but no longer "
+                            f"exists; put it back, or remove its line from {self.list_file}") from None
 
 
 def saved_split(cfg: DataConfig, checkpoint: str | os.PathLike) -> Split | None:

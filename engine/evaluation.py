@@ -22,31 +22,39 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from core.config import DataConfig
-from core.dist import DistInfo, broadcast_tensors, gather_rows, is_fsdp, max_over_ranks, rank_local_tensors
+from core.dist import (DistInfo, broadcast_tensors, gather_rows, gather_rows_to_host, get_world_size, is_fsdp,
+                       max_over_ranks, min_over_ranks, rank_local_tensors, reshard)
 from core.signals import workers_shielded
+from core.startup import use_tf32
 from engine.metrics import SumMeter, add_class_counts, class_metrics, hits, ranked_classes
 from engine.precision import Precision
 from engine.prefetch import Normalize, device_batches
 
+StopCheck = Callable[[], None]  # at a batch boundary: raises to stop the evaluation there (a run's validation)
 
-def model_logits(model: nn.Module, loader: DataLoader, precision: Precision, info: DistInfo,
-                 normalize: Normalize) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+
+def model_logits(model: nn.Module, loader: DataLoader, precision: Precision, info: DistInfo, normalize: Normalize,
+                 stop_check: StopCheck | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The model in eval mode over the loader: each batch's float32 logits and its targets (for the evaluations).
 
     A sharded model's forward is a collective (each unit all-gathers its weights), and the ranks' blocks of the
     validation set may differ by a batch: a rank with fewer batches runs forwards on one image until every rank
-    has run as many (their outputs are dropped).
+    has run as many (their outputs are dropped). `stop_check` (a run's validation) is called after each batch's
+    forward that every rank has (a collective, engine/validation.StopAtBatch: it raises Preempted on all together).
     """
     model.eval()
     missing = max_over_ranks(len(loader), info.device) - len(loader) if is_fsdp(model) else 0
+    checked = min_over_ranks(len(loader), info.device) if stop_check is not None else 0
     with workers_shielded():
         batches = device_batches(iter(loader), info.device, normalize)
-    for images, targets in batches:
-        with precision.autocast(), exact_kernels(info.device):
+    for i, (images, targets) in enumerate(batches):
+        with precision.autocast(), exact_kernels(info.device, precision.tf32):
             logits = model(images)
+        if i < checked:
+            stop_check()
         yield logits.float(), targets
     for _ in range(missing):  # every rank has at least one batch (data.loader.build_data checks it)
-        with precision.autocast(), exact_kernels(info.device):
+        with precision.autocast(), exact_kernels(info.device, precision.tf32):
             model(images[:1])
 
 
@@ -56,15 +64,16 @@ def validation_precision(measured: Precision, training: Precision, model: nn.Mod
     if is_fsdp(model) and training.dtype is not None and measured.dtype != training.dtype:
         return (f"{training.name} (eval_amp={measured.name}, but dist.strategy=fsdp gathers the weights in "
                 f"{training.name}; evaluate.py on a checkpoint computes in eval_amp)")
-    return measured.name
+    return measured.described
 
 
 @contextlib.contextmanager
-def exact_kernels(device: torch.device) -> Iterator[None]:
+def exact_kernels(device: torch.device, tf32: bool) -> Iterator[None]:
     """The kernels every reported number is computed with, so that a run's validation, evaluate.py and predict.py
     give the same numbers for the same weights: on the CPU one thread per process (fp32 results change with the
     thread count, which follows the cores and processes); on CUDA deterministic cuDNN algorithms, none picked by
-    timing (training sets cudnn.benchmark). The settings come back after."""
+    timing (training sets cudnn.benchmark), and TF32 as the precision computing them decided (`tf32`: Precision.tf32,
+    the same rule in all three, whatever training used). The settings come back after."""
     if device.type != "cuda":
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -73,29 +82,32 @@ def exact_kernels(device: torch.device) -> Iterator[None]:
         finally:
             torch.set_num_threads(threads)
         return
-    cudnn = torch.backends.cudnn
-    saved = cudnn.benchmark, cudnn.deterministic
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    saved = cudnn.benchmark, cudnn.deterministic, matmul.allow_tf32, cudnn.allow_tf32
     cudnn.benchmark, cudnn.deterministic = False, True
+    use_tf32(tf32)
     try:
         yield
     finally:
-        cudnn.benchmark, cudnn.deterministic = saved
+        cudnn.benchmark, cudnn.deterministic, matmul.allow_tf32, cudnn.allow_tf32 = saved
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: DataLoader, precision: Precision, info: DistInfo,
              normalize: Normalize,
-             on_batch: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None) -> dict[str, float]:
+             on_batch: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
+             stop_check: StopCheck | None = None) -> dict[str, float]:
     """Exact val_loss / val_top1 / val_top5, and the per-class metrics (engine.metrics.class_metrics: 3 x C counts,
     never a C x C matrix), over the whole (sharded, unpadded) validation set: one all-reduce at the end, no host
     sync per batch.
 
-    on_batch(logits, targets, ranked) sees each batch with the top-5 classes the metrics counted.
+    on_batch(logits, targets, ranked) sees each batch with the top-5 classes the metrics counted; stop_check: as
+    model_logits.
     """
     meter = SumMeter(("top1", "top5", "count"), info.device)
     counts = None  # 3 x C per-class counts (hits, true, predicted), C = the model's outputs
     losses = []  # each image's loss: val_loss is their exact mean (exact_mean)
-    for logits, targets in model_logits(model, loader, precision, info, normalize):
+    for logits, targets in model_logits(model, loader, precision, info, normalize, stop_check):
         losses.append(nn.functional.cross_entropy(logits, targets, reduction="none"))
         ranked = ranked_classes(logits, 5)
         meter.add(hits(ranked, targets, 1), hits(ranked, targets, 5), len(targets))
@@ -174,14 +186,15 @@ class ImageProbabilities:
 
 
 def validate_epoch(model: nn.Module, ema: nn.Module | None, loader: DataLoader, precision: Precision, info: DistInfo,
-                   normalize: Normalize, cfg: DataConfig,
-                   outcomes: ImageOutcomes | None = None) -> dict[str, float]:
+                   normalize: Normalize, cfg: DataConfig, outcomes: ImageOutcomes | None = None,
+                   stop_check: StopCheck | None = None) -> dict[str, float]:
     """The epoch's validation columns: the model's metrics, and its EMA's prefixed `ema_`; `outcomes` (single-
-    label) collects the model's per-image results."""
-    row = validate(model, loader, precision, info, normalize, cfg, outcomes)
+    label) collects the model's per-image results; `stop_check`: as model_logits."""
+    row = validate(model, loader, precision, info, normalize, cfg, outcomes, stop_check)
     if ema is not None:
         like_rank0(ema)
-        ema_stats = validate(ema, loader, precision, info, normalize, cfg)
+        ema_stats = validate(ema, loader, precision, info, normalize, cfg, stop_check=stop_check)
+        reshard(ema)  # its root unit stays gathered after the forward, while the EMA updates its shards
         row.update({f"ema_{k}": v for k, v in ema_stats.items() if k != "val_count"})
     return row
 
@@ -194,11 +207,13 @@ def like_rank0(ema: nn.Module) -> None:
 
 
 def validate(model: nn.Module, loader: DataLoader, precision: Precision, info: DistInfo, normalize: Normalize,
-             cfg: DataConfig, outcomes: ImageOutcomes | None = None) -> dict[str, float]:
+             cfg: DataConfig, outcomes: ImageOutcomes | None = None,
+             stop_check: StopCheck | None = None) -> dict[str, float]:
     """The epoch's validation metrics: top-1/top-5, or mAP and F1 for multi-label data (evaluate_multilabel)."""
     if cfg.multi_label:
-        return evaluate_multilabel(model, loader, precision, info, normalize, cfg.multi_label_threshold)
-    return evaluate(model, loader, precision, info, normalize, on_batch=outcomes)
+        return evaluate_multilabel(model, loader, precision, info, normalize, cfg.multi_label_threshold,
+                                   stop_check=stop_check)
+    return evaluate(model, loader, precision, info, normalize, on_batch=outcomes, stop_check=stop_check)
 
 
 
@@ -265,14 +280,16 @@ def multilabel_metrics(targets: np.ndarray, probs: np.ndarray, thresholds: float
 @torch.no_grad()
 def evaluate_multilabel(model: nn.Module, loader: DataLoader, precision: Precision, info: DistInfo,
                         normalize: Normalize, threshold: float,
-                        on_batch: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> dict[str, float]:
+                        on_batch: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+                        stop_check: StopCheck | None = None) -> dict[str, float]:
     """val_loss (mean over images of the per-class-mean BCE), val_map, val_map_micro and val_f1 (micro, at
     `threshold`) over the whole validation set, identical on every rank and for any number of ranks.
 
-    on_batch(logits, targets) sees each batch (evaluate.py writes its predictions from it).
+    on_batch(logits, targets) sees each batch (evaluate.py writes its predictions from it); stop_check: as
+    model_logits.
     """
     batches_out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    for logits, targets in model_logits(model, loader, precision, info, normalize):
+    for logits, targets in model_logits(model, loader, precision, info, normalize, stop_check):
         losses = nn.functional.binary_cross_entropy_with_logits(logits, targets, reduction="none").mean(1)
         batches_out.append((logits.sigmoid(), targets, losses))
         if on_batch is not None:
@@ -290,16 +307,18 @@ def evaluate_multilabel(model: nn.Module, loader: DataLoader, precision: Precisi
 
 
 MULTILABEL_COLUMNS = ("val_loss", "val_map", "val_map_micro", "val_f1", "val_count")
+GATHER_BLOCK_BYTES = 256 * 2**20  # multi-label validation: rank 0's device holds this much of the gather at a time
 
 
-def gathered(batches: list[tuple[torch.Tensor, ...]], num_classes: int, device: torch.device
-             ) -> tuple[np.ndarray, ...] | None:
+def gathered(batches: list[tuple[torch.Tensor, ...]], num_classes: int, device: torch.device,
+             block_bytes: int = GATHER_BLOCK_BYTES) -> tuple[np.ndarray, ...] | None:
     """(probs, targets, losses) of every rank's images in the global sample order, on rank 0 (None elsewhere):
-    padded tensors gathered to rank 0 only, one host copy there."""
+    padded tensors gathered into rank 0's host memory, at most `block_bytes` on its device at a time."""
     if batches:
         local = [torch.cat(parts) for parts in zip(*batches)]
     else:
         local = [torch.zeros((0, num_classes), device=device), torch.zeros((0, num_classes), device=device),
                  torch.zeros(0, device=device)]
-    whole = [gather_rows(part) for part in local]
-    return None if whole[0] is None else tuple(part.cpu().numpy() for part in whole)
+    rows = max(1, block_bytes // (get_world_size() * max(num_classes, 1) * local[0].element_size()))
+    whole = [gather_rows_to_host(part, rows) for part in local]
+    return None if whole[0] is None else tuple(part.numpy() for part in whole)

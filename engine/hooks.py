@@ -8,7 +8,9 @@ column; the ones after it see it), and likewise after each validation inside an 
 `after_train(state)`. Every call happens on every rank (a hook that runs a collective is safe). assembly/run.py
 orders them on purpose: the stop rules come first (an epoch they end starts nothing); the EMA is updated before a
 validation inside the epoch uses it and a step checkpoint saves it; after an epoch the skipped-image count joins the
-row, the epoch is closed, the row is recorded, then logged by the sinks, then checkpointed (best.pth), then uploaded.
+row, the epoch is closed, the row is recorded, then logged by the sinks, then checkpointed (best.pth), then uploaded;
+last of all the ranks ask each other whether one got a stop signal meanwhile (StopRequests): a signal during these
+hooks waits for their checkpoint, so no stop falls between a validation's row and its last.pth.
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+import torch
 from torch import nn
 
+from core.dist import max_over_ranks
+from core.signals import requested, stop_together
 from engine.losses import set_loss_epoch
 from engine.state import TrainState, stop_reason, train_columns
 
@@ -184,8 +189,7 @@ class StepCheckpoint(Hook):
             self.save(state)
 
     def after_epoch(self, state: TrainState, end: EpochEnd) -> None:
-        if end.mid_epoch:  # EpochCheckpoint writes last.pth at this step, after this hook
-            self.saved_step = state.global_step
+        self.saved_step = state.global_step  # EpochCheckpoint writes last.pth at this step, after this hook
 
     def save(self, state: TrainState) -> None:
         """last.pth at the current step, unless this hook just wrote it (a collective: every rank calls it)."""
@@ -193,6 +197,18 @@ class StepCheckpoint(Hook):
             self.record.start()
             self.checkpointer.save(state)
             self.saved_step = state.global_step
+
+
+class StopRequests(Hook):
+    """Last after each validation (an epoch's, or one of train.val_every_steps): every rank asks every other whether
+    one got SIGTERM, SIGUSR1 or SIGINT during the validation's hooks (one all-reduce); if so all stop here, with
+    last.pth just written at this step (Preempted), instead of after one more step and a second save."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def after_epoch(self, state: TrainState, end: EpochEnd) -> None:
+        stop_together(max_over_ranks(requested(), self.device), state.global_step)
 
 
 class Tracking(Hook):

@@ -46,7 +46,7 @@ def build_loss(cfg: TrainConfig, mixing: bool, class_counts: list[int] | None = 
     if cfg.class_weights == "none" and not cfg.logit_adjustment:
         return nn.CrossEntropyLoss(label_smoothing=smoothing)  # class indices, or probabilities (soft targets)
     counts, names = class_counts or [], class_names or []
-    weights = class_weights(cfg.class_weights, counts, names, cfg.class_weights_beta)
+    weights = class_weights(cfg.class_weights, counts, names, cfg.class_weights_beta, cfg.class_weights_max)
     prior = log_prior(counts, names) * cfg.logit_adjustment if cfg.logit_adjustment else None
     return ImbalancedCrossEntropy(smoothing, weights, cfg.class_weights_from_epoch, prior)
 
@@ -75,6 +75,21 @@ def heavy_weight_warning(loss: Loss, class_names: list[str], global_batch: int) 
             "train.class_weights_from_epoch or data.sampler=class_balanced")
 
 
+def capped_note(cfg: TrainConfig, class_counts: list[int], class_names: list[str]) -> str | None:
+    """The start-up line naming the classes whose balanced weight train.class_weights_max capped (None: none were),
+    so that the weights a user asked for are never replaced without a word."""
+    if cfg.class_weights != "balanced" or not cfg.class_weights_max or not class_counts or min(class_counts) == 0:
+        return None
+    whole = class_weights("balanced", class_counts, class_names)
+    capped = [f"{name} {float(w):.1f}" for name, w in zip(class_names, whole) if w > cfg.class_weights_max]
+    if not capped:
+        return None
+    more = f", and {len(capped) - 10} more" if len(capped) > 10 else ""
+    return (f"train.class_weights=balanced: {len(capped)} class(es) weighted {cfg.class_weights_max:g} "
+            f"(train.class_weights_max) instead of scikit-learn's {', '.join(capped[:10])}{more}; "
+            "train.class_weights_max=0 keeps them (docs/data.md says why they are capped)")
+
+
 def empty_classes(setting: str, class_counts: list[int], class_names: list[str],
                   what: str = "weight would be infinite", other: str = ", or give train.class_weights as a list") -> None:
     """A class without training images has an infinite weight (or a log prior of -inf): refused in one line."""
@@ -85,17 +100,19 @@ def empty_classes(setting: str, class_counts: list[int], class_names: list[str],
 
 
 def class_weights(setting: str | list[float], class_counts: list[int], class_names: list[str],
-                  beta: float = 0.9999) -> torch.Tensor | None:
+                  beta: float = 0.9999, cap: float = 0.0) -> torch.Tensor | None:
     """train.class_weights as a float32 tensor (None: none), from the training labels' class counts, which every
-    rank reads alike. balanced is scikit-learn's: n_samples / (n_classes x count of the class); effective is Cui
-    et al.'s (1 - beta) / (1 - beta^count), scaled to sum to the class count as their paper does."""
+    rank reads alike. balanced is scikit-learn's, n_samples / (n_classes x count of the class), each at most `cap`
+    (train.class_weights_max; 0 = none); effective is Cui et al.'s (1 - beta) / (1 - beta^count), scaled to sum to
+    the class count as their paper does."""
     if setting == "none":
         return None
     if setting in ("balanced", "effective"):
         empty_classes(f"train.class_weights={setting}", class_counts, class_names)
         counts = torch.tensor(class_counts, dtype=torch.float64)
         if setting == "balanced":
-            return (counts.sum() / (len(counts) * counts)).float()
+            weights = counts.sum() / (len(counts) * counts)
+            return (weights.clamp(max=cap) if cap else weights).float()
         inverse = (1 - beta) / (1 - beta ** counts)
         return (inverse * len(counts) / inverse.sum()).float()
     if len(setting) != len(class_names):

@@ -19,7 +19,7 @@ from torch import nn
 from timm.utils import dispatch_clip_grad
 from torch.distributed.tensor import DTensor
 
-from core.dist import max_over_ranks, step_flags_over_ranks
+from core.dist import step_flags_over_ranks
 from core.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -30,10 +30,16 @@ class Precision:
     device_type: str
     dtype: torch.dtype | None  # None: plain fp32, no autocast
     scaler: torch.amp.GradScaler | None = None
+    tf32: bool = False  # fp32 matmuls and convolutions on TF32 Tensor Cores (tf32_for)
 
     @property
     def name(self) -> str:
         return {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}[self.dtype]
+
+    @property
+    def described(self) -> str:
+        """The name, and for fp32 whether its matmuls and convolutions use TF32, for the start-up lines."""
+        return f"{self.name} (TF32 matmuls and convolutions; tf32=false for full fp32)" if self.tf32 else self.name
 
     def autocast(self) -> ContextManager:
         if self.dtype is None:
@@ -50,26 +56,26 @@ class Precision:
         `stop_signal` is this rank's pending SIGTERM/SIGUSR1 (0: none); the largest over ranks comes back, so
         that every rank stops after the same step. DDP has already summed the gradients over ranks, so a NaN
         on any rank is a NaN on every rank and all ranks skip the same step. Both answers travel in one tensor,
-        one all-reduce and one read on the host per step; fp16's GradScaler reads its inf flag itself, so fp16
-        reads twice. Clipping (optim.clip_mode) sees the unscaled, summed gradients, the same on every rank.
-        Under dist.strategy=fsdp the gradients are sharded (DTensors): their total norm is reduced over the ranks,
-        so the inf/NaN decision and the clip factor are the same on every rank too.
+        one all-reduce and one read on the host per step, fp16's too: its GradScaler's inf check is that read
+        (the gradients unscaled first), not a read of its own inside scaler.step, and its update lowers the scale
+        from the inf flags unscale_ recorded, on the device. fp16's skipped steps are the scaler's search for its
+        scale, not a fault: they come back as stepped. Clipping (optim.clip_mode) sees the unscaled, summed
+        gradients, the same on every rank. Under dist.strategy=fsdp the gradients are sharded (DTensors): their
+        total norm is reduced over the ranks, so the inf/NaN decision and the clip factor are the same on every
+        rank too.
         """
-        if self.scaler:  # fp16: the scaler skips non-finite steps and lowers the scale
+        if self.scaler:
             self.scaler.unscale_(optimizer)
-            clip_gradients([p for p in model.parameters() if p.grad is not None], clip_grad, clip_mode)
-            self.scaler.step(optimizer)
-            self.scaler.update()
-            device = next(model.parameters()).device
-            return True, max_over_ranks(stop_signal, device)
         params = [p for p in model.parameters() if p.grad is not None]
         norm = total_grad_norm([p.grad for p in params])
         nonfinite, signum = step_flags_over_ranks(torch.isfinite(norm).logical_not(), stop_signal)
-        if nonfinite:
-            return False, signum
-        clip_gradients(params, clip_grad, clip_mode, norm)
-        optimizer.step()
-        return True, signum
+        if not nonfinite:
+            clip_gradients(params, clip_grad, clip_mode, norm)
+            optimizer.step()
+        if self.scaler:  # fp16: the scale halves after a non-finite step, grows after enough good ones
+            self.scaler.update()
+            return True, signum
+        return not nonfinite, signum
 
 
 def shard(grad: DTensor) -> torch.Tensor:
@@ -128,6 +134,19 @@ def gpu_auto_mode(capability: tuple[int, int]) -> str:
     return "bf16" if tuple(capability) >= (8, 0) else "fp16"
 
 
+def tf32_for(dtype: torch.dtype | None, capability: tuple[int, int] | None, allowed: bool) -> bool:
+    """Whether a precision computes its fp32 matmuls and convolutions in TF32: only plain fp32 (amp=off,
+    eval_amp=off; under autocast the matmuls are bf16/fp16 and the ops it keeps in fp32 stay exact), on a GPU with
+    TF32 Tensor Cores (compute capability 8.0, Ampere, and newer: 495 vs 67 TFLOPS on an H100), unless the config
+    says tf32=false. torch leaves cuBLAS's TF32 off by default since 1.12; recipes written before ran with it."""
+    return allowed and dtype is None and capability is not None and tuple(capability) >= (8, 0)
+
+
+def capability_of(device: torch.device) -> tuple[int, int] | None:
+    """The GPU's compute capability, None on the CPU."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
 def auto_mode(device: torch.device) -> str:
     """What `amp=auto` means on this device: the fastest precision that trains safely."""
     if device.type == "cuda":
@@ -147,25 +166,26 @@ def grad_scaler(device_type: str, loss_scale: float = 0.0) -> torch.amp.GradScal
 STATIC_GROWTH_INTERVAL = 1_000_000_000  # NVIDIA's: no growth within any run
 
 
-def run_precisions(amp: str, eval_amp: str, loss_scale: float, strategy: str,
-                   device: torch.device) -> tuple[Precision, Precision]:
+def run_precisions(amp: str, eval_amp: str, loss_scale: float, strategy: str, device: torch.device,
+                   tf32: bool) -> tuple[Precision, Precision]:
     """Training's precision (amp, with `loss_scale` and the dist.strategy it must suit) and validation's
-    (eval_amp), decided together before any data is read."""
-    precision = resolve_precision(amp, device, loss_scale)
+    (eval_amp), decided together before any data is read; `tf32`: the config's tf32."""
+    precision = resolve_precision(amp, device, loss_scale, tf32=tf32)
     if strategy == "fsdp" and precision.scaler is not None:  # amp=fp16 itself: core/config_checks.py
         raise UserError(f"amp={amp} chose fp16 on this GPU, which dist.strategy=fsdp cannot use (the GradScaler "
                         "would see only each process's shard of the gradients); use amp=off, or dist.strategy=ddp")
-    return precision, resolve_precision(eval_amp, device, key="eval_amp")
+    return precision, resolve_precision(eval_amp, device, key="eval_amp", tf32=tf32)
 
 
-def resolve_precision(mode: str, device: torch.device, loss_scale: float = 0.0, key: str = "amp") -> Precision:
+def resolve_precision(mode: str, device: torch.device, loss_scale: float = 0.0, key: str = "amp", *,
+                      tf32: bool = True) -> Precision:
     """Turn `amp: auto|bf16|fp16|off` into a Precision for this device (`loss_scale`: fp16's, see grad_scaler;
-    `key`: the config key the mode came from, for messages: amp or eval_amp)."""
+    `key`: the config key the mode came from, for messages: amp or eval_amp; `tf32`: the config's tf32, true by default)."""
     cuda = device.type == "cuda"
     if mode == "auto":
         mode = auto_mode(device)
     if mode == "off":
-        return Precision(device.type, None)
+        return Precision(device.type, None, tf32=tf32 and tf32_for(None, capability_of(device), tf32))
     if mode == "bf16":
         if not cuda and not cpu_has_native_bf16():  # info, not warning: every rank would repeat a warning
             log.info("%s=bf16: this CPU has no AVX512-BF16 or AMX, so bf16 is emulated and slower than %s=off", key, key)

@@ -19,7 +19,7 @@ from engine.metrics import SumMeter
 
 TRAIN_SUMS = ("loss_sum", "correct", "count")
 CHECKPOINTED = ("epoch", "global_step", "best_value", "best_epoch", "epoch_step", "epoch_sums", "epoch_seconds",
-                "validations_without_best", "best_uncounted")
+                "validations_without_best", "best_uncounted", "unvalidated")
 
 
 @dataclass
@@ -33,6 +33,9 @@ class TrainState:
     epoch_seconds: float = 0.0  # training time of the epoch's steps
     validations_without_best: int = 0  # counted validations in a row that did not improve best_value (early stop)
     best_uncounted: bool = False  # best_value improved since the last counted validation (also at a max_steps stop's)
+    # A validation begun and not finished (a stop cut it short): {"train": its row's train columns, "mid_epoch": one of
+    # train.val_every_steps}; None: none owed. A checkpoint that holds one makes the continued run do it first.
+    unvalidated: dict[str, Any] | None = None
     paused: float = 0.0  # host seconds spent validating inside epochs (train.val_every_steps): off the training clock
     meter: SumMeter | None = field(default=None, repr=False, compare=False)  # this rank's sums while training
 
@@ -66,6 +69,14 @@ class TrainState:
     def epoch_finished(self, steps_per_epoch: int) -> bool:
         """Whether every step of `epoch` ran (train.max_steps can stop a run mid-epoch)."""
         return self.epoch_step >= steps_per_epoch
+
+    def await_validation(self, train: dict[str, float], mid_epoch: bool) -> None:
+        """A validation of the steps done begins, with the train columns of its row: owed until validation_done()."""
+        self.unvalidated = {"train": dict(train), "mid_epoch": mid_epoch}
+
+    def validation_done(self) -> None:
+        """The validation begun is measured: nothing is owed (its row and checkpoint follow in the hooks)."""
+        self.unvalidated = None
 
     def finish_epoch(self) -> None:
         """The next epoch; the epoch's validation counts towards early stopping."""
@@ -125,6 +136,7 @@ class TrainState:
         self.epoch_seconds = ckpt.get("epoch_seconds", 0.0)
         self.validations_without_best = ckpt.get("validations_without_best", ckpt.get("epochs_without_best", 0))
         self.best_uncounted = ckpt.get("best_uncounted", ckpt.get("best_in_epoch", False))
+        self.unvalidated = ckpt.get("unvalidated")
         self.meter = None
 
 
@@ -156,10 +168,18 @@ def stop_reason(train: TrainConfig, state: TrainState, chosen_on: str) -> str | 
         return f"stopping at train.max_steps={train.max_steps}"
     patience = train.early_stop_patience
     if patience and state.validations_without_best >= patience:
-        return (f"stopping early at epoch {state.epoch}, step {state.global_step}: {chosen_on} has not improved for "
-                f"{state.validations_without_best} validations (train.early_stop_patience={patience}); best "
-                f"{chosen_on} {state.best_value:.4f}")
+        return (f"stopping early after {stop_point(state)}: {chosen_on} has not improved for "
+                f"{state.validations_without_best} validations (train.early_stop_patience={patience} counts "
+                f"validations); best {chosen_on} {state.best_value:.4f}")
     return None
+
+
+def stop_point(state: TrainState) -> str:
+    """Where a stop comes, in words: checked before an epoch, it comes after the previous epoch's end (state.epoch
+    is already the next one), which said "at epoch 7" for a stop after epoch 6."""
+    if state.epoch_step:
+        return f"step {state.epoch_step} of epoch {state.epoch} (global step {state.global_step})"
+    return f"epoch {state.epoch - 1} (global step {state.global_step})"
 
 
 def finished_reason(ckpt: dict[str, Any] | None, train: TrainConfig, model_name: str, chosen_on: str) -> str | None:
@@ -173,4 +193,6 @@ def finished_reason(ckpt: dict[str, Any] | None, train: TrainConfig, model_name:
         state.forget_best()  # as Resume.load_training does: the best (and the epochs without it) start again
     if state.epoch >= train.epochs:
         return f"all {train.epochs} epochs of train.epochs done"
+    if state.unvalidated is not None:
+        return None  # a validation a stop cut short is owed, even where a stop rule then ends the run
     return stop_reason(train, state, chosen_on)

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 
 from core.dist import DistInfo
 from core.errors import UserError
-from core.signals import Preempted, requested, stop, training_steps, workers_shielded
+from core.signals import requested, stop_together, training_steps, workers_shielded
 from engine.hooks import Hook
 from engine.metrics import hits, ranked_classes
 from engine.precision import Precision
@@ -159,9 +159,7 @@ def train_one_epoch(parts: TrainParts, loader: DataLoader, state: TrainState, cf
                 for hook in hooks:
                     hook.after_interval(state, stats)
                 last_sums, last_time = sums, now
-            if signum:  # every rank got the same answer: all stop after this step
-                stop(signum)
-                raise Preempted(signum, state.global_step)
+            stop_together(signum, state.global_step)  # every rank got the same answer: all stop after this step
             if cfg.max_steps and state.global_step >= cfg.max_steps:
                 break
     sums, (wait, step_s) = state.sync_sums_and_max((waits.epoch(), timed.epoch(state.epoch_step, clock())))

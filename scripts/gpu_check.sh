@@ -2,7 +2,8 @@
 # One run on a GPU machine, for docs/gpu.md: the GPU tier, the digits quickstart, and resnet50 on 2 GPUs.
 # Usage (repository root, venv active): scripts/gpu_check.sh [summary file, default gpu_check_summary.md]
 # Aimed at under 10 minutes on one H100 (first run, 2026-11-28: the tier 7 min 37 s, the quickstart 26 s).
-# Writes one summary file to paste into docs/gpu.md: the tier's result line, each "docs/gpu.md row:" line the
+# Exits with the GPU tier's status (pytest's: 0 only if the tier passed), after writing one summary file to paste
+# into docs/gpu.md: the tier's result line, each "docs/gpu.md row:" line the
 # tests print (the "Measured on GPUs" table), benchmark.py's table, the quickstart's val_top1 and 2-GPU img/s.
 set -uo pipefail
 summary=${1:-gpu_check_summary.md}
@@ -17,7 +18,8 @@ part() { echo -e "\n## $1 ($(($(date +%s) - start)) s)" >> "$summary"; }
 
 start=$(date +%s)
 python -m pytest tests/test_gpu.py -m gpu -s -q -p no:cacheprovider 2>&1 | tee "$work/tier.log"  # the tier is this file
-part "GPU tier: python -m pytest tests/test_gpu.py -m gpu -s -q"
+tier_status=${PIPESTATUS[0]}  # pytest's, not tee's: the script exits with it
+part "GPU tier: python -m pytest tests/test_gpu.py -m gpu -s -q (exit status $tier_status)"
 tail -n 1 "$work/tier.log" >> "$summary"
 grep -E "^(FAILED|ERROR|SKIPPED)" "$work/tier.log" >> "$summary"
 echo -e "\nRows for docs/gpu.md's \"Measured on GPUs\" table (written there: the first run's figures):" >> "$summary"
@@ -53,4 +55,5 @@ PY
 else
   part "resnet50 recipe on 2 GPUs: skipped, this machine has $gpus GPU(s)"
 fi
-echo "summary: $summary (scratch: $work)"
+echo "summary: $summary (scratch: $work); the GPU tier exited $tier_status"
+exit "$tier_status"  # a failed tier fails the script (the summary is written either way)

@@ -92,3 +92,24 @@ def tiny_sharded_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny_sharded") / "run"
     train_here(*TINY, "train.ckpt_format=sharded", f"output_dir={out}")
     return out
+
+
+SPLIT_COUNTS = {"a": 16, "b": 15, "c": 12}  # split_pipeline_run's class folders: 4 + 4 + 3 validation images
+
+
+@pytest.fixture(scope="session")
+def split_pipeline_run(tmp_path_factory) -> Path:
+    """TINY trained in this process on a folder of class folders (20 px PNGs, named 000.png ... in every class) split
+    by data.val_fraction=0.25, with an eval pipeline file, centre.yaml (a 16 x 16 centre crop, not the preset's
+    resize first): the run folder holds val.txt and eval_transform.yaml. Read it, never write into it (nor into its
+    data or centre.yaml without putting them back)."""
+    import albumentations as A
+
+    from tests.helpers import make_image_folder, train_here
+
+    base = tmp_path_factory.mktemp("split_pipeline")
+    root = make_image_folder(base / "data", {"photos": SPLIT_COUNTS}, size=20) / "photos"
+    A.save(A.Compose([A.CenterCrop(16, 16)]), str(base / "centre.yaml"), data_format="yaml")
+    train_here(*TINY, "data.name=imagefolder", f"data.root={root}", "data.val_fraction=0.25",
+               f"data.eval_transform={base / 'centre.yaml'}", f"output_dir={base / 'run'}")
+    return base / "run"

@@ -270,7 +270,8 @@ def _main_entry(rank: int, world: int, port: int, script: str, args: tuple, env:
     with open(Path(out_dir) / f"rank{rank}.out", "w") as out, open(Path(out_dir) / f"rank{rank}.err", "w") as err:
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
-        code = report_errors(importlib.import_module(Path(script).stem).main, list(args))
+        module = script.removesuffix(".py").replace("/", ".")  # train.py: train; tests/x.py: tests.x
+        code = report_errors(importlib.import_module(module).main, list(args))
         sys.stdout.flush()
     (Path(out_dir) / f"rank{rank}.code").write_text(str(code))
 
@@ -375,15 +376,17 @@ def last_error(capsys, code: int) -> str:
 
 
 def check_one_line(args: list[str], expected: str, root: Path, tmp_path: Path, capsys, monkeypatch) -> None:
-    """Run train.py's main on TINY + args from an empty working folder; the last line must hold `expected`."""
+    """Run train.py's main on TINY + args from an empty working folder; the last line must hold `expected`. A
+    `--config` in args takes the place of TINY's."""
     import train
     from core.cli import report_errors
 
     args = [a.format(root=root) for a in args]
+    base = TINY[2:] if "--config" in args else TINY
     out = [] if any(a.startswith("output_dir=") for a in args) else [f"output_dir={tmp_path / 'run'}"]
     (tmp_path / "cwd").mkdir()
     monkeypatch.chdir(tmp_path / "cwd")
-    line = last_error(capsys, report_errors(train.main, [*TINY, *out, *args]))
+    line = last_error(capsys, report_errors(train.main, [*base, *out, *args]))
     assert line.startswith("error: ") and expected.format(root=root) in line, line
     assert not any((tmp_path / "cwd").iterdir())  # nothing lands in the working folder
 

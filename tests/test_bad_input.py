@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,8 @@ def folders(tmp_path_factory) -> Path:
     os.symlink("moved-away.png", root / "dangling/val/a/gone.png")
     make_image_folder(root / "dangling_train", {"train": {"a": 8, "b": 8}, "val": {"a": 2, "b": 2}}, size=20)
     os.symlink("moved-away.png", root / "dangling_train/train/a/gone.png")
+    make_image_folder(root / "newline", {"photos": {"a": 4, "b": 4}}, size=20)
+    (root / "newline/photos/a/001.png").rename(root / "newline/photos/a/two\nlines.png")
     return root
 
 
@@ -78,9 +81,29 @@ CASES = {  # name: (arguments after TINY, text the last line must contain)
     "comment in a number": (["train.epochs=1 #2"], "config key 'train.epochs' must be int, got '1 #2'"),
     "seed above 2**32 - 1": (["seed=4294967296"], "config key 'seed' must be in [0, 4294967295], got 4294967296"),
     "negative seed": (["seed=-1"], "config key 'seed' must be in [0, 4294967295], got -1"),
+    "negative split seed": (["data.split_seed=-1"], "config key 'data.split_seed' must be in [0, 4294967295], got -1"),
+    "underscore in a float": (["optim.lr=1_0"], "config key 'optim.lr' must be float, got '1_0'"),
+    "Arabic-Indic digits in a float": (["optim.lr=\u0661\u0660"], "config key 'optim.lr' must be float, got "
+                                       "'\u0661\u0660'"),
     "drop rate above 1": (["model.drop_rate=2"], "config key 'model.drop_rate' must be in [0, 1), got 2.0"),
     "flip probability above 1": (["data.hflip=5"], "config key 'data.hflip' must be in [0, 1], got 5.0"),
     "NaN learning rate": (["optim.lr=.nan"], "config key 'optim.lr' must be a finite number, got nan"),
+    "validation on the training split": (["data.name=imagefolder", "data.root={root}/good", "data.val_split=train"],
+                                         "data.val_split=train is data.train_split: each epoch's validation, and the "
+                                         "choice of best.pth, would score the images the model trains on"),
+    "data.val_fraction on a root split already": (["data.name=imagefolder", "data.root={root}/good",
+                                                   "data.val_fraction=0.2"],
+                                                  "data.root {root}/good holds train/, val/, the splits of a dataset "
+                                                  "split already"),
+    "a split name beside data.val_fraction": (["data.name=imagefolder", "data.root={root}/good/train",
+                                               "data.val_fraction=0.2", "data.val_split=test"],
+                                              "data.val_split=test is not read with data.val_fraction=0.2"),
+    "an image name holding a newline, split": (["data.name=imagefolder", "data.root={root}/newline/photos",
+                                                "data.val_fraction=0.5"],
+                                               "image '{root}/newline/photos/a/two\\nlines.png' has a line break in "
+                                               "its name"),
+    "--config twice (read the second alone)": (["--config", "dummy", "--config", "digits"],
+                                               "--config given twice ('dummy', then 'digits')"),
 }
 DATA_CASES = {  # name: (arguments after TINY, text the last line must contain)
     "corrupt image": (["data.root={root}/corrupt"], "cannot read image {root}/corrupt/train/b/003.png"),
@@ -142,6 +165,12 @@ def test_a_precision_this_device_cannot_use_is_refused_before_the_data(key, dry_
     line = last_error(capsys, report_errors(train.main, argv))
     assert line.startswith(f"error: {key}=fp16 on CPU is far slower than fp32"), line
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("empty", [["--config", ""], ["--config=  "]])
+def test_an_empty_config_is_one_line_not_the_bare_defaults(empty, capsys):
+    line = last_error(capsys, report_errors(train.main, [*empty, "--print-config"]))
+    assert line.startswith("error: --config is empty; give a YAML file, or one of configs/: ") and "digits" in line
 
 
 def test_yaml_syntax_error_names_the_line(tmp_path, capsys):
@@ -312,6 +341,52 @@ def test_an_inference_override_error_names_the_override_not_the_checkpoint():
     broken = Trained({"model": {"name": "test_resnet"}, "seed": -1}, {}, ["a", "b"], "checkpoint x.pth")
     with pytest.raises(UserError, match="^checkpoint x.pth: config key 'seed'"):
         inference_config(broken, [("amp", "bf16")])
+
+
+EVAL_SPLIT_CASES = {  # evaluate.py arguments after split_pipeline_run's best.pth: the text its one line must hold
+    "a new split seed and fraction": (["data.split_seed=5", "data.val_fraction=0.5"],
+                                      "data.val_fraction=0.5 data.split_seed=5: evaluate.py never splits data anew"),
+    "a new fraction": (["data.val_fraction=0.5"], "data.val_fraction=0.5: evaluate.py never splits data anew (a new "
+                       "split of the run's images would score images it trained on); it scores the run's validation "
+                       "list, val.txt beside"),
+    "a fraction with --data-dir": (["--data-dir", "{data}", "data.val_fraction=0.25"],
+                                   "data.val_fraction=0.25: evaluate.py never splits data anew"),
+}
+
+
+@pytest.mark.parametrize("name", EVAL_SPLIT_CASES)
+def test_split_overrides_evaluate_would_ignore_are_one_line(name, split_pipeline_run, tmp_path, capsys):
+    """Issue 65 item 8: `evaluate.py best.pth data.split_seed=5 data.val_fraction=0.5` scored the run's own val.txt
+    without a word; what evaluate.py would not follow is refused (data.val_fraction=0 it follows: data.val_split)."""
+    args, expected = EVAL_SPLIT_CASES[name]
+    args = [arg.format(data=split_pipeline_run.parent / "data" / "photos") for arg in args]
+    line = last_error(capsys, report_errors(evaluate.main, [str(split_pipeline_run / "best.pth"), *args,
+                                                            "--output-dir", str(tmp_path / "eval")]))
+    assert line.startswith(f"error: {expected}") and "drop" in line and "--data-dir FOLDER" in line, line
+    assert not (tmp_path / "eval").exists()
+
+
+def test_a_changed_or_missing_copy_of_the_eval_pipeline_is_one_line(split_pipeline_run, tmp_path, capsys):
+    """Issue 65 item 1: evaluate.py, predict.py and export.py read a run's eval pipeline from its copy in the run
+    folder, checked against the sha256 the run recorded: a changed copy (evaluate.py scored it without a word) or a
+    missing one is one line naming it and the way out (export.py takes no data.eval_transform=FILE)."""
+    import export
+    import predict
+
+    run = tmp_path / "run"
+    shutil.copytree(split_pipeline_run, run)
+    copy, checkpoint, images = run / "eval_transform.yaml", str(run / "best.pth"), str(tmp_path)
+    copy.write_text(copy.read_text().replace("16", "8"))  # CenterCrop(8, 8)
+    changed = f"error: {copy}, the run's copy of its data.eval_transform, has sha256 "
+    for main, args in ((evaluate.main, []), (predict.main, [images]), (export.main, ["--format", "onnx"])):
+        line = last_error(capsys, report_errors(main, [checkpoint, *args]))
+        assert line.startswith(changed) and "it was changed after training; restore it" in line, line
+        assert ("data.eval_transform=FILE" in line) == (main is not export.main), line
+    copy.unlink()
+    line = last_error(capsys, report_errors(evaluate.main, [checkpoint]))
+    assert f"the run's copy of it, {copy}, is missing: put it back" in line and "data.eval_transform=FILE" in line
+    assert sorted(path.name for path in run.iterdir()) == sorted(path.name for path in split_pipeline_run.iterdir()
+                                                                 if path.name != copy.name)  # nothing written
 
 
 class FailsAtFive(torch.utils.data.Dataset):

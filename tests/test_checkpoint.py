@@ -260,10 +260,41 @@ def test_run_summary_names_the_best_metric_its_epoch_and_the_speed():
     assert text.splitlines() == [
         "*** best ema_val_loss 1.2000 at epoch 1 (best.pth)",
         "*** last epoch 1: train_loss 1.0000 val_loss 1.2500 val_top1 50.00 val_top5 95.00 ema_val_loss 1.2000",
-        "*** 2 epoch(s) in metrics.jsonl, training at 50 img/s; wall time 1:02:05; outputs in runs/x"]  # 2000 / 40 s
+        "*** 2 whole epoch(s) in metrics.jsonl, training at 50 img/s; wall time 1:02:05; outputs in runs/x"]  # 2000 / 40 s
     assert run_summary([], "val_top1", float("-inf"), None, 1.0, "runs/x").splitlines() == [
         "*** no best val_top1: no evaluation gave a number", "*** no epoch in metrics.jsonl; wall time 0:00:01; "
         "outputs in runs/x"]
+
+
+def test_run_summary_counts_an_epoch_cut_short_apart():
+    """A train.max_steps=27 stop on 22 steps an epoch said "2 epoch(s)" with one finished; a stop at a validation
+    inside the first epoch (train.val_every_steps) said "training at img/s n/a"."""
+    whole = {"epoch": 0, "step": 22, "val_top1": 40.0, "train_images": 1408, "epoch_time_s": 10.0}
+    short = {"epoch": 1, "step": 27, "val_top1": 45.0, "train_images": 320, "epoch_time_s": 2.0}
+    text = run_summary([whole, short], "val_top1", 45.0, 1, 12.0, "runs/x", cut_short=True)
+    assert text.splitlines()[-1] == ("*** 1 whole epoch(s), epoch 1 cut short at step 27 in metrics.jsonl, training "
+                                     "at 144 img/s; wall time 0:00:12; outputs in runs/x")  # 1728 / 12 s
+    inside = [{"epoch": 0, "step": 5, "val_top1": 40.0}, {"epoch": 0, "step": 10, "val_top1": 42.0}]
+    text = run_summary(inside, "val_top1", 42.0, 0, 3.0, "runs/x", cut_short=True)
+    assert text.splitlines()[-1] == ("*** 0 whole epoch(s), epoch 0 cut short at step 10 and 2 validation(s) inside "
+                                     "epochs in metrics.jsonl, no training speed (measured at an epoch's end, which "
+                                     "this run did not reach); wall time 0:00:03; outputs in runs/x")
+
+
+def test_an_early_stop_says_which_epoch_or_step_it_came_after():
+    """Checked before epoch 1 (state.epoch is already 1), the stop came after epoch 0's last step: it said "stopping
+    early at epoch 1, step 22"; inside an epoch it names the step of that epoch."""
+    from core.config import TrainConfig
+    from engine.state import stop_reason
+
+    state = TrainState()
+    state.epoch, state.global_step, state.validations_without_best, state.best_value = 1, 22, 3, 80.0
+    reason = stop_reason(TrainConfig(early_stop_patience=3), state, "val_top1")
+    assert reason == ("stopping early after epoch 0 (global step 22): val_top1 has not improved for 3 validations "
+                      "(train.early_stop_patience=3 counts validations); best val_top1 80.0000"), reason
+    state.epoch_step, state.global_step = 5, 27
+    assert stop_reason(TrainConfig(early_stop_patience=3), state, "val_top1").startswith(
+        "stopping early after step 5 of epoch 1 (global step 27): ")
 
 
 @pytest.mark.parametrize("content", [b"hello", bytes(np.random.default_rng(0).integers(0, 256, 1000, dtype=np.uint8)),

@@ -189,3 +189,14 @@ def test_default_loader_workers_are_capped_at_the_cpus_a_given_value_is_kept():
                                                       "set data.num_workers to choose")
     assert default_workers(4, True, 4096) == (4, None)
     assert default_workers(0, False, 4096) == (0, None)
+
+
+def test_a_section_given_as_a_mapping_merges_into_the_config_files_section():
+    """`data={img_size: 48}` on the digits config keeps its hflip 0.0 and mean/std (was: the section's defaults,
+    hflip 0.5 and ImageNet's mean); a free-options mapping inside it still replaces (model.kwargs above)."""
+    digits = load_config("digits")
+    cfg = load_config("digits", ["data={img_size: 48}", "optim={lr: 0.3}", "model={kwargs: {drop_rate: 0.1}}"])
+    assert cfg.data.img_size == 48 and cfg.optim.lr == 0.3 and cfg.model.kwargs == {"drop_rate": 0.1}
+    assert to_dict(cfg.data) == {**to_dict(digits.data), "img_size": 48}
+    assert cfg.optim.weight_decay == digits.optim.weight_decay == 5e-4 and cfg.model.name == digits.model.name
+    assert "data.img_size" in cfg.from_command_line and "data.hflip" not in cfg.from_command_line

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.startup import (OPENMP_WAITING, cgroup_cpu_limit, openmp_waiting, openmp_waits_passively, tune_cpu_process,
-                          usable_cpus, user_threads)
+from core.startup import (OPENMP_WAITING, CpuShare, cgroup_cpu_limit, openmp_waiting, openmp_waits_passively,
+                          own_cpus, starved_workers, this_process_cpus, tune_cpu_process, user_threads)
 from tests.helpers import run_script, script_env
 
 
@@ -41,16 +41,14 @@ def test_the_cgroup_quota_is_read_in_both_formats(tmp_path, membership, files, e
     root, proc = fake_tree(tmp_path, membership, files)
     assert cgroup_cpu_limit(root, proc) == expected
     cores = len(os.sched_getaffinity(0))
-    assert usable_cpus(root, proc) == (cores if expected is None else min(cores, expected))
+    assert CpuShare(cores, expected, 1).usable == (cores if expected is None else min(cores, expected))
 
 
-def test_a_quota_below_one_core_still_gets_one_thread(tmp_path, monkeypatch):
-    from core import startup
-
+def test_a_quota_below_one_core_still_gets_one_thread(tmp_path):
     root, proc = fake_tree(tmp_path, "0::/\n", {"cpu.max": "20000 100000\n"})
-    assert usable_cpus(root, proc) == 0.2
-    monkeypatch.setattr(startup, "usable_cpus", lambda: usable_cpus(root, proc))
-    assert startup.cpu_share(1) == 1 and startup.cpu_share(4) == 1
+    quota = cgroup_cpu_limit(root, proc)
+    assert CpuShare(8, quota, 1).usable == 0.2
+    assert CpuShare(8, quota, 1).share == 1 and CpuShare(8, quota, 4).share == 1
 
 
 @pytest.mark.parametrize("cpus, processes, workers, expected", [
@@ -59,15 +57,70 @@ def test_the_threads_are_the_share_less_the_loader_workers(monkeypatch, cpus, pr
     """Each loader worker is a process that needs a core of its own: the training threads get the rest."""
     from core import startup
 
-    monkeypatch.setattr(startup, "usable_cpus", lambda: cpus)
+    monkeypatch.setattr(startup, "this_process_cpus", lambda per_node: CpuShare(8, cpus, per_node))
     assert startup.compute_threads(processes, workers) == expected
 
 
+TORCHRUN_8 = {"RANK": "3", "LOCAL_WORLD_SIZE": "8", "TORCHELASTIC_RUN_ID": "x"}
+SRUN_8 = {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "8", "SLURM_CPUS_PER_TASK": "10"}
+
+
+@pytest.mark.parametrize("cores, node, env, own", [
+    (10, 80, SRUN_8, True),  # srun --ntasks-per-node=8 --cpus-per-task=10: Slurm bound this task to 10 CPUs
+    (80, 80, SRUN_8, False),  # srun --cpu-bind=none: the node's CPUs, shared by its 8 tasks
+    (40, 80, SRUN_8, False),  # half a shared node, not bound per task: 8 masks of 40 cannot be apart on 80 CPUs
+    (80, 80, TORCHRUN_8, False),  # torchrun: its 8 processes share the mask they inherited
+    (10, 80, {**SRUN_8, **TORCHRUN_8}, False),  # torchrun inside one srun task of 10 CPUs: its 8 processes share them
+    (16, 256, TORCHRUN_8, False),  # docker --cpuset-cpus=0-15 with torchrun: the container's 16, shared
+    (16, 256, {}, False),  # one process
+])
+def test_slurms_own_cpus_per_task_are_not_divided_again(cores, node, env, own):
+    """Issue 62 item 2: under srun --cpus-per-task=10 the mask is already this task's 10 CPUs; dividing it by the
+    node's 8 processes gave 1 CPU (1 thread, and input advice about 1 core)."""
+    assert own_cpus(cores, node, 8, env) is own
+    assert CpuShare(cores, None, 1 if own else 8).share == (cores if own else max(1, cores // 8))
+
+
+def test_the_share_follows_slurms_binding_in_this_process(monkeypatch):
+    """this_process_cpus reads the real mask, the node's CPUs and the environment: a Slurm task whose mask is a
+    part of the node keeps it whole; the same mask under torchrun is divided."""
+    from core import startup
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(startup.os, "cpu_count", lambda: 8 * cores)  # the node holds 8 masks like this one
+    monkeypatch.setattr(startup, "cgroup_cpu_limit", lambda: None)
+    for name in ("RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    assert this_process_cpus(8) == CpuShare(cores, None, 1) and startup.cpu_share(8) == cores
+    monkeypatch.setenv("RANK", "3")  # torchrun's processes under one srun task
+    assert this_process_cpus(8) == CpuShare(cores, None, 8) and startup.cpu_share(8) == max(1, cores // 8)
+
+
+@pytest.mark.parametrize("cpus, workers, env, warned", [
+    (CpuShare(64, 16.0, 8), 8, {}, "the cgroup CPU quota of 16"),  # Kubernetes limits.cpu=16 for 8 GPUs x 8 workers
+    (CpuShare(64, 72.0, 8), 8, {}, None),  # 9 CPUs per process: 8 workers and itself
+    (CpuShare(10, None, 1), 10, SRUN_8, "Slurm's --cpus-per-task=10"),  # each task's own 10 CPUs, 10 workers + 1
+    (CpuShare(10, None, 1), 9, SRUN_8, None),
+    (CpuShare(2, None, 1), 4, {}, None),  # the machine's own cores: no limit to name (the input advice speaks)
+    (CpuShare(8, 16.0, 1), 8, {}, None),  # a quota above the mask does not limit
+])
+def test_workers_a_cpu_limit_cannot_feed_are_warned_about(cpus, workers, env, warned):
+    """Issue 62 item 7: 8 workers per GPU under a Kubernetes or Slurm limit below 8 x (workers + 1) CPUs throttle
+    the training processes too; the start-up warning names the limit and the worker count that fits."""
+    line = starved_workers(cpus, workers, env)
+    assert (line is None) == (warned is None), line
+    if warned:
+        assert warned in line and f"data.num_workers={workers}" in line and "\n" not in line
+        assert f"set data.num_workers={max(0, cpus.share - 1)}" in line
+CPUS = os.cpu_count()
+
+
 @pytest.mark.parametrize("env, expected", [
-    ({"OMP_NUM_THREADS": "3"}, 3),
+    ({"OMP_NUM_THREADS": str(CPUS)}, CPUS),
     ({"OMP_NUM_THREADS": "1"}, 1),  # a user's 1, outside torchrun
     ({"OMP_NUM_THREADS": "1", "TORCHELASTIC_RUN_ID": "x"}, None),  # torchrun's own default: the app's share
-    ({"OMP_NUM_THREADS": "4", "TORCHELASTIC_RUN_ID": "x"}, 4),
+    ({"OMP_NUM_THREADS": str(CPUS), "TORCHELASTIC_RUN_ID": "x"}, CPUS),
     ({"OMP_NUM_THREADS": "0"}, None), ({"OMP_NUM_THREADS": "many"}, None), ({}, None),
 ])
 def test_a_users_omp_num_threads_wins(env, expected):
@@ -79,6 +132,21 @@ def test_a_users_omp_num_threads_wins(env, expected):
         assert ("as set" in chosen) == (expected is not None)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_more_threads_than_the_machine_has_cpus_is_one_line():
+    """OMP_NUM_THREADS=100000 made torch.set_num_threads(100000) and the first parallel op a segfault (exit 139);
+    refused before torch takes it, and the threads stay as they were."""
+    from core.errors import UserError
+
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(UserError, match=f"^OMP_NUM_THREADS=100000 asks for more threads than this machine has CPUs "
+                                            f"\\({CPUS}\\); set it to at most {CPUS}, or unset it"):
+            tune_cpu_process(1, {"OMP_NUM_THREADS": "100000"})
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(threads)  # before any op: set to 100000, the next parallel op would crash the suite
 
 
 @pytest.mark.parametrize("user, read", [

@@ -101,6 +101,19 @@ def test_an_epoch_that_leaves_images_out_says_so(images, batch, world, expected)
     assert note == expected if expected is None else note[0] == expected[0] and note[1].startswith(expected[1])
 
 
+def test_an_epoch_that_leaves_out_micro_batches_short_of_a_step_says_so():
+    """train.drop_last_accum: 120 images in batches of 10 with train.accum_steps=5 are 12 batches, 2 short of a third
+    step: the epoch trains on 100, and the note names that cause (no partial batch) and the key that keeps them."""
+    cfg = load_config("dummy", ["data.dummy_train_size=120", "data.num_workers=0"])
+    data = build_data(cfg.data, 10, 0, DistInfo(0, 1, 0, 1, torch.device("cpu")), accum_steps=5, drop_last_accum=True)
+    level, line = dropped_images_note(data.train, 1, 5, True)
+    assert line.startswith("each epoch trains on 100 of the 120 training images (83%): 1 process(es) x 10 batch(es) "
+                           "of train.batch_size=10, the rest (2 batch(es) per process short of a whole step of "
+                           "train.accum_steps=5, train.drop_last_accum=true) is left out"), line
+    assert "partial batch" not in line and line.endswith("or train.drop_last_accum=false leave out fewer")
+    assert dropped_images_note(data.train, 1, 5, False) is None  # the last, shorter group still steps: all 120
+
+
 def test_weights_preprocessing_with_a_zero_std_is_not_used():
     """A weights' pretrained_cfg std with a 0 would divide by zero at normalization: the default stays (a mean of 0
     is fine)."""

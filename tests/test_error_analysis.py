@@ -43,6 +43,26 @@ def test_ece_is_the_direct_computation_on_fixed_probabilities():
     assert expected_calibration_error(np.array([1.0, 0.5]), np.array([True, False])) == pytest.approx(25.0)
 
 
+def test_a_confidence_on_a_bin_edge_belongs_to_the_lower_bin():
+    """Bins are ((m-1)/M, m/M]: each edge m/15 is counted in bin m-1, and a wrong image at 2/15 and a right one at 0.14
+    are two bins of |0 - 2/15| and |1 - 0.14| (one bin of both would give |1 - (2/15 + 0.14)|)."""
+    edges = np.linspace(0.0, 1.0, 16)
+    assert calibration_bins(edges[1:], np.ones(15))[0].tolist() == [1.0] * 15
+    ece = expected_calibration_error(np.array([edges[2], 0.14]), np.array([False, True]))
+    assert ece == pytest.approx(100 * (edges[2] + 0.86) / 2, rel=1e-12)
+
+
+def test_confusion_matrix_rows_are_the_true_class_columns_the_predicted():
+    """As scikit-learn's confusion_matrix (confusion_matrix.png and TensorBoard's val/confusion draw it so)."""
+    from sklearn.metrics import confusion_matrix as sklearn_confusion
+
+    from engine.metrics import confusion_matrix
+
+    labels, predicted = np.array([0, 0, 0, 1, 2, 2]), np.array([1, 1, 0, 1, 1, 2])
+    assert confusion_matrix(labels, predicted, 3).tolist() == [[1, 2, 0], [0, 1, 0], [0, 1, 1]]
+    assert np.array_equal(confusion_matrix(labels, predicted, 3), sklearn_confusion(labels, predicted, labels=range(3)))
+
+
 def test_a_run_draws_curves_png_and_the_redraw_command_draws_the_same(tiny_run, tmp_path, capsys):
     """The Curves hook wrote curves.png after the run's validations; `python -m engine.curves` on a copy of the
     folder's metrics.jsonl and config.yaml draws the same bytes; a folder without rows is a one-line error."""

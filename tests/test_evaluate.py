@@ -135,11 +135,12 @@ def test_the_console_summary_shows_balanced_accuracy_and_macro_f1():
 
     result = {"top1": 90.0, "top5": 100.0, "balanced_acc": 61.0, "macro_f1": 55.5, "loss": 0.3, "ece": 2.0, "n": 425,
               "per_class": [{"class": "owl", "top1": 20.0}, {"class": "cat", "top1": 99.0}], "output_dir": "out",
-              "most_confused": [{"actual": "owl", "predicted": "cat", "images": 8}]}
+              "most_confused": [{"actual": "owl", "predicted": "cat", "images": 8}], "scored": "the run's val.txt"}
     assert summary_lines(result) == [
         "top1 90.00%  top5 100.00%  balanced acc 61.00%  macro F1 55.50%  loss 0.3000  ECE 2.00%  n 425",
         "lowest per-class top1: owl 20.0%, cat 99.0%",
         "most confused (actual -> predicted): owl -> cat 8",
+        "scored 425 images: the run's val.txt",
         "wrote eval.json, predictions.csv, confusion_matrix.png, reliability.png, top_losses.png to out"]
 
 

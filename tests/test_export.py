@@ -12,7 +12,7 @@ import torch
 import evaluate
 import export
 import predict
-from assembly.export import check_images
+from assembly.export import check_sources, preprocessed
 from core.cli import report_errors
 from tests.helpers import last_error, make_image_folder, train_here
 
@@ -55,8 +55,7 @@ def trained_model_and_batch(run: Path) -> tuple[torch.nn.Module, torch.Tensor]:
     cfg = inference_config(trained)
     model = create_model(cfg.model, len(trained.class_names))
     load_weights(model, trained.weights, "best.pth")
-    batch, _ = check_images(cfg, None, 16)
-    return model.eval(), batch
+    return model.eval(), preprocessed(cfg, check_sources(cfg, None, 16, None)[0])
 
 
 def test_onnx_and_torchscript_match_pytorch_for_batches_of_1_and_7(resnet18_run, tmp_path, capsys, no_hub):

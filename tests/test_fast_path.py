@@ -127,10 +127,10 @@ def test_fsdp_refuses_the_fp16_that_a_gpu_chose():
     would run on each process's shard of the gradients alone; DDP keeps it, and validation's eval_amp is its own."""
     gpu = torch.device("cuda")
     with pytest.raises(UserError, match="amp=fp16 chose fp16 on this GPU, which dist.strategy=fsdp cannot use"):
-        run_precisions("fp16", "off", 0.0, "fsdp", gpu)
-    precision, measured = run_precisions("fp16", "off", 0.0, "ddp", gpu)
+        run_precisions("fp16", "off", 0.0, "fsdp", gpu, False)
+    precision, measured = run_precisions("fp16", "off", 0.0, "ddp", gpu, False)
     assert (precision.name, precision.scaler is not None, measured.name) == ("fp16", True, "fp32")
-    assert run_precisions("bf16", "off", 0.0, "fsdp", gpu)[0].scaler is None
+    assert run_precisions("bf16", "off", 0.0, "fsdp", gpu, False)[0].scaler is None
 
 
 @pytest.mark.parametrize("native", [False, True])

@@ -218,6 +218,44 @@ def test_two_ranks_read_the_device_once_per_step_and_sync_bn_adds_two_collective
         assert synced["collectives"] - plain["collectives"] == 2 * synced["bn_layers"] * STEPS, (plain, synced)
 
 
+def _fp16_step_reads(rank: int, world: int) -> dict:
+    """Four fp16 steps through Precision.step with a CPU GradScaler (an inf gradient on the first, as at fp16's
+    initial scale; rank 1 gets SIGTERM before the third): the device reads of each step, what comes back, and the
+    scale after each."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    optimizer = build_optimizer(model, OptimConfig(name="momentum", lr=0.05), grad_scaler=True)
+    precision = Precision("cpu", torch.float16, torch.amp.GradScaler("cpu"))
+    generator, found = torch.Generator().manual_seed(0), {"reads": [], "answers": [], "scales": []}
+    for step in range(4):
+        precision.backward(model(torch.randn(8, 6, generator=generator)).square().mean())
+        if step == 0:
+            next(model.parameters()).grad[0, 0] = float("inf")  # DDP would have summed it onto every rank
+        with op_counter() as reads:
+            found["answers"].append(precision.step(optimizer, model, 0.0, 15 if step == 2 and rank == 1 else 0))
+        found["reads"].append(reads.ops["_local_scalar_dense"])
+        found["scales"].append(precision.scaler.get_scale())
+        optimizer.zero_grad(set_to_none=True)
+    return found
+
+
+@pytest.mark.slow  # two processes (the one-process case: test_fp16_reads_the_device_once_per_step_in_one_process)
+def test_fp16_folds_the_stop_flag_into_the_grad_scalers_inf_read_on_two_ranks(tmp_path):
+    """Issue 62 item 5: fp16 read the device twice per step on several ranks (the GradScaler's inf check inside
+    scaler.step, then the stop flag's all-reduce); now once, as bf16: the inf flag and the stop signal travel in
+    one all-reduce. The scaler still halves its scale after the inf step and every rank gets rank 1's SIGTERM."""
+    for found in run_ranks(_fp16_step_reads, 2, tmp_path):
+        assert found["reads"] == [1, 1, 1, 1], found
+        assert [signum for _, signum in found["answers"]] == [0, 0, 15, 0], found
+        assert found["scales"][0] == 32768.0 and found["scales"][1:] == [32768.0] * 3, found
+
+
+def test_fp16_reads_the_device_once_per_step_in_one_process():
+    found = _fp16_step_reads(0, 1)
+    assert found["reads"] == [1, 1, 1, 1] and found["scales"] == [32768.0] * 4, found
+    assert [answer for answer in found["answers"]] == [(True, 0)] * 4  # fp16's skips are the scaler's, not faults
+
+
 @pytest.mark.parametrize("loss", ["ce", "bce"])
 def test_mixed_training_steps_make_no_hidden_host_device_traffic(loss):
     """Mixup/cutmix (data.mixing) and the soft-target losses add no copy from the host and no device read."""
@@ -415,24 +453,84 @@ def test_nccl_watchdog_settings_are_explicit(env, expected):
 # 9. evaluation repeats exactly on GPUs -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("device, deterministic", [("cuda", True), ("cpu", False)])
-def test_evaluation_asks_cudnn_for_deterministic_algorithms_on_cuda(device, deterministic):
+@pytest.mark.parametrize("tf32", [True, False])
+def test_evaluation_asks_cudnn_for_deterministic_algorithms_on_cuda(device, deterministic, tf32):
     """Validation, evaluate.py and predict.py on a GPU: no algorithm picked by timing (cudnn.benchmark, which
-    training sets), only deterministic ones; training's flags come back after each batch."""
+    training sets), only deterministic ones, TF32 as their precision decided (not as training left it); training's
+    flags come back after each batch. The CPU keeps TF32's flags as they are (they are CUDA's)."""
     from engine.evaluation import exact_kernels
 
-    saved = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, torch.get_num_threads()
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = False, True
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    saved = cudnn.deterministic, cudnn.benchmark, torch.get_num_threads(), matmul.allow_tf32, cudnn.allow_tf32
+    cudnn.deterministic, cudnn.benchmark = False, True
+    matmul.allow_tf32 = cudnn.allow_tf32 = not tf32  # training's, the other way
     torch.set_num_threads(2)
     try:
-        with exact_kernels(torch.device(device)):
-            assert torch.backends.cudnn.deterministic is deterministic
-            assert torch.backends.cudnn.benchmark is not deterministic
+        with exact_kernels(torch.device(device), tf32):
+            assert cudnn.deterministic is deterministic
+            assert cudnn.benchmark is not deterministic
             assert torch.get_num_threads() == (2 if device == "cuda" else 1)  # CPU: fp32 sums follow the threads
-        assert (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark) == (False, True)
-        assert torch.get_num_threads() == 2
+            assert matmul.allow_tf32 is cudnn.allow_tf32 is (tf32 if device == "cuda" else not tf32)
+        assert (cudnn.deterministic, cudnn.benchmark) == (False, True)
+        assert torch.get_num_threads() == 2 and matmul.allow_tf32 is cudnn.allow_tf32 is (not tf32)
     finally:
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, threads = saved
+        cudnn.deterministic, cudnn.benchmark, threads, matmul.allow_tf32, cudnn.allow_tf32 = saved
         torch.set_num_threads(threads)
+
+
+# 10. TF32 for fp32 matmuls -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype, capability, allowed, expected", [
+    (None, (9, 0), True, True),  # amp=off on an H100: TF32 Tensor Cores (495 vs 67 TFLOPS)
+    (None, (8, 0), True, True),  # A100
+    (None, (7, 5), True, False),  # T4: no TF32
+    (None, (9, 0), False, False),  # tf32=false: full fp32
+    (torch.bfloat16, (9, 0), True, False),  # autocast: the matmuls are bf16; what it keeps in fp32 stays exact
+    (torch.float16, (8, 0), True, False),
+    (None, None, True, False),  # the CPU
+])
+def test_tf32_is_decided_per_precision(dtype, capability, allowed, expected):
+    from engine.precision import tf32_for
+
+    assert tf32_for(dtype, capability, allowed) is expected
+
+
+@pytest.mark.parametrize("amp, eval_amp, tf32, training, measured", [
+    ("off", "off", True, True, True),  # configs/convnext_tiny.yaml's amp: off, validated in fp32
+    ("bf16", "off", True, False, True),  # the default: bf16 training, fp32 validation with TF32
+    ("off", "off", False, False, False),  # tf32=false: every fp32 number is full fp32
+    ("bf16", "bf16", True, False, False),
+])
+def test_training_validation_and_evaluate_take_the_same_tf32_decision(monkeypatch, amp, eval_amp, tf32, training,
+                                                                     measured):
+    """On an H100 (capability given, no GPU touched): training's precision, its validation's (eval_amp) and
+    evaluate.py's (its amp defaults to the run's eval_amp) decide TF32 by one rule, so validation and evaluate.py
+    still agree; the start-up lines say it, and training's kernels are set by it."""
+    from core.startup import training_kernels
+    from engine import precision as module
+
+    monkeypatch.setattr(module, "capability_of", lambda device: (9, 0))
+    gpu = torch.device("cuda", 0)
+    train_precision, validation = module.run_precisions(amp, eval_amp, 0.0, "ddp", gpu, tf32)
+    assert (train_precision.tf32, validation.tf32) == (training, measured)
+    assert module.resolve_precision(eval_amp, gpu, tf32=tf32) == validation  # evaluate.py on the run's checkpoint
+    assert ("TF32" in validation.described) is measured and validation.name in ("fp32", "bf16")
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = cudnn.benchmark, matmul.allow_tf32, cudnn.allow_tf32
+    try:
+        training_kernels("cuda", train_precision.tf32)
+        assert matmul.allow_tf32 is cudnn.allow_tf32 is training
+    finally:
+        cudnn.benchmark, matmul.allow_tf32, cudnn.allow_tf32 = saved
+
+
+def test_a_checkpoint_saved_before_the_tf32_key_is_evaluated_as_it_validated():
+    """Runs saved before `tf32` existed validated in full fp32: evaluate.py keeps that (its numbers are the run's),
+    and follows a recorded value."""
+    from engine.checkpoint.inference import for_inference
+
+    assert for_inference({"eval_amp": "off"})["tf32"] is False
+    assert for_inference({"eval_amp": "off", "tf32": True})["tf32"] is True
 
 
 def test_the_documented_gpu_figures_are_read_by_the_smoke_test():
@@ -441,7 +539,7 @@ def test_the_documented_gpu_figures_are_read_by_the_smoke_test():
     from tests.helpers import documented_figures
 
     smoke = "test_resnet50_recipe_smoke_run_meets_the_documented_figures"
-    assert documented_figures(smoke, "NVIDIA H100 80GB HBM3") == {"img_per_s": 515.0, "peak_memory_gib": 11.15}
+    assert documented_figures(smoke, "NVIDIA H100 80GB HBM3") == {"img_per_s": 4697.0, "peak_memory_gib": 11.15}
     assert documented_figures(smoke, "NVIDIA A100-SXM4-80GB") is None  # until a GPU run fills it in
     assert documented_figures(smoke, "no such GPU") is None
     table = ("| test | GPU | img/s | GiB |\n| `t` | NVIDIA X | 2,512.5 | 21.25 |\n"

@@ -173,16 +173,40 @@ def test_deferred_class_weights_follow_the_epoch():
         assert torch.allclose(loss_fn(logits, labels), expected), epoch
 
 
+def test_balanced_weights_are_capped_at_class_weights_max_and_say_so():
+    """At 142:1 scikit-learn's balanced weights reach 35.7 (its loss spiked for epochs at lr 0.1; docs/benchmarks.md
+    12b): train.class_weights_max (default 10) caps them, the start-up line names the capped classes with the weights
+    they would have had, and 0 keeps scikit-learn's."""
+    from sklearn.utils.class_weight import compute_class_weight
+
+    from engine.losses import capped_note
+
+    long_tail, names = [142, 88, 52, 31, 19, 11, 7, 4, 2, 1], [str(c) for c in range(10)]
+    labels = np.repeat(np.arange(10), long_tail)
+    sklearn = torch.tensor(compute_class_weight("balanced", classes=np.arange(10), y=labels), dtype=torch.float32)
+    capped = build_loss(TrainConfig(class_weights="balanced"), False, long_tail, names).weight
+    assert torch.allclose(capped, sklearn.clamp(max=10.0)) and capped.max() == 10.0 and sklearn[9] > 35
+    assert torch.allclose(build_loss(TrainConfig(class_weights="balanced", class_weights_max=0), False, long_tail,
+                                     names).weight, sklearn)
+    note = capped_note(TrainConfig(class_weights="balanced"), long_tail, names)
+    assert note.startswith("train.class_weights=balanced: 2 class(es) weighted 10 (train.class_weights_max) instead "
+                           "of scikit-learn's 8 17.9, 9 35.7; train.class_weights_max=0 keeps them"), note
+    twenty = [142, 105, 75, 54, 39, 28, 20, 14, 10, 7]  # the 20:1 cut: the largest weight 7.1, nothing capped
+    assert capped_note(TrainConfig(class_weights="balanced"), twenty, names) is None
+    assert capped_note(TrainConfig(class_weights="balanced", class_weights_max=0), long_tail, names) is None
+
+
 def test_heavy_class_weights_are_warned_of():
-    """The 142:1 cut's balanced weights (the rarest 35.7, 56% of a batch of 64) are warned of, the 20:1 cut's
-    (7.1, 11%) and deferred or effective ones are not."""
+    """The 142:1 cut's uncapped balanced weights (the rarest 35.7, 56% of a batch of 64) are warned of, the 20:1
+    cut's (7.1, 11%), capped, deferred or effective ones are not."""
     from engine.losses import heavy_weight_warning
 
     long_tail, names = [142, 88, 52, 31, 19, 11, 7, 4, 2, 1], [str(c) for c in range(10)]
-    warning = heavy_weight_warning(build_loss(TrainConfig(class_weights="balanced"), False, long_tail, names), names, 64)
+    uncapped = TrainConfig(class_weights="balanced", class_weights_max=0)
+    warning = heavy_weight_warning(build_loss(uncapped, False, long_tail, names), names, 64)
     assert "class 9 a weight of 35.7: one of its images takes 56% of a global batch of 64" in warning
     twenty = [142, 105, 75, 54, 39, 28, 20, 14, 10, 7]
-    for cfg, counts in ((TrainConfig(class_weights="balanced"), twenty),
+    for cfg, counts in ((TrainConfig(class_weights="balanced"), twenty), (TrainConfig(class_weights="balanced"), long_tail),
                         (TrainConfig(class_weights="balanced", class_weights_from_epoch=5), long_tail),
                         (TrainConfig(class_weights="effective"), long_tail), (TrainConfig(), long_tail)):
         assert heavy_weight_warning(build_loss(cfg, False, counts, names), names, 64) is None
@@ -449,7 +473,7 @@ def test_early_stopping_stops_at_the_same_epoch_when_resumed(tmp_path, capsys):
     epoch 3 as the uninterrupted run does; without the kept count it would run epoch 3 too."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train_here(*STOPS, f"output_dir={straight}")
-    assert "stopping early at epoch 3, step 6: val_loss has not improved for 2 validations" in capsys.readouterr().err
+    assert "stopping early after epoch 2 (global step 6): val_loss has not improved for 2 validations" in capsys.readouterr().err
     train_here(*STOPS, f"output_dir={resumed}", "train.max_steps=4")  # the end of epoch 1
     assert load_checkpoint(resumed / "last.pth")["validations_without_best"] == 1
     train_here(*STOPS, f"output_dir={resumed}")
@@ -460,7 +484,7 @@ def test_early_stopping_stops_at_the_same_epoch_when_resumed(tmp_path, capsys):
         assert load_checkpoint(run / "best.pth")["epoch"] == 1  # chosen after epoch 0
     capsys.readouterr()
     train_here(*STOPS, f"output_dir={straight}")  # a finished, stopped run stays stopped
-    assert "stopping early at epoch 3" in capsys.readouterr().err
+    assert "stopping early after epoch 2" in capsys.readouterr().err
     assert len(read_jsonl(straight / "metrics.jsonl")) == 3
 
 
@@ -469,10 +493,68 @@ def test_early_stopping_counts_validations_inside_epochs(tmp_path, capsys):
     """train.val_every_steps=1 on 2 steps an epoch: validations at step 1, step 2 (the epoch's) and step 3; none
     after the first improves, so patience 2 stops the run inside epoch 1, right after step 3's validation."""
     train_here(*STOPS, "train.val_every_steps=1", f"output_dir={tmp_path}")
-    assert "stopping early at epoch 1, step 3: val_loss has not improved for 2 validations" in capsys.readouterr().err
+    assert "stopping early after step 1 of epoch 1 (global step 3): val_loss has not improved for 2 validations" in capsys.readouterr().err
     assert [(r["epoch"], r["step"]) for r in read_jsonl(tmp_path / "metrics.jsonl")] == [(0, 1), (0, 2), (1, 3)]
     ckpt = load_checkpoint(tmp_path / "last.pth")
     assert (ckpt["global_step"], ckpt["validations_without_best"]) == (3, 2)
+
+
+def test_validations_inside_epochs_count_for_early_stopping_and_stop_the_run_at_once():
+    """The rules of engine/hooks.ValidateEvery, in-process on a model that does not learn (the same val_loss every
+    time): train.val_every_steps=1 on 3 steps an epoch, train.early_stop_patience=3. Steps 1 and 2 are validated
+    inside epoch 0 and counted (0, then 1 without improvement); step 3 ends the epoch, whose own validation covers it
+    (no step validated twice); step 4's validation is the third without improvement and stops the run right there."""
+    import time
+
+    from core.config import DataConfig, LoggingConfig
+    from core.dist import DistInfo
+    from data.transforms import DeviceNormalize
+    from engine.hooks import CloseEpoch, Hook, StopRules, StopRun, ValidateEvery
+    from engine.precision import Precision
+    from engine.tracking import WandbTracker
+    from engine.validation import Validation
+
+    class Validated(Hook):
+        """Each validation's (global step, inside the epoch), as the hooks after it see them."""
+
+        def __init__(self) -> None:
+            self.seen: list[tuple[int, bool]] = []
+
+        def after_epoch(self, state: TrainState, end) -> None:
+            self.seen.append((state.global_step, end.mid_epoch))
+
+    cpu = torch.device("cpu")
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 4, 3))
+    generator = torch.Generator().manual_seed(0)
+    loader = Batches([(torch.randint(0, 256, (4, 3, 4, 4), dtype=torch.uint8, generator=generator),
+                       torch.tensor([0, 1, 2, 0]))], 3)
+    validation = Validation(model, None, loader, Precision("cpu", None), DistInfo(0, 1, 0, 1, cpu),
+                            DeviceNormalize([0.5] * 3, [0.5] * 3, cpu, False), DataConfig(),
+                            torch.optim.SGD(model.parameters(), lr=0.0), "val_loss", gather_outcomes=False)
+    validated = Validated()
+    after = [CloseEpoch(), validated]  # the run's hooks that see a validation, as assembly/run.hooks_of orders them
+    stop_rules = StopRules(TrainConfig(early_stop_patience=3, best_metric="val_loss"), "val_loss",
+                           WandbTracker(LoggingConfig(), True))
+    every = ValidateEvery(1, 3, validation, after, stop_rules, model, False, time.monotonic)
+    state = TrainState()
+
+    def step() -> None:  # as engine/trainer.py ends each optimizer step
+        state.step_done(0.0)
+        every.after_step(state)
+
+    state.start_epoch(cpu, True)
+    for _ in range(3):
+        step()
+    assert validated.seen == [(1, True), (2, True)] and state.validations_without_best == 1
+    end = validation(state, {"train_loss": 0.0}, finished=True)  # the finished epoch's own, as assembly/fit.py
+    for hook in after:
+        hook.after_epoch(state, end)
+    assert validated.seen[-1] == (3, False) and state.validations_without_best == 2
+    stop_rules.before_epoch(state)  # two without improvement: epoch 1 starts
+    state.start_epoch(cpu, True)
+    with pytest.raises(StopRun):
+        step()
+    assert validated.seen[-1] == (4, True) and state.validations_without_best == 3
 
 
 def test_multi_label_data_takes_val_map_and_refuses_single_label_settings():

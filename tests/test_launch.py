@@ -173,6 +173,61 @@ def test_sigterm_after_the_last_step_check_stops_as_the_training_steps_end():
             os.kill(os.getpid(), signal.SIGUSR1)
 
 
+@pytest.fixture
+def signal_handlers_restored():
+    """A test that sends itself SIGINT leaves pytest's handlers as it found them (the first Ctrl-C puts back SIGINT's
+    default action, a stopping run ignores SIGTERM and SIGUSR1), and core.signals as a new run finds it."""
+    from core.signals import stop_on_sigterm
+
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    yield
+    with stop_on_sigterm():  # resets the recorded signal and the stop
+        pass
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+
+
+def test_ctrl_c_after_the_last_step_check_stops_as_the_training_steps_end(signal_handlers_restored, capsys):
+    """A Ctrl-C between the last step's stop check and the end of the epoch's steps has no step boundary left to
+    stop at: it is acted on as the steps end (one line, exit 130), never swallowed by a run that carries on."""
+    from core.signals import training_steps
+
+    def main(argv: list[str]) -> int:
+        with training_steps():
+            os.kill(os.getpid(), signal.SIGINT)  # recorded only: inside the steps a Ctrl-C asks for a stop
+        raise AssertionError("not reached: KeyboardInterrupt is raised as the steps end")
+
+    assert report_errors(main, []) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "interrupted"
+
+
+def test_ctrl_c_inside_training_steps_stops_at_the_next_check_a_second_one_ends_at_once_and_exits_130(
+        signal_handlers_restored, capsys):
+    """The first Ctrl-C only asks for a stop, which the next step's check (Precision.step, as the loop calls it)
+    returns; it puts back SIGINT's default action, kept while the run exits, so that a second Ctrl-C ends the process
+    at once; the entry point prints the command that continues the run and exits 130 (not a preemption's 124)."""
+    from core.signals import Preempted, requested, stop, training_steps
+    from engine.precision import Precision
+
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def main(argv: list[str]) -> int:
+        with training_steps():
+            os.kill(os.getpid(), signal.SIGINT)
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL  # a second Ctrl-C: the default action
+            model(torch.ones(1, 2)).sum().backward()
+            stepped, signum = Precision("cpu", None).step(optimizer, model, 0.0, requested())
+            assert stepped and signum == signal.SIGINT
+            stop(signum)  # as engine/trainer.py does with the answer every rank got
+            raise Preempted(signum, 1)
+
+    assert report_errors(main, []) == 130
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL  # still, while the process exits
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("interrupted (SIGINT) at global step 1: None written; to continue, run in "), last
+
+
 def test_a_finished_run_is_freed_by_reference_counting_alone(tmp_path, monkeypatch):
     """No hook refers back to the run (ValidateEvery gets the validation and the other hooks as arguments): once
     fit returns, the Run, its hooks and its validation (with their loaders) are freed without the cycle collector."""

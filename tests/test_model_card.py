@@ -4,6 +4,7 @@ and validated on, where they started, the metrics of these weights (never the ot
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -81,6 +82,30 @@ def test_plain_export_of_an_ema_chosen_checkpoint_reports_its_own_metric_not_the
     assert "**Data:** flowers: images per split not recorded" in card
     assert "**Started from:** not recorded (a checkpoint written before runs recorded it); its config sets " \
            "model.init_from" in card
+
+
+def test_a_fine_tune_of_timms_weights_is_carded_as_one_and_its_folder_keeps_the_runs_eval_amp(tiny_run, tmp_path):
+    """A run from timm's pretrained weights is described as fine-tuned; the card names the amp it trained with
+    (amp=off here), and the folder's config.json the eval_amp its validation computed in (bf16), which a model folder
+    is then read back with, so that predict.py on the folder computes as on the checkpoint."""
+    from timm.models import get_pretrained_cfg
+
+    from assembly.export import export_model_folder
+    from engine.checkpoint.inference import inference_config, load_model_folder, load_trained
+    from models.factory import create_model, hub_origin
+
+    trained = load_trained(tiny_run / "last.pth")
+    trained.config.update(amp="off", eval_amp="bf16")
+    trained.started_from = hub_origin("test_resnet", get_pretrained_cfg("test_resnet").to_dict())
+    cfg = inference_config(trained)
+    folder = tmp_path / "folder"
+    export_model_folder(create_model(cfg.model, len(trained.class_names)), cfg, trained, folder, "folder")
+    card = (folder / "README.md").read_text()
+    assert "# Model card for test_resnet fine-tuned on synthetic dummy data (" in card
+    assert "**Started from:** timm's pretrained weights test_resnet.r160_in1k (Hugging Face" in card
+    assert "- fp32 weights, trained with amp=off;" in card
+    assert json.loads((folder / "config.json").read_text())["eval_amp"] == "bf16"
+    assert inference_config(load_model_folder(folder)).amp == "bf16"
 
 
 def test_card_of_a_pipeline_file_run_says_what_the_file_did_not_the_replaced_preset(tmp_path):

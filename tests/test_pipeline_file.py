@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 
 import albumentations as A
@@ -13,6 +14,7 @@ import yaml
 from albumentations.pytorch import ToTensorV2
 
 from core.config import DataConfig
+from core.errors import UserError
 from data.loader import build_datasets
 from tests.helpers import TINY, last_error, read_jsonl, train_here
 
@@ -66,6 +68,11 @@ BAD = {
     "unknown": ({"__version__": A.__version__, "transform": {"__class_fullname__": "Compose", "p": 1.0,
                  "transforms": [{"__class_fullname__": "NoSuchTransform", "p": 1.0}]}},
                 "albumentations cannot load it"),
+    "misspelled argument": ({"__version__": A.__version__, "transform": {
+        "__class_fullname__": "Compose", "p": 1.0, "transforms": [
+            {"__class_fullname__": "RandomCrop", "height": 16, "width": 16, "p": 1.0},
+            {"__class_fullname__": "Affine", "scael": 1.5, "p": 1.0}]}},  # was trained at the default scale
+        "Affine has no argument 'scael' (albumentations would ignore it and use the default); it takes "),
     "float": (A.Compose([A.RandomCrop(16, 16), A.ToFloat()]), "made a float32 image of 16x16x3"),
     "shape": (A.Compose([A.RandomCrop(12, 12)]), "made a uint8 image of 12x12x3"),
     "to_tensor": (A.Compose([A.RandomCrop(16, 16), ToTensorV2()]), "remove ToTensorV2"),
@@ -86,11 +93,27 @@ def test_bad_pipeline_file_is_one_line(case, tmp_path, capsys, monkeypatch):
     import train
     from core.cli import report_errors
 
-    code = report_errors(train.main, [*TINY, f"data.train_transform={file}", f"output_dir={tmp_path / 'run'}"])
-    assert code == 2
-    line = last_error(capsys, code)
-    assert line.startswith(f"error: data.train_transform={file}: ") and expected in line, line
-    assert not (tmp_path / "run").exists()  # nothing written
+    for dry_run in ([], ["--dry-run"]) if case == "misspelled argument" else ([],):  # --dry-run said "passed"
+        code = report_errors(train.main, [*dry_run, *TINY, f"data.train_transform={file}",
+                                          f"output_dir={tmp_path / 'run'}"])
+        assert code == 2
+        line = last_error(capsys, code)
+        assert line.startswith(f"error: data.train_transform={file}: ") and expected in line, line
+        assert not (tmp_path / "run").exists()  # nothing written
+
+
+@pytest.mark.parametrize("nested, name", [
+    (A.OneOf([A.Normalize(), A.HorizontalFlip()], p=0.5), "Normalize"),
+    (A.Sequential([A.HorizontalFlip(), A.Sequential([ToTensorV2()])]), "ToTensorV2"),
+])
+def test_a_step_the_app_owns_is_refused_inside_a_nested_composition(nested, name, tmp_path):
+    """Normalize inside OneOf (or ToTensorV2 in a Sequential) would normalize some images twice: refused at any
+    depth, as at the top."""
+    from data.pipeline import load_pipeline
+
+    file = saved(tmp_path / "aug.yaml", A.Compose([A.RandomCrop(16, 16), nested]))
+    with pytest.raises(UserError, match=f"data.train_transform={file}: remove {name} from the pipeline"):
+        load_pipeline(file, "data.train_transform")
 
 
 @pytest.mark.slow  # three short runs, one on 2 ranks
@@ -133,3 +156,75 @@ def test_a_pipeline_that_fails_on_an_image_is_one_line_in_this_process_and_in_a_
     with pytest.raises(UserError) as err:
         list(loader)
     assert str(err.value) == expected
+
+
+def test_evaluate_and_predict_read_the_runs_checked_copy_of_the_eval_pipeline(split_pipeline_run, tmp_path, capsys):
+    """Issue 65 item 1: the pipeline file at the run's recorded path, edited after training (a CenterCrop(8) and a
+    Resize), changed evaluate.py's numbers without a word, and removed, stopped evaluate.py and predict.py though the
+    run folder holds its copy. They read the copy (its sha256 checked: tests/test_bad_input.py); a file given as
+    data.eval_transform=FILE is used instead, and said."""
+    import evaluate
+    import predict
+    from core.cli import report_errors
+
+    run = split_pipeline_run
+    original, images = run.parent / "centre.yaml", str(run.parent / "data" / "photos" / "a")
+    kept = original.read_bytes()
+    other = A.Compose([A.CenterCrop(8, 8), A.Resize(16, 16)])
+    try:
+        saved(original, other)
+        assert report_errors(evaluate.main, [str(run / "best.pth"), "--output-dir", str(tmp_path / "eval")]) == 0
+        loss = json.loads((tmp_path / "eval" / "eval.json").read_text())["loss"]
+        assert loss == read_jsonl(run / "metrics.jsonl")[-1]["val_loss"]  # the run's own number, to the last bit
+        original.unlink()
+        assert report_errors(predict.main, [str(run / "best.pth"), images, "--output-dir", str(tmp_path / "own")]) == 0
+        assert f"eval pipeline: the run's data.eval_transform, its copy {run / 'eval_transform.yaml'}" in \
+            capsys.readouterr().err
+        given = saved(tmp_path / "other.yaml", other)
+        assert report_errors(predict.main, [str(run / "best.pth"), images, f"data.eval_transform={given}",
+                                            "--output-dir", str(tmp_path / "given")]) == 0
+        assert f"eval pipeline: data.eval_transform={given} given on the command line" in capsys.readouterr().err
+    finally:
+        original.write_bytes(kept)
+    own, chosen = ((tmp_path / name / "predictions.csv").read_text() for name in ("own", "given"))
+    assert own.splitlines()[0] == chosen.splitlines()[0] and own != chosen  # the file given was used
+
+
+@pytest.mark.slow  # an export and two predict.py runs (5-6 s of CPU)
+def test_the_model_folder_carries_the_eval_pipeline_and_predicts_as_its_checkpoint(split_pipeline_run, tmp_path):
+    """Issue 65 item 2: export.py dropped data.eval_transform, so predict.py on the model folder used the preset and
+    disagreed with best.pth, the card stated the preset, and the export check printed 0. The folder now holds the
+    run's file (config.json names it with its sha256), predict.py gives byte-identical predictions on both, the card
+    states the pipeline, and the check refuses a folder that would preprocess otherwise."""
+    import export
+    import predict
+    from core.cli import report_errors
+
+    run, folder = split_pipeline_run, tmp_path / "hf"
+    images = str(run.parent / "data" / "photos" / "a")
+    assert report_errors(export.main, [str(run / "best.pth"), "--format", "safetensors", "--output", str(folder)]) == 0
+    for model, name in ((run / "best.pth", "checkpoint"), (folder, "folder")):
+        assert report_errors(predict.main, [str(model), images, "--output-dir", str(tmp_path / name)]) == 0
+    assert (tmp_path / "folder/predictions.csv").read_bytes() == (tmp_path / "checkpoint/predictions.csv").read_bytes()
+    assert (folder / "eval_transform.yaml").read_bytes() == (run / "eval_transform.yaml").read_bytes()
+    config = json.loads((folder / "config.json").read_text())
+    assert config["eval_transform_sha256"] == hashlib.sha256((run / "eval_transform.yaml").read_bytes()).hexdigest()
+    card = (folder / "README.md").read_text()
+    assert "the albumentations pipeline eval_transform.yaml in this folder" in card and "CenterCrop(" in card
+    assert "centre crop 16 x 16" not in card  # the preset's words
+
+    from assembly.export import check_folder_preprocessing, check_sources
+    from assembly.inference import open_trained
+    from core.errors import UserError
+
+    del config["eval_transform"], config["eval_transform_sha256"]  # the folder as export.py wrote it before
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "eval_transform.yaml").unlink()
+    _, cfg = open_trained(run / "best.pth", False, may_override=False)
+    raw, where = check_sources(cfg, images, 4, None)
+    with pytest.raises(UserError, match="preprocesses the check images .* differently from the checkpoint"):
+        check_folder_preprocessing(cfg, folder, raw, where, folder)
+    config.update(eval_transform="../centre.yaml", eval_transform_sha256="0" * 64)
+    (folder / "config.json").write_text(json.dumps(config))  # a name that leaves the folder: refused, never read
+    with pytest.raises(UserError, match="eval_transform must be one of eval_transform.yaml, "):
+        open_trained(folder, False)

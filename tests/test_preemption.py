@@ -22,12 +22,16 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from core.signals import HANDLED
 from engine.checkpoint.formats import load_checkpoint
+from engine.hooks import EpochEnd, Hook
+from engine.state import TrainState
 from engine.trainer import MEASURED_COLUMNS
 from tests.compare import assert_same
-from tests.helpers import (HANG, REPO, children, corrupt_in_batch, free_port, make_image_folder, read_jsonl,
-                           run_script, script_env)
+from tests.helpers import (HANG, REPO, TINY as TINY_HERE, Batches, children, corrupt_in_batch, free_port,
+                           make_image_folder, read_jsonl, run_on_ranks, run_script, script_env, train_here)
 
 PREEMPTED = 124
 TINY = ["--config", "configs/dummy.yaml", "model.name=test_resnet", "model.channels_last=false", "amp='off'",
@@ -40,7 +44,11 @@ STOP_LINE = re.compile(r"^preempted by (SIGTERM|SIGUSR1) at global step (\d+): (
                        re.M)
 INTERRUPT_LINE = re.compile(r"^interrupted \(SIGINT\) at global step (\d+): (\S+) written; to continue, run in (\S+): "
                             r"(.+)$", re.M)
-STOPPING = "stopping after this step to write last.pth (Ctrl-C again stops at once, without it)"
+STOPPING = "stopping after this step (or validation batch) to write last.pth (Ctrl-C again stops at once, without it)"
+# A stop inside an epoch's validation: last.pth holds the trained steps and the validation they are owed.
+CUT_LINE = re.compile(r"^(?:preempted by (?:SIGTERM|SIGUSR1)|interrupted \(SIGINT\)) at global step (\d+), during "
+                      r"(epoch \d+'s validation|the validation at step \d+), which the continued run does first: "
+                      r"(\S+) written; (?:resume=auto continues|to continue, run in .+)$", re.M)
 
 
 def wait_for(log: Path, pattern: str, procs: list[subprocess.Popen], timeout: float = 240) -> None:
@@ -232,11 +240,10 @@ def test_sigusr1_to_one_rank_and_its_workers_stops_every_rank_at_the_same_step(t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum, code, line", [(signal.SIGTERM, 143, "stopped by SIGTERM"),
-                                                (signal.SIGINT, 130, "interrupted")])
-def test_a_stop_signal_outside_training_steps_still_stops_at_once_with_one_line(tmp_path, signum, code, line):
-    # Evaluation has no step to finish: SIGTERM (to the process) or Ctrl-C (to its process group, DataLoader
-    # workers being forked included) stops it at once, DataLoader workers stay quiet.
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, PREEMPTED), (signal.SIGINT, 130)])
+def test_a_stop_signal_during_the_epochs_validation_keeps_the_trained_epoch_with_one_line(tmp_path, signum, code):
+    # Was: exit 143 (130) at once and nothing saved, the epoch's steps lost. Now the validation (8000 images) stops at
+    # a batch boundary, last.pth holds the trained epoch and the validation it is owed; DataLoader workers stay quiet.
     out = tmp_path / "run"
     log = tmp_path / "run.log"
     proc = in_terminal([sys.executable, "train.py", *TINY, "data.dummy_train_size=64", "data.num_workers=2",
@@ -247,13 +254,182 @@ def test_a_stop_signal_outside_training_steps_still_stops_at_once_with_one_line(
             ctrl_c(proc)
         else:
             proc.send_signal(signum)
-        assert proc.wait(timeout=60) == code, log.read_text()[-3000:]
+        assert proc.wait(timeout=120) == code, log.read_text()[-3000:]
     finally:
         proc.kill()
     text = log.read_text()
-    assert text.strip().splitlines()[-1].startswith(line), text[-3000:]
+    assert CUT_LINE.findall(text) == [("8", "epoch 0's validation", str(out / "last.pth"))], text[-3000:]
+    assert CUT_LINE.match(text.strip().splitlines()[-1]), text[-3000:]
     assert "Traceback" not in text and "DataLoader worker" not in text
-    assert not (out / "last.pth").exists()
+    assert_owes_validation(out, epoch=0, step=8, mid_epoch=False)
+
+
+def assert_owes_validation(out: Path, epoch: int, step: int, mid_epoch: bool) -> None:
+    """last.pth holds `step` and the validation a stop cut short there; metrics.jsonl has no row for it."""
+    ckpt = load_checkpoint(out / "last.pth")
+    assert (ckpt["epoch"], ckpt["global_step"], ckpt["unvalidated"]["mid_epoch"]) == (epoch, step, mid_epoch)
+    rows = read_jsonl(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else []
+    assert step not in [row["step"] for row in rows]
+
+
+class SignalAt(Hook):
+    """Sends this process `signum` once, at global step `step`: after that step (`where="step"`: past its stop check,
+    so the next place that can act on it is the validation at that step, the epoch's or train.val_every_steps'), or
+    once the validation at that step has its row and last.pth (`where="validation"`: while the hooks after it run)."""
+
+    def __init__(self, signum: int, where: str, step: int) -> None:
+        self.signum, self.where, self.step = signum, where, step
+
+    def after_step(self, state: TrainState) -> None:
+        if self.where == "step" and state.global_step == self.step:
+            os.kill(os.getpid(), self.signum)
+
+    def after_epoch(self, state: TrainState, end: EpochEnd) -> None:
+        if self.where == "validation" and end.row["step"] == self.step:
+            os.kill(os.getpid(), self.signum)
+
+
+def main(argv: list[str]) -> int:
+    """train.py's main with SignalAt on one rank; argv: SIGNAL WHERE STEP RANK, then train.py's arguments. In this
+    process through report_errors; on each rank of run_on_ranks("tests/test_preemption.py", ...)."""
+    import train
+    from assembly import launch
+
+    name, where, step, rank, *rest = argv
+    args = train.parse_args(rest)
+    signals = [SignalAt(signal.Signals[name], where, int(step))] if os.environ.get("RANK", "0") == rank else []
+    return launch.train(args.config, args.overrides, hooks=signals)
+
+
+@pytest.fixture
+def own_signals():
+    """This process's signal handlers as they were: a stopped run leaves SIGTERM and SIGUSR1 ignored (and after a
+    Ctrl-C, SIGINT at its default) until its process exits, which here is pytest's."""
+    saved = {signum: signal.getsignal(signum) for signum in HANDLED}
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+
+
+def test_the_validation_stops_at_a_batch_boundary_and_owes_itself(own_signals):
+    """The mechanism: a SIGTERM while the validation loads batch 1 is answered at batch 2 (the ranks' all-reduce is
+    read one batch late); the validation stops there, and the state says which validation is owed."""
+    from torch import nn
+
+    from core.config import DataConfig
+    from core.dist import DistInfo
+    from core.signals import Preempted, stop_on_sigterm, training_steps
+    from engine.precision import Precision
+    from engine.validation import Validation
+
+    class SignalWhileLoading(Batches):
+        served = 0
+
+        def __iter__(self):
+            for batch in list.__iter__(self):
+                self.served += 1
+                if self.served == 2:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                yield batch
+
+    torch.manual_seed(0)
+    loader = SignalWhileLoading([(torch.randint(0, 255, (4, 3, 4, 4), dtype=torch.uint8), torch.tensor([0, 1, 2, 0]))
+                                 for _ in range(10)], classes=3)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(48, 3))
+    validation = Validation(model, None, loader, Precision("cpu", None), DistInfo(0, 1, 0, 1, torch.device("cpu")),
+                            lambda images: images.float() / 255, DataConfig(), torch.optim.SGD(model.parameters(), 0.1),
+                            "val_top1", gather_outcomes=False)
+    state = TrainState(epoch=3, global_step=40, epoch_step=10)
+    with pytest.raises(Preempted) as stopped, stop_on_sigterm(), training_steps():
+        validation(state, {"train_loss": 1.5}, finished=True)
+    assert loader.served == 3  # of 10
+    assert str(stopped.value) == ("preempted by SIGTERM at global step 40, during epoch 3's validation, which the "
+                                  "continued run does first")
+    assert state.unvalidated == {"train": {"train_loss": 1.5}, "mid_epoch": False}
+    assert state.state_dict()["unvalidated"] == state.unvalidated  # what last.pth keeps
+
+
+# 4 steps an epoch on one process, 2 epochs; 5 validation batches of 8 (3 per rank of 2 with data.dummy_train_size=64)
+CUT = [*TINY_HERE, "data.dummy_val_size=40", "train.epochs=2"]
+
+
+def assert_same_rows(whole: Path, resumed: Path) -> None:
+    """last.pth bitwise and every metrics.jsonl row (timings aside) of an uninterrupted run and a continued one."""
+    assert_same(load_checkpoint(whole / "last.pth"), load_checkpoint(resumed / "last.pth"))
+    rows = [[{k: v for k, v in row.items() if k not in MEASURED_COLUMNS} for row in read_jsonl(run / "metrics.jsonl")]
+            for run in (whole, resumed)]
+    assert rows[0] == rows[1] and rows[0], rows
+
+
+def stopped_here(code: int, *args: str) -> None:
+    """main() in this process (report_errors: the exit code, the one line) exits with `code`."""
+    from core.cli import report_errors
+
+    assert report_errors(main, list(args)) == code, args
+
+
+@pytest.mark.slow
+def test_sigterm_in_the_epochs_validation_keeps_the_epoch_and_the_continued_run_equals_an_uninterrupted_one(
+        tmp_path, capfd, own_signals):
+    # Was: Terminated (exit 143) with no checkpoint, the epoch's steps lost.
+    whole, out = tmp_path / "whole", tmp_path / "run"
+    train_here(*CUT, f"output_dir={whole}")
+    capfd.readouterr()
+    stopped_here(PREEMPTED, "SIGTERM", "step", "4", "0", *CUT, f"output_dir={out}")
+    err = capfd.readouterr().err
+    assert CUT_LINE.findall(err) == [("4", "epoch 0's validation", str(out / "last.pth"))], err[-3000:]
+    assert_owes_validation(out, epoch=0, step=4, mid_epoch=False)
+    train_here(*CUT, f"output_dir={out}")  # validates epoch 0 first, then trains epoch 1
+    assert_same_rows(whole, out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, code", [("SIGUSR1", PREEMPTED), ("SIGINT", 130)])
+def test_sigusr1_and_ctrl_c_in_the_epochs_validation_keep_the_epoch_too(tmp_path, capfd, own_signals, name, code):
+    out = tmp_path / "run"
+    stopped_here(code, name, "step", "4", "0", *CUT, "train.epochs=1", f"output_dir={out}")
+    err = capfd.readouterr().err
+    assert CUT_LINE.findall(err) == [("4", "epoch 0's validation", str(out / "last.pth"))], err[-3000:]
+    assert err.count(STOPPING) == (name == "SIGINT")
+    assert_owes_validation(out, epoch=0, step=4, mid_epoch=False)
+
+
+@pytest.mark.slow
+def test_a_stop_at_a_validation_inside_the_epoch_stops_there_and_saves_once(tmp_path, capfd, own_signals):
+    # train.val_every_steps=3: validations at steps 3, 4 (the epoch's), 6, 8. Was: a stop during the validation at
+    # step 3 waited for it, its checkpoint, step 4 and a second save. Now: cut at a batch (the continued run does it
+    # first), or, once its row and checkpoint exist, a stop at step 3 with no other save.
+    every = [*CUT, "train.val_every_steps=3"]
+    whole, cut, after = tmp_path / "whole", tmp_path / "cut", tmp_path / "after"
+    train_here(*every, f"output_dir={whole}")
+    capfd.readouterr()
+    stopped_here(PREEMPTED, "SIGTERM", "step", "2", "0", *every, f"output_dir={cut}")  # step 3's check says stop
+    assert CUT_LINE.findall(capfd.readouterr().err) == [("3", "the validation at step 3", str(cut / "last.pth"))]
+    assert_owes_validation(cut, epoch=0, step=3, mid_epoch=True)
+    stopped_here(PREEMPTED, "SIGTERM", "validation", "3", "0", *every, f"output_dir={after}")
+    assert STOP_LINE.findall(capfd.readouterr().err) == [("SIGTERM", "3", str(after / "last.pth"))]
+    ckpt = load_checkpoint(after / "last.pth")
+    assert (ckpt["global_step"], ckpt["unvalidated"], ckpt["metric_value"]) == (3, None, read_jsonl(
+        after / "metrics.jsonl")[-1]["val_top1"])  # the validation's own checkpoint, not a second one
+    for out in (cut, after):
+        train_here(*every, f"output_dir={out}")
+        assert_same_rows(whole, out)
+
+
+@pytest.mark.slow
+def test_sigusr1_to_one_rank_in_the_validation_stops_both_and_the_continued_run_equals_an_uninterrupted_one(
+        tmp_path):
+    # gloo, 2 ranks: rank 1 alone gets SIGUSR1 after epoch 0's last step; both stop at the same validation batch.
+    args = [*CUT, "data.dummy_train_size=64"]
+    whole, out = tmp_path / "whole", tmp_path / "run"
+    run_on_ranks("train.py", *args, f"output_dir={whole}", nproc=2)
+    stopped = run_on_ranks("tests/test_preemption.py", "SIGUSR1", "step", "4", "1", *args, f"output_dir={out}",
+                           nproc=2, exit_code=PREEMPTED)
+    # one line: rank 0's (rank 1 stays quiet)
+    assert CUT_LINE.findall(stopped.stderr) == [("4", "epoch 0's validation", str(out / "last.pth"))], stopped.stderr
+    assert_owes_validation(out, epoch=0, step=4, mid_epoch=False)
+    run_on_ranks("train.py", *args, f"output_dir={out}", nproc=2)
+    assert_same_rows(whole, out)
 
 
 def test_dataloader_workers_start_shielded_and_a_sigterm_meanwhile_waits_for_the_iterator(tmp_path):

@@ -339,13 +339,15 @@ def test_continuation_changes_leave_out_what_a_continuation_may_change():
 
     saved = to_dict(load_config("dummy", ["optim.lr_base=0.1", "optim.lr=0.4"]))
     del saved["data"]["mix_mode"], saved["train"]["best_metric"]
-    allowed = ["optim.lr_base=0.1", "optim.lr=0.2", "train.epochs=9", "train.global_batch_size=64",
+    saved["data"]["path_column"] = "name"
+    allowed = ["data.path_column=name", "optim.lr_base=0.1", "optim.lr=0.2", "train.epochs=9", "train.global_batch_size=64",
                "dist.strategy=fsdp", "logging.wandb=true", "logging.wandb_tags=[a]", "train.ckpt_format=sharded",
                "output_dir=elsewhere"]
     assert continuation_changes(saved, load_config("dummy", allowed)) == []
     changed = ["optim.lr=0.2", "data.mix_mode=batch", "model.kwargs.img_size=24", "data.mean=[0.5,0.5,0.5]"]
     assert continuation_changes(saved, load_config("dummy", changed)) == [
         "data.mean [0.485, 0.456, 0.406] -> [0.5, 0.5, 0.5]", "data.mix_mode pair -> batch",
+        'data.path_column name -> ""',  # an emptied key, which printed as "name -> ,"
         "model.kwargs.img_size None -> 24", "optim.lr 0.4 -> 0.2", "optim.lr_base 0.1 -> 0.0"]
 
 

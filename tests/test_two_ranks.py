@@ -2,8 +2,8 @@
 
 The slow runs prove these end to end (tests/test_fsdp.py, test_ema.py, test_multilabel.py, test_sync_bn.py); here
 each mechanism is checked directly, small, so that a bug in it fails the fast tier too: the fsdp clipping norm, the
-EMA sharded like the model, the EMA's buffers broadcast before its evaluation, multi-label probabilities gathered in
-rank order, SyncBN's variance on a large-mean channel. `measured` runs every check on both ranks in one spawn
+EMA sharded like the model, the EMA's buffers broadcast before its evaluation, a sharded EMA's root resharded after
+it, multi-label probabilities gathered in rank order and in blocks, SyncBN's variance on a large-mean channel. `measured` runs every check on both ranks in one spawn
 (about 3 s: the rank server's imports) and keeps each check's error apart, so one broken mechanism fails its own test.
 """
 
@@ -102,17 +102,67 @@ def ema_evaluated_as_rank0s(rank: int) -> dict[str, Any]:
             "ema_broadcasts": both.ops["broadcast_"] - 2 * alone.ops["broadcast_"]}  # besides the two evaluations
 
 
-def gathered_probabilities(rank: int) -> list[list] | None:
+def sharded_ema_validated_twice(rank: int) -> list[tuple[float, float]]:
+    """dist.strategy=fsdp's model and EMA (test_resnet: the stem and the classifier form the root unit), each step
+    a real SGD step on the same batch on both ranks, beside the same model and EMA unsharded: the ema_val_loss of
+    validate_epoch for both after steps 2 and 4, with no state_dict between (a checkpoint's would reshard)."""
+    import copy
+
+    from core.config import DataConfig, ModelConfig
+    from core.dist import DistInfo
+    from data.loader import build_datasets, build_eval_loader
+    from data.transforms import DeviceNormalize
+    from engine.evaluation import validate_epoch
+    from engine.precision import Precision
+    from models.ema import create_ema
+    from models.factory import create_model
+    from models.parallel import shard_for_training
+
+    cfg = DataConfig(name="dummy", img_size=16, crop_pct=1.0, dummy_image_size=16, dummy_train_size=8,
+                     dummy_val_size=12, num_workers=0)
+    _, val = build_datasets(cfg, seed=0)
+    info = DistInfo(rank, 2, rank, 2, torch.device("cpu"))
+    loader, normalize = build_eval_loader(val, cfg, 4, info), DeviceNormalize(cfg.mean, cfg.std, info.device, False)
+    torch.manual_seed(0)
+    plain = create_model(ModelConfig(name="test_resnet"), num_classes=10)
+    sharded = copy.deepcopy(plain)
+    emas = {"plain": create_ema(plain, 0.5), "sharded": create_ema(sharded, 0.5)}
+    shard_for_training(sharded, emas["sharded"].module, None, 2)
+    models = {"plain": plain, "sharded": sharded}
+    optimizers = {name: torch.optim.SGD(model.parameters(), lr=0.5) for name, model in models.items()}
+    images = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(1))  # the same batch on both ranks
+    losses = []
+    for step in range(1, 5):
+        for name, model in models.items():
+            model.train()
+            model(images).square().mean().backward()  # fsdp: the mean of equal gradients, the plain one's
+            optimizers[name].step()
+            optimizers[name].zero_grad()
+            emas[name].update(model, step=step + 10)
+        if step % 2 == 0:  # train.val_every_steps=2
+            losses.append(tuple(validate_epoch(models[name], emas[name].module, loader, Precision("cpu", None), info,
+                                               normalize, cfg)["ema_val_loss"] for name in ("plain", "sharded")))
+    return losses
+
+
+def gathered_probabilities(rank: int) -> dict[str, Any]:
     """engine.evaluation.gathered over rank 0's 3 images (in 2 batches) and rank 1's 2 (probabilities, targets and
-    losses numbered by image): all of them on rank 0, None on rank 1."""
+    losses numbered by image), whole and in blocks of one row per rank (the probabilities' 4 float32 classes x 2
+    ranks = 32 bytes): all of them on rank 0, None on rank 1, and the gathers each took."""
     from engine.evaluation import gathered
+    from tests.helpers import op_counter
 
     first, count = (0, 3) if rank == 0 else (3, 2)
     images = torch.arange(first, first + count, dtype=torch.float32)
     batches = [(images[part, None].repeat(1, 4) / 10, images[part, None].repeat(1, 4), images[part])
                for part in (slice(0, 2), slice(2, None)) if len(images[part])]
-    found = gathered(batches, num_classes=4, device=torch.device("cpu"))
-    return None if found is None else [array.tolist() for array in found]  # run_ranks' files hold plain data
+    found = {}
+    for name, block_bytes in (("whole", 2**28), ("blocks", 32)):
+        with op_counter() as ops:
+            arrays = gathered(batches, num_classes=4, device=torch.device("cpu"), block_bytes=block_bytes)
+        found[name] = None if arrays is None else [array.tolist() for array in arrays]  # run_ranks' files: plain data
+        found[f"{name} gathers"] = ops.ops["gather_"]
+    return found
 
 
 def sync_bn_of_a_large_mean(rank: int) -> dict[str, float]:
@@ -134,7 +184,7 @@ def sync_bn_of_a_large_mean(rank: int) -> dict[str, float]:
 
 CHECKS: dict[str, Callable[[int], Any]] = {
     "clip": clipped_sgd_step, "ema sharded": ema_of_a_sharded_model, "ema buffers": ema_evaluated_as_rank0s,
-    "gathered": gathered_probabilities, "sync bn": sync_bn_of_a_large_mean}
+    "gathered": gathered_probabilities, "sync bn": sync_bn_of_a_large_mean, "ema root": sharded_ema_validated_twice}
 
 
 def every_check(rank: int, world: int) -> dict[str, Any]:
@@ -187,13 +237,32 @@ def test_every_rank_evaluates_rank0s_ema(measured):
             assert torch.equal(value, outcomes[0]["ema"][key]), key
 
 
+def test_a_sharded_ema_validates_its_current_root_weights_each_time(measured):
+    """Issue 62 item 9: FSDP2 keeps the root unit gathered after a forward; the EMA then updated only its shards,
+    and its second validation (steps 2 and 4, no checkpoint between) used the root's stale gathered weights."""
+    for validations in result(measured, "ema root"):
+        assert len(validations) == 2
+        for plain, sharded in validations:
+            assert sharded == pytest.approx(plain, rel=1e-6), validations
+
+
 def test_multi_label_probabilities_are_gathered_in_rank_order(measured):
     on_rank0, on_rank1 = result(measured, "gathered")
-    assert on_rank1 is None  # only rank 0 receives them
-    for probs, targets, losses in [map(np.array, on_rank0)]:
+    assert on_rank1["whole"] is None and on_rank1["blocks"] is None  # only rank 0 receives them
+    for probs, targets, losses in [map(np.array, on_rank0["whole"])]:
         assert np.array_equal(losses, np.arange(5.0))
         assert np.array_equal(targets, np.arange(5.0)[:, None].repeat(4, 1))
         assert np.allclose(probs, targets / 10)  # each image's probabilities beside its own targets
+
+
+def test_multi_label_probabilities_reach_rank_0s_host_in_blocks(measured):
+    """Issue 62 item 6: every probability was gathered onto rank 0's device at once (20 GB at 125k images x 9.6k
+    classes). In blocks of one row per rank: 3 gathers per tensor (rank 0's 3 rows, rank 1's 2 padded), never more
+    than 2 rows on rank 0's device at a time, the same arrays on rank 0's host as the one-block gather."""
+    for outcome in result(measured, "gathered"):
+        assert (outcome["whole gathers"], outcome["blocks gathers"]) == (3, 9), outcome
+    on_rank0 = result(measured, "gathered")[0]
+    assert on_rank0["blocks"] == on_rank0["whole"]
 
 
 def test_sync_bn_variance_holds_at_a_mean_of_1000_stds(measured):

@@ -15,6 +15,7 @@ import copy
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -46,8 +47,11 @@ class Trained:
     started_from: dict[str, Any] | None = None  # the run's starting weights (Resume.started_from); None: not recorded
     selected: bool = False  # best.pth: kept because of its validation metric (the model card says so)
     wandb_id: str | None = None  # the tracked training run (an evaluation's W&B run links its model artifact)
+    folder: Path | None = None  # holds its pipeline files' copies: the checkpoint's run folder or the model folder
 
 
+PIPELINE_NAMES = ("eval_transform.yaml", "eval_transform.yml", "eval_transform.json")  # a model folder's pipeline
+SHA256 = re.compile("[0-9a-f]{64}")
 INFERENCE_AMP = "off"  # eval_amp of a run that predates the key: its validation computed in fp32 on CPUs without bf16
 
 
@@ -57,6 +61,7 @@ def for_inference(config: dict[str, Any]) -> dict[str, Any]:
     differ from the run's, and a checkpoint and its exported folder predict differently."""
     raw = json.loads(json.dumps(config))
     raw["amp"] = raw.setdefault("eval_amp", INFERENCE_AMP)
+    raw.setdefault("tf32", False)  # a run saved before the key validated in full fp32
     return raw
 
 
@@ -103,7 +108,8 @@ def load_trained(path: str | os.PathLike, ema: bool = False) -> Trained:
     return Trained(json.loads(json.dumps(ckpt["config"])), ckpt[key], list(ckpt["class_names"]),
                    f"checkpoint {path}", ckpt.get("best_metric", "val_top1"), bool(data.get("multi_label", False)),
                    float(data.get("multi_label_threshold", 0.5)), recorded_metrics(ckpt, ema),
-                   ckpt.get("data_sizes"), ckpt.get("started_from"), path.name == "best.pth", ckpt.get("wandb_id"))
+                   ckpt.get("data_sizes"), ckpt.get("started_from"), path.name == "best.pth", ckpt.get("wandb_id"),
+                   path.parent)
 
 
 # Where a checkpoint keeps the value of train.best_metric at its evaluation and the run's best value of it: their
@@ -154,11 +160,14 @@ def load_model_folder(folder: Path) -> Trained:
     raw["model"]["kwargs"].pop("num_classes", None)
     for key, value in preprocessing_from_pretrained_cfg(pretrained).items():
         set_dotted(raw, f"data.{key}", value)
+    if meta.get("eval_transform"):  # the run's eval pipeline file, kept in the folder (export.py)
+        set_dotted(raw, "data.eval_transform", meta["eval_transform"])
+        set_dotted(raw, "data.eval_transform_sha256", meta["eval_transform_sha256"])
     names = meta.get("label_names") or [str(i) for i in range(meta["num_classes"])]
     if isinstance(names, dict):  # timm allows {class index: name}
         names = [str(names.get(str(i), names.get(i, i))) for i in range(meta["num_classes"])]
     return Trained(raw, weights, list(names), f"model folder {folder}", multi_label=bool(meta.get("multi_label")),
-                   threshold=float(meta.get("multi_label_threshold", 0.5)))
+                   threshold=float(meta.get("multi_label_threshold", 0.5)), folder=folder)
 
 
 def check_model_config(meta: dict[str, Any], file: Path) -> None:
@@ -166,6 +175,11 @@ def check_model_config(meta: dict[str, Any], file: Path) -> None:
     if not isinstance(meta.get("architecture"), str) or not isinstance(meta.get("num_classes"), int):
         raise UserError(f"{file} names no architecture and num_classes; it should be the config.json export.py "
                         "(or timm's push_to_hf_hub) writes")
+    name, sha256 = meta.get("eval_transform"), meta.get("eval_transform_sha256")
+    if name is not None and not (name in PIPELINE_NAMES and isinstance(sha256, str) and SHA256.fullmatch(sha256)):
+        raise UserError(f"{file}: eval_transform must be one of {', '.join(PIPELINE_NAMES)} (the pipeline file in "
+                        f"the folder) with its eval_transform_sha256 (64 hex digits), got {name!r} and {sha256!r}; "
+                        "export the model again")
 
 
 def preprocessing_from_pretrained_cfg(pretrained: dict[str, Any]) -> dict[str, Any]:

@@ -50,6 +50,7 @@ class LoopState(Protocol):
     epoch: int
     epoch_step: int
     global_step: int
+    unvalidated: dict[str, Any] | None
 
     def load_state_dict(self, ckpt: dict[str, Any]) -> None: ...
 
@@ -223,8 +224,8 @@ def epoch_boundary(ckpt: dict[str, Any], path: Path, kept: str) -> str:
 
 
 def yaml_value(value: Any) -> str:
-    """A config value as a user types it (true, not True)."""
-    return str(value).lower() if isinstance(value, bool) else str(value)
+    """A config value as a user types it (true, not True; "" for an emptied key, which would print as nothing)."""
+    return str(value).lower() if isinstance(value, bool) else '""' if value == "" else str(value)
 
 
 def check_optimizer_state(saved: dict[str, Any], optimizer: torch.optim.Optimizer, path: Path) -> None:
@@ -409,7 +410,8 @@ class Resume:
                         info.world_size)
         changes = config_changes(ckpt["config"], to_dict(cfg))
         where = f"epoch {state.epoch}, step {state.epoch_step} of it" if state.epoch_step else f"start of epoch {state.epoch}"
-        log.info("resuming from %s (%s, global step %d)%s", path, where, state.global_step,
+        owed = "; first the validation a stop cut short there" if state.unvalidated is not None else ""
+        log.info("resuming from %s (%s, global step %d)%s%s", path, where, state.global_step, owed,
                  f"; config changes: {', '.join(changes)}" if changes else "")
 
 
