@@ -414,8 +414,9 @@ def log_to_wandb(cfg: Config, args: argparse.Namespace, result: dict[str, Any], 
     tracker.finish()
 
 
-def evaluate_command(args: argparse.Namespace) -> int:
-    """evaluate.py on every rank, after its arguments are parsed; rank 0 prints the summary."""
+def evaluated(args: argparse.Namespace) -> dict[str, Any] | None:
+    """evaluate.py's work on every rank, after its arguments are parsed: eval.json's contents (and its output_dir) on
+    rank 0, None elsewhere (evaluate_command prints them; assembly/api.evaluate returns them)."""
     folder = Path(args.checkpoint).is_dir() and (Path(args.checkpoint) / MODEL_CONFIG).is_file()
     trained, cfg = open_trained(args.checkpoint, args.ema, settings(args, folder), use="evaluated")
     check_options(cfg, args)
@@ -423,7 +424,12 @@ def evaluate_command(args: argparse.Namespace) -> int:
     info = start_processes(cfg)
     if (hint := ema_hint(trained.source, trained.best_metric, args.ema)) and info.is_main:
         log.warning(hint)
-    result = run(cfg, trained, args, info)  # report_errors leaves the process group, after reporting any error
+    return run(cfg, trained, args, info)  # report_errors leaves the process group, after reporting any error
+
+
+def evaluate_command(args: argparse.Namespace) -> int:
+    """evaluate.py on every rank, after its arguments are parsed; rank 0 prints the summary."""
+    result = evaluated(args)
     if result is not None:
         print("\n".join(summary_lines(result)))
     return 0

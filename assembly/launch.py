@@ -42,18 +42,10 @@ def train(config: str | None, overrides: list[str], print_config: bool = False, 
             resolved = with_derived(cfg, **batch_and_lr(cfg, world_size, False))
             print(f"# as {world_size} process(es) run it\n{config_yaml(resolved)}", end="")
         return 0
-    cfg, notes = with_workers(cfg)
-    info = training_processes(cfg)
-    if info.is_main:
-        for line in (first_line(cfg, config, info.world_size, info.device.type), *notes):
-            log.info(line)
-    import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (core/startup.py)
-    from assembly.fit import find_lr, fit  # timm, albumentations and the rest (seconds)
+    info, cfg = start_training(cfg, config)
+    from assembly.fit import find_lr, fit  # timm, albumentations and the rest (seconds), loaded by start_training
     from assembly.run import dry_run
-    from assembly.start import check_same_config, with_run_folder
 
-    cfg = with_run_folder(cfg)
-    check_same_config(cfg)
     if dry:
         summary = dry_run(cfg, info)
         if info.is_main:
@@ -67,6 +59,23 @@ def train(config: str | None, overrides: list[str], print_config: bool = False, 
     return 0
 
 
+def start_training(cfg: Config, config: str | dict | None) -> tuple[DistInfo, Config]:
+    """The processes (training_processes) and the run's first lines, said before the slow imports, then cfg with its
+    run folder resolved once for every rank, checked to be the same config on each: what train.py and
+    assembly/api.train do before a run (`config`: as given, for the first line)."""
+    cfg, notes = with_workers(cfg)
+    info = training_processes(cfg)
+    if info.is_main:
+        for line in (first_line(cfg, config, info.world_size, info.device.type), *notes):
+            log.info(line)
+    import_timm_without_wandb()  # first: the imports below reach timm, which would import wandb (core/startup.py)
+    from assembly.start import check_same_config, with_run_folder
+
+    cfg = with_run_folder(cfg)
+    check_same_config(cfg)
+    return info, cfg
+
+
 def with_workers(cfg: Config) -> tuple[Config, list[str]]:
     """cfg with data.num_workers as this machine runs it (core/startup.default_workers), and the notes to say:
     loading's (cfg.notes) and the workers'."""
@@ -76,10 +85,12 @@ def with_workers(cfg: Config) -> tuple[Config, list[str]]:
     return with_derived(cfg, data={"num_workers": workers}), [*cfg.notes, *([capped] if capped else [])]
 
 
-def first_line(cfg: Config, config: str | None, world_size: int, device: str) -> str:
-    """The run's first line, said before the slow imports: what starts, where, on what."""
+def first_line(cfg: Config, config: str | dict | None, world_size: int, device: str) -> str:
+    """The run's first line, said before the slow imports: what starts, where, on what (a config given as a dict, by
+    assembly/api.train, is named so)."""
     data = cfg.data.name if cfg.data.name == "dummy" else f"{cfg.data.name} {cfg.data.root}"
-    return (f"starting {config_file(config, [])}: model {cfg.model.name}, data {data}, {world_size} process(es) on "
+    source = "a config dict" if isinstance(config, dict) else config_file(config, [])
+    return (f"starting {source}: model {cfg.model.name}, data {data}, {world_size} process(es) on "
             f"{device}, output_dir {cfg.output_dir}")
 
 
@@ -105,7 +116,7 @@ def run_folder(cfg: Config) -> Iterator[FolderLock | None]:
         yield lock
 
 
-def config_file(given: str | None, overrides: list[str]) -> str:
+def config_file(given: str | dict | None, overrides: list[str]) -> str | dict:
     """--config, or the quickstart's; other data without --config is refused in one line: the digits config's
     32 px and mean/std 0.5 would silently apply to the user's photos."""
     if given is not None:

@@ -22,18 +22,22 @@ from engine.distill import build_distillation
 from engine.losses import ImbalancedCrossEntropy, Loss, build_loss, capped_note, heavy_weight_warning
 from engine.optim import build_optimizer, build_scheduler
 from engine.precision import Precision
+from engine.state import best_metric, lower_is_better
 from engine.trainer import LoopConfig, TrainParts
 from models.ema import CachedEma, create_ema
 from models.factory import compile_warning
+from models.freeze import Frozen, freeze_backbone
 from models.parallel import shard_for_training, wrap_for_training
 
 log = logging.getLogger(__name__)
 
 
 def build_parts(cfg: Config, info: DistInfo, data: DataBundle, precision: Precision, model: nn.Module,
-                teacher: Teacher | None, start: Resume | None) -> tuple[TrainParts, LoopConfig, CachedEma | None]:
+                teacher: Teacher | None, start: Resume | None
+                ) -> tuple[TrainParts, LoopConfig, CachedEma | None, Frozen | None]:
     """The placed model's teacher and EMA (with `start`'s weights; no EMA without a `start`), the model sharded
-    (dist.strategy=fsdp) and wrapped, its optimizer, schedule, loss and loop settings: (parts, loop, EMA or None).
+    (dist.strategy=fsdp) and wrapped, its optimizer, schedule, loss and loop settings, and model.freeze_epochs' frozen
+    backbone: (parts, loop, EMA or None, Frozen or None).
     What fit() trains with, and what --find-lr's range test steps (engine/lr_find.py)."""
     loss = run_loss(cfg, data, info)  # first: a setting it refuses stops the run before its other parts are built
     distill = build_distillation(cfg.distill, teacher.model, teacher.weights, teacher.name, model, cfg.data.mean,
@@ -49,11 +53,17 @@ def build_parts(cfg: Config, info: DistInfo, data: DataBundle, precision: Precis
     training_kernels(info.device.type, precision.tf32)  # cuDNN's autotuning on CUDA, as benchmark.py times it
     if (warning := compile_warning(cfg.model, info.world_size)) and info.is_main:
         log.warning(warning)
-    trained = wrap_for_training(model, info.device, info.world_size, cfg.model.compile)  # the module the loop calls
+    unfreezes = cfg.model.freeze_epochs > 0
+    trained = wrap_for_training(model, info.device, info.world_size, cfg.model.compile, unfreezes)  # what the loop calls
     updates_per_epoch = data.steps_per_epoch
-    optimizer = build_optimizer(model, cfg.optim, grad_scaler=precision.scaler is not None, sharded=is_fsdp(model))
-    parts = TrainParts(trained, optimizer, build_scheduler(optimizer, cfg.sched, cfg.train.epochs, updates_per_epoch),
-                       loss, precision, distill)
+    optimizer = build_optimizer(model, cfg.optim, grad_scaler=precision.scaler is not None, sharded=is_fsdp(model),
+                                unfreezes=unfreezes)
+    # model.freeze_epochs: DDP and the optimizer hold every parameter, then the backbone is frozen (the Unfreeze hook
+    # releases it), so a run resumed on either side of the unfreeze steps the same optimizer as one not stopped.
+    frozen = freeze_backbone(model, cfg.model.freeze_epochs) if unfreezes else None
+    scheduler = build_scheduler(optimizer, cfg.sched, cfg.train.epochs, updates_per_epoch,
+                                lower_is_better(best_metric(cfg)))
+    parts = TrainParts(trained, optimizer, scheduler, loss, precision, distill)
     normalize = DeviceNormalize(cfg.data.mean, cfg.data.std, info.device, cfg.model.channels_last)
     erasing = data.train.dataset.erasing  # data.random_erase_fill=normalized: boxes to fill after normalize
     total_steps = cfg.train.epochs * updates_per_epoch
@@ -65,7 +75,7 @@ def build_parts(cfg: Config, info: DistInfo, data: DataBundle, precision: Precis
                       erase=NormalizedFill(cfg.data.random_erase_mode, info.device) if erasing else None,
                       clip_mode=cfg.optim.clip_mode, multi_label=cfg.data.multi_label,
                       fsdp_accum_whole=cfg.dist.fsdp_accum_whole and is_fsdp(model) and cfg.train.accum_steps > 1)
-    return parts, loop, ema
+    return parts, loop, ema, frozen
 
 
 def run_loss(cfg: Config, data: DataBundle, info: DistInfo) -> Loss:

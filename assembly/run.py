@@ -28,8 +28,8 @@ from engine.checkpoint.run_dir import FolderLock, RunRecord, check_writable
 from engine.checkpoint.saver import Checkpointer
 from engine.evaluation import validation_precision
 from engine.hooks import (BestArtifact, CloseEpoch, Curves, EmaUpdate, EpochCheckpoint, EpochInputs, FinishSinks, Hook,
-                          RecordRow, SkippedImages, StepCheckpoint, StopRequests, StopRules, Tracking,
-                          ValidateEvery, ValidationErrors)
+                          RecordRow, SkippedImages, StepCheckpoint, StepOnMetric, StopRequests, StopRules, Tracking,
+                          Unfreeze, ValidateEvery, ValidationErrors)
 from engine.optim import extension_warning
 from engine.plots import PNG, image_grid, readable, save_png
 from engine.precision import Precision, run_precisions
@@ -41,6 +41,7 @@ from engine.trainer import LoopConfig, TrainParts
 from engine.validation import Validation
 from models.ema import CachedEma
 from models.factory import hub_origin, prepare_model
+from models.freeze import Frozen
 
 log = logging.getLogger(__name__)
 SAMPLES = "samples.png"  # logging.samples: a fresh run's augmented training images (fastai's show_batch)
@@ -81,6 +82,7 @@ class Run:
     parts: TrainParts
     loop: LoopConfig
     ema: CachedEma | None
+    frozen: Frozen | None  # model.freeze_epochs' backbone, until the Unfreeze hook releases it
     state: TrainState
     started_from: dict[str, Any] | None  # the model card's starting weights
     validation: Validation
@@ -120,7 +122,7 @@ def prepare(cfg: Config, info: DistInfo, fresh: bool, started: float) -> Run | N
     model = prepare_model(model, cfg.model, info.device, info.world_size)  # placed once it has its starting weights
     hub = hub_origin(cfg.model.name, weights.hub_cfg)  # timm's weights, for the model card
     started_from = start.started_from(weights.pretrained, hub)
-    parts, loop, ema = build_parts(cfg, info, data, precision, model, teacher, None if fresh else start)
+    parts, loop, ema, frozen = build_parts(cfg, info, data, precision, model, teacher, None if fresh else start)
     state = TrainState()
     start.load_training(state, cfg, info, data.steps_per_epoch, model=parts.model, optimizer=parts.optimizer,
                         scheduler=parts.scheduler, scaler=precision.scaler, chosen_on=chosen_on)
@@ -137,8 +139,8 @@ def prepare(cfg: Config, info: DistInfo, fresh: bool, started: float) -> Run | N
         log.warning(starved)
     validation = Validation(parts.model, ema.module if ema is not None else None, data.val, measured, info,
                             loop.normalize, cfg.data, parts.optimizer, chosen_on, gathers_outcomes(cfg, data))
-    return Run(cfg, info, start, chosen_on, data, precision, measured, model, teacher, parts, loop, ema, state,
-               started_from, validation, started)
+    return Run(cfg, info, start, chosen_on, data, precision, measured, model, teacher, parts, loop, ema, frozen,
+               state, started_from, validation, started)
 
 
 def raised_epochs_warning(cfg: Config, start: Resume, epoch: int, updates_per_epoch: int) -> str | None:
@@ -226,13 +228,18 @@ def hooks_of(run: Run, out: RunOutputs, extra: Sequence[Hook] = ()) -> list[Hook
     skipped = ([SkippedImages(full_epoch_images(data.train, info.world_size), info.is_main)]
                if cfg.data.skip_corrupt else [])
     ema = [EmaUpdate(run.ema, run.model, cfg.model.ema_reset_epochs)] if run.ema is not None else []
+    plateau = ([StepOnMetric(run.parts.scheduler, run.chosen_on, run.parts.optimizer)]
+               if cfg.sched.name == "plateau" else [])
+    unfreeze = [Unfreeze(cfg.model.freeze_epochs, run.frozen.release, info.is_main)] if run.frozen else []
     hooks = [stop_rules,  # first: before an epoch it ends, nothing else runs
+             *unfreeze,  # before the epoch's first step
              EpochInputs(data.train, cfg.train.accum_steps, run.parts.loss_fn),
              *ema,  # before the checkpoint that saves it, and before a validation of it
              out.step_checkpoint,
              InputAdvice(cfg.data, cpu_share(info.local_world_size), info.is_main),
              *skipped,  # in the row before it is recorded
              CloseEpoch(),  # before the record and the checkpoint: resume=auto starts at the next epoch
+             *plateau,  # the row's lr, and the schedule's state in the checkpoint, after its decision
              RecordRow(out.record),
              *([Curves(out.record, run.chosen_on, info.is_main)] if cfg.logging.curves else []),  # the row recorded
              Tracking(sinks, run.chosen_on, info.is_main),

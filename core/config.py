@@ -84,6 +84,10 @@ class ModelConfig:
     freeze: str = key("none",
                       "none | backbone: train only the classifier (linear probing; frozen BatchNorm stays in eval)",
                       choices=("none", "backbone"))
+    freeze_epochs: int = key(0,
+                             "with model.freeze=backbone: only the classifier trains for this many epochs, then the "
+                             "whole model (fastai's fine_tune); 0 = frozen for the whole run",
+                             within=">= 0")
 
 
 @dataclass
@@ -241,8 +245,10 @@ class OptimConfig:
 @dataclass
 class SchedConfig:
     name: str = key("cosine",
-                    "cosine | tanh | poly | wsd | rsqrt | step | multistep | constant (timm's schedulers)",
-                    choices=("cosine", "tanh", "poly", "wsd", "rsqrt", "step", "multistep", "constant"))
+                    "cosine | tanh | poly | wsd | rsqrt | step | multistep | constant (timm's schedulers) | onecycle "
+                    "(torch's OneCycleLR) | plateau (torch's ReduceLROnPlateau on train.best_metric)",
+                    choices=("cosine", "tanh", "poly", "wsd", "rsqrt", "step", "multistep", "constant", "onecycle",
+                             "plateau"))
     warmup_epochs: int = key(0, "linear warmup from warmup_lr over this many epochs", within=">= 0")
     warmup_steps: int = key(0, "or over this many optimizer steps (set one of the two)", within=">= 0")
     warmup_lr: float = key(1e-5, "learning rate at the start of warmup", within=">= 0")
@@ -260,10 +266,27 @@ class SchedConfig:
                               "step: decay every this many epochs; wsd/rsqrt: decay phase (< 1: fraction; 0: 0.2)",
                               within=">= 0")
     decay_milestones: list[int] = key([], "multistep: epochs to decay at, e.g. [30,60,80]")
-    decay_rate: float = key(0.1, "step/multistep: lr factor at each decay; poly: the power", within="> 0")
+    decay_rate: float = key(0.1, "step/multistep/plateau: lr factor at each decay; poly: the power", within="> 0")
     cooldown_epochs: int = key(0,
                                "cosine/tanh/poly/wsd/rsqrt: the schedule ends this many epochs early; min_lr after",
                                within=">= 0")
+    plateau_patience: int = key(10,
+                                "plateau: validations without a better train.best_metric after which the lr decays "
+                                "(the next one decays it; torch's patience)",
+                                within=">= 0")
+    plateau_threshold: float = key(1e-4,
+                                   "plateau: a value better than the best by less than this fraction is no "
+                                   "improvement (torch's threshold, relative)",
+                                   within=">= 0")
+    plateau_cooldown: int = key(0, "plateau: validations after a decay before counting again", within=">= 0")
+    pct_start: float = key(0.3, "onecycle: the fraction of the run's steps that the lr rises", within="[0, 1]")
+    div_factor: float = key(25.0, "onecycle: the first lr is optim.lr / div_factor", within="> 0")
+    final_div_factor: float = key(1e4, "onecycle: the last lr is the first / final_div_factor", within="> 0")
+    anneal_strategy: str = key("cos", "onecycle: cos | linear", choices=("cos", "linear"))
+    three_phase: bool = key(False, "onecycle: a third phase down to the last lr (fastai's is two)")
+    cycle_momentum: list[float] = key([],
+                                      "onecycle: [base, max] momentum (Adam: beta1) cycled against the lr (torch's "
+                                      "cycle_momentum, fastai's moms: [0.85, 0.95]); [] = optim's momentum kept")
 
 
 @dataclass

@@ -11,6 +11,7 @@ from core.errors import UserError
 
 
 ENDLESS_SCHEDULES = ("step", "multistep", "constant")  # no end to cool down after
+TORCH_SCHEDULES = ("onecycle", "plateau")  # torch's schedulers: timm's warmup, cooldown and epoch steps are not theirs
 IN_RANGE = {"> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0, "[0, 1]": lambda v: 0 <= v <= 1,
             "[0, 1)": lambda v: 0 <= v < 1}  # each range a schema field may name (core/config.py Within)
 LAYER_CHECKS: list[Callable[[Config], None]] = []  # added by add_check from the layers above core (core imports none)
@@ -36,9 +37,6 @@ def validate(cfg: Config) -> None:
     """Reject values that type-check but cannot work (negative lr, batch size 0, unknown modes)."""
     if cfg.loss_scale < 0:
         raise UserError(f"config key 'loss_scale' must be >= 0 (0 = a dynamic scale), got {cfg.loss_scale}")
-    if cfg.sched.name == "plateau":  # before the choices: say why it is missing
-        raise UserError("sched.name 'plateau' is not supported: it steps on a validation metric and timm does not "
-                        "checkpoint its state (a resumed run would not continue it); use cosine, step or multistep")
     validate_facts(cfg)
     for check in LAYER_CHECKS:  # what the layers above core know of their keys (data/config_checks.py)
         check(cfg)
@@ -84,6 +82,7 @@ def validate(cfg: Config) -> None:
         if len(low_high) != 2 or not 0 < low_high[0] <= low_high[1]:
             raise UserError(f"config key {key!r} must be [low, high] with 0 < low <= high, got {low_high}")
     validate_sched(cfg.sched, cfg.train.epochs)
+    validate_freeze(cfg)
     validate_optim(cfg.optim)
     validate_bce(cfg.train)
     validate_multi_label(cfg)
@@ -125,6 +124,10 @@ def validate_facts(cfg: Config) -> None:
 
 def validate_sched(cfg: SchedConfig, epochs: int) -> None:
     """Schedule settings timm would ignore or take a default for (step's is 90 epochs), refused at load time."""
+    if cfg.name in TORCH_SCHEDULES:
+        validate_torch_sched(cfg)
+    if cfg.cycle_momentum and cfg.name != "onecycle":
+        raise UserError(f"sched.cycle_momentum applies to sched.name=onecycle, not {cfg.name}; remove it")
     if cfg.name == "step" and cfg.decay_epochs <= 0:
         raise UserError("sched.name=step needs sched.decay_epochs > 0 (decay the lr every that many epochs), "
                         "e.g. sched.decay_epochs=30")
@@ -154,6 +157,43 @@ def validate_sched(cfg: SchedConfig, epochs: int) -> None:
                         f"train.epochs {epochs} for the schedule after it; lower sched.warmup_epochs")
     if cfg.cooldown_epochs >= epochs:
         raise UserError(f"sched.cooldown_epochs must be below train.epochs ({epochs}), got {cfg.cooldown_epochs}")
+
+
+def validate_torch_sched(cfg: SchedConfig) -> None:
+    """onecycle and plateau are torch's schedulers: timm's warmup, cooldown and per-epoch steps are not theirs (a
+    one-cycle rises for sched.pct_start of the run), and a plateau decay must lower the lr."""
+    for key, value in (("warmup_epochs", cfg.warmup_epochs), ("warmup_steps", cfg.warmup_steps),
+                       ("cooldown_epochs", cfg.cooldown_epochs), ("step_on_epochs", cfg.step_on_epochs)):
+        if value:
+            rise = "; its rise is sched.pct_start of the run" if cfg.name == "onecycle" else ""
+            raise UserError(f"sched.{key}={value} does not apply to sched.name={cfg.name} (torch's scheduler){rise}; "
+                            f"remove it")
+    if cfg.name == "onecycle" and cfg.min_lr:
+        raise UserError(f"sched.min_lr={cfg.min_lr:g} does not apply to sched.name=onecycle: its last lr is optim.lr "
+                        "/ sched.div_factor / sched.final_div_factor; remove sched.min_lr")
+    momentum = cfg.cycle_momentum
+    if momentum and (len(momentum) != 2 or not 0 <= momentum[0] <= momentum[1] < 1):
+        raise UserError(f"config key 'sched.cycle_momentum' must be [base, max] with 0 <= base <= max < 1, or [] "
+                        f"(momentum kept), got {momentum}")
+    if cfg.name == "plateau" and cfg.decay_rate >= 1:
+        raise UserError(f"sched.name=plateau: sched.decay_rate={cfg.decay_rate:g} would not lower the lr; use a "
+                        "factor below 1, e.g. 0.1 (Keras' and torch's default) or 0.5")
+
+
+def validate_freeze(cfg: Config) -> None:
+    """model.freeze_epochs: a head-only phase that ends within the run, on a backbone that can be frozen for it."""
+    epochs = cfg.model.freeze_epochs
+    if not epochs:
+        return
+    if cfg.model.freeze != "backbone":
+        raise UserError(f"model.freeze_epochs={epochs} needs model.freeze=backbone (what is frozen for those epochs); "
+                        "add model.freeze=backbone, or remove model.freeze_epochs")
+    if epochs >= cfg.train.epochs:
+        raise UserError(f"model.freeze_epochs={epochs} is not below train.epochs={cfg.train.epochs}: the whole model "
+                        "would never train; lower model.freeze_epochs, or set it to 0 (frozen for the whole run)")
+    if cfg.dist.strategy == "fsdp":
+        raise UserError(f"model.freeze_epochs={epochs} with dist.strategy=fsdp: a sharded model cannot unfreeze "
+                        "mid-run here; use dist.strategy=ddp, or model.freeze_epochs=0 (frozen for the whole run)")
 
 
 def validate_optim(cfg: OptimConfig) -> None:

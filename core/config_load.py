@@ -3,6 +3,7 @@ coerced to its annotation, an unknown key answered with the closest valid one, t
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
@@ -88,10 +89,13 @@ def known_configs() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
 
-def load_config(path: str | None, overrides: list[str] = ()) -> Config:
-    """Build the Config from defaults, then the YAML file, then dotted `key=value` overrides."""
+def load_config(path: str | dict[str, Any] | None, overrides: list[str] = ()) -> Config:
+    """Build the Config from defaults, then the YAML file (or a mapping of its sections in its place: a notebook's,
+    assembly/api.py), then dotted `key=value` overrides."""
     raw: dict[str, Any] = {}
-    if path is not None:
+    if isinstance(path, dict):
+        raw = copy.deepcopy(path)
+    elif path is not None:
         file = resolve_config_path(path)
         try:
             raw = read_yaml(read_text(file)) or {}

@@ -82,6 +82,25 @@ class EpochInputs(Hook):
         set_loss_epoch(self.loss_fn, state.epoch)
 
 
+class Unfreeze(Hook):
+    """model.freeze_epochs: before epoch `epochs` (or the first epoch of a run resumed past it) the frozen backbone is
+    released (`release`) and the whole model trains from there, said once on rank 0. Decided by the epoch alone, so
+    a resumed run unfreezes at the same step as one not stopped."""
+
+    def __init__(self, epochs: int, release: Callable[[], None], is_main: bool) -> None:
+        self.epochs, self.release, self.is_main = epochs, release, is_main
+        self.done = False
+
+    def before_epoch(self, state: TrainState) -> None:
+        if self.done or state.epoch < self.epochs:
+            return
+        self.release()
+        self.done = True
+        if self.is_main:
+            log.info("epoch %d: the backbone is unfrozen, the whole model trains from here (model.freeze_epochs=%d)",
+                     state.epoch, self.epochs)
+
+
 class EmaUpdate(Hook):
     """model.ema_decay: fold the model's weights into the EMA after every optimizer step.
 
@@ -279,6 +298,21 @@ class CloseEpoch(Hook):
             state.finish_epoch()
         elif end.mid_epoch:
             state.count_validation()
+
+
+class StepOnMetric(Hook):
+    """sched.name=plateau: each counted validation's value of `metric` (train.best_metric's column, all-reduced: the
+    same on every rank) goes to the schedule, before the row is recorded and checkpointed; the row's lr is then the
+    lr the next step trains with, as every schedule's row shows. A train.max_steps stop's validation is not counted
+    (as for early stopping): the run resumed there validates that epoch again at its end."""
+
+    def __init__(self, scheduler: Any, metric: str, optimizer: Any) -> None:
+        self.scheduler, self.metric, self.optimizer = scheduler, metric, optimizer
+
+    def after_epoch(self, state: TrainState, end: EpochEnd) -> None:
+        if end.finished or end.mid_epoch:
+            self.scheduler.step_metric(end.row[self.metric])
+            end.row["lr"] = self.optimizer.param_groups[0]["lr"]
 
 
 class RecordRow(Hook):

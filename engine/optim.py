@@ -15,6 +15,7 @@ from torchvision.ops._utils import split_normalization_params  # torchvision's o
 
 from core.config import Config, OptimConfig, SchedConfig, TrainConfig, global_batch, mixing
 from core.errors import UserError
+from engine.schedules import OneCycle, Plateau
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +23,7 @@ log = logging.getLogger(__name__)
 FUSED_CLASSES = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
 
-def fused_kwargs(name: str, grad_scaler: bool = False, sharded: bool = False) -> dict:
+def fused_kwargs(name: str, grad_scaler: bool = False, sharded: bool = False, unfreezes: bool = False) -> dict:
     """{"fused": True} when timm maps `name` to a torch optimizer with a fused step, else {}.
 
     It is the same arithmetic, rounded differently in the last bits (not bitwise equal to the per-tensor
@@ -30,13 +31,14 @@ def fused_kwargs(name: str, grad_scaler: bool = False, sharded: bool = False) ->
     takes the scaler's found_inf flag instead of being skipped, and on a skipped first step it keeps momentum
     buffers made with empty_like, uninitialised (fused Adam/AdamW zero theirs: tests/test_gpu_path.py).
     Nor for sharded (FSDP2, DTensor) parameters: DTensor has no sharding rule for fused SGD's kernel (it has
-    for fused Adam/AdamW).
+    for fused Adam/AdamW). Nor when some parameters start stepping later than others (`unfreezes`:
+    model.freeze_epochs): fused SGD takes a group's momentum buffers all made or none, and raises on a mix.
     """
     try:
         cls = get_optimizer_class(name, bind_defaults=False)
     except Exception:  # unknown name, or an optimizer needing CUDA libraries: timm's own error comes later
         return {}
-    if cls is torch.optim.SGD and (grad_scaler or sharded):
+    if cls is torch.optim.SGD and (grad_scaler or sharded or unfreezes):
         return {}
     return {"fused": True} if cls in FUSED_CLASSES else {}
 
@@ -135,12 +137,12 @@ def scaled_lr_values(optim: OptimConfig, images: int, typed: frozenset[str], giv
     return {"lr": lr}
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, grad_scaler: bool = False,
-                    sharded: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, grad_scaler: bool = False, sharded: bool = False,
+                    unfreezes: bool = False) -> torch.optim.Optimizer:
     """timm optimizer (fused when that is safe); norm weights and biases get no weight decay if no_decay_norm_bias.
 
-    `grad_scaler`: the run steps through a GradScaler (fp16), `sharded`: the parameters are FSDP2's DTensors;
-    either rules out fused SGD.
+    `grad_scaler`: the run steps through a GradScaler (fp16), `sharded`: the parameters are FSDP2's DTensors,
+    `unfreezes`: frozen parameters join the steps later (model.freeze_epochs); each rules out fused SGD.
     """
     knobs = {"betas": tuple(cfg.betas) if cfg.betas else None, "eps": cfg.eps, "nesterov": cfg.nesterov}
     knobs = {key: value for key, value in knobs.items() if value is not None}  # unset: the optimizer's default
@@ -150,7 +152,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, grad_scaler: bool = Fals
         return create_optimizer_v2(params, opt=cfg.name, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                    momentum=cfg.momentum, filter_bias_and_bn=cfg.no_decay_norm_bias,
                                    layer_decay=cfg.layer_decay or None,
-                                   **{**fused_kwargs(cfg.name, grad_scaler, sharded), **knobs, **cfg.kwargs})
+                                   **{**fused_kwargs(cfg.name, grad_scaler, sharded, unfreezes), **knobs,
+                                      **cfg.kwargs})
     except (AssertionError, ValueError) as err:
         raise UserError(f"optim.name {cfg.name!r} is not a timm optimizer ({err})") from None
     except TypeError as err:  # an optim.kwargs entry this optimizer does not take
@@ -175,14 +178,20 @@ def norm_layer_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": norm, "weight_decay": 0.0}, {"params": other, "weight_decay": weight_decay}]
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedConfig, epochs: int,
-                    updates_per_epoch: int) -> Scheduler | EpochSteps:
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedConfig, epochs: int, updates_per_epoch: int,
+                    lower_is_better: bool = False) -> Scheduler | EpochSteps | OneCycle | Plateau:
     """timm scheduler stepped every optimizer update (`step_update`), so warmup is smooth; with
-    sched.step_on_epochs, the same schedule counted in epochs (EpochSteps), the lr changing once per epoch.
+    sched.step_on_epochs, the same schedule counted in epochs (EpochSteps), the lr changing once per epoch;
+    sched.name=onecycle and plateau are torch's schedulers (engine/schedules.py; plateau follows a metric that
+    `lower_is_better` or not: train.best_metric's).
 
     Every length is converted to the schedule's unit here, in one place (timm then counts in that unit:
     updates_per_epoch=1), which lets warmup be given in steps as well as in epochs.
     """
+    if cfg.name == "onecycle":
+        return OneCycle(optimizer, cfg, epochs * updates_per_epoch)
+    if cfg.name == "plateau":
+        return Plateau(optimizer, cfg, lower_is_better)
     per_epoch = 1 if cfg.step_on_epochs else updates_per_epoch
     # timm applies a multistep milestone m at update m - 1 (its convention, kept for old recipes): + 1 starts
     # the decay with epoch m's first update, as torch's MultiStepLR does.
@@ -246,8 +255,9 @@ def lr_at(cfg: SchedConfig, lr: float, epochs: int, updates_per_epoch: int, upda
 def extension_warning(cfg: SchedConfig, lr: float, finished_epochs: int, epochs: int, updates_per_epoch: int,
                       checkpoint: str) -> str | None:
     """What a raised train.epochs does to a finished run's schedule, rebuilt over the new length from where the run
-    stopped: its extra epochs train at the rebuilt schedule's tail (a cosine's near-zero lr); None when not raised."""
-    if epochs <= finished_epochs:
+    stopped: its extra epochs train at the rebuilt schedule's tail (a cosine's near-zero lr); None when not raised, and
+    for sched.name=plateau, whose lr follows the validations, not the run's length (it continues as it was)."""
+    if epochs <= finished_epochs or cfg.name == "plateau":
         return None
     now = lr_at(cfg, lr, epochs, updates_per_epoch, finished_epochs * updates_per_epoch)
     end = lr_at(cfg, lr, epochs, updates_per_epoch, epochs * updates_per_epoch - 1)

@@ -24,6 +24,7 @@ from torch import nn
 
 from core.config import ModelConfig
 from core.errors import UserError
+from models.freeze import freeze_backbone
 
 log = logging.getLogger(__name__)
 
@@ -425,7 +426,9 @@ def compile_warning(cfg: ModelConfig, world_size: int) -> str | None:
 
 
 def prepare_model(model: nn.Module, cfg: ModelConfig, device: torch.device, world_size: int) -> nn.Module:
-    """SyncBN (several processes only), device placement and memory format, before DDP wraps it."""
+    """SyncBN (several processes only), device placement and memory format, before DDP wraps it; model.freeze=backbone
+    for the whole run here, so frozen parameters are in neither the optimizer (timm's parameter groups skip them) nor
+    DDP's reducer (with model.freeze_epochs the backbone is frozen later: assembly/parts.py)."""
     if cfg.sync_bn and world_size > 1:
         from models.sync_bn import convert_sync_batchnorm
 
@@ -434,33 +437,6 @@ def prepare_model(model: nn.Module, cfg: ModelConfig, device: torch.device, worl
     model = model.to(device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    if cfg.freeze == "backbone":
+    if cfg.freeze == "backbone" and not cfg.freeze_epochs:
         freeze_backbone(model)
     return model
-
-
-def freeze_backbone(model: nn.Module) -> None:
-    """Linear probing: only the classifier (timm's get_classifier()) trains.
-
-    Before DDP wraps the model, so frozen parameters are in neither the optimizer (timm's parameter groups skip
-    them) nor DDP's reducer. Frozen BatchNorm layers stay in eval mode whatever model.train() says: they
-    normalize with the weights' running statistics and never update them, so the backbone is a fixed
-    feature extractor (bitwise, buffers included) and the classifier learns on stable features.
-    """
-    head = model.get_classifier()
-    trainable = {id(p) for p in head.parameters()}
-    if not trainable:
-        raise UserError(f"model.freeze=backbone: {type(model).__name__} has no classifier parameters to train")
-    for param in model.parameters():
-        param.requires_grad_(id(param) in trainable)
-    head_modules = set(head.modules())
-    for module in model.modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module not in head_modules:
-            module.register_forward_pre_hook(stay_in_eval)
-    log.info("model.freeze=backbone: training %d of %d parameter tensors (the classifier)",
-             len(trainable), len(list(model.parameters())))
-
-
-def stay_in_eval(module: nn.Module, args: tuple) -> None:
-    """Forward pre-hook of a frozen BatchNorm layer: running statistics, never batch statistics or updates."""
-    module.train(False)

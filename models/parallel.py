@@ -136,11 +136,15 @@ def shard_for_training(model: nn.Module, ema: nn.Module | None, param_dtype: tor
              ", weights gathered in bf16" if param_dtype == torch.bfloat16 else "")
 
 
-def wrap_for_training(model: nn.Module, device: torch.device, world_size: int, compile: bool) -> nn.Module:
+def wrap_for_training(model: nn.Module, device: torch.device, world_size: int, compile: bool,
+                      unfreezes: bool = False) -> nn.Module:
     """DDP over several processes (unless FSDP2 already shards the model), then torch.compile if asked: the
-    module the loop calls."""
+    module the loop calls. `unfreezes` (model.freeze_epochs): DDP is built over every parameter, which the frozen
+    epochs leave without gradients, so its reducer finds the unused ones at each step instead of waiting for them
+    (frozen on every rank, their gradients stay None and the optimizer skips them)."""
     train_model = model
     if world_size > 1 and not is_fsdp(model):
         device_ids = [device.index] if device.type == "cuda" else None  # CPU DDP needs None
-        train_model = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+        train_model = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
+                                              find_unused_parameters=unfreezes)
     return torch.compile(train_model) if compile else train_model

@@ -146,3 +146,78 @@ def test_head_init_std_on_a_model_without_a_classifier_is_one_line():
             as err:
         create_model(ModelConfig(name="test_vit", head_init_std=2e-5), 0)
     assert "\n" not in str(err.value) and "remove model.head_init_std" in str(err.value)
+
+
+def test_freeze_epochs_keeps_the_backbone_still_until_released_then_trains_it():
+    """model.freeze_epochs, as build_parts and the Unfreeze hook do it: the optimizer holds every parameter, the
+    backbone is frozen after it is built, and steps with momentum and weight decay leave every frozen tensor
+    (BatchNorm statistics included) bitwise as it was; from the epoch the hook releases it, they all train."""
+    from core.config import OptimConfig
+    from engine.hooks import Unfreeze
+    from engine.optim import build_optimizer
+    from engine.state import TrainState
+    from models.freeze import freeze_backbone
+
+    torch.manual_seed(0)
+    model = create_model(ModelConfig(name="test_resnet"), 4)
+    optimizer = build_optimizer(model, OptimConfig(name="sgd", lr=0.1, weight_decay=0.1), unfreezes=True)
+    assert sum(len(group["params"]) for group in optimizer.param_groups) == len(list(model.parameters()))
+    hook = Unfreeze(1, freeze_backbone(model, 1).release, is_main=True)
+    images = torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+
+    def steps(epoch: int) -> dict[str, torch.Tensor]:
+        state = TrainState(epoch=epoch)
+        hook.before_epoch(state)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        model.train()
+        for _ in range(2):
+            model(images).logsumexp(dim=1).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return before
+
+    start = steps(0)
+    changed = {k for k, v in model.state_dict().items() if not torch.equal(start[k], v)}
+    assert changed == {"fc.weight", "fc.bias"}
+    start = steps(1)
+    changed = {k for k, v in model.state_dict().items() if not torch.equal(start[k], v)}
+    assert {"conv1.0.weight", "bn1.weight", "bn1.running_mean", "fc.weight"} <= changed
+    assert all(p.requires_grad for p in model.parameters())
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.freeze_epochs=1"], "model.freeze_epochs=1 needs model.freeze=backbone"),
+    (["model.freeze=backbone", "model.freeze_epochs=3", "train.epochs=3"],
+     "model.freeze_epochs=3 is not below train.epochs=3"),
+    (["model.freeze=backbone", "model.freeze_epochs=1", "train.epochs=3", "dist.strategy=fsdp"],
+     "model.freeze_epochs=1 with dist.strategy=fsdp"),
+])
+def test_freeze_epochs_that_cannot_work_are_one_line(overrides, message):
+    from core.config_load import load_config
+    from core.errors import UserError
+
+    with pytest.raises(UserError) as err:
+        load_config(None, overrides)
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.slow  # three tiny runs in this process (~15 s)
+def test_freeze_epochs_resumed_across_the_unfreeze_is_bitwise_the_uninterrupted_run(tmp_path):
+    """fastai's fine_tune in one run: stopped in the frozen epoch (train.max_steps), resumed, unfrozen at epoch 1,
+    it ends bitwise where the run never stopped ends; the frozen steps left the backbone as it started."""
+    from engine.checkpoint.formats import load_checkpoint
+    from tests.compare import assert_same
+    from tests.helpers import train_here
+
+    common = [*TINY, "train.epochs=2", "model.freeze=backbone", "model.freeze_epochs=1", "model.ema_decay=0.9"]
+    train_here(*common, f"output_dir={tmp_path / 'straight'}", "train.keep_last_k=2")
+    train_here(*common, f"output_dir={tmp_path / 'resumed'}", "train.max_steps=2")
+    stopped = load_checkpoint(tmp_path / "resumed" / "last.pth")
+    train_here(*common, f"output_dir={tmp_path / 'resumed'}")
+    assert_same(load_checkpoint(tmp_path / "straight" / "last.pth"), load_checkpoint(tmp_path / "resumed" / "last.pth"))
+    frozen = load_checkpoint(tmp_path / "straight" / "epoch_0000.pth")["model"]  # step 4, the frozen epoch's end
+    final = load_checkpoint(tmp_path / "straight" / "last.pth")["model"]
+    backbone = [k for k in frozen if not k.startswith("fc.")]
+    assert stopped["global_step"] == 2 and all(torch.equal(stopped["model"][k], frozen[k]) for k in backbone)
+    assert not torch.equal(stopped["model"]["fc.weight"], frozen["fc.weight"])
+    assert not any(torch.equal(frozen[k], final[k]) for k in ("conv1.0.weight", "bn1.running_mean"))

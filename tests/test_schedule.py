@@ -72,7 +72,12 @@ def test_cooldown_epochs_hold_min_lr_at_the_end():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["sched.name=plateau"], "sched.name 'plateau' is not supported"),
+    (["sched.name=plateau", "sched.decay_rate=2"], "sched.name=plateau: sched.decay_rate=2 would not lower the lr"),
+    (["sched.name=onecycle", "sched.warmup_epochs=1"], "sched.warmup_epochs=1 does not apply to sched.name=onecycle"),
+    (["sched.name=plateau", "sched.cooldown_epochs=1"], "sched.cooldown_epochs=1 does not apply to sched.name=plateau"),
+    (["sched.name=onecycle", "sched.min_lr=0.001"], "sched.min_lr=0.001 does not apply to sched.name=onecycle"),
+    (["sched.name=onecycle", "sched.cycle_momentum=[0.95, 0.85]"], "must be [base, max] with 0 <= base <= max < 1"),
+    (["sched.cycle_momentum=[0.85, 0.95]"], "sched.cycle_momentum applies to sched.name=onecycle, not cosine"),
     (["sched.name=step"], "sched.name=step needs sched.decay_epochs > 0"),
     (["sched.name=multistep"], "sched.name=multistep needs sched.decay_milestones"),
     (["sched.name=multistep", "sched.decay_milestones=[3, 2]"], "must increase"),
@@ -434,3 +439,93 @@ def test_raising_epochs_on_a_finished_cosine_run_says_the_tail_lr():
         "schedule instead, start a new run from these weights: model.init_from=runs/x/last.pth resume=none in "
         "another output_dir")
     assert extension_warning(SchedConfig(name="cosine"), 0.1, 10, 10, 5, "runs/x/last.pth") is None
+
+
+@pytest.mark.parametrize("settings", [
+    {"pct_start": 0.25, "div_factor": 10.0, "final_div_factor": 100.0, "anneal_strategy": "cos"},
+    {"pct_start": 0.4, "anneal_strategy": "linear", "three_phase": True, "cycle_momentum": [0.8, 0.9]},
+])
+def test_onecycle_is_torchs_one_cycle_lr_at_every_step(settings):
+    """sched.name=onecycle: the lr (and with sched.cycle_momentum the momentum) of every optimizer step is torch's
+    OneCycleLR's with the same settings, stepped after each optimizer step as torch's documentation does; a resumed
+    run's schedule, rebuilt and put at its global step, continues it exactly."""
+    epochs, per_epoch = 4, 5
+    overrides = ["sched.name=onecycle", *(f"sched.{k}={v}" for k, v in settings.items())]
+    got = sum(step_lrs(overrides, epochs, per_epoch), [])
+    param = nn.Parameter(torch.zeros(1))
+    reference = torch.optim.SGD([param], lr=0.1, momentum=0.9)
+    moms = settings.pop("cycle_momentum", None)
+    torch_schedule = torch.optim.lr_scheduler.OneCycleLR(
+        reference, max_lr=0.1, total_steps=epochs * per_epoch, cycle_momentum=moms is not None,
+        **({"base_momentum": moms[0], "max_momentum": moms[1]} if moms else {}), **settings)
+    expected, momenta = [], []
+    for _ in range(epochs * per_epoch):
+        expected.append(reference.param_groups[0]["lr"])
+        momenta.append(reference.param_groups[0]["momentum"])
+        reference.step()
+        torch_schedule.step()
+    assert got == expected
+    cfg = load_config(None, ["optim.lr=0.1", f"train.epochs={epochs}", *overrides])
+    for global_step in (0, 7, 13, 19):
+        optimizer = build_optimizer(nn.Linear(2, 2), cfg.optim)
+        build_scheduler(optimizer, cfg.sched, epochs, per_epoch).step_update(num_updates=global_step)
+        assert optimizer.param_groups[0]["lr"] == expected[global_step]
+        assert optimizer.param_groups[0]["momentum"] == (momenta[global_step] if moms else 0.9)
+
+
+def test_plateau_is_torchs_reduce_lr_on_plateau_and_survives_a_checkpoint(tmp_path):
+    """sched.name=plateau: after each counted validation the lr is torch's ReduceLROnPlateau's (factor
+    sched.decay_rate, patience, threshold, cooldown, min_lr; mode min for val_loss) fed the same values, and the row
+    shows it; its state, saved mid-way as a checkpoint holds it and loaded (weights_only) into a rebuilt schedule,
+    continues it exactly. A train.max_steps stop's validation is not counted: the resumed run validates that epoch
+    again at its end."""
+    from engine.hooks import EpochEnd, StepOnMetric
+
+    values = [2.0, 1.5, 1.49, 1.6, 1.5, 1.2, 1.3, 1.3, 1.3, 1.3, 1.3, 1.3, 1.1]
+    overrides = ["optim.lr=0.1", "sched.name=plateau", "sched.decay_rate=0.5", "sched.plateau_patience=1",
+                 "sched.plateau_threshold=0.05", "sched.plateau_cooldown=1", "sched.min_lr=0.02",
+                 "train.best_metric=val_loss"]
+    reference = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    torch_schedule = torch.optim.lr_scheduler.ReduceLROnPlateau(reference, mode="min", factor=0.5, patience=1,
+                                                                threshold=0.05, cooldown=1, min_lr=0.02)
+    expected = []
+    for value in values:
+        torch_schedule.step(value)
+        expected.append(reference.param_groups[0]["lr"])
+    assert len(set(expected)) == 4  # decays, cooldown and the floor all reached
+
+    def rows(first: int, last: int, state: dict | None = None) -> tuple[list[float], dict]:
+        cfg = load_config(None, overrides)
+        optimizer = build_optimizer(nn.Linear(2, 2), cfg.optim)
+        schedule = build_scheduler(optimizer, cfg.sched, 10, 3, lower_is_better=True)
+        if state is not None:
+            optimizer.param_groups[0]["lr"] = state["lr"]  # the checkpoint's optimizer state holds it
+            schedule.load_state_dict(state["scheduler"])
+        hook, lrs = StepOnMetric(schedule, "val_loss", optimizer), []
+        for value in values[first:last]:
+            hook.after_epoch(None, EpochEnd({"val_loss": 9.9, "lr": -1.0}, False, finished=False))  # a max_steps stop
+            end = EpochEnd({"val_loss": value, "lr": -1.0}, False, finished=True)
+            hook.after_epoch(None, end)
+            lrs.append(end.row["lr"])
+        return lrs, {"lr": optimizer.param_groups[0]["lr"], "scheduler": schedule.state_dict()}
+
+    assert rows(0, len(values))[0] == expected
+    first, state = rows(0, 5)
+    torch.save(state, tmp_path / "state.pth")
+    second, _ = rows(5, len(values), torch.load(tmp_path / "state.pth", weights_only=True))
+    assert first + second == expected
+
+
+@pytest.mark.slow  # three tiny runs in this process (~12 s)
+def test_plateau_run_resumed_continues_its_counters(tmp_path):
+    """A real run stopped after epoch 0 and resumed: its lr column is the uninterrupted run's. The threshold no value
+    can beat makes every validation a bad one (whatever the tiny run's values): with patience 1 the lr halves after
+    epochs 1 and 3, which a resumed run that forgot epoch 0's count would do after epochs 2 and 4."""
+    common = [*TINY, "train.epochs=4", "optim.lr=0.1", "sched.name=plateau", "sched.plateau_patience=1",
+              "sched.decay_rate=0.5", "sched.plateau_threshold=10", "train.best_metric=val_loss"]
+    assert report_errors(train.main, [*common, f"output_dir={tmp_path}/straight"]) == 0
+    resumed = f"output_dir={tmp_path}/resumed"
+    assert report_errors(train.main, [*common, "train.max_steps=4", resumed]) == 0
+    assert report_errors(train.main, [*common, resumed]) == 0
+    lrs = [[row["lr"] for row in read_jsonl(tmp_path / name / "metrics.jsonl")] for name in ("straight", "resumed")]
+    assert lrs[0] == lrs[1] == [0.1, 0.05, 0.05, 0.025]

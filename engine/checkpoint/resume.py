@@ -387,10 +387,14 @@ class Resume:
             if info.is_main:
                 log.info("checkpoint %s chose best.pth on %s; best.pth is now chosen on %s, from the next evaluation "
                          "on", path, then, now)
-        # The schedule is a function of the config and the step (timm's schedulers keep no other
+        # The schedule is a function of the config and the step (timm's schedulers and onecycle keep no other
         # state): rebuilt from the config, a resumed run may extend train.epochs, or change the global batch
-        # at an epoch boundary (the schedule continues at the same epoch).
+        # at an epoch boundary (the schedule continues at the same epoch). sched.name=plateau follows the
+        # validations of train.best_metric: its state (best value, counters) is the checkpoint's, its lr the
+        # optimizer's; on another metric it counts from the next validation on.
         scheduler.step_update(num_updates=state.schedule_position(updates_per_epoch))
+        if hasattr(scheduler, "step_metric") and then == now:
+            scheduler.load_state_dict(ckpt["scheduler"])
         then = saved_global_batch(ckpt)
         now = global_batch(info.world_size, cfg.train.batch_size, cfg.train.accum_steps)
         if then != now and info.is_main:
