@@ -12,7 +12,7 @@ import torch
 
 from core.startup import (OPENMP_WAITING, CpuShare, cgroup_cpu_limit, openmp_waiting, openmp_waits_passively,
                           own_cpus, starved_workers, this_process_cpus, tune_cpu_process, user_threads)
-from tests.helpers import run_script, script_env
+from tests.helpers import TINY, run_script, script_env
 
 
 def fake_tree(tmp_path: Path, membership: str, files: dict[str, str]) -> tuple[Path, Path]:
@@ -154,12 +154,13 @@ def test_more_threads_than_the_machine_has_cpus_is_one_line():
     ({"OMP_WAIT_POLICY": "ACTIVE"}, "OMP_WAIT_POLICY = 'ACTIVE'"),  # the user's, kept
 ])
 @pytest.mark.slow  # a train.py process each (the choice itself: test_a_users_openmp_waiting_is_left_alone_and_named)
-def test_train_py_sets_the_waiting_before_torch_loads_openmp_and_the_users_wins(user, read):
+def test_train_py_sets_the_waiting_before_torch_loads_openmp_and_the_users_wins(user, read, tmp_path):
     """libgomp reads its environment once, when loaded: OMP_DISPLAY_ENV makes every copy loaded (torch's and any
-    other library's) print what it read, so a setting made after the load would show here as libgomp's default."""
+    other library's) print what it read, so a setting made after the load would show here as libgomp's default.
+    A dry run loads torch (--help no longer does)."""
     env = {k: v for k, v in script_env(OMP_DISPLAY_ENV="verbose", **user).items()
            if k not in OPENMP_WAITING or k in user}
-    shown = run_script("train.py", "--help", env=env).stderr
+    shown = run_script("train.py", *TINY, f"output_dir={tmp_path / 'run'}", "--dry-run", env=env).stderr
     loaded = shown.count("OPENMP DISPLAY ENVIRONMENT BEGIN")
     assert loaded >= 1 and shown.count(read) == loaded, shown[-3000:]
 
