@@ -75,7 +75,8 @@ def test_rank_that_fails_at_step_3_stops_the_job_with_its_own_error(tmp_path):
     assert proc.returncode != 0
     ours = [line for line in proc.stderr.splitlines() if "error:" in line and "Traceback" not in line]
     assert ours[0] == f"[rank 1] error: cannot read image {bad} (corrupt, truncated or not an image); " \
-                      "remove or replace it", proc.stderr[-3000:]
+                      "remove or replace it; or set data.skip_corrupt=true to drop unreadable training images " \
+                      "(counted each epoch)", proc.stderr[-3000:]
     assert "[rank0]: Traceback" not in proc.stderr  # rank 0, cut off by the dead peer, says so in one line
 
 

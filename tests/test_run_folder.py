@@ -414,7 +414,7 @@ def test_a_resumed_run_rewrites_config_and_metrics_once_it_writes(run, data):
     assert "epochs: 4" in (run / "config.yaml").read_text()
     assert sorted(p.name for p in run.iterdir()) == ["best.pth", "config.yaml", "curves.png", "epoch_0001.pth",
                                                      "epoch_0002.pth", "epoch_0003.pth", "epoch_0004.pth", "last.pth",
-                                                     "metrics.jsonl"]
+                                                     "metrics.jsonl", "samples.png"]
 
 
 def test_truncated_last_pth_names_the_newest_readable_epoch_file(run, data, capsys):
@@ -558,4 +558,4 @@ def test_a_run_whose_folder_is_removed_stops_and_the_next_run_holds_the_folder(t
     assert [row["epoch"] for row in read_jsonl(out / "metrics.jsonl")] == [0, 1]
     assert load_checkpoint(out / "last.pth")["global_step"] == 24
     assert sorted(p.name for p in out.iterdir()) == ["best.pth", "config.yaml", "curves.png", "last.pth",
-                                                     "metrics.jsonl"]
+                                                     "metrics.jsonl", "samples.png"]

@@ -237,7 +237,9 @@ def test_sweep_agent_trials_under_torchrun_are_the_agents_runs_each_in_its_own_f
         env = {"WANDB_SWEEP_ID": "sweep1", "WANDB_RUN_ID": run_id, "WANDB_SWEEP_PARAM_PATH": str(param_file),
                "WANDB_DIR": str(wandb_dir)}
         tiny = [a for a in SMALLEST if not a.startswith("train.epochs=")]  # a sweep parameter here
-        run_on_ranks("train.py", *command[4:], *tiny, f"output_dir={sweep}", nproc=2, env=env)
+        own = command[4:]
+        del own[own.index("--config"):own.index("--config") + 2]  # SMALLEST's --config dummy in its place: one a run
+        run_on_ranks("train.py", *own, *tiny, f"output_dir={sweep}", nproc=2, env=env)
     runs = {run.run_id: run for run in map(read_run, find_runs(wandb_dir))}
     assert sorted(runs) == sorted(trials) and {run.run.sweep_id for run in runs.values()} == {"sweep1"}
     assert sorted(p.name for p in sweep.iterdir()) == sorted(trials)
