@@ -41,6 +41,7 @@ def one_line_error(capsys) -> str:
     return error
 
 
+@pytest.mark.slow  # 5-14 s of processes: the fast tier's budget
 def test_averaged_weights_are_the_mean_of_the_last_k_and_evaluate_takes_them(tiny_run, tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()

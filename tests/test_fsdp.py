@@ -230,6 +230,7 @@ def units_and_collectives(rank: int, world: int) -> dict:
     return found
 
 
+@pytest.mark.slow  # 5-14 s of processes: the fast tier's budget
 def test_bf16_fsdp_shards_each_blocks_batchnorms_as_one_unit_and_steps_as_fp32(tmp_path):
     """Issue 50 item 3: under a bf16 policy each block's BatchNorms are one fp32 unit (was: one unit each, 15 on
     test_resnet, 53 on resnet50), so a step's all-gathers and reduce-scatters grow by the blocks, not the
@@ -398,6 +399,7 @@ def hsdp_2x1_steps(rank: int, world: int) -> dict:
     return found
 
 
+@pytest.mark.slow  # 5-14 s of processes: the fast tier's budget
 def test_hsdp_2_by_1_replicates_across_the_ranks_and_trains_the_single_process_model(tmp_path):
     """dist.fsdp_shard_size=1 on 2 ranks: a (replicate 2, shard 1) mesh, so each rank holds every parameter whole and
     the two replicas' gradients are averaged; its AdamW steps are one process's within TOL. The 2 x 2 test cannot
@@ -639,6 +641,7 @@ def sharded_from_different_weights(rank: int, world: int) -> dict:
     return found
 
 
+@pytest.mark.slow  # 5-14 s of processes: the fast tier's budget
 def test_sharded_ranks_start_from_rank_0s_weights_whatever_each_loaded(tmp_path):
     """Issue 51 item 1: ranks that loaded different weights trained a mix of them (each kept its own slice of every
     tensor); every shard, BatchNorm statistics included, is now rank 0's, under fsdp and HSDP, for the EMA too."""

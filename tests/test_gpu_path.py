@@ -257,6 +257,7 @@ def test_fp16_reads_the_device_once_per_step_in_one_process():
 
 
 @pytest.mark.parametrize("loss", ["ce", "bce"])
+@pytest.mark.slow  # 5-14 s of processes: the fast tier's budget
 def test_mixed_training_steps_make_no_hidden_host_device_traffic(loss):
     """Mixup/cutmix (data.mixing) and the soft-target losses add no copy from the host and no device read."""
     torch.manual_seed(0)
