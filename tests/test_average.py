@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 import average_checkpoints
