@@ -66,26 +66,34 @@ def ema_of_a_sharded_model(rank: int) -> dict[str, Any]:
             "error": max((got[k] - (before[k] + after[k]) / 2).abs().max().item() for k in got)}
 
 
-def ema_evaluated_as_rank0s(rank: int) -> dict[str, Any]:
-    """validate_epoch with an EMA whose BatchNorm statistics differ per rank (as DDP leaves them): rank 0's EMA is
-    the model itself, rank 1's has 4 x its running variances. Its ema_ metrics must be rank 0's EMA's (the one the
-    checkpoint saves), so the model's own; the broadcasts it took besides the two evaluations', and the EMA after."""
-    import copy
-
-    from core.config import DataConfig, ModelConfig
+def dummy_validation(rank: int) -> tuple:
+    """(config, DistInfo, eval loader, normalize) of 12 dummy validation images on this rank of 2."""
+    from core.config import DataConfig
     from core.dist import DistInfo
     from data.loader import build_datasets, build_eval_loader
     from data.transforms import DeviceNormalize
-    from engine.evaluation import validate, validate_epoch
-    from engine.precision import Precision
-    from models.factory import create_model
-    from tests.helpers import op_counter
 
     cfg = DataConfig(name="dummy", img_size=16, crop_pct=1.0, dummy_image_size=16, dummy_train_size=8,
                      dummy_val_size=12, num_workers=0)
     _, val = build_datasets(cfg, seed=0)
     info = DistInfo(rank, 2, rank, 2, torch.device("cpu"))
     loader, normalize = build_eval_loader(val, cfg, 4, info), DeviceNormalize(cfg.mean, cfg.std, info.device, False)
+    return cfg, info, loader, normalize
+
+
+def ema_evaluated_as_rank0s(rank: int) -> dict[str, Any]:
+    """validate_epoch with an EMA whose BatchNorm statistics differ per rank (as DDP leaves them): rank 0's EMA is
+    the model itself, rank 1's has 4 x its running variances. Its ema_ metrics must be rank 0's EMA's (the one the
+    checkpoint saves), so the model's own; the broadcasts it took besides the two evaluations', and the EMA after."""
+    import copy
+
+    from core.config import ModelConfig
+    from engine.evaluation import validate, validate_epoch
+    from engine.precision import Precision
+    from models.factory import create_model
+    from tests.helpers import op_counter
+
+    cfg, info, loader, normalize = dummy_validation(rank)
     torch.manual_seed(0)
     model = create_model(ModelConfig(name="test_resnet"), num_classes=10)
     with torch.no_grad():
@@ -108,21 +116,14 @@ def sharded_ema_validated_twice(rank: int) -> list[tuple[float, float]]:
     validate_epoch for both after steps 2 and 4, with no state_dict between (a checkpoint's would reshard)."""
     import copy
 
-    from core.config import DataConfig, ModelConfig
-    from core.dist import DistInfo
-    from data.loader import build_datasets, build_eval_loader
-    from data.transforms import DeviceNormalize
+    from core.config import ModelConfig
     from engine.evaluation import validate_epoch
     from engine.precision import Precision
     from models.ema import create_ema
     from models.factory import create_model
     from models.parallel import shard_for_training
 
-    cfg = DataConfig(name="dummy", img_size=16, crop_pct=1.0, dummy_image_size=16, dummy_train_size=8,
-                     dummy_val_size=12, num_workers=0)
-    _, val = build_datasets(cfg, seed=0)
-    info = DistInfo(rank, 2, rank, 2, torch.device("cpu"))
-    loader, normalize = build_eval_loader(val, cfg, 4, info), DeviceNormalize(cfg.mean, cfg.std, info.device, False)
+    cfg, info, loader, normalize = dummy_validation(rank)
     torch.manual_seed(0)
     plain = create_model(ModelConfig(name="test_resnet"), num_classes=10)
     sharded = copy.deepcopy(plain)
