@@ -19,7 +19,7 @@ from core.errors import UserError
 from core.files import Recognise
 from core.logs import setup_logging
 from core.startup import tune_cpu_process
-from data.pipeline import file_sha256
+from data.pipeline import copy_name, file_sha256
 from engine.checkpoint.inference import Trained, inference_config, load_trained, make_output_dir
 from engine.checkpoint.run_dir import check_shared
 from engine.checkpoint.weights import load_weights
@@ -72,7 +72,7 @@ def run_pipeline(trained: Trained) -> Path | None:
     name = trained.config.get("data", {}).get("eval_transform")
     if not name or trained.folder is None:
         return None
-    return trained.folder / f"eval_transform{Path(name).suffix}"
+    return trained.folder / copy_name("eval", name)
 
 
 def pipeline_line(trained: Trained, cfg: Config) -> str | None:

@@ -15,7 +15,7 @@ import yaml
 from torch import nn
 
 from core.config import Config
-from data.pipeline import REPLACED_KEYS, file_sha256, load_pipeline
+from data.pipeline import REPLACED_KEYS, copy_name, file_sha256, load_pipeline
 from data.transforms import eval_size
 from engine.checkpoint.inference import Trained
 
@@ -91,7 +91,7 @@ def augmentation_section(data: dict[str, Any], folder: Path) -> str:
     replaced = ", ".join(f"`data.{key}`" for key in REPLACED_KEYS)
     head = (f"## Training augmentation\n\nThe albumentations pipeline file `{Path(path).name}` (data.train_transform, "
             f"sha256 {digest or 'not recorded'}) replaced the preset's {replaced}, left out of the config below")
-    candidates = [folder / f"train_transform{Path(path).suffix}", Path(path)]
+    candidates = [folder / copy_name("train", path), Path(path)]
     found = next((file for file in candidates if file.is_file() and file_sha256(str(file), "data.train_transform")
                   == digest), None)
     if found is None:

@@ -139,7 +139,12 @@ def pipeline_hashes(cfg: DataConfig) -> dict[str, str]:
     return hashes
 
 
+def copy_name(side: str, path: str) -> str:
+    """The name of the run folder's copy of a `side` ("train", "eval") pipeline file: `<side>_transform<suffix>`."""
+    return f"{side}_transform{Path(path).suffix}"
+
+
 def pipeline_copies(cfg: DataConfig) -> dict[str, bytes]:
-    """The run folder's copy of each pipeline file, `<side>_transform<suffix>` (written at the run's first write)."""
-    return {f"{side}_transform{Path(path).suffix}": read_bytes(path, f"data.{side}_transform")
+    """The run folder's copy of each pipeline file (copy_name; written at the run's first write)."""
+    return {copy_name(side, path): read_bytes(path, f"data.{side}_transform")
             for side in ("train", "eval") if (path := getattr(cfg, f"{side}_transform"))}
