@@ -20,9 +20,13 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest
 
-from core.startup import import_timm_without_wandb
+from core.startup import import_timm_without_wandb, openmp_waits_passively
 from tests.helpers import TINY, run_script
 
+# As train.py does before torch loads OpenMP: runs made in this process (train_here, evaluate's main) and the ranks
+# forked from it wait as the app's own processes do. Spinning idle threads made a tiny run 2-4x slower beside a busy
+# process (a second test worker, a co-tenant).
+openmp_waits_passively()
 import_timm_without_wandb()
 
 
