@@ -11,14 +11,18 @@ and its .cls member holds them separated by spaces (empty: no labels).
 
 Why not wids.ShardListDataset itself: it copies every local shard into /tmp/_wids_cache before reading it
 and prints to stderr whenever it is built. wids' parts are used instead: the index format and its URL
-resolution (wids_specs), the downloader for other URL schemes (wids_dl: file://, http(s)://, s3://, gs://,
-pipe:, into data.shard_cache) and the tar member index (wids_mmtar). Local shards are read in place.
+resolution (wids_specs) and the tar member index (wids_mmtar). Local shards are read in place; shards at a URL
+(s3://, gs://, https://, file://: any fsspec URL, through core/store.py's retries and one-line errors; pipe: through
+wids' downloader) are copied whole into data.shard_cache on first touch and read there, the least recently used
+removed past data.shard_cache_gb. Copied, not streamed: the EpochSampler reads samples in random order, and a
+shard once local serves every later epoch at disk speed (benchmarks/object_store.py measures both sides).
 Each process indexes a shard on first touch into four int64 numbers per sample and then reads members
 with os.pread, so fully random access (the EpochSampler's order) never re-parses a shard.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -26,13 +30,14 @@ import struct
 import tempfile
 from collections import OrderedDict
 from pathlib import Path
-from urllib.parse import quote, urlparse
+from urllib.parse import quote
 
 import albumentations as A
 import numpy as np
 
 from core.config import DataConfig
 from core.errors import UserError
+from core.store import download, is_url, read_bytes
 from data.datasets import AugmentedDataset, IMAGE_EXTENSIONS, decode_image, multi_hot, shared_labels
 
 log = logging.getLogger(__name__)
@@ -45,19 +50,16 @@ def split_index(root: str, split: str) -> str:
     return f"{root.rstrip('/')}/{split}.json" if is_url(root) else str(Path(root) / f"{split}.json")
 
 
-def is_url(name: str) -> bool:
-    """A URL (file://, https://, s3://, pipe:...) rather than a local path."""
-    return name.startswith("pipe:") or len(urlparse(name).scheme) > 1  # (not a Windows drive letter)
-
-
 def read_index(index: str, cache_dir: str) -> dict:
     """The index with its shard URLs resolved; a missing or broken index is a one-line error."""
     from wids.wids_specs import resolve_dsdesc, urldir
 
     try:
-        if is_url(index):
+        if index.startswith("pipe:"):
             with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
                 text = Path(fetch(index, os.path.join(tmp, "index.json"))).read_text()
+        elif is_url(index):
+            text = read_bytes(index, "read shard index").decode()
         else:
             text = Path(index).read_text()
     except (OSError, AssertionError, ValueError) as err:
@@ -91,11 +93,34 @@ def read_index(index: str, cache_dir: str) -> dict:
 
 
 def fetch(url: str, local: str) -> str:
-    """Download url to local with wids' downloader (once: a later call finds the file)."""
+    """Copy url to local once (a later call finds the file): fsspec's URLs through core/store, pipe: through wids."""
+    if os.path.exists(local):
+        os.utime(local)  # used now: the cache removes the least recently used first
+        return local
+    if not url.startswith("pipe:"):
+        return download(url, local, "read shard")
     from wids.wids_dl import download_and_open
 
     with download_and_open(url, local):
         return local
+
+
+def trim_cache(folder: str, limit_bytes: float, keep: str) -> None:
+    """Remove the least recently used shards copied from URLs (names holding a quoted '://') from `folder` until
+    they fit in `limit_bytes`, never `keep` (the one in use). A process reading a removed shard keeps its open
+    descriptor; the next to open it copies it again."""
+    shards = []
+    for entry in os.scandir(folder):
+        if "%3A%2F%2F" in entry.name and entry.is_file() and entry.path != keep:
+            stat = entry.stat()
+            shards.append((stat.st_mtime, stat.st_size, entry.path))
+    total = sum(size for _, size, _ in shards) + os.path.getsize(keep)
+    for _, size, path in sorted(shards):
+        if total <= limit_bytes:
+            break
+        with contextlib.suppress(FileNotFoundError):  # another worker removed it first
+            os.unlink(path)
+        total -= size
 
 
 def scan_tar(path: str, url: str, filesize: int | None) -> tuple[np.ndarray, list[str], list[bytes | None]]:
@@ -154,9 +179,10 @@ class ShardDataset(AugmentedDataset):
 
     def __init__(self, index: str, transform: A.Compose, seed: int, classes: list[str] | None = None, *,
                  skip_corrupt: bool = False, max_pixels: int = DataConfig.max_image_pixels,
-                 cache_dir: str = "", multi_label: bool = False) -> None:
+                 cache_dir: str = "", multi_label: bool = False, cache_gb: float = DataConfig.shard_cache_gb) -> None:
         super().__init__(transform, seed)
         self.index, self.skip_corrupt, self.max_pixels = index, skip_corrupt, max_pixels
+        self.cache_bytes = cache_gb * 1e9
         self.cache_dir = cache_dir or os.environ.get("WIDS_CACHE", "/tmp/_wids_cache")
         if is_url(index):
             os.makedirs(self.cache_dir, exist_ok=True)
@@ -195,11 +221,15 @@ class ShardDataset(AugmentedDataset):
         if not is_url(url):
             return url
         local = os.path.join(self.cache_dir, quote(url, safe="+-"))
+        fresh = not os.path.exists(local)
         try:
-            return fetch(url, local)
+            fetch(url, local)
         except (OSError, AssertionError, ValueError) as err:
             raise UserError(f"cannot fetch shard {url} ({getattr(err, 'strerror', None) or err}); "
                             "check the URL and its credentials") from None
+        if fresh:
+            trim_cache(self.cache_dir, self.cache_bytes, local)
+        return local
 
     def file(self, shard: int) -> int:
         """An open descriptor of the shard (a forked worker opens its own: offsets are not shared, pread is)."""
