@@ -48,7 +48,7 @@ def filesystem(url: str) -> tuple[Any, str]:
     scheme = urlparse(url).scheme
     options: dict[str, Any] = {}
     if scheme in ("s3", "s3a"):
-        options["config_kwargs"] = {"connect_timeout": 10, "read_timeout": 60, "retries": {"max_attempts": 1}}
+        options["config_kwargs"] = {"connect_timeout": 10, "read_timeout": 60, "retries": {"total_max_attempts": 1}}
     try:
         return fsspec.core.url_to_fs(url, **options)
     except (ImportError, ValueError) as err:
@@ -70,8 +70,8 @@ def transient(err: BaseException) -> bool:
 
 def reason(err: BaseException) -> str:
     """An error in a few words."""
-    text = getattr(err, "strerror", None) or str(err) or type(err).__name__
-    return " ".join(str(text).split())[:200]
+    text = " ".join(str(getattr(err, "strerror", None) or err or type(err).__name__).split())[:200]
+    return f"access denied: {text}" if isinstance(err, PermissionError) else text
 
 
 def retrying(what: str, url: str, call: Callable[[], T]) -> T:
