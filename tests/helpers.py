@@ -19,6 +19,7 @@ import sys
 import time
 import types
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import cv2
@@ -72,6 +73,37 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def s3_server() -> Iterator[dict[str, str]]:
+    """moto's S3-compatible server as a real HTTP server in a subprocess on a free port; yields the standard
+    environment that points the app at it (AWS_ENDPOINT_URL and test credentials)."""
+    port = free_port()
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=script_env())
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            assert server.poll() is None and time.monotonic() < deadline, "moto's server did not start"
+            time.sleep(0.05)
+        yield env
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def s3_auth(env: dict[str, str], on: bool) -> None:
+    """Make the moto server check credentials (then it knows none: every key is a wrong one), or stop checking."""
+    import urllib.request
+
+    request = urllib.request.Request(f"{env['AWS_ENDPOINT_URL']}/moto-api/reset-auth", method="POST",
+                                     data=b"0" if on else b"inf", headers={"Content-Type": "text/plain"})
+    urllib.request.urlopen(request, timeout=10).close()
 
 
 def script_env(**extra: str) -> dict[str, str]:
