@@ -29,6 +29,7 @@ import os
 import struct
 import tempfile
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import quote
 
@@ -41,6 +42,7 @@ from core.store import download, is_url, read_bytes
 from data.datasets import AugmentedDataset, IMAGE_EXTENSIONS, decode_image, multi_hot, shared_labels
 
 log = logging.getLogger(__name__)
+PREFETCH = 4  # shards at a URL copied ahead of the one read, each in a thread (the network overlaps decoding)
 OPEN_SHARDS = 64  # file descriptors each process keeps open (least recently used closed first)
 REWRITE = "write them again with python -m data.make_shards"
 
@@ -106,12 +108,13 @@ def fetch(url: str, local: str) -> str:
 
 
 def trim_cache(folder: str, limit_bytes: float, keep: str) -> None:
-    """Remove the least recently used shards copied from URLs (names holding a quoted '://') from `folder` until
-    they fit in `limit_bytes`, never `keep` (the one in use). A process reading a removed shard keeps its open
+    """Remove the least recently used shards copied from URLs (names holding a quoted '://'; copies under way, .part,
+    stay) from `folder` until they fit in `limit_bytes`, never `keep` (the one in use). A process reading a removed shard keeps its open
     descriptor; the next to open it copies it again."""
     shards = []
     for entry in os.scandir(folder):
-        if "%3A%2F%2F" in entry.name and entry.is_file() and entry.path != keep:
+        ours = "%3A%2F%2F" in entry.name and not entry.name.endswith(".part")
+        if ours and entry.is_file() and entry.path != keep:
             stat = entry.stat()
             shards.append((stat.st_mtime, stat.st_size, entry.path))
     total = sum(size for _, size, _ in shards) + os.path.getsize(keep)
@@ -208,19 +211,35 @@ class ShardDataset(AugmentedDataset):
         self.members: dict[int, np.ndarray] = {}  # shard -> per-sample (image offset, size, path offset, size)
         self.files: OrderedDict[int, int] = OrderedDict()  # shard -> open file descriptor
         self.pid = os.getpid()
+        self.copies: tuple[int, ThreadPoolExecutor, dict[int, Future]] | None = None  # (pid, threads, shard -> copy)
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "files": OrderedDict()}  # descriptors stay with their process
+        return {**self.__dict__, "files": OrderedDict(), "copies": None}  # descriptors and threads stay here
 
     def locate(self, index: int) -> tuple[int, int]:
         shard = int(np.searchsorted(self.starts, index, side="right")) - 1
         return shard, index - int(self.starts[shard])
 
     def local_path(self, shard: int) -> str:
-        url = self.urls[shard]
-        if not is_url(url):
-            return url
-        local = os.path.join(self.cache_dir, quote(url, safe="+-"))
+        """The shard's file: itself, or (a URL) its copy in the cache, the next PREFETCH shards copied meanwhile."""
+        if not is_url(self.urls[shard]):
+            return self.urls[shard]
+        if self.copies is None or self.copies[0] != os.getpid():  # threads do not survive a fork
+            self.copies = (os.getpid(), ThreadPoolExecutor(PREFETCH, thread_name_prefix="shard-copy"), {})
+        _, pool, pending = self.copies
+        for ahead in {(shard + step) % len(self.urls) for step in range(1, PREFETCH + 1)} - {shard}:
+            if ahead not in pending and not os.path.exists(self.cached(ahead)):
+                pending[ahead] = pool.submit(self.copy, ahead)
+        if (copying := pending.pop(shard, None)) is not None:
+            copying.result()  # its error, if any, is this sample's
+        return self.copy(shard)  # (again, if the cache removed it meanwhile)
+
+    def cached(self, shard: int) -> str:
+        return os.path.join(self.cache_dir, quote(self.urls[shard], safe="+-"))
+
+    def copy(self, shard: int) -> str:
+        """The shard at a URL copied into the cache (once), the cache trimmed to its bound after a new copy."""
+        url, local = self.urls[shard], self.cached(shard)
         fresh = not os.path.exists(local)
         try:
             fetch(url, local)
