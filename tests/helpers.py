@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -95,6 +96,40 @@ def s3_server() -> Iterator[dict[str, str]]:
     finally:
         server.terminate()
         server.wait(30)
+
+
+class CuttableLink:
+    """A TCP relay on a free port of 127.0.0.1 to `target_port`, in threads: a real network path to a server that
+    `cut()` takes away (open connections closed, new ones refused), while the server itself keeps its data."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target, self.listener = target_port, socket.create_server(("127.0.0.1", 0))
+        self.port, self.open = self.listener.getsockname()[1], []
+        threading.Thread(target=self.accept, daemon=True).start()
+
+    def accept(self) -> None:
+        with contextlib.suppress(OSError):  # the listener closed by cut()
+            while True:
+                client, _ = self.listener.accept()
+                server = socket.create_connection(("127.0.0.1", self.target))
+                self.open += [client, server]
+                for a, b in ((client, server), (server, client)):
+                    threading.Thread(target=self.pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def pipe(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+    def cut(self) -> None:
+        self.listener.close()
+        for sock in self.open:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
 
 
 def s3_auth(env: dict[str, str], on: bool) -> None:

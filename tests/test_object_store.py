@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +26,8 @@ from data import make_shards
 from data.shards import ShardDataset
 from engine.checkpoint.formats import load_checkpoint
 from tests.compare import assert_same
-from tests.helpers import HANG, REPO, TINY, free_port, last_error, make_image_folder, s3_auth, script_env
+from tests.helpers import (HANG, REPO, TINY, CuttableLink, free_port, last_error, make_image_folder, s3_auth,
+                           script_env)
 
 COUNTS = {"train": {"a": 7, "b": 5, "c": 6}, "val": {"a": 3, "b": 4, "c": 4}}  # 18 train, 11 val images
 
@@ -124,9 +127,10 @@ def test_wrong_credentials_are_one_line(on_s3, bucket, capsys):
 @pytest.mark.slow
 def test_a_run_on_s3_killed_after_its_first_epoch_continues_bitwise_and_evaluates_its_best(on_s3, bucket, tmp_path,
                                                                                          capsys):
-    """output_dir=s3://: the run, a copy SIGKILLed once its first epoch's last.pth is on the server then run again
-    (its lock object left behind: the dead process's, taken over), equal bit for bit; another config refused in one
-    line naming the URL; evaluate.py on s3://.../best.pth prints the run's best val_top1."""
+    """output_dir=s3://: the run, and a copy SIGKILLed once its first epoch's last.pth is on the server then run again
+    (its lock object left behind: the dead process's, taken over), equal bit for bit; while the copy ran a second run
+    into its URL was refused in one line naming the owner; another config is refused in one line naming the URL;
+    evaluate.py on s3://.../best.pth prints the run's best val_top1."""
     fs = s3fs_for(on_s3)
     assert report_errors(train.main, run_args(bucket, "straight")) == 0
     (tmp_path / "killed").mkdir()
@@ -135,6 +139,12 @@ def test_a_run_on_s3_killed_after_its_first_epoch_continues_bitwise_and_evaluate
                             stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + HANG
+        while not fs.exists(f"{bucket}/killed/.lock"):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.returncode
+            time.sleep(0.02)
+        line = last_error(capsys, report_errors(train.main, run_args(bucket, "killed")))  # a second run meanwhile
+        assert line.startswith(f"error: output_dir s3://{bucket}/killed is in use by another run (process {proc.pid} "
+                               f"on {socket.gethostname()})"), line
         while not fs.exists(f"{bucket}/killed/last.pth"):
             assert proc.poll() is None and time.monotonic() < deadline, proc.returncode
             time.sleep(0.05)
@@ -155,6 +165,34 @@ def test_a_run_on_s3_killed_after_its_first_epoch_continues_bitwise_and_evaluate
     rows = [json.loads(row) for row in fs.cat(f"{bucket}/straight/metrics.jsonl").decode().splitlines()]
     assert report_errors(evaluate.main, [f"s3://{bucket}/straight/best.pth", "--output-dir", "eval"]) == 0
     assert json.loads(Path("eval/eval.json").read_text())["top1"] == max(row["val_top1"] for row in rows)
+
+
+@pytest.mark.slow
+def test_a_run_that_loses_the_server_mid_run_stops_in_one_line_and_the_url_keeps_a_whole_checkpoint(
+        on_s3, bucket, monkeypatch, capsys, tmp_path):
+    """The app reaches the server through a TCP relay that is cut once the first last.pth is up: the next upload is
+    retried, then the run stops in one line naming the URL; the server's last.pth (never overwritten by a partial
+    upload) loads whole with weights_only and continues the run."""
+    fs = s3fs_for(on_s3)
+    link = CuttableLink(int(on_s3["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{link.port}")
+    monkeypatch.setattr(store, "BACKOFF_S", 0.01)
+
+    def cut_once_checkpointed() -> None:
+        while not fs.exists(f"{bucket}/lost/last.pth"):
+            time.sleep(0.02)
+        link.cut()
+
+    threading.Thread(target=cut_once_checkpointed, daemon=True).start()
+    line = last_error(capsys, report_errors(train.main, run_args(bucket, "lost", "train.epochs=20")))
+    assert line.startswith(f"error: cannot write s3://{bucket}/lost/") and "no answer after 4 tries" in line, line
+    kept = load_checkpoint(fetch(fs, f"{bucket}/lost/last.pth", tmp_path / "last.pth"))
+    assert 1 <= kept["epoch"] < 20
+    monkeypatch.setenv("AWS_ENDPOINT_URL", on_s3["AWS_ENDPOINT_URL"])  # the server back: the run continues
+    s3fs_for(on_s3)  # (fsspec's cached filesystem still names the relay)
+    monkeypatch.chdir(tmp_path)
+    assert report_errors(train.main, run_args(bucket, "lost", "train.epochs=20", "train.max_steps=" +
+                                              str(4 * (kept["epoch"] + 1)))) == 0
 
 
 def fetch(fs, key: str, local: Path) -> Path:

@@ -36,6 +36,7 @@ LOCK_REFRESH_S = 60.0
 LOCK_STALE_S = 600.0  # a lock object not refreshed for this long is a dead run's (another host's: no pid to ask)
 LAST = ("best.pth", "last.pth")  # uploaded after every other file, in this order: a checkpoint never precedes its row
 SMALL = 1 << 20  # a checkpoint's run-folder files copied beside it when read from a URL (config.yaml, val.txt, ...)
+_live_tokens: set[str] = set()  # the lock objects this process holds now
 _staged: dict[str, str] = {}  # staging folder -> the URL it mirrors (config.yaml names the URL)
 
 
@@ -91,13 +92,17 @@ class LockObject:
         if held is not None:
             log.info("output_dir: taking over the stale lock of process %s on %s", held.get("pid"), held.get("host"))
         self.write()
+        _live_tokens.add(self.token)
         if (self.owner() or {}).get("token") != self.token:
             raise UserError(f"output_dir {self.url.rsplit('/', 1)[0]} was locked by another run at the same moment; "
                             "wait for it to end, or choose another output_dir")
 
     def stale(self, held: dict) -> bool:
+        """A dead owner's: its process gone (this host), or this process's own from a run it no longer holds (one
+        that lost the server), or not refreshed for LOCK_STALE_S (another host)."""
         if held.get("host") == socket.gethostname():
-            return not running_here(int(held.get("pid", 0)))
+            pid = int(held.get("pid", 0))
+            return not running_here(pid) or (pid == os.getpid() and held.get("token") not in _live_tokens)
         return time.time() - float(held.get("time", 0)) > LOCK_STALE_S
 
     def write(self) -> None:
@@ -115,6 +120,7 @@ class LockObject:
     def release(self) -> None:
         """Remove the lock object if it is still this run's."""
         self.stop.set()
+        _live_tokens.discard(self.token)
         try:
             if (self.owner() or {}).get("token") == self.token:
                 retrying("write", self.url, lambda: self.fs.rm_file(self.path))
