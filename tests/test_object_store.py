@@ -124,6 +124,13 @@ def test_wrong_credentials_are_one_line(on_s3, bucket, capsys):
                     "credentials in the environment (AWS_ACCESS_KEY_ID, AWS_PROFILE, ...)"), line
 
 
+def test_a_sharded_checkpoint_to_a_url_is_refused_in_one_line(on_s3, bucket, capsys):
+    """train.ckpt_format=sharded (last.dcp/, a folder of files) is not written to object storage yet: one line."""
+    line = last_error(capsys, report_errors(train.main, run_args(bucket, "dcp", "train.ckpt_format=sharded")))
+    assert line == (f"error: train.ckpt_format=sharded with output_dir s3://{bucket}/dcp: a sharded last.dcp/ is not "
+                    "written to object storage yet; use train.ckpt_format=file there"), line
+
+
 @pytest.mark.slow
 def test_a_run_on_s3_killed_after_its_first_epoch_continues_bitwise_and_evaluates_its_best(on_s3, bucket, tmp_path,
                                                                                          capsys):

@@ -120,6 +120,7 @@ class LockObject:
     def release(self) -> None:
         """Remove the lock object if it is still this run's."""
         self.stop.set()
+        self.thread.join()  # a refresh under way ends first: it cannot put the object back after its removal
         _live_tokens.discard(self.token)
         try:
             if (self.owner() or {}).get("token") == self.token:
@@ -168,6 +169,8 @@ class RunStore:
             target.parent.mkdir(parents=True, exist_ok=True)
             download(join(self.url, rel), str(target))
             self.sent[rel] = signature(target)
+        log.info("output_dir %s: the run works in %s (%d file(s) copied from the URL)", self.url, self.local,
+                 len(self.sent))
 
     def changed(self) -> list[str]:
         """The staging files that differ from the URL's, the checkpoints last."""
