@@ -70,13 +70,14 @@ def transient(err: BaseException) -> bool:
 
 def reason(err: BaseException) -> str:
     """An error in a few words."""
-    text = " ".join(str(getattr(err, "strerror", None) or err or type(err).__name__).split())[:200]
+    text = " ".join(str(getattr(err, "strerror", None) or err).split())[:200] or type(err).__name__
     return f"access denied: {text}" if isinstance(err, PermissionError) else text
 
 
 def retrying(what: str, url: str, call: Callable[[], T]) -> T:
     """`call()`, retried after a transient error (counted); else one line: cannot <what> <url> (...)."""
-    for attempt in range(ATTEMPTS):
+    attempt = 1
+    while True:
         try:
             return call()
         except UserError:
@@ -84,15 +85,15 @@ def retrying(what: str, url: str, call: Callable[[], T]) -> T:
         except Exception as err:  # noqa: BLE001 - every backend raises its own types; classified below
             if not transient(err):
                 raise UserError(f"cannot {what} {url} ({reason(err)}); {CREDENTIALS}") from None
-            if attempt == ATTEMPTS - 1:
+            if attempt == ATTEMPTS:
                 raise UserError(f"cannot {what} {url}: no answer after {ATTEMPTS} tries ({reason(err)}); check "
                                 "that the storage server is reachable (AWS_ENDPOINT_URL) and try again") from None
-            wait = BACKOFF_S * 2 ** attempt
+            wait = BACKOFF_S * 2 ** (attempt - 1)
             RETRIES[urlparse(url).scheme] += 1
-            log.warning("%s %s failed (%s); retry %d of %d in %.0f s", what, url, reason(err), attempt + 1,
+            log.warning("%s %s failed (%s); retry %d of %d in %.0f s", what, url, reason(err), attempt,
                         ATTEMPTS - 1, wait)
             time.sleep(wait)
-    raise AssertionError("unreachable")
+            attempt += 1
 
 
 def download(url: str, local: str, what: str = "read") -> str:

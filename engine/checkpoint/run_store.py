@@ -84,6 +84,7 @@ class LockObject:
             return None  # cut short: no live run wrote it whole
 
     def acquire(self) -> None:
+        """Take the lock, or refuse in one line while a live run holds it."""
         held = self.owner()
         if held is not None and not self.stale(held):
             raise UserError(f"output_dir {self.url.rsplit('/', 1)[0]} is in use by another run (process "
@@ -106,11 +107,13 @@ class LockObject:
         return time.time() - float(held.get("time", 0)) > LOCK_STALE_S
 
     def write(self) -> None:
+        """The lock object, with the time now (its refresh)."""
         text = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
                            "token": self.token})
         retrying("write", self.url, lambda: self.fs.pipe_file(self.path, text.encode()))
 
     def refresh(self) -> None:
+        """Rewrite the lock every LOCK_REFRESH_S until released: another host sees the run alive."""
         while not self.stop.wait(LOCK_REFRESH_S):
             try:
                 self.write()
@@ -195,6 +198,7 @@ class RunStore:
 
 
 def signature(path: Path) -> tuple[int, int]:
+    """(size, mtime_ns): what tells a file rewritten since its upload."""
     found = path.stat()
     return found.st_size, found.st_mtime_ns
 
