@@ -25,6 +25,7 @@ from core.errors import UserError
 from data import make_shards
 from data.shards import ShardDataset
 from engine.checkpoint.formats import load_checkpoint
+from engine.checkpoint.run_store import fetched, fetched_folder
 from tests.compare import assert_same
 from tests.helpers import (HANG, REPO, TINY, CuttableLink, free_port, last_error, make_image_folder, s3_auth,
                            script_env)
@@ -122,6 +123,25 @@ def test_wrong_credentials_are_one_line(on_s3, bucket, capsys):
         s3_auth(on_s3, False)
     assert line == (f"error: cannot read s3://{bucket}/denied/.lock (access denied: Forbidden); check the URL and the "
                     "credentials in the environment (AWS_ACCESS_KEY_ID, AWS_PROFILE, ...)"), line
+
+
+def test_a_checkpoint_at_a_url_is_read_through_a_local_copy_with_its_run_files(on_s3, bucket):
+    """What evaluate.py, predict.py, export.py (fetched) and average_checkpoints.py (fetched_folder) read from a URL:
+    the checkpoint copied byte for byte with its run folder's small files, not its other checkpoints; a local path as
+    it is; a sharded folder refused in one line."""
+    fs = s3fs_for(on_s3)
+    files = {"best.pth": b"B" * 100, "last.pth": b"L" * 100, "config.yaml": b"seed: 0\n", "epoch_0001.pth": b"E"}
+    for name, data in files.items():
+        fs.pipe(f"{bucket}/run/{name}", data)
+    fs.pipe(f"{bucket}/run/last.dcp/.metadata", b"M")
+    local = Path(fetched(f"s3://{bucket}/run/best.pth"))
+    assert local.read_bytes() == files["best.pth"] and (local.parent / "config.yaml").read_bytes() == b"seed: 0\n"
+    assert sorted(p.name for p in local.parent.iterdir()) == ["best.pth", "config.yaml"]
+    assert fetched("runs/x/best.pth") == "runs/x/best.pth"
+    with pytest.raises(UserError, match=rf"^s3://{bucket}/run/last.dcp is a folder \(a sharded checkpoint\)"):
+        fetched(f"s3://{bucket}/run/last.dcp")
+    epochs = fetched_folder(f"s3://{bucket}/run", lambda name, size: name.startswith("epoch_"))
+    assert epochs == local.parent and (epochs / "epoch_0001.pth").read_bytes() == b"E"
 
 
 def test_a_sharded_checkpoint_to_a_url_is_refused_in_one_line(on_s3, bucket, capsys):

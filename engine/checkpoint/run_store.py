@@ -35,7 +35,7 @@ LOCK = ".lock"
 LOCK_REFRESH_S = 60.0
 LOCK_STALE_S = 600.0  # a lock object not refreshed for this long is a dead run's (another host's: no pid to ask)
 LAST = ("best.pth", "last.pth")  # uploaded after every other file, in this order: a checkpoint never precedes its row
-SMALL = 1 << 20  # a checkpoint's run-folder files copied beside it when read from a URL (config.yaml, val.txt, ...)
+SMALL = 1 << 20  # a checkpoint's run-folder files copied beside it from a URL (config.yaml, val.txt; no .pth)
 _live_tokens: set[str] = set()  # the lock objects this process holds now
 _staged: dict[str, str] = {}  # staging folder -> the URL it mirrors (config.yaml names the URL)
 
@@ -213,7 +213,7 @@ def fetched(checkpoint: str) -> str:
     if retrying("read", checkpoint, lambda: fs.isdir(f"{root.rstrip('/')}/{name}")):
         raise UserError(f"{checkpoint} is a folder (a sharded checkpoint): reading last.dcp from a URL is not "
                         "supported yet; copy it to a local folder and give that")
-    local = fetched_folder(folder_url, lambda other, size: other != name and size <= SMALL)
+    local = fetched_folder(folder_url, lambda other, size: size <= SMALL and not other.endswith(".pth"))
     return download(checkpoint, str(local / name), "read checkpoint")
 
 
