@@ -14,7 +14,8 @@ and prints to stderr whenever it is built. wids' parts are used instead: the ind
 resolution (wids_specs) and the tar member index (wids_mmtar). Local shards are read in place; shards at a URL
 (s3://, gs://, https://, file://: any fsspec URL, through core/store.py's retries and one-line errors; pipe: through
 wids' downloader) are copied whole into data.shard_cache on first touch and read there, the least recently used
-removed past data.shard_cache_gb. Copied, not streamed: the EpochSampler reads samples in random order, and a
+removed past data.shard_cache_gb; where the split's shards all fit there, the next PREFETCH shards are copied in
+threads while one is read. Copied, not streamed: the EpochSampler reads samples in random order, and a
 shard once local serves every later epoch at disk speed (benchmarks/object_store.py measures both sides).
 Each process indexes a shard on first touch into four int64 numbers per sample and then reads members
 with os.pread, so fully random access (the EpochSampler's order) never re-parses a shard.
@@ -42,7 +43,7 @@ from core.store import download, is_url, read_bytes
 from data.datasets import AugmentedDataset, IMAGE_EXTENSIONS, decode_image, multi_hot, shared_labels
 
 log = logging.getLogger(__name__)
-PREFETCH = 4  # shards at a URL copied ahead of the one read, each in a thread (the network overlaps decoding)
+PREFETCH = 4  # shards at a URL copied ahead of the one read, in threads (the network overlaps decoding), if all fit
 OPEN_SHARDS = 64  # file descriptors each process keeps open (least recently used closed first)
 REWRITE = "write them again with python -m data.make_shards"
 
@@ -109,8 +110,8 @@ def fetch(url: str, local: str) -> str:
 
 def trim_cache(folder: str, limit_bytes: float, keep: str) -> None:
     """Remove the least recently used shards copied from URLs (names holding a quoted '://'; copies under way, .part,
-    stay) from `folder` until they fit in `limit_bytes`, never `keep` (the one in use). A process reading a removed shard keeps its open
-    descriptor; the next to open it copies it again."""
+    stay) from `folder` until they fit in `limit_bytes`, never `keep` (the one in use). A process reading a removed
+    shard keeps its open descriptor; the next to open it copies it again."""
     shards = []
     for entry in os.scandir(folder):
         ours = "%3A%2F%2F" in entry.name and not entry.name.endswith(".part")
@@ -227,12 +228,18 @@ class ShardDataset(AugmentedDataset):
         if self.copies is None or self.copies[0] != os.getpid():  # threads do not survive a fork
             self.copies = (os.getpid(), ThreadPoolExecutor(PREFETCH, thread_name_prefix="shard-copy"), {})
         _, pool, pending = self.copies
-        for ahead in {(shard + step) % len(self.urls) for step in range(1, PREFETCH + 1)} - {shard}:
+        for ahead in self.ahead(shard):
             if ahead not in pending and not os.path.exists(self.cached(ahead)):
                 pending[ahead] = pool.submit(self.copy, ahead)
         if (copying := pending.pop(shard, None)) is not None:
             copying.result()  # its error, if any, is this sample's
         return self.copy(shard)  # (again, if the cache removed it meanwhile)
+
+    def ahead(self, shard: int) -> set[int]:
+        """The shards to copy ahead of `shard`: the next PREFETCH, where every shard fits in the cache (else a copy
+        ahead would push out one still to be read: each is copied when read)."""
+        fits = None not in self.sizes and sum(self.sizes) <= self.cache_bytes
+        return {(shard + step) % len(self.urls) for step in range(1, PREFETCH + 1)} - {shard} if fits else set()
 
     def cached(self, shard: int) -> str:
         return os.path.join(self.cache_dir, quote(self.urls[shard], safe="+-"))
