@@ -13,7 +13,9 @@ import torch
 
 from core.errors import UserError
 from core.files import check_folder, check_replaceable, replace_with, save_atomic, temp_beside
+from core.store import is_url
 from engine.checkpoint.formats import load_checkpoint
+from engine.checkpoint.run_store import fetched_folder
 
 EPOCH_FILE = re.compile(r"epoch_(\d+)\.pth")
 EXPECTED = "an averaged checkpoint written by average_checkpoints.py"
@@ -25,6 +27,8 @@ def average_command(args: argparse.Namespace) -> int:
     if args.last < 0:
         raise UserError(f"--last must be >= 0 (0: every kept epoch file), got {args.last}")
     run_dir = Path(args.run_dir)
+    if is_url(args.run_dir):  # its epoch files copied to their local mirror (engine/checkpoint/run_store.py)
+        run_dir = fetched_folder(args.run_dir, lambda name, size: bool(EPOCH_FILE.fullmatch(name)))
     out = Path(args.output) if args.output else run_dir / "averaged.pth"
     paths = epoch_files(run_dir, args.last)
     check_folder(out, "--output")

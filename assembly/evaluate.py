@@ -25,6 +25,7 @@ from data.loader import build_eval_loader, build_val_dataset
 from data.split import FILES, saved_split
 from data.transforms import DeviceNormalize, eval_size, eval_transform
 from engine.checkpoint.inference import Trained, ema_hint, precision_line
+from engine.checkpoint.run_store import fetched
 from engine.checkpoint.weights import MODEL_CONFIG
 from engine.evaluation import (best_thresholds, confidence_and_loss, evaluate, evaluate_multilabel,
                                multilabel_metrics)
@@ -429,6 +430,7 @@ def evaluated(args: argparse.Namespace) -> dict[str, Any] | None:
 
 def evaluate_command(args: argparse.Namespace) -> int:
     """evaluate.py on every rank, after its arguments are parsed; rank 0 prints the summary."""
+    args.checkpoint = fetched(args.checkpoint)  # a URL: copied to its local mirror (engine/checkpoint/run_store.py)
     result = evaluated(args)
     if result is not None:
         print("\n".join(summary_lines(result)))

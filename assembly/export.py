@@ -33,6 +33,7 @@ from data.split import saved_split
 from data.transforms import DeviceNormalize, eval_size, eval_transform
 from engine.checkpoint.inference import ema_hint
 from engine.checkpoint.inference import PIPELINE_NAMES, Trained
+from engine.checkpoint.run_store import fetched
 from engine.checkpoint.weights import MODEL_CONFIG, MODEL_WEIGHTS
 
 log = logging.getLogger(__name__)
@@ -306,6 +307,7 @@ def export_command(args: argparse.Namespace) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if args.check_batch < 1:
         raise UserError(f"--check-batch must be >= 1, got {args.check_batch}")
+    args.checkpoint = fetched(args.checkpoint)  # a URL: copied to its local mirror (engine/checkpoint/run_store.py)
     checkpoint = Path(args.checkpoint)
     out = Path(args.output) if args.output else checkpoint.parent / f"{checkpoint.stem}{SUFFIXES[args.format]}"
     check_output(out, checkpoint, args.format)  # before any work: nothing at --output is lost

@@ -47,16 +47,58 @@ def train(config: str | None, overrides: list[str], print_config: bool = False, 
     from assembly.run import dry_run
 
     if dry:
-        summary = dry_run(cfg, info)
+        with staged(cfg, dry=True) as (cfg, _):
+            summary = dry_run(cfg, info)
         if info.is_main:
             print(summary)
         return 0
-    with run_folder(cfg) as lock:
+    with staged(cfg) as (cfg, uploads), run_folder(cfg) as lock:
         if lr_test:
             find_lr(cfg, info)
         else:
-            fit(cfg, info, lock, hooks)  # report_errors leaves the process group, after reporting any error
+            fit(cfg, info, lock, [*hooks, *uploads])  # report_errors leaves the process group after reporting an error
     return 0
+
+
+@contextlib.contextmanager
+def staged(cfg: Config, dry: bool = False) -> Iterator[tuple[Config, list[Hook]]]:
+    """An output_dir at a URL: cfg with its local staging folder (engine/checkpoint/run_store.py), the run's lock
+    object held on rank 0, the run copied there first and uploaded after each validation and at the end (the hook
+    to add); a dry run reads a copy in a temporary folder. A local output_dir is yielded as it is."""
+    from core.dist import rank0_decides
+    from core.store import is_url
+
+    if not is_url(cfg.output_dir):
+        yield cfg, []
+        return
+    import tempfile
+
+    from engine.checkpoint.run_store import LockObject, RunStore
+    from engine.hooks import Upload
+
+    if cfg.train.ckpt_format == "sharded":
+        raise UserError(f"train.ckpt_format=sharded with output_dir {cfg.output_dir}: a sharded last.dcp/ is not "
+                        "written to object storage yet; use train.ckpt_format=file there", all_ranks=True)
+    with contextlib.ExitStack() as stack:
+        local = Path(stack.enter_context(tempfile.TemporaryDirectory())) if dry else None
+        store = RunStore(cfg.output_dir, local)
+        held: list[LockObject] = []
+        rank0_decides(lambda: held.append(LockObject(store.url)) if not dry else None)
+        stack.callback(lambda: [lock.release() for lock in held])
+        rank0_decides(store.pull)
+        cfg = with_derived(cfg, output_dir=str(store.local), resume=store.resume_path(cfg.resume))
+        try:
+            yield cfg, [Upload(store)]
+        except BaseException as err:
+            if held and not store.broken:  # the last good files reach the URL, whatever stopped the run
+                with contextlib.suppress(UserError):
+                    store.push()
+            if isinstance(err, UserError):  # named as the user named it: the URL, not the staging folder
+                raise type(err)(str(err).replace(str(store.local), store.url), all_ranks=err.all_ranks,
+                                before_group=err.before_group) from None
+            raise
+        if not dry:
+            rank0_decides(store.push)
 
 
 def start_training(cfg: Config, config: str | dict | None) -> tuple[DistInfo, Config]:

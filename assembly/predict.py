@@ -19,6 +19,7 @@ from data.datasets import ImageListDataset, find_images
 from data.loader import build_eval_loader, collate_channels_last
 from data.transforms import DeviceNormalize, eval_size, eval_transform
 from engine.checkpoint.inference import Trained, ema_hint, precision_line
+from engine.checkpoint.run_store import fetched
 from engine.evaluation import exact_kernels
 from engine.precision import Precision, resolve_precision
 from models.tta import CROPS, TTAModel, describe
@@ -193,6 +194,7 @@ def run(trained: Trained, cfg: Config, args: argparse.Namespace, info: DistInfo)
 
 def predict_command(args: argparse.Namespace) -> int:
     """predict.py on every rank, after its arguments are parsed; rank 0 says what it wrote."""
+    args.checkpoint = fetched(args.checkpoint)  # a URL: copied to its local mirror (engine/checkpoint/run_store.py)
     trained, cfg = open_trained(args.checkpoint, args.ema, settings(args))
     info = start_processes(cfg)
     if (hint := ema_hint(trained.source, trained.best_metric, args.ema)) and info.is_main:

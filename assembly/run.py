@@ -25,6 +25,7 @@ from data.loader import DataBundle, full_epoch_images
 from data.pipeline import pipeline_copies
 from engine.checkpoint.resume import Resume
 from engine.checkpoint.run_dir import FolderLock, RunRecord, check_writable
+from engine.checkpoint.run_store import url_of
 from engine.checkpoint.saver import Checkpointer
 from engine.evaluation import validation_precision
 from engine.hooks import (BestArtifact, CloseEpoch, Curves, EmaUpdate, EpochCheckpoint, EpochInputs, FinishSinks, Hook,
@@ -164,7 +165,8 @@ def open_outputs(run: Run, lock: FolderLock | None) -> RunOutputs:
     (record.start): a run that fails to start leaves the previous run's config.yaml, metrics.jsonl and checkpoints
     as they were."""
     cfg, data, start, state, out = run.cfg, run.data, run.start, run.state, Path(run.cfg.output_dir)
-    record = RunRecord(out, to_dict(cfg), first_epoch=state.epoch, first_step=state.global_step, lock=lock,
+    config = {**to_dict(cfg), "output_dir": url_of(cfg.output_dir)}  # a URL's, not its staging folder's
+    record = RunRecord(out, config, first_epoch=state.epoch, first_step=state.global_step, lock=lock,
                        files={**(data.split.files() if data.split else {}),  # data.val_fraction's lists
                               **pipeline_copies(cfg.data)})  # data.train_transform / eval_transform files
     tracker = WandbTracker(cfg.logging, run.info.is_main)  # W&B on rank 0; never raises

@@ -119,6 +119,10 @@ class DataConfig:
     shard_cache: str = key("",
                            'wds: folder for shards read from URLs; "" = $WIDS_CACHE or /tmp/_wids_cache',
                            continues=True)
+    shard_cache_gb: float = key(20.0,
+                                "wds: the most data.shard_cache holds of shards copied from URLs (GB, 1e9 bytes); "
+                                "past it the least recently used are removed",
+                                within="> 0", continues=True)
     img_size: int = key(32, "train crop size (pixels)", within="> 0", first=7)
     crop_pct: float = key(0.875, "eval: resize to img_size / crop_pct, centre crop; unset: model.init_from weights'")
     val_img_size: int = key(0,

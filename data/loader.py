@@ -293,7 +293,8 @@ def build_split(cfg: DataConfig, split: str, transform: A.Compose, seed: int, cl
     max_pixels = cfg.max_image_pixels
     if cfg.name == "wds":
         return ShardDataset(split_index(cfg.root, split), transform, seed, classes, skip_corrupt=skip_corrupt,
-                            max_pixels=max_pixels, cache_dir=cfg.shard_cache, multi_label=cfg.multi_label)
+                            max_pixels=max_pixels, cache_dir=cfg.shard_cache, multi_label=cfg.multi_label,
+                            cache_gb=cfg.shard_cache_gb)
     if cfg.name == "hf":
         return HFDataset(cfg.root, split, transform, seed, classes, image_column=cfg.image_column,
                          label_column=cfg.label_column, path_column=cfg.path_column, skip_corrupt=skip_corrupt,

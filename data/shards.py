@@ -11,31 +11,39 @@ and its .cls member holds them separated by spaces (empty: no labels).
 
 Why not wids.ShardListDataset itself: it copies every local shard into /tmp/_wids_cache before reading it
 and prints to stderr whenever it is built. wids' parts are used instead: the index format and its URL
-resolution (wids_specs), the downloader for other URL schemes (wids_dl: file://, http(s)://, s3://, gs://,
-pipe:, into data.shard_cache) and the tar member index (wids_mmtar). Local shards are read in place.
+resolution (wids_specs) and the tar member index (wids_mmtar). Local shards are read in place; shards at a URL
+(s3://, gs://, https://, file://: any fsspec URL, through core/store.py's retries and one-line errors; pipe: through
+wids' downloader) are copied whole into data.shard_cache on first touch and read there, the least recently used
+removed past data.shard_cache_gb; where the split's shards all fit there, the next PREFETCH shards are copied in
+threads while one is read. Copied, not streamed: the EpochSampler reads samples in random order, and a
+shard once local serves every later epoch at disk speed (benchmarks/object_store.py measures both sides).
 Each process indexes a shard on first touch into four int64 numbers per sample and then reads members
 with os.pread, so fully random access (the EpochSampler's order) never re-parses a shard.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import struct
 import tempfile
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from urllib.parse import quote, urlparse
+from urllib.parse import quote
 
 import albumentations as A
 import numpy as np
 
 from core.config import DataConfig
 from core.errors import UserError
+from core.store import download, is_url, read_bytes
 from data.datasets import AugmentedDataset, IMAGE_EXTENSIONS, decode_image, multi_hot, shared_labels
 
 log = logging.getLogger(__name__)
+PREFETCH = 4  # shards at a URL copied ahead of the one read, in threads (the network overlaps decoding), if all fit
 OPEN_SHARDS = 64  # file descriptors each process keeps open (least recently used closed first)
 REWRITE = "write them again with python -m data.make_shards"
 
@@ -45,19 +53,16 @@ def split_index(root: str, split: str) -> str:
     return f"{root.rstrip('/')}/{split}.json" if is_url(root) else str(Path(root) / f"{split}.json")
 
 
-def is_url(name: str) -> bool:
-    """A URL (file://, https://, s3://, pipe:...) rather than a local path."""
-    return name.startswith("pipe:") or len(urlparse(name).scheme) > 1  # (not a Windows drive letter)
-
-
 def read_index(index: str, cache_dir: str) -> dict:
     """The index with its shard URLs resolved; a missing or broken index is a one-line error."""
     from wids.wids_specs import resolve_dsdesc, urldir
 
     try:
-        if is_url(index):
+        if index.startswith("pipe:"):
             with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
                 text = Path(fetch(index, os.path.join(tmp, "index.json"))).read_text()
+        elif is_url(index):
+            text = read_bytes(index, "read shard index").decode()
         else:
             text = Path(index).read_text()
     except (OSError, AssertionError, ValueError) as err:
@@ -91,11 +96,35 @@ def read_index(index: str, cache_dir: str) -> dict:
 
 
 def fetch(url: str, local: str) -> str:
-    """Download url to local with wids' downloader (once: a later call finds the file)."""
+    """Copy url to local once (a later call finds the file): fsspec's URLs through core/store, pipe: through wids."""
+    if os.path.exists(local):
+        os.utime(local)  # used now: the cache removes the least recently used first
+        return local
+    if not url.startswith("pipe:"):
+        return download(url, local, "read shard")
     from wids.wids_dl import download_and_open
 
     with download_and_open(url, local):
         return local
+
+
+def trim_cache(folder: str, limit_bytes: float, keep: str) -> None:
+    """Remove the least recently used shards copied from URLs (names holding a quoted '://'; copies under way, .part,
+    stay) from `folder` until they fit in `limit_bytes`, never `keep` (the one in use). A process reading a removed
+    shard keeps its open descriptor; the next to open it copies it again."""
+    shards = []
+    for entry in os.scandir(folder):
+        ours = "%3A%2F%2F" in entry.name and not entry.name.endswith(".part")
+        if ours and entry.is_file() and entry.path != keep:
+            stat = entry.stat()
+            shards.append((stat.st_mtime, stat.st_size, entry.path))
+    total = sum(size for _, size, _ in shards) + os.path.getsize(keep)
+    for _, size, path in sorted(shards):
+        if total <= limit_bytes:
+            break
+        with contextlib.suppress(FileNotFoundError):  # another worker removed it first
+            os.unlink(path)
+        total -= size
 
 
 def scan_tar(path: str, url: str, filesize: int | None) -> tuple[np.ndarray, list[str], list[bytes | None]]:
@@ -154,9 +183,10 @@ class ShardDataset(AugmentedDataset):
 
     def __init__(self, index: str, transform: A.Compose, seed: int, classes: list[str] | None = None, *,
                  skip_corrupt: bool = False, max_pixels: int = DataConfig.max_image_pixels,
-                 cache_dir: str = "", multi_label: bool = False) -> None:
+                 cache_dir: str = "", multi_label: bool = False, cache_gb: float = DataConfig.shard_cache_gb) -> None:
         super().__init__(transform, seed)
         self.index, self.skip_corrupt, self.max_pixels = index, skip_corrupt, max_pixels
+        self.cache_bytes = cache_gb * 1e9
         self.cache_dir = cache_dir or os.environ.get("WIDS_CACHE", "/tmp/_wids_cache")
         if is_url(index):
             os.makedirs(self.cache_dir, exist_ok=True)
@@ -182,24 +212,50 @@ class ShardDataset(AugmentedDataset):
         self.members: dict[int, np.ndarray] = {}  # shard -> per-sample (image offset, size, path offset, size)
         self.files: OrderedDict[int, int] = OrderedDict()  # shard -> open file descriptor
         self.pid = os.getpid()
+        self.copies: tuple[int, ThreadPoolExecutor, dict[int, Future]] | None = None  # (pid, threads, shard -> copy)
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "files": OrderedDict()}  # descriptors stay with their process
+        return {**self.__dict__, "files": OrderedDict(), "copies": None}  # descriptors and threads stay here
 
     def locate(self, index: int) -> tuple[int, int]:
         shard = int(np.searchsorted(self.starts, index, side="right")) - 1
         return shard, index - int(self.starts[shard])
 
     def local_path(self, shard: int) -> str:
-        url = self.urls[shard]
-        if not is_url(url):
-            return url
-        local = os.path.join(self.cache_dir, quote(url, safe="+-"))
+        """The shard's file: itself, or (a URL) its copy in the cache, the next PREFETCH shards copied meanwhile."""
+        if not is_url(self.urls[shard]):
+            return self.urls[shard]
+        if self.copies is None or self.copies[0] != os.getpid():  # threads do not survive a fork
+            self.copies = (os.getpid(), ThreadPoolExecutor(PREFETCH, thread_name_prefix="shard-copy"), {})
+        _, pool, pending = self.copies
+        for ahead in self.ahead(shard):
+            if ahead not in pending and not os.path.exists(self.cached(ahead)):
+                pending[ahead] = pool.submit(self.copy, ahead)
+        if (copying := pending.pop(shard, None)) is not None:
+            copying.result()  # its error, if any, is this sample's
+        return self.copy(shard)  # (again, if the cache removed it meanwhile)
+
+    def ahead(self, shard: int) -> set[int]:
+        """The shards to copy ahead of `shard`: the next PREFETCH, where every shard fits in the cache (else a copy
+        ahead would push out one still to be read: each is copied when read)."""
+        fits = None not in self.sizes and sum(self.sizes) <= self.cache_bytes
+        return {(shard + step) % len(self.urls) for step in range(1, PREFETCH + 1)} - {shard} if fits else set()
+
+    def cached(self, shard: int) -> str:
+        return os.path.join(self.cache_dir, quote(self.urls[shard], safe="+-"))
+
+    def copy(self, shard: int) -> str:
+        """The shard at a URL copied into the cache (once), the cache trimmed to its bound after a new copy."""
+        url, local = self.urls[shard], self.cached(shard)
+        fresh = not os.path.exists(local)
         try:
-            return fetch(url, local)
+            fetch(url, local)
         except (OSError, AssertionError, ValueError) as err:
             raise UserError(f"cannot fetch shard {url} ({getattr(err, 'strerror', None) or err}); "
                             "check the URL and its credentials") from None
+        if fresh:
+            trim_cache(self.cache_dir, self.cache_bytes, local)
+        return local
 
     def file(self, shard: int) -> int:
         """An open descriptor of the shard (a forked worker opens its own: offsets are not shared, pread is)."""

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 from torch import nn
 
-from core.dist import max_over_ranks
+from core.dist import max_over_ranks, rank0_decides
 from core.signals import requested, stop_together
 from engine.losses import set_loss_epoch
 from engine.state import TrainState, stop_reason, train_columns
@@ -31,6 +31,7 @@ from engine.state import TrainState, stop_reason, train_columns
 if TYPE_CHECKING:  # the loop needs only Hook: keep checkpoint/tracking out of its imports
     from core.config import TrainConfig
     from engine.checkpoint.run_dir import RunRecord
+    from engine.checkpoint.run_store import RunStore
     from engine.checkpoint.saver import Checkpointer
     from engine.tracking import Sink, TensorBoardWriter, WandbTracker
 
@@ -372,3 +373,14 @@ class BestArtifact(Hook):
             self.tracker.log_checkpoint(self.best, {"epoch": end.row["epoch"], "global_step": state.global_step,
                                                     "best_metric": self.chosen_on, self.chosen_on: state.best_value,
                                                     "model": self.model_name})
+
+
+class Upload(Hook):
+    """output_dir at a URL: after each validation's hooks (its row and checkpoint written), what changed in the
+    staging folder is uploaded (rank 0; a failure stops every rank with one line)."""
+
+    def __init__(self, store: RunStore) -> None:
+        self.store = store
+
+    def after_epoch(self, state: TrainState, end: EpochEnd) -> None:
+        rank0_decides(self.store.push)

@@ -21,7 +21,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import pytest
 
 from core.startup import import_timm_without_wandb, openmp_waits_passively
-from tests.helpers import TINY, run_script
+from tests.helpers import TINY, run_script, s3_server
 
 # As train.py does before torch loads OpenMP: runs made in this process (train_here, evaluate's main) and the ranks
 # forked from it wait as the app's own processes do. Spinning idle threads made a tiny run 2-4x slower beside a busy
@@ -74,6 +74,13 @@ def torch_threads_restored():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def s3_env():
+    """moto's S3 server (a real HTTP server, tests/helpers.s3_server) for the session: the environment naming it."""
+    with s3_server() as env:
+        yield env
 
 
 @pytest.fixture(scope="session")

@@ -16,9 +16,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import types
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import cv2
@@ -72,6 +74,71 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def s3_server() -> Iterator[dict[str, str]]:
+    """moto's S3-compatible server as a real HTTP server in a subprocess on a free port; yields the standard
+    environment that points the app at it (AWS_ENDPOINT_URL and test credentials)."""
+    port = free_port()
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=script_env())
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            assert server.poll() is None and time.monotonic() < deadline, "moto's server did not start"
+            time.sleep(0.05)
+        yield env
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+class CuttableLink:
+    """A TCP relay on a free port of 127.0.0.1 to `target_port`, in threads: a real network path to a server that
+    `cut()` takes away (open connections closed, new ones refused), while the server itself keeps its data."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target, self.listener = target_port, socket.create_server(("127.0.0.1", 0))
+        self.port, self.open = self.listener.getsockname()[1], []
+        threading.Thread(target=self.accept, daemon=True).start()
+
+    def accept(self) -> None:
+        with contextlib.suppress(OSError):  # the listener closed by cut()
+            while True:
+                client, _ = self.listener.accept()
+                server = socket.create_connection(("127.0.0.1", self.target))
+                self.open += [client, server]
+                for a, b in ((client, server), (server, client)):
+                    threading.Thread(target=self.pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def pipe(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+    def cut(self) -> None:
+        self.listener.close()
+        for sock in self.open:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+
+def s3_auth(env: dict[str, str], on: bool) -> None:
+    """Make the moto server check credentials (then it knows none: every key is a wrong one), or stop checking."""
+    import urllib.request
+
+    request = urllib.request.Request(f"{env['AWS_ENDPOINT_URL']}/moto-api/reset-auth", method="POST",
+                                     data=b"0" if on else b"inf", headers={"Content-Type": "text/plain"})
+    urllib.request.urlopen(request, timeout=10).close()
 
 
 def script_env(**extra: str) -> dict[str, str]:

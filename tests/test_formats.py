@@ -158,7 +158,7 @@ def test_list_files_name_the_folder_images(folder, lists, tmp_path):
 
 
 def test_shards_read_through_workers_and_from_a_url(folder, shards, tmp_path):
-    """Forked DataLoader workers give the same batches; a file:// root goes through wids' downloader."""
+    """Forked DataLoader workers give the same batches; a file:// root goes through fsspec (core/store.py)."""
     url = data_config("wds", f"file://{shards}", shard_cache=str(tmp_path / "cache"), num_workers=2)
     assert_same_samples(data_config("imagefolder", folder), url)
     assert sorted(p.name for p in (tmp_path / "cache").iterdir() if p.suffix == ".tar")  # downloaded there

@@ -1,0 +1,230 @@
+"""output_dir at a URL (s3://bucket/prefix, gs://..., any fsspec URL): the run works in a local staging folder that
+mirrors it, so every module writes files as it does on disk and only this one talks to the store.
+
+The staging folder is `.cache/object_store/runs/<scheme>/<bucket>/<prefix>` under the current folder; a checkpoint
+read from a URL (evaluate.py, predict.py, export.py, average_checkpoints.py) lands in `.cache/object_store/fetched/...`
+with the small files of its run folder. At the start rank 0 takes the run's lock object (`<url>/.lock`: host, pid,
+time; refreshed every LOCK_REFRESH_S, stale after LOCK_STALE_S or, on the same host, once its process is gone),
+empties the staging folder and copies the run there from the URL (the URL is the truth), so resume, another config's
+refusal and a finished run's notice work on the copy as on disk. After each validation's hooks and when the run ends
+(stopped, failed or finished) the files that changed are uploaded, last.pth last (core/store.upload: atomic per
+file); files the run removed (older epoch checkpoints) are removed from the URL.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+from urllib.parse import urlparse
+
+from core.errors import UserError
+from core.files import TEMP
+from core.store import TEMP_TAG, download, filesystem, is_url, join, read_bytes, retrying, upload
+
+log = logging.getLogger(__name__)
+STAGING = Path(".cache") / "object_store"
+LOCK = ".lock"
+LOCK_REFRESH_S = 60.0
+LOCK_STALE_S = 600.0  # a lock object not refreshed for this long is a dead run's (another host's: no pid to ask)
+LAST = ("best.pth", "last.pth")  # uploaded after every other file, in this order: a checkpoint never precedes its row
+SMALL = 1 << 20  # a checkpoint's run-folder files copied beside it from a URL (config.yaml, val.txt; no .pth)
+_live_tokens: set[str] = set()  # the lock objects this process holds now
+_staged: dict[str, str] = {}  # staging folder -> the URL it mirrors (config.yaml names the URL)
+
+
+def mirror_of(url: str, kind: str = "runs") -> Path:
+    """The local folder that mirrors `url`."""
+    parts = urlparse(url)
+    return STAGING / kind / parts.scheme / parts.netloc / parts.path.strip("/")
+
+
+def url_of(folder: str) -> str:
+    """The URL a staging folder mirrors (`folder` itself when it mirrors none)."""
+    return _staged.get(folder, folder)
+
+
+def running_here(pid: int) -> bool:
+    """Whether process `pid` lives on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class LockObject:
+    """`<url>/.lock`: one live run per URL, the owner's host and pid inside, refreshed by a daemon thread."""
+
+    def __init__(self, url: str) -> None:
+        self.url = join(url, LOCK)
+        self.token = secrets.token_hex(8)
+        self.fs, self.path = filesystem(self.url)
+        self.stop = threading.Event()
+        self.acquire()
+        self.thread = threading.Thread(target=self.refresh, daemon=True, name="run-lock")
+        self.thread.start()
+
+    def owner(self) -> dict | None:
+        """The lock object's contents (None: no lock)."""
+        if not retrying("read", self.url, lambda: self.fs.exists(self.path)):
+            return None
+        try:
+            return json.loads(read_bytes(self.url, "read the run lock"))
+        except ValueError:
+            return None  # cut short: no live run wrote it whole
+
+    def acquire(self) -> None:
+        """Take the lock, or refuse in one line while a live run holds it."""
+        held = self.owner()
+        if held is not None and not self.stale(held):
+            raise UserError(f"output_dir {self.url.rsplit('/', 1)[0]} is in use by another run (process "
+                            f"{held.get('pid')} on {held.get('host')}); wait for it to end, or choose another "
+                            f"output_dir (a lock object not refreshed for {LOCK_STALE_S:.0f} s counts as stale)")
+        if held is not None:
+            log.info("output_dir: taking over the stale lock of process %s on %s", held.get("pid"), held.get("host"))
+        self.write()
+        _live_tokens.add(self.token)
+        if (self.owner() or {}).get("token") != self.token:
+            raise UserError(f"output_dir {self.url.rsplit('/', 1)[0]} was locked by another run at the same moment; "
+                            "wait for it to end, or choose another output_dir")
+
+    def stale(self, held: dict) -> bool:
+        """A dead owner's: its process gone (this host), or this process's own from a run it no longer holds (one
+        that lost the server), or not refreshed for LOCK_STALE_S (another host)."""
+        if held.get("host") == socket.gethostname():
+            pid = int(held.get("pid", 0))
+            return not running_here(pid) or (pid == os.getpid() and held.get("token") not in _live_tokens)
+        return time.time() - float(held.get("time", 0)) > LOCK_STALE_S
+
+    def write(self) -> None:
+        """The lock object, with the time now (its refresh)."""
+        text = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
+                           "token": self.token})
+        retrying("write", self.url, lambda: self.fs.pipe_file(self.path, text.encode()))
+
+    def refresh(self) -> None:
+        """Rewrite the lock every LOCK_REFRESH_S until released: another host sees the run alive."""
+        while not self.stop.wait(LOCK_REFRESH_S):
+            try:
+                self.write()
+            except UserError as err:
+                log.warning("could not refresh the run lock: %s", err)
+
+    def release(self) -> None:
+        """Remove the lock object if it is still this run's."""
+        self.stop.set()
+        self.thread.join()  # a refresh under way ends first: it cannot put the object back after its removal
+        _live_tokens.discard(self.token)
+        try:
+            if (self.owner() or {}).get("token") == self.token:
+                retrying("write", self.url, lambda: self.fs.rm_file(self.path))
+        except UserError as err:
+            log.warning("could not remove the run lock: %s", err)
+
+
+def local_name(rel: str) -> bool:
+    """Whether a staging file is the run's (not a lock, a probe or a temp file of core/files or core/store)."""
+    name = rel.rsplit("/", 1)[-1]
+    return name != LOCK and not name.startswith(".shared-check") and TEMP_TAG not in name \
+        and not TEMP.fullmatch(name) and not name.endswith(".part")
+
+
+class RunStore:
+    """A run folder at a URL and the local folder mirroring it (rank 0's)."""
+
+    def __init__(self, url: str, local: Path | None = None) -> None:
+        self.url, self.local = url.rstrip("/"), local or mirror_of(url)
+        self.fs, self.root = filesystem(self.url)
+        self.sent: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns) as on the URL
+        self.broken = False  # an upload failed: the run's end does not try again
+        _staged[str(self.local)] = self.url
+
+    def resume_path(self, resume: str) -> str:
+        """resume=<URL>: a checkpoint of this run is its staging copy, another run's is fetched; else as given."""
+        if not is_url(resume):
+            return resume
+        if resume.startswith(f"{self.url}/"):
+            return str(self.local / resume[len(self.url) + 1:])
+        return fetched(resume)
+
+    def remote_files(self) -> list[str]:
+        """The run's files at the URL, relative to it."""
+        found = retrying("list", self.url, lambda: self.fs.find(self.root))
+        rels = [path[len(self.root.rstrip("/")) + 1:] for path in found]
+        return [rel for rel in rels if rel and local_name(rel)]
+
+    def pull(self) -> None:
+        """The staging folder made a copy of the URL's run (emptied first: the URL is the truth)."""
+        shutil.rmtree(self.local, ignore_errors=True)
+        self.local.mkdir(parents=True, exist_ok=True)
+        for rel in self.remote_files():
+            target = self.local / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            download(join(self.url, rel), str(target))
+            self.sent[rel] = signature(target)
+        log.info("output_dir %s: the run works in %s (%d file(s) copied from the URL)", self.url, self.local,
+                 len(self.sent))
+
+    def changed(self) -> list[str]:
+        """The staging files that differ from the URL's, the checkpoints last."""
+        files = {p.relative_to(self.local).as_posix(): p for p in self.local.rglob("*") if p.is_file()}
+        new = [rel for rel, path in files.items() if local_name(rel) and self.sent.get(rel) != signature(path)]
+        return sorted(new, key=lambda rel: (LAST.index(rel) if rel in LAST else -1, rel))
+
+    def push(self) -> None:
+        """Upload what changed since the last push; remove from the URL what the run removed here."""
+        try:
+            for rel in self.changed():
+                path = self.local / rel
+                sig = signature(path)
+                upload(str(path), join(self.url, rel))
+                self.sent[rel] = sig
+            for rel in [rel for rel in self.sent if not (self.local / rel).exists()]:
+                retrying("remove", join(self.url, rel), lambda: self.fs.rm_file(f"{self.root}/{rel}"))
+                del self.sent[rel]
+        except UserError:
+            self.broken = True
+            raise
+
+
+def signature(path: Path) -> tuple[int, int]:
+    """(size, mtime_ns): what tells a file rewritten since its upload."""
+    found = path.stat()
+    return found.st_size, found.st_mtime_ns
+
+
+def fetched(checkpoint: str) -> str:
+    """A checkpoint given as a URL, copied to its local mirror with its run folder's small files (config.yaml,
+    val.txt, the pipeline copies): the local path read as any checkpoint. A local path is returned as it is."""
+    if not is_url(checkpoint):
+        return checkpoint
+    folder_url, name = checkpoint.rstrip("/").rsplit("/", 1)
+    fs, root = filesystem(folder_url)
+    if retrying("read", checkpoint, lambda: fs.isdir(f"{root.rstrip('/')}/{name}")):
+        raise UserError(f"{checkpoint} is a folder (a sharded checkpoint): reading last.dcp from a URL is not "
+                        "supported yet; copy it to a local folder and give that")
+    local = fetched_folder(folder_url, lambda other, size: size <= SMALL and not other.endswith(".pth"))
+    return download(checkpoint, str(local / name), "read checkpoint")
+
+
+def fetched_folder(folder_url: str, wanted: Callable[[str, int], bool]) -> Path:
+    """The files of a folder at a URL that `wanted(name, size)` picks, copied to its local mirror (returned)."""
+    local = mirror_of(folder_url, "fetched")
+    local.mkdir(parents=True, exist_ok=True)
+    fs, root = filesystem(folder_url)
+    listed = retrying("list", folder_url, lambda: fs.ls(root, detail=True))
+    for entry in listed:
+        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        if entry.get("type") == "file" and local_name(name) and wanted(name, entry.get("size") or 0):
+            download(join(folder_url, name), str(local / name))
+    return local
