@@ -17,9 +17,9 @@ gpu=$(python -c "import torch; print(torch.cuda.get_device_name(0) if torch.cuda
 part() { echo -e "\n## $1 ($(($(date +%s) - start)) s)" >> "$summary"; }
 
 start=$(date +%s)
-python -m pytest tests/test_gpu.py -m gpu -s -q -p no:cacheprovider 2>&1 | tee "$work/tier.log"  # the tier is this file
+python -m pytest tests/test_gpu.py -m gpu -s -q -n 0 -p no:cacheprovider 2>&1 | tee "$work/tier.log"  # the tier is this file
 tier_status=${PIPESTATUS[0]}  # pytest's, not tee's: the script exits with it
-part "GPU tier: python -m pytest tests/test_gpu.py -m gpu -s -q (exit status $tier_status)"
+part "GPU tier: python -m pytest tests/test_gpu.py -m gpu -s -q -n 0 (exit status $tier_status)"
 tail -n 1 "$work/tier.log" >> "$summary"
 grep -E "^(FAILED|ERROR|SKIPPED)" "$work/tier.log" >> "$summary"
 echo -e "\nRows for docs/gpu.md's \"Measured on GPUs\" table (written there: the first run's figures):" >> "$summary"

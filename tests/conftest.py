@@ -52,7 +52,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if problem is not None:
         pytest.fail(problem, pytrace=False)
     if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU: run `python -m pytest -m gpu -s` on one")
+        pytest.skip("needs a CUDA GPU: run `python -m pytest -m gpu -s -n 0` on one")
     if item.get_closest_marker("two_gpus") is not None and torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
 

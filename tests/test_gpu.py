@@ -1,4 +1,4 @@
-"""The GPU tier: what only a CUDA machine can show. Run it there with `python -m pytest -m gpu -s -q`.
+"""The GPU tier: what only a CUDA machine can show. Run it there with `python -m pytest -m gpu -s -q -n 0`.
 
 Skipped (with the reason) where no GPU exists, failed with one line where nvidia-smi lists a GPU torch cannot use
 (tests/conftest.py); the two-process tests also need two GPUs. The runs are real
