@@ -353,7 +353,8 @@ def collected(marks: str) -> int:
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "pytest", "-m", marks, "--collect-only", "-q", "tests/test_gpu.py"],
+    out = subprocess.run([sys.executable, "-m", "pytest", "-m", marks, "--collect-only", "-q", "-n", "0",
+                          "tests/test_gpu.py"],
                          cwd=REPO, capture_output=True, text=True, check=True).stdout
     return int(re.search(r"^(\d+)(?:/\d+)? tests? collected", out, re.M).group(1))
 
@@ -403,7 +404,7 @@ def test_train_and_the_gpu_tier_stop_when_nvidia_smi_lists_a_gpu_torch_cannot_us
     assert not out.exists()
     cpu = run_script("train.py", *TINY, f"output_dir={out}", "--dry-run", env={**env, "CUDA_VISIBLE_DEVICES": ""})
     assert not out.exists() and cpu.returncode == 0
-    tier = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+    tier = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-n", "0", "-p", "no:cacheprovider",
                            "tests/test_gpu.py", "-k", "predict_and_onnx"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=HANG)
     assert tier.returncode == 1 and "1 error" in tier.stdout and "driver 535.104.05" in tier.stdout, tier.stdout
