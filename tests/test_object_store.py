@@ -27,19 +27,19 @@ from data.shards import ShardDataset
 from engine.checkpoint.formats import load_checkpoint
 from engine.checkpoint.run_store import fetched, fetched_folder
 from engine.hooks import Hook
-from tests.compare import assert_same
-from tests.helpers import (HANG, REPO, TINY, CuttableLink, free_port, last_error, make_image_folder, s3_auth,
-                           script_env)
+from tests.compare import assert_same, assert_same_model
+from tests.helpers import (COMMON, HANG, NO_BN_MODEL, REPO, TINY, CuttableLink, free_port, last_error,
+                           make_image_folder, run_on_ranks, s3_auth, script_env, train_here)
 
 COUNTS = {"train": {"a": 7, "b": 5, "c": 6}, "val": {"a": 3, "b": 4, "c": 4}}  # 18 train, 11 val images
 
 
-def s3fs_for(env: dict[str, str]):
+def s3fs_for(env: dict[str, str], **options):
     """A filesystem on the server `env` names (fsspec caches one per process: a fresh one, for this endpoint)."""
     import s3fs
 
     s3fs.S3FileSystem.clear_instance_cache()
-    return s3fs.S3FileSystem(endpoint_url=env["AWS_ENDPOINT_URL"], key="testing", secret="testing")
+    return s3fs.S3FileSystem(endpoint_url=env["AWS_ENDPOINT_URL"], key="testing", secret="testing", **options)
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +192,34 @@ def test_a_run_on_s3_killed_after_its_first_epoch_continues_bitwise_and_evaluate
     rows = [json.loads(row) for row in fs.cat(f"{bucket}/straight/metrics.jsonl").decode().splitlines()]
     assert report_errors(evaluate.main, [f"s3://{bucket}/straight/best.pth", "--output-dir", "eval"]) == 0
     assert json.loads(Path("eval/eval.json").read_text())["top1"] == max(row["val_top1"] for row in rows)
+
+
+def versions(env: dict[str, str], bucket: str, run: str) -> dict[str, int]:
+    """How many times each file of a run was written to its versioned bucket (its upload's temporary keys aside)."""
+    fs = s3fs_for(env, version_aware=True)
+    return {key.rsplit("/", 1)[1]: sum(found["Key"] == key.split("/", 1)[1] for found in fs.object_version_info(key))
+            for key in fs.find(f"{bucket}/{run}")}
+
+
+@pytest.mark.slow
+def test_two_ranks_on_s3_train_the_one_process_model_and_rank_0_alone_uploads(on_s3, bucket, tmp_path):
+    """data.root and output_dir at s3:// on 2 ranks (a real gloo group): the last.pth of one process on s3:// with
+    twice the batch (within tests/compare.py's TOL), and rank 0 alone uploads: in a versioned bucket each file was
+    written as many times as by the one process (the other rank's pushes would have added its own; checkpoints
+    written in the foreground, so that each validation's upload finds its last.pth)."""
+    fs, out = s3fs_for(on_s3), f"v{free_port()}"
+    fs.mkdir(out)
+    fs.make_bucket_versioned(out)
+    args = ["--config", "dummy", *COMMON[2:], NO_BN_MODEL, "data.name=wds", f"data.root=s3://{bucket}/shards",
+            "data.shard_cache=cache", "train.async_save=false"]
+    train_here(*args, "train.batch_size=6", f"output_dir=s3://{out}/one")
+    run_on_ranks("train.py", *args, "train.batch_size=3", f"output_dir=s3://{out}/two", nproc=2, env=on_s3,
+                 cwd=tmp_path)
+    for run in ("one", "two"):
+        fetch(fs, f"{out}/{run}/last.pth", tmp_path / run / "last.pth")
+    assert_same_model(tmp_path / "one", tmp_path / "two", steps=2 * 18 // 6)  # 2 epochs of 18 images, 6 a step
+    written = versions(on_s3, out, "one")
+    assert written == versions(on_s3, out, "two") and written["last.pth"] == 2, written  # after each validation
 
 
 class CutAfter(Hook):
