@@ -17,15 +17,17 @@ from pathlib import Path
 import pytest
 
 import evaluate
+import export
 import train
 from assembly import launch
+from assembly.export import is_model_folder_export
 from core import store
 from core.cli import report_errors
 from core.errors import UserError
 from data import make_shards
 from data.shards import ShardDataset
 from engine.checkpoint.formats import load_checkpoint
-from engine.checkpoint.run_store import fetched, fetched_folder
+from engine.checkpoint.run_store import fetched, fetched_folder, mirror_of
 from engine.hooks import Hook
 from tests.compare import assert_same, assert_same_model
 from tests.helpers import (COMMON, HANG, NO_BN_MODEL, REPO, TINY, CuttableLink, free_port, last_error,
@@ -142,6 +144,28 @@ def test_a_checkpoint_at_a_url_is_read_through_a_local_copy_with_its_run_files(o
         fetched(f"s3://{bucket}/run/last.dcp")
     epochs = fetched_folder(f"s3://{bucket}/run", lambda name, size: name.startswith("epoch_"))
     assert epochs == local.parent and (epochs / "epoch_0001.pth").read_bytes() == b"E"
+
+
+def test_export_to_a_url_uploads_the_checked_folder_and_refuses_what_is_not_an_earlier_export(on_s3, bucket,
+                                                                                                tiny_run, capsys):
+    """export.py --output s3://...: the model folder is written and checked in a local mirror, then uploaded file by
+    file (no temporary key left, the mirror gone) and holds the checkpoint's weights; a URL holding something else is
+    refused in one line naming it, and left as it was."""
+    from safetensors.torch import load_file
+
+    fs, url = s3fs_for(on_s3), f"s3://{bucket}/exports/model-hf"
+    fs.pipe(f"{bucket}/exports/notes-hf/README.md", b"my notes\n")
+    argv = [str(tiny_run / "best.pth"), "--format", "safetensors", "--output"]
+    line = last_error(capsys, report_errors(export.main, [*argv, f"s3://{bucket}/exports/notes-hf"]))
+    assert line.startswith(f"error: s3://{bucket}/exports/notes-hf is ") and "choose another --output" in line, line
+    assert fs.find(f"{bucket}/exports") == [f"{bucket}/exports/notes-hf/README.md"]
+    assert report_errors(export.main, [*argv, url]) == 0
+    assert f"wrote {url} (" in capsys.readouterr().out
+    assert sorted(fs.ls(f"{bucket}/exports/model-hf")) == [f"{bucket}/exports/model-hf/{name}" for name in
+                                                            ("README.md", "config.json", "model.safetensors")]
+    fs.get(f"{bucket}/exports/model-hf", "downloaded", recursive=True)
+    assert is_model_folder_export(Path("downloaded")) and not mirror_of(url, "outputs").exists()
+    assert_same(load_checkpoint(tiny_run / "best.pth")["model"], load_file("downloaded/model.safetensors"))
 
 
 def test_a_sharded_checkpoint_to_a_url_is_refused_in_one_line(on_s3, bucket, capsys):
