@@ -148,23 +148,26 @@ def test_a_checkpoint_at_a_url_is_read_through_a_local_copy_with_its_run_files(o
 
 def test_export_to_a_url_uploads_the_checked_folder_and_refuses_what_is_not_an_earlier_export(on_s3, bucket,
                                                                                                 tiny_run, capsys):
-    """export.py --output s3://...: the model folder is written and checked in a local mirror, then uploaded file by
-    file (no temporary key left, the mirror gone) and holds the checkpoint's weights; a URL holding something else is
-    refused in one line naming it, and left as it was."""
+    """export.py of a checkpoint at a URL writes beside it there by default: the model folder written and checked in
+    a local mirror, then uploaded file by file (no temporary key left, the mirror gone), holding the checkpoint's
+    weights; an --output URL holding something else is refused in one line naming it, and left as it was."""
     from safetensors.torch import load_file
 
-    fs, url = s3fs_for(on_s3), f"s3://{bucket}/exports/model-hf"
-    fs.pipe(f"{bucket}/exports/notes-hf/README.md", b"my notes\n")
-    argv = [str(tiny_run / "best.pth"), "--format", "safetensors", "--output"]
-    line = last_error(capsys, report_errors(export.main, [*argv, f"s3://{bucket}/exports/notes-hf"]))
-    assert line.startswith(f"error: s3://{bucket}/exports/notes-hf is ") and "choose another --output" in line, line
-    assert fs.find(f"{bucket}/exports") == [f"{bucket}/exports/notes-hf/README.md"]
-    assert report_errors(export.main, [*argv, url]) == 0
-    assert f"wrote {url} (" in capsys.readouterr().out
-    assert sorted(fs.ls(f"{bucket}/exports/model-hf")) == [f"{bucket}/exports/model-hf/{name}" for name in
-                                                            ("README.md", "config.json", "model.safetensors")]
-    fs.get(f"{bucket}/exports/model-hf", "downloaded", recursive=True)
-    assert is_model_folder_export(Path("downloaded")) and not mirror_of(url, "outputs").exists()
+    fs = s3fs_for(on_s3)
+    for name in ("best.pth", "config.yaml"):
+        fs.put_file(str(tiny_run / name), f"{bucket}/tiny/{name}")
+    fs.pipe(f"{bucket}/notes-hf/README.md", b"my notes\n")
+    argv = [f"s3://{bucket}/tiny/best.pth", "--format", "safetensors"]
+    line = last_error(capsys, report_errors(export.main, [*argv, "--output", f"s3://{bucket}/notes-hf"]))
+    assert line.startswith(f"error: s3://{bucket}/notes-hf is ") and "choose another --output" in line, line
+    assert fs.find(f"{bucket}/notes-hf") == [f"{bucket}/notes-hf/README.md"]
+    assert report_errors(export.main, argv) == 0
+    assert f"wrote s3://{bucket}/tiny/best-hf (" in capsys.readouterr().out
+    assert sorted(fs.ls(f"{bucket}/tiny/best-hf")) == [f"{bucket}/tiny/best-hf/{name}" for name in
+                                                        ("README.md", "config.json", "model.safetensors")]
+    assert not mirror_of(f"s3://{bucket}/tiny/best-hf", "outputs").exists()
+    fs.get(f"{bucket}/tiny/best-hf", "downloaded", recursive=True)
+    assert is_model_folder_export(Path("downloaded"))
     assert_same(load_checkpoint(tiny_run / "best.pth")["model"], load_file("downloaded/model.safetensors"))
 
 
