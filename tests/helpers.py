@@ -283,7 +283,10 @@ def make_image_folder(root: Path, counts: dict[str, dict[str, int]], size: int =
     return root
 
 
-RANK_PRELOAD = ["tests.helpers", "train", "evaluate", "predict"]  # what run_ranks' forkserver imports once
+# What run_ranks' forkserver imports once. The entry points load torch, timm and albumentations only once their
+# arguments are read (assembly/launch.py), so the heavy modules are named here: export.py first, which imports timm
+# without wandb (core/startup.import_timm_without_wandb), then what a training rank imports (assembly.fit).
+RANK_PRELOAD = ["tests.helpers", "train", "evaluate", "predict", "export", "assembly.fit"]
 
 
 def _rank_entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str, backend: str) -> None:
