@@ -41,8 +41,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a checkpoint written by train.py")
     parser.add_argument("--format", required=True, choices=sorted(SUFFIXES), help="what to write")
-    parser.add_argument("--output", help="the file (folder for safetensors) to write (default: beside the "
-                                         "checkpoint, named after it)")
+    parser.add_argument("--output", help="the file (folder for safetensors) to write, or a URL (s3://...: written "
+                                         "here, then uploaded) (default: beside the checkpoint, named after it)")
     parser.add_argument("--ema", action="store_true", help="export the checkpoint's EMA weights")
     parser.add_argument("--images", help="an image, folder or list file to check the export on (default: the "
                                          "checkpoint's validation images)")

@@ -33,7 +33,7 @@ from data.split import saved_split
 from data.transforms import DeviceNormalize, eval_size, eval_transform
 from engine.checkpoint.inference import ema_hint
 from engine.checkpoint.inference import PIPELINE_NAMES, Trained
-from engine.checkpoint.run_store import fetched
+from engine.checkpoint.run_store import fetched, output_at
 from engine.checkpoint.weights import MODEL_CONFIG, MODEL_WEIGHTS
 
 log = logging.getLogger(__name__)
@@ -307,9 +307,16 @@ def export_command(args: argparse.Namespace) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if args.check_batch < 1:
         raise UserError(f"--check-batch must be >= 1, got {args.check_batch}")
+    target = args.output or f"{os.path.splitext(args.checkpoint)[0]}{SUFFIXES[args.format]}"  # beside it by default
     args.checkpoint = fetched(args.checkpoint)  # a URL: copied to its local mirror (engine/checkpoint/run_store.py)
-    checkpoint = Path(args.checkpoint)
-    out = Path(args.output) if args.output else checkpoint.parent / f"{checkpoint.stem}{SUFFIXES[args.format]}"
+    with output_at(target) as out:  # a URL: written to its local mirror, then uploaded
+        wrote = export_to(args, Path(args.checkpoint), out)
+    print(f"wrote {target} ({wrote})")
+    return 0
+
+
+def export_to(args: argparse.Namespace, checkpoint: Path, out: Path) -> str:
+    """The checked export of `checkpoint` written to the local path `out`; what it is, in a few words."""
     check_output(out, checkpoint, args.format)  # before any work: nothing at --output is lost
     trained, cfg = open_trained(args.checkpoint, args.ema, [("data.num_workers", 0), ("model.channels_last", False)],
                                 may_override=False)
@@ -338,5 +345,4 @@ def export_command(args: argparse.Namespace) -> int:
         full = err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
         way_out = "free disk space (or raise the quota or file-size limit), or" if full else "make it writable, or"
         raise UserError(f"cannot write {out} ({err.strerror}); {way_out} choose another --output") from None
-    print(f"wrote {out} ({cfg.model.name}, {len(trained.class_names)} classes, {trained.source})")
-    return 0
+    return f"{cfg.model.name}, {len(trained.class_names)} classes, {trained.source}"

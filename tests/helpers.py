@@ -283,7 +283,10 @@ def make_image_folder(root: Path, counts: dict[str, dict[str, int]], size: int =
     return root
 
 
-RANK_PRELOAD = ["tests.helpers", "train", "evaluate", "predict"]  # what run_ranks' forkserver imports once
+# What run_ranks' forkserver imports once. The entry points load torch, timm and albumentations only once their
+# arguments are read (assembly/launch.py), so the heavy modules are named here: export.py first, which imports timm
+# without wandb (core/startup.import_timm_without_wandb), then what a training rank imports (assembly.fit).
+RANK_PRELOAD = ["tests.helpers", "train", "evaluate", "predict", "export", "assembly.fit"]
 
 
 def _rank_entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str, backend: str) -> None:
@@ -322,13 +325,16 @@ def run_ranks(fn, world: int, tmp_path: Path, *args, backend: str = "gloo") -> l
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(world)]
 
 
-def _main_entry(rank: int, world: int, port: int, script: str, args: tuple, env: dict, out_dir: str) -> None:
-    """A rank of run_on_ranks: torchrun's launch variables, stdout and stderr into files, the script's main; its
-    exit code."""
+def _main_entry(rank: int, world: int, port: int, script: str, args: tuple, env: dict, out_dir: str,
+                cwd: str | None) -> None:
+    """A rank of run_on_ranks: torchrun's launch variables, stdout and stderr into files, the script's main (in
+    `cwd`, else the forkserver's folder); its exit code."""
     import importlib
 
     from core.cli import report_errors
 
+    if cwd is not None:
+        os.chdir(cwd)
     for name in LAUNCH_VARIABLES:
         os.environ.pop(name, None)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
@@ -344,20 +350,22 @@ def _main_entry(rank: int, world: int, port: int, script: str, args: tuple, env:
 
 
 def run_on_ranks(script: str, *args: str, nproc: int, env: dict | None = None,
-                 timeout: float = HANG, exit_code: int = 0) -> subprocess.CompletedProcess:
+                 timeout: float = HANG, exit_code: int = 0, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node=nproc script args` for a test that reads only the run's files: each rank runs the
     script's main with the variables torchrun sets, in a real process joined by a real gloo group, forked from
     run_ranks' forkserver (no ~7 s of imports per rank, nor torchrun's own 3 s). Tests of the launcher itself
-    (signals, exit codes, torchrun's output) use run_script. A rank that exits other than `exit_code` (2: a refusal
-    in one line) fails the test with its stderr; one still running after `timeout` fails it as hung. Returns the
-    ranks' stdout and stderr, each the ranks' texts in rank order."""
+    (signals, exit codes, torchrun's output) use run_script. `cwd`: the ranks' working folder (where a run at a URL
+    stages its files). A rank that exits other than `exit_code` (2: a refusal in one line) fails the test with its
+    stderr; one still running after `timeout` fails it as hung. Returns the ranks' stdout and stderr, each the ranks'
+    texts in rank order."""
     import tempfile
 
     import torch.multiprocessing as mp
 
     out_dir = tempfile.mkdtemp(prefix="ranks-main-")
     mp.set_forkserver_preload(RANK_PRELOAD)
-    ranks = mp.start_processes(_main_entry, args=(nproc, free_port(), script, args, env or {}, out_dir),
+    ranks = mp.start_processes(_main_entry, args=(nproc, free_port(), script, args, env or {}, out_dir,
+                                                   None if cwd is None else str(cwd)),
                                nprocs=nproc, start_method="forkserver", join=False)
     try:
         deadline = time.monotonic() + timeout

@@ -17,29 +17,31 @@ from pathlib import Path
 import pytest
 
 import evaluate
+import export
 import train
 from assembly import launch
+from assembly.export import is_model_folder_export
 from core import store
 from core.cli import report_errors
 from core.errors import UserError
 from data import make_shards
 from data.shards import ShardDataset
 from engine.checkpoint.formats import load_checkpoint
-from engine.checkpoint.run_store import fetched, fetched_folder
+from engine.checkpoint.run_store import fetched, fetched_folder, mirror_of
 from engine.hooks import Hook
-from tests.compare import assert_same
-from tests.helpers import (HANG, REPO, TINY, CuttableLink, free_port, last_error, make_image_folder, s3_auth,
-                           script_env)
+from tests.compare import assert_same, assert_same_model
+from tests.helpers import (COMMON, HANG, NO_BN_MODEL, REPO, TINY, CuttableLink, free_port, last_error,
+                           make_image_folder, run_on_ranks, s3_auth, script_env, train_here)
 
 COUNTS = {"train": {"a": 7, "b": 5, "c": 6}, "val": {"a": 3, "b": 4, "c": 4}}  # 18 train, 11 val images
 
 
-def s3fs_for(env: dict[str, str]):
+def s3fs_for(env: dict[str, str], **options):
     """A filesystem on the server `env` names (fsspec caches one per process: a fresh one, for this endpoint)."""
     import s3fs
 
     s3fs.S3FileSystem.clear_instance_cache()
-    return s3fs.S3FileSystem(endpoint_url=env["AWS_ENDPOINT_URL"], key="testing", secret="testing")
+    return s3fs.S3FileSystem(endpoint_url=env["AWS_ENDPOINT_URL"], key="testing", secret="testing", **options)
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +146,31 @@ def test_a_checkpoint_at_a_url_is_read_through_a_local_copy_with_its_run_files(o
     assert epochs == local.parent and (epochs / "epoch_0001.pth").read_bytes() == b"E"
 
 
+def test_export_to_a_url_uploads_the_checked_folder_and_refuses_what_is_not_an_earlier_export(on_s3, bucket,
+                                                                                                tiny_run, capsys):
+    """export.py of a checkpoint at a URL writes beside it there by default: the model folder written and checked in
+    a local mirror, then uploaded file by file (no temporary key left, the mirror gone), holding the checkpoint's
+    weights; an --output URL holding something else is refused in one line naming it, and left as it was."""
+    from safetensors.torch import load_file
+
+    fs = s3fs_for(on_s3)
+    for name in ("best.pth", "config.yaml"):
+        fs.put_file(str(tiny_run / name), f"{bucket}/tiny/{name}")
+    fs.pipe(f"{bucket}/notes-hf/README.md", b"my notes\n")
+    argv = [f"s3://{bucket}/tiny/best.pth", "--format", "safetensors"]
+    line = last_error(capsys, report_errors(export.main, [*argv, "--output", f"s3://{bucket}/notes-hf"]))
+    assert line.startswith(f"error: s3://{bucket}/notes-hf is ") and "choose another --output" in line, line
+    assert fs.find(f"{bucket}/notes-hf") == [f"{bucket}/notes-hf/README.md"]
+    assert report_errors(export.main, argv) == 0
+    assert f"wrote s3://{bucket}/tiny/best-hf (" in capsys.readouterr().out
+    assert sorted(fs.ls(f"{bucket}/tiny/best-hf")) == [f"{bucket}/tiny/best-hf/{name}" for name in
+                                                        ("README.md", "config.json", "model.safetensors")]
+    assert not mirror_of(f"s3://{bucket}/tiny/best-hf", "outputs").exists()
+    fs.get(f"{bucket}/tiny/best-hf", "downloaded", recursive=True)
+    assert is_model_folder_export(Path("downloaded"))
+    assert_same(load_checkpoint(tiny_run / "best.pth")["model"], load_file("downloaded/model.safetensors"))
+
+
 def test_a_sharded_checkpoint_to_a_url_is_refused_in_one_line(on_s3, bucket, capsys):
     """train.ckpt_format=sharded (last.dcp/, a folder of files) is not written to object storage yet: one line."""
     line = last_error(capsys, report_errors(train.main, run_args(bucket, "dcp", "train.ckpt_format=sharded")))
@@ -192,6 +219,34 @@ def test_a_run_on_s3_killed_after_its_first_epoch_continues_bitwise_and_evaluate
     rows = [json.loads(row) for row in fs.cat(f"{bucket}/straight/metrics.jsonl").decode().splitlines()]
     assert report_errors(evaluate.main, [f"s3://{bucket}/straight/best.pth", "--output-dir", "eval"]) == 0
     assert json.loads(Path("eval/eval.json").read_text())["top1"] == max(row["val_top1"] for row in rows)
+
+
+def versions(env: dict[str, str], bucket: str, run: str) -> dict[str, int]:
+    """How many times each file of a run was written to its versioned bucket (its upload's temporary keys aside)."""
+    fs = s3fs_for(env, version_aware=True)
+    return {key.rsplit("/", 1)[1]: sum(found["Key"] == key.split("/", 1)[1] for found in fs.object_version_info(key))
+            for key in fs.find(f"{bucket}/{run}")}
+
+
+@pytest.mark.slow
+def test_two_ranks_on_s3_train_the_one_process_model_and_rank_0_alone_uploads(on_s3, bucket, tmp_path):
+    """data.root and output_dir at s3:// on 2 ranks (a real gloo group): the last.pth of one process on s3:// with
+    twice the batch (within tests/compare.py's TOL), and rank 0 alone uploads: in a versioned bucket each file was
+    written as many times as by the one process (the other rank's pushes would have added its own; checkpoints
+    written in the foreground, so that each validation's upload finds its last.pth)."""
+    fs, out = s3fs_for(on_s3), f"v{free_port()}"
+    fs.mkdir(out)
+    fs.make_bucket_versioned(out)
+    args = ["--config", "dummy", *COMMON[2:], NO_BN_MODEL, "data.name=wds", f"data.root=s3://{bucket}/shards",
+            "data.shard_cache=cache", "train.async_save=false"]
+    train_here(*args, "train.batch_size=6", f"output_dir=s3://{out}/one")
+    run_on_ranks("train.py", *args, "train.batch_size=3", f"output_dir=s3://{out}/two", nproc=2, env=on_s3,
+                 cwd=tmp_path)
+    for run in ("one", "two"):
+        fetch(fs, f"{out}/{run}/last.pth", tmp_path / run / "last.pth")
+    assert_same_model(tmp_path / "one", tmp_path / "two", steps=2 * 18 // 6)  # 2 epochs of 18 images, 6 a step
+    written = versions(on_s3, out, "one")
+    assert written == versions(on_s3, out, "two") and written["last.pth"] == 2, written  # after each validation
 
 
 class CutAfter(Hook):

@@ -8,11 +8,13 @@ time; refreshed every LOCK_REFRESH_S, stale after LOCK_STALE_S or, on the same h
 empties the staging folder and copies the run there from the URL (the URL is the truth), so resume, another config's
 refusal and a finished run's notice work on the copy as on disk. After each validation's hooks and when the run ends
 (stopped, failed or finished) the files that changed are uploaded, last.pth last (core/store.upload: atomic per
-file); files the run removed (older epoch checkpoints) are removed from the URL.
+file); files the run removed (older epoch checkpoints) are removed from the URL. An output at a URL (export.py
+--output) is written in `.cache/object_store/outputs/...` and uploaded the same way (output_at).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -22,11 +24,11 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 from urllib.parse import urlparse
 
 from core.errors import UserError
-from core.files import TEMP
+from core.files import TEMP, remove
 from core.store import TEMP_TAG, download, filesystem, is_url, join, read_bytes, retrying, upload
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,7 @@ LOCK = ".lock"
 LOCK_REFRESH_S = 60.0
 LOCK_STALE_S = 600.0  # a lock object not refreshed for this long is a dead run's (another host's: no pid to ask)
 LAST = ("best.pth", "last.pth")  # uploaded after every other file, in this order: a checkpoint never precedes its row
+LAST_OF_FOLDER = "config.json"  # an output folder's file uploaded last: what its reader (timm's local-dir:) opens first
 SMALL = 1 << 20  # a checkpoint's run-folder files copied beside it from a URL (config.yaml, val.txt; no .pth)
 _live_tokens: set[str] = set()  # the lock objects this process holds now
 _staged: dict[str, str] = {}  # staging folder -> the URL it mirrors (config.yaml names the URL)
@@ -228,3 +231,55 @@ def fetched_folder(folder_url: str, wanted: Callable[[str, int], bool]) -> Path:
         if entry.get("type") == "file" and local_name(name) and wanted(name, entry.get("size") or 0):
             download(join(folder_url, name), str(local / name))
     return local
+
+
+@contextlib.contextmanager
+def output_at(target: str) -> Iterator[Path]:
+    """An output at a URL (export.py --output s3://...): a local mirror for the command to write, holding the URL's
+    earlier output first (so the command's checks of what it may replace apply to it), uploaded once the block ends
+    well: file by file, each atomically, a folder's LAST_OF_FOLDER last, and the files the new output dropped removed
+    from the URL; errors name the URL. The mirror goes afterwards. A local target is yielded as it is."""
+    if not is_url(target):
+        yield Path(target)
+        return
+    local = mirror_of(target, "outputs")
+    try:
+        earlier = pulled(target, local)
+        try:
+            yield local
+        except UserError as err:
+            raise UserError(str(err).replace(str(local), target)) from None
+        pushed(local, target, earlier)
+    finally:
+        remove(local)
+
+
+def pulled(url: str, local: Path) -> list[str]:
+    """The object at `url`, or the folder of objects under it, copied to `local` (emptied first): the folder's files
+    relative to it (["."] for one object, [] for none)."""
+    remove(local)
+    local.parent.mkdir(parents=True, exist_ok=True)
+    fs, path = filesystem(url)
+    found = retrying("list", url, lambda: fs.find(path))
+    if found == [path]:
+        download(url, str(local))
+        return ["."]
+    rels = [rel for rel in (key[len(path.rstrip("/")) + 1:] for key in found) if local_name(rel)]
+    for rel in rels:
+        (local / rel).parent.mkdir(parents=True, exist_ok=True)
+        download(join(url, rel), str(local / rel))
+    return rels
+
+
+def pushed(local: Path, url: str, earlier: list[str]) -> None:
+    """`local` (a file or a folder) uploaded to `url`; what `earlier` named there and `local` lacks, removed."""
+    if local.is_file():
+        upload(str(local), url)
+        return
+    rels = sorted((p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()),
+                  key=lambda rel: (rel == LAST_OF_FOLDER, rel))
+    for rel in rels:
+        upload(str(local / rel), join(url, rel))
+    fs, path = filesystem(url)
+    for rel in sorted(set(earlier) - set(rels)):
+        retrying("remove", join(url, rel), lambda: fs.rm_file(f"{path.rstrip('/')}/{rel}"))
