@@ -29,8 +29,8 @@ from engine.checkpoint.run_store import url_of
 from engine.checkpoint.saver import Checkpointer
 from engine.evaluation import validation_precision
 from engine.hooks import (BestArtifact, CloseEpoch, Curves, EmaUpdate, EpochCheckpoint, EpochInputs, FinishSinks, Hook,
-                          RecordRow, SkippedImages, StepCheckpoint, StepOnMetric, StopRequests, StopRules, Tracking,
-                          Unfreeze, ValidateEvery, ValidationErrors)
+                          RecordRow, SizeChanges, SkippedImages, StepCheckpoint, StepOnMetric, StopRequests, StopRules,
+                          Tracking, Unfreeze, ValidateEvery, ValidationErrors)
 from engine.optim import extension_warning
 from engine.plots import PNG, image_grid, readable, save_png
 from engine.precision import Precision, run_precisions
@@ -235,6 +235,7 @@ def hooks_of(run: Run, out: RunOutputs, extra: Sequence[Hook] = ()) -> list[Hook
     unfreeze = [Unfreeze(cfg.model.freeze_epochs, run.frozen.release, info.is_main)] if run.frozen else []
     hooks = [stop_rules,  # first: before an epoch it ends, nothing else runs
              *unfreeze,  # before the epoch's first step
+             *([SizeChanges(cfg.data, info.is_main)] if cfg.data.size_schedule else []),
              EpochInputs(data.train, cfg.train.accum_steps, run.parts.loss_fn),
              *ema,  # before the checkpoint that saves it, and before a validation of it
              out.step_checkpoint,

@@ -44,6 +44,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--recipe", choices=("plain", "strong"), default="strong")
     parser.add_argument("--model", default="resnet18")
     parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--img-size", type=int, default=32, help="train and eval crop size, both sides")
     parser.add_argument("--workers", type=int, default=1, help="DataLoader workers, both sides")
     parser.add_argument("--rounds", type=int, default=3, help="timed runs of each side (alternating order)")
     parser.add_argument("--root", type=Path, default=REPO / ".cache" / "digits", help="the digits export")
@@ -54,17 +55,17 @@ def parse_args() -> argparse.Namespace:
 
 
 def ours_command(args: argparse.Namespace, out: Path, extra: list[str] | None = None) -> list[str]:
-    """train.py with configs/digits.yaml's recipe (sgd lr 0.1, cosine, 1 warm-up epoch, batch 64, 32 px)."""
+    """train.py with configs/digits.yaml's recipe (sgd lr 0.1, cosine, 1 warm-up epoch, batch 64) at args.img_size."""
     return [sys.executable, str(REPO / "train.py"), "--config", "configs/digits.yaml", f"model.name={args.model}",
-            f"data.root={args.root}", f"train.epochs={args.epochs}", f"data.num_workers={args.workers}",
-            "logging.progress=false", f"output_dir={out}",
+            f"data.root={args.root}", f"data.img_size={args.img_size}", f"train.epochs={args.epochs}",
+            f"data.num_workers={args.workers}", "logging.progress=false", f"output_dir={out}",
             *(STRONG_OURS if args.recipe == "strong" else []), *(extra or [])]
 
 
 def timm_command(args: argparse.Namespace, out: Path) -> list[str]:
     """timm's train.py with the same recipe as configs/digits.yaml, flag by flag."""
     return [sys.executable, str(args.timm_train), str(args.root), "--model", args.model, "--num-classes", "10",
-            "--input-size", "3", "32", "32", "--crop-pct", "1.0", "--scale", "0.5", "1.0", "--ratio", "0.8", "1.25",
+            "--input-size", "3", str(args.img_size), str(args.img_size), "--crop-pct", "1.0", "--scale", "0.5", "1.0", "--ratio", "0.8", "1.25",
             "--hflip", "0", "--mean", "0.5", "0.5", "0.5", "--std", "0.5", "0.5", "0.5", "-b", "64",
             "--epochs", str(args.epochs), "--opt", "sgd", "--lr", "0.1", "--momentum", "0.9",
             "--weight-decay", "5e-4", "--sched", "cosine", "--warmup-epochs", "1", "--smoothing", "0.1",
@@ -120,7 +121,7 @@ def main() -> None:
         sides[names[2]] = timed_side(names[2], lambda out: ours_command(args, out, args.also), ours_top1, walls, cpus,
                                      top1s)
     alternate(sides, args.rounds)
-    print(f"{machine_line()}\n{args.model}, 32 px, batch 64, {args.epochs} epochs, {args.workers} worker(s), "
+    print(f"{machine_line()}\n{args.model}, {args.img_size} px, batch 64, {args.epochs} epochs, {args.workers} worker(s), "
           f"recipe {args.recipe}")
     print_table("whole command, wall seconds", walls, "seconds; lower is faster")
     ratio_line(walls, "timm", "ours", target=1.1)

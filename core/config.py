@@ -123,7 +123,10 @@ class DataConfig:
                                 "wds: the most data.shard_cache holds of shards copied from URLs (GB, 1e9 bytes); "
                                 "past it the least recently used are removed",
                                 within="> 0", continues=True)
-    img_size: int = key(32, "train crop size (pixels)", within="> 0", first=7)
+    img_size: int = key(32, "train crop size (pixels); with data.size_schedule, the last one", within="> 0", first=7)
+    size_schedule: list[list[int]] = key([],
+                                         "progressive resizing: [[epoch, size], ...], train crops of `size` px from "
+                                         "`epoch` on (the first at epoch 0, the last size data.img_size); [] = off")
     crop_pct: float = key(0.875, "eval: resize to img_size / crop_pct, centre crop; unset: model.init_from weights'")
     val_img_size: int = key(0,
                             "eval (each epoch, best.pth, evaluate/predict/export) crop size; 0 = data.img_size",
@@ -526,6 +529,13 @@ def with_derived(cfg: Config, **changes: Any) -> Config:
 def global_batch(world_size: int, batch_size: int, accum_steps: int) -> int:
     """Images per optimizer step over all processes: the one place it is computed."""
     return world_size * batch_size * accum_steps
+
+
+def train_size(cfg: DataConfig, epoch: int) -> int:
+    """The training crop size of `epoch`: data.size_schedule's size from the last of its epochs <= `epoch`, else
+    data.img_size. A function of the epoch alone, so loader workers, resumed runs and every rank agree on it."""
+    sizes = [size for start, size in cfg.size_schedule if start <= epoch]
+    return sizes[-1] if sizes else cfg.img_size
 
 
 def mixing(cfg: DataConfig) -> bool:

@@ -1,6 +1,6 @@
 """What the data layer knows of its config keys, checked at load time with core's own checks (core/config_checks.py
 runs what add_check registers: this module registers on import, which every module that builds data makes): the
-auto-augment policy strings and the formats that hold a set of labels per image."""
+auto-augment policy strings, the formats that hold a set of labels per image, and data.size_schedule's pairs."""
 
 from __future__ import annotations
 
@@ -55,6 +55,7 @@ def check_data_keys(cfg: Config) -> None:
         raise UserError(f"data.multi_label=true needs data.name {', '.join(MULTI_LABEL_FORMATS)}: data.name="
                         f"{cfg.data.name} gives each image one class (write a list file: path,labels with a|b)")
     check_split_names(cfg.data)
+    check_size_schedule(cfg.data, cfg.train.epochs)
 
 
 def check_split_names(data: DataConfig) -> None:
@@ -66,6 +67,36 @@ def check_split_names(data: DataConfig) -> None:
         raise UserError(f"{' and '.join(named)} is not read with data.val_fraction={data.val_fraction}, which splits "
                         "data.root's class folders itself; remove the split name, or set data.val_fraction=0 to use "
                         "data.root's named splits")
+
+
+SIZE_SCHEDULE_FORM = "[[epoch, size], ...] with epochs rising from 0, e.g. [[0, 64], [4, 80], [8, 96]]"
+
+
+def check_size_schedule(data: DataConfig, epochs: int) -> None:
+    """data.size_schedule: pairs whose epochs start at 0 and rise, each reached within train.epochs, sizes > 0 and
+    no larger than data.img_size, where it ends (the size evaluation, the batch-size search and the model card
+    read); never beside a pipeline file, whose size is its own."""
+    schedule = data.size_schedule
+    if not schedule:
+        return
+    where = f"config key 'data.size_schedule' is {schedule}"
+    if not all(len(pair) == 2 for pair in schedule):
+        raise UserError(f"{where}: use {SIZE_SCHEDULE_FORM}")
+    starts, sizes = [start for start, _ in schedule], [size for _, size in schedule]
+    if starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])):
+        raise UserError(f"{where}: its epochs must start at 0 and rise; use {SIZE_SCHEDULE_FORM}")
+    if starts[-1] >= epochs:
+        raise UserError(f"{where}: epoch {starts[-1]} is never trained (train.epochs={epochs}, the last epoch is "
+                        f"{epochs - 1}); remove it or raise train.epochs")
+    if sizes[-1] != data.img_size:
+        raise UserError(f"{where}: it ends at {sizes[-1]} px and data.img_size is {data.img_size}; set "
+                        f"data.img_size={sizes[-1]} (the last training size, which evaluation uses unless "
+                        "data.val_img_size says otherwise)")
+    if min(sizes) <= 0 or max(sizes) > data.img_size:
+        raise UserError(f"{where}: every size must be > 0 and at most data.img_size={data.img_size}")
+    if data.train_transform:
+        raise UserError(f"{where} and data.train_transform={data.train_transform}, a pipeline file of its own "
+                        "size: choose one")
 
 
 add_check(check_data_keys)

@@ -64,6 +64,8 @@ class AugmentedDataset(Dataset, abc.ABC):
     skip_corrupt = False  # True: an unreadable image gives None (collate_readable drops it), not an error
     corrupt_advice = ""  # the training set's: data.skip_corrupt, said with an unreadable image that stops the run
     erasing = None  # data.random_erase_fill=normalized: a TimmErasing whose boxes (not pixels) each sample carries
+    # data.size_schedule: epoch -> (pipeline, tensor policies) at that epoch's size (data.transforms.SizedTransforms)
+    sized: Callable[[int], tuple[A.Compose, TensorTransform | None]] | None = None
 
     def __init__(self, transform: A.Compose, seed: int, tensor_transform: TensorTransform | None = None) -> None:
         self.transform = transform
@@ -90,7 +92,8 @@ class AugmentedDataset(Dataset, abc.ABC):
         epoch, index, repeat, pair = (*key, 0, -1)[:4] if isinstance(key, tuple) else (0, key, 0, -1)
         entropy = [self.seed, epoch, index] if repeat == 0 else [self.seed, epoch, index, repeat]
         rng = np.random.default_rng(entropy)
-        self.transform.set_random_state(rng, random.Random(int(rng.integers(2**63))))
+        transform, tensor_transform = self.transforms_at(epoch)
+        transform.set_random_state(rng, random.Random(int(rng.integers(2**63))))
         try:
             image = self.load_image(index)
         except UserError as err:
@@ -98,28 +101,33 @@ class AugmentedDataset(Dataset, abc.ABC):
                 raise (UserError(f"{err}{self.corrupt_advice}") if self.corrupt_advice else err) from None
             log.warning("data.skip_corrupt: %s", err)
             return None
-        image = self.transformed(image, index)
+        image = self.transformed(image, index, transform)
         boxes = ()
-        if self.tensor_transform is not None or self.erasing is not None:
-            image, *boxes = seeded(self.augment_tensor, image, tensor_seed(entropy))
+        if tensor_transform is not None or self.erasing is not None:
+            image, *boxes = seeded(lambda x: self.augment_tensor(x, tensor_transform), image, tensor_seed(entropy))
         return image, self.target(index), *boxes, *[(epoch, pair)] * (pair >= 0)
 
-    def transformed(self, image: np.ndarray, index: int) -> torch.Tensor:
+    def transforms_at(self, epoch: int) -> tuple[A.Compose, TensorTransform | None]:
+        """(albumentations pipeline, tensor policies) of a sample of `epoch`: data.size_schedule's at that epoch's
+        size, decided by the epoch the sampler's key carries (in a loader worker too), else the dataset's own."""
+        return (self.transform, self.tensor_transform) if self.sized is None else self.sized(epoch)
+
+    def transformed(self, image: np.ndarray, index: int, transform: A.Compose | FileTransform) -> torch.Tensor:
         """The albumentations pipeline's image; a user's pipeline file that fails on it is one line naming the file,
         the transform and the image (data/pipeline.py), in this process and in a loader worker alike."""
         try:
-            return self.transform(image=image)["image"]
+            return transform(image=image)["image"]
         except UserError:
             raise
         except Exception as err:  # noqa: BLE001 - any transform of the user's file, on any image
-            if not isinstance(self.transform, FileTransform):
+            if not isinstance(transform, FileTransform):
                 raise
-            raise self.transform.failed(err, self.path(index), image.shape) from None
+            raise transform.failed(err, self.path(index), image.shape) from None
 
-    def augment_tensor(self, image: torch.Tensor) -> tuple:
+    def augment_tensor(self, image: torch.Tensor, tensor_transform: TensorTransform | None) -> tuple:
         """(image after the tensor policies), and with `erasing` its boxes, drawn next from the same RNG."""
-        if self.tensor_transform is not None:
-            image = self.tensor_transform(image)
+        if tensor_transform is not None:
+            image = tensor_transform(image)
         return (image,) if self.erasing is None else (image, self.erasing.draw(image))
 
     def target(self, index: int) -> int | torch.Tensor:

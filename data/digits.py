@@ -25,8 +25,9 @@ IMAGE_SIZE = 32
 COMPLETE_MARKER = ".complete"
 
 
-def export_digits(root: str | os.PathLike) -> Path:
-    """Write root/{train,val}/<digit>/<n>.png unless a complete export is already there."""
+def export_digits(root: str | os.PathLike, size: int = IMAGE_SIZE) -> Path:
+    """Write root/{train,val}/<digit>/<n>.png (size x size) unless a complete export is already there; another size
+    than the quickstart's 32 px is for benchmarks/time_to_accuracy.py (images where resolution costs time)."""
     root = Path(root)
     if (root / COMPLETE_MARKER).exists():
         return root
@@ -49,7 +50,7 @@ def export_digits(root: str | os.PathLike) -> Path:
                 for i in sorted(split_idx):
                     folder = staging / split / str(digits.target[i])
                     folder.mkdir(parents=True, exist_ok=True)
-                    big = cv2.resize(images[i], (IMAGE_SIZE, IMAGE_SIZE), interpolation=cv2.INTER_CUBIC)
+                    big = cv2.resize(images[i], (size, size), interpolation=cv2.INTER_CUBIC)
                     if not cv2.imwrite(str(folder / f"{i:04d}.png"), big):  # False, not an exception, on failure
                         raise OSError(f"cannot write {folder / f'{i:04d}.png'}")
             (staging / COMPLETE_MARKER).touch()

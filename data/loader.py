@@ -37,7 +37,7 @@ from data.folds import fold_side, read_folds
 from data.mixing import MixCollate
 from data.shards import ShardDataset, split_index
 from data.split import FILES, Split, SplitDataset
-from data.transforms import deferred_erasing, eval_transform, tensor_augment, train_transform
+from data.transforms import SizedTransforms, deferred_erasing, eval_transform, tensor_augment, train_transform
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +239,8 @@ def build_datasets(cfg: DataConfig, seed: int, local_rank: int = 0,
             dataset[0]  # a pipeline file's first output checked (SizeCheck) in this process, before any write
     train.tensor_transform = tensor_tf  # data.auto_augment, data.random_erase: for any data format
     train.erasing = erasing  # data.random_erase_fill=normalized: boxes drawn, filled on the device
+    if cfg.size_schedule:
+        train.sized = SizedTransforms(cfg)  # each epoch's crop size, chosen in the loader's workers by epoch
     return train, val
 
 

@@ -22,6 +22,7 @@ NumPy's, seeded from it in TimmPolicy).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Callable, Sequence
@@ -34,7 +35,7 @@ from albumentations.pytorch import ToTensorV2
 from PIL import Image
 from torchvision.transforms import v2
 
-from core.config import DataConfig
+from core.config import DataConfig, train_size
 from core.errors import UserError
 from data.config_checks import parse_auto_augment
 from data.pipeline import FileTransform
@@ -119,6 +120,21 @@ def train_transform(cfg: DataConfig) -> A.Compose | FileTransform:
         strength = cfg.color_jitter
         steps.append(A.ColorJitter(brightness=strength, contrast=strength, saturation=strength, hue=0.0, p=0.8))
     return A.Compose([*steps, ToTensorV2()])
+
+
+class SizedTransforms:
+    """data.size_schedule: the training preset and tensor policies built once per size of the schedule (timm's
+    RandAugment translates by 0.45 of the crop, so the policies follow the size too), called with an epoch for
+    that epoch's pair."""
+
+    def __init__(self, cfg: DataConfig) -> None:
+        self.cfg, self.by_size = cfg, {}
+        for _, size in cfg.size_schedule:
+            at_size = dataclasses.replace(cfg, img_size=size)
+            self.by_size[size] = (train_transform(at_size), tensor_augment(at_size))
+
+    def __call__(self, epoch: int) -> tuple[A.Compose, TensorTransform | None]:
+        return self.by_size[train_size(self.cfg, epoch)]
 
 
 def tensor_augment(cfg: DataConfig) -> TensorTransform | None:

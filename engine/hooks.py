@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 from torch import nn
 
+from core.config import DataConfig, train_size
 from core.dist import max_over_ranks, rank0_decides
 from core.signals import requested, stop_together
 from engine.losses import set_loss_epoch
@@ -100,6 +101,21 @@ class Unfreeze(Hook):
         if self.is_main:
             log.info("epoch %d: the backbone is unfrozen, the whole model trains from here (model.freeze_epochs=%d)",
                      state.epoch, self.epochs)
+
+
+class SizeChanges(Hook):
+    """data.size_schedule: one line on rank 0 before the first epoch the run trains and before each epoch whose
+    training crop size differs from the one before it (the loader's workers pick the size from the epoch: data/)."""
+
+    def __init__(self, data: DataConfig, is_main: bool) -> None:
+        self.data, self.is_main, self.size = data, is_main, 0
+
+    def before_epoch(self, state: TrainState) -> None:
+        size = train_size(self.data, state.epoch)
+        if size != self.size and self.is_main:
+            log.info("epoch %d: training crops of %d px from here (data.size_schedule; evaluation at %d px)",
+                     state.epoch, size, self.data.val_img_size or self.data.img_size)
+        self.size = size
 
 
 class EmaUpdate(Hook):

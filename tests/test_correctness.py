@@ -26,17 +26,19 @@ from tests.helpers import (COMMON, EPOCHS, GLOBAL_BATCH, NO_BN_MODEL, REPO, STEP
 
 pytestmark = pytest.mark.slow  # every test trains with real process groups
 
-BN_MODEL = "model.name=resnet10t"  # 14 BatchNorm layers
+# 14 BatchNorm layers, trained at 12 px in epoch 0 and 16 px in epoch 1 (data.size_schedule): each rank crops its
+# images at the epoch's size and the BatchNorm statistics follow the change on 1, 2 and 3 processes alike
+BN_MODEL = ("model.name=resnet10t", "data.size_schedule=[[0, 12], [1, 16]]")
 # train.val_every_steps=3 with the EMA, 4 steps an epoch: validations at steps 3, 4 (the epoch's), 6 and 8 (the epoch's)
 EVERY = ("train.val_every_steps=3", "model.ema_decay=0.9")
 
 # name: (processes, overrides). Per-process batch x processes x accum_steps = GLOBAL_BATCH everywhere.
 RUNS = {
-    "single": (1, (BN_MODEL, "train.batch_size=12")),
-    "sync2": (2, (BN_MODEL, "train.batch_size=6", "model.sync_bn=true")),
-    "sync2_again": (2, (BN_MODEL, "train.batch_size=6", "model.sync_bn=true")),
-    "sync3": (3, (BN_MODEL, "train.batch_size=4", "model.sync_bn=true")),
-    "nosync2": (2, (BN_MODEL, "train.batch_size=6", "model.sync_bn=false")),
+    "single": (1, (*BN_MODEL, "train.batch_size=12")),
+    "sync2": (2, (*BN_MODEL, "train.batch_size=6", "model.sync_bn=true")),
+    "sync2_again": (2, (*BN_MODEL, "train.batch_size=6", "model.sync_bn=true")),
+    "sync3": (3, (*BN_MODEL, "train.batch_size=4", "model.sync_bn=true")),
+    "nosync2": (2, (*BN_MODEL, "train.batch_size=6", "model.sync_bn=false")),
     # EVERY on gn_single and gn_ddp_accum, not on gn_accum: their equal weights also show that a validation inside
     # an epoch leaves training as it was
     "gn_single": (1, (NO_BN_MODEL, "train.batch_size=12", *EVERY)),
