@@ -16,6 +16,7 @@ from core.errors import UserError
 from core.logs import run_summary
 from core.signals import Preempted, training_steps
 from engine.checkpoint.run_dir import FolderLock, continue_with
+from engine.checkpoint.run_store import RunStore
 from engine.hooks import Hook, StopRun
 from engine.lr_find import LABEL as LR_RULE_LABEL, range_test, write_results
 from engine.state import TrainState
@@ -45,13 +46,14 @@ def find_lr(cfg: Config, info: DistInfo) -> dict:
 
 
 def fit(cfg: Config, info: DistInfo, lock: FolderLock | None = None,
-        hooks: Sequence[Hook] = ()) -> TrainState | None:
+        hooks: Sequence[Hook] = (), store: RunStore | None = None) -> TrainState | None:
     """The run: epochs of training steps, each validated (and every train.val_every_steps steps inside it: the
     ValidateEvery hook); what happens around them is the run's hooks, then `hooks`. `lock`: rank 0's lock on
     output_dir (launch.train holds it), checked before each write there. Over the epochs a stop signal only asks for
     a stop (training_steps): every rank stops after the same step, at the same validation batch, or once a
-    validation's hooks (its checkpoint) are done, and last.pth is written there."""
-    run = build_run(cfg, info, write=True, lock=lock, extra=hooks)
+    validation's hooks (its checkpoint) are done, and last.pth is written there. `store`: output_dir's URL
+    (launch.staged), uploaded to after each validation."""
+    run = build_run(cfg, info, write=True, lock=lock, extra=hooks, store=store)
     if run is None:  # a finished run: nothing to train
         return None
     cfg, state, out = run.cfg, run.state, run.outputs

@@ -20,6 +20,7 @@ from core.startup import compute_threads, default_workers, import_timm_without_w
 if TYPE_CHECKING:
     from core.dist import DistInfo
     from engine.checkpoint.run_dir import FolderLock
+    from engine.checkpoint.run_store import RunStore
     from engine.hooks import Hook
 
 log = logging.getLogger(__name__)
@@ -52,29 +53,28 @@ def train(config: str | None, overrides: list[str], print_config: bool = False, 
         if info.is_main:
             print(summary)
         return 0
-    with staged(cfg) as (cfg, uploads), run_folder(cfg) as lock:
+    with staged(cfg) as (cfg, store), run_folder(cfg) as lock:
         if lr_test:
             find_lr(cfg, info)
         else:
-            fit(cfg, info, lock, [*hooks, *uploads])  # report_errors leaves the process group after reporting an error
+            fit(cfg, info, lock, hooks, store)  # report_errors leaves the process group after reporting an error
     return 0
 
 
 @contextlib.contextmanager
-def staged(cfg: Config, dry: bool = False) -> Iterator[tuple[Config, list[Hook]]]:
+def staged(cfg: Config, dry: bool = False) -> Iterator[tuple[Config, RunStore | None]]:
     """An output_dir at a URL: cfg with its local staging folder (engine/checkpoint/run_store.py), the run's lock
-    object held on rank 0, the run copied there first and uploaded after each validation and at the end (the hook
-    to add); a dry run reads a copy in a temporary folder. A local output_dir is yielded as it is."""
+    object held on rank 0, the run copied there first and uploaded after each validation (fit's Upload hook) and at the
+    end; a dry run reads a copy in a temporary folder. A local output_dir is yielded as it is."""
     from core.dist import rank0_decides
     from core.store import is_url
 
     if not is_url(cfg.output_dir):
-        yield cfg, []
+        yield cfg, None
         return
     import tempfile
 
     from engine.checkpoint.run_store import LockObject, RunStore
-    from engine.hooks import Upload
 
     if cfg.train.ckpt_format == "sharded":
         raise UserError(f"train.ckpt_format=sharded with output_dir {cfg.output_dir}: a sharded last.dcp/ is not "
@@ -88,7 +88,7 @@ def staged(cfg: Config, dry: bool = False) -> Iterator[tuple[Config, list[Hook]]
         rank0_decides(store.pull)
         cfg = with_derived(cfg, output_dir=str(store.local), resume=store.resume_path(cfg.resume))
         try:
-            yield cfg, [Upload(store)]
+            yield cfg, store
         except BaseException as err:
             if held and not store.broken:  # the last good files reach the URL, whatever stopped the run
                 with contextlib.suppress(UserError):

@@ -25,12 +25,12 @@ from data.loader import DataBundle, full_epoch_images
 from data.pipeline import pipeline_copies
 from engine.checkpoint.resume import Resume
 from engine.checkpoint.run_dir import FolderLock, RunRecord, check_writable
-from engine.checkpoint.run_store import url_of
+from engine.checkpoint.run_store import RunStore, url_of
 from engine.checkpoint.saver import Checkpointer
 from engine.evaluation import validation_precision
 from engine.hooks import (BestArtifact, CloseEpoch, Curves, EmaUpdate, EpochCheckpoint, EpochInputs, FinishSinks, Hook,
                           RecordRow, SizeChanges, SkippedImages, StepCheckpoint, StepOnMetric, StopRequests, StopRules,
-                          Tracking, Unfreeze, ValidateEvery, ValidationErrors)
+                          Tracking, Unfreeze, Upload, ValidateEvery, ValidationErrors)
 from engine.optim import extension_warning
 from engine.plots import PNG, image_grid, readable, save_png
 from engine.precision import Precision, run_precisions
@@ -93,7 +93,7 @@ class Run:
 
 
 def build_run(cfg: Config, info: DistInfo, write: bool, lock: FolderLock | None = None, extra: Sequence[Hook] = (),
-              fresh: bool = False) -> Run | None:
+              fresh: bool = False, store: RunStore | None = None) -> Run | None:
     """The run (prepare), and with `write` its outputs and hooks (`extra` after its own); None when the resumed run
     has nothing left to train. `lock`: rank 0's lock on output_dir, checked before each write there; `fresh`
     (--find-lr): a new model whatever output_dir and resume say, without an EMA."""
@@ -101,7 +101,7 @@ def build_run(cfg: Config, info: DistInfo, write: bool, lock: FolderLock | None 
     if run is None or not write:
         return run
     run.outputs = open_outputs(run, lock)
-    run.hooks = hooks_of(run, run.outputs, extra)
+    run.hooks = hooks_of(run, run.outputs, extra, store)
     return run
 
 
@@ -219,9 +219,9 @@ def dry_run(cfg: Config, info: DistInfo) -> str:
             f"{resumed}; {out} is writable; nothing was written\nthe run uses: {run_values(cfg, info.world_size)}")
 
 
-def hooks_of(run: Run, out: RunOutputs, extra: Sequence[Hook] = ()) -> list[Hook]:
+def hooks_of(run: Run, out: RunOutputs, extra: Sequence[Hook] = (), store: RunStore | None = None) -> list[Hook]:
     """The run's side effects in the order they must happen (engine/hooks.py says why this order), writing through
-    `out`, with `extra` last. Each hook gets what it uses; none refers back to the run."""
+    `out` (and uploading to `store`, output_dir's URL), with `extra` last. Each hook gets what it uses; none refers back to the run."""
     cfg, info, state, data = run.cfg, run.info, run.state, run.data
     sinks, folder = [out.tracker, out.board], Path(cfg.output_dir)
     stop_rules = StopRules(cfg.train, run.chosen_on, out.tracker)
@@ -252,6 +252,7 @@ def hooks_of(run: Run, out: RunOutputs, extra: Sequence[Hook] = ()) -> list[Hook
              *profile,
              FinishSinks(sinks),  # last of the run's own: after the last write and the profile
              *extra,
+             *([Upload(store, out.checkpointer)] if store is not None else []),  # what the hooks above wrote
              StopRequests(info.device)]  # last after a validation: a stop during its hooks, once they are done
     if cfg.train.val_every_steps:  # after the EMA's update, before the step checkpoint: its validation's after_epoch
         # hooks (the others, as they stand now: it is not among them) write last.pth at the step, which

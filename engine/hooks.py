@@ -392,11 +392,13 @@ class BestArtifact(Hook):
 
 
 class Upload(Hook):
-    """output_dir at a URL: after each validation's hooks (its row and checkpoint written), what changed in the
-    staging folder is uploaded (rank 0; a failure stops every rank with one line)."""
+    """output_dir at a URL: after each validation's hooks, once its checkpoint is on disk (a train.async_save write
+    in flight is waited for: else the URL would hold the validation before), what changed in the staging folder is
+    uploaded (rank 0; a failure stops every rank with one line)."""
 
-    def __init__(self, store: RunStore) -> None:
-        self.store = store
+    def __init__(self, store: RunStore, checkpointer: Checkpointer) -> None:
+        self.store, self.checkpointer = store, checkpointer
 
     def after_epoch(self, state: TrainState, end: EpochEnd) -> None:
+        self.checkpointer.wait()
         rank0_decides(self.store.push)

@@ -232,13 +232,13 @@ def versions(env: dict[str, str], bucket: str, run: str) -> dict[str, int]:
 def test_two_ranks_on_s3_train_the_one_process_model_and_rank_0_alone_uploads(on_s3, bucket, tmp_path):
     """data.root and output_dir at s3:// on 2 ranks (a real gloo group): the last.pth of one process on s3:// with
     twice the batch (within tests/compare.py's TOL), and rank 0 alone uploads: in a versioned bucket each file was
-    written as many times as by the one process (the other rank's pushes would have added its own; checkpoints
-    written in the foreground, so that each validation's upload finds its last.pth)."""
+    written as many times as by the one process (the other rank's pushes would have added its own), and each
+    validation's last.pth went up after it although written in the background (train.async_save, the default)."""
     fs, out = s3fs_for(on_s3), f"v{free_port()}"
     fs.mkdir(out)
     fs.make_bucket_versioned(out)
     args = ["--config", "dummy", *COMMON[2:], NO_BN_MODEL, "data.name=wds", f"data.root=s3://{bucket}/shards",
-            "data.shard_cache=cache", "train.async_save=false"]
+            "data.shard_cache=cache"]
     train_here(*args, "train.batch_size=6", f"output_dir=s3://{out}/one")
     run_on_ranks("train.py", *args, "train.batch_size=3", f"output_dir=s3://{out}/two", nproc=2, env=on_s3,
                  cwd=tmp_path)
