@@ -289,10 +289,20 @@ def make_image_folder(root: Path, counts: dict[str, dict[str, int]], size: int =
 RANK_PRELOAD = ["tests.helpers", "train", "evaluate", "predict", "export", "assembly.fit"]
 
 
+def as_torchruns_rank() -> None:
+    """A rank forked from the forkserver starts its own processes (DataLoader workers) as a torchrun rank does, by
+    fork: it inherited the forkserver start method, with which each rank started a forkserver of its own that
+    imported RANK_PRELOAD again (7-14 s per loader with workers)."""
+    import multiprocessing
+
+    multiprocessing.set_start_method("fork", force=True)
+
+
 def _rank_entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str, backend: str) -> None:
     import torch
     import torch.distributed as dist
 
+    as_torchruns_rank()
     torch.set_num_threads(1)
     if backend == "nccl":  # the GPU tier: one GPU per rank
         torch.cuda.set_device(rank)
@@ -333,6 +343,7 @@ def _main_entry(rank: int, world: int, port: int, script: str, args: tuple, env:
 
     from core.cli import report_errors
 
+    as_torchruns_rank()
     if cwd is not None:
         os.chdir(cwd)
     for name in LAUNCH_VARIABLES:
