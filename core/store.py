@@ -18,10 +18,12 @@ import os
 import secrets
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any, Callable, TypeVar
 from urllib.parse import urlparse
 
 from core.errors import UserError
+from core.files import temp_name
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -99,7 +101,7 @@ def retrying(what: str, url: str, call: Callable[[], T]) -> T:
 def download(url: str, local: str, what: str = "read") -> str:
     """Copy the object at `url` to the file `local` (through a temp file beside it: a reader never sees part)."""
     fs, path = filesystem(url)
-    tmp = f"{local}.{os.getpid()}.{secrets.token_hex(4)}.part"
+    tmp = str(temp_name(Path(local)))
     try:
         retrying(what, url, lambda: fs.get_file(path, tmp))
         os.replace(tmp, local)

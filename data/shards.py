@@ -39,6 +39,7 @@ import numpy as np
 
 from core.config import DataConfig
 from core.errors import UserError
+from core.files import TEMP
 from core.store import download, is_url, read_bytes
 from data.datasets import AugmentedDataset, IMAGE_EXTENSIONS, decode_image, multi_hot, shared_labels
 
@@ -109,12 +110,12 @@ def fetch(url: str, local: str) -> str:
 
 
 def trim_cache(folder: str, limit_bytes: float, keep: str) -> None:
-    """Remove the least recently used shards copied from URLs (names holding a quoted '://'; copies under way, .part,
-    stay) from `folder` until they fit in `limit_bytes`, never `keep` (the one in use). A process reading a removed
+    """Remove the least recently used shards copied from URLs (names holding a quoted '://'; copies under way, under
+    core/files.temp_name's names, stay) from `folder` until they fit in `limit_bytes`, never `keep` (the one in use). A process reading a removed
     shard keeps its open descriptor; the next to open it copies it again."""
     shards = []
     for entry in os.scandir(folder):
-        ours = "%3A%2F%2F" in entry.name and not entry.name.endswith(".part")
+        ours = "%3A%2F%2F" in entry.name and not TEMP.fullmatch(entry.name)
         if ours and entry.is_file() and entry.path != keep:
             stat = entry.stat()
             shards.append((stat.st_mtime, stat.st_size, entry.path))

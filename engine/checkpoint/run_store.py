@@ -139,7 +139,7 @@ def local_name(rel: str) -> bool:
     """Whether a staging file is the run's (not a lock, a probe or a temp file of core/files or core/store)."""
     name = rel.rsplit("/", 1)[-1]
     return name != LOCK and not name.startswith(".shared-check") and TEMP_TAG not in name \
-        and not TEMP.fullmatch(name) and not name.endswith(".part")
+        and not TEMP.fullmatch(name)
 
 
 class RunStore:
