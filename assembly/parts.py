@@ -129,11 +129,23 @@ def weights_said(cfg: Config, names: list[str], loss: Loss) -> str:
 
 def augmentation_said(cfg: DataConfig) -> str:
     """Which training augmentation runs: the user's albumentations file (in place of the preset's keys) or the
-    preset's values."""
-    if cfg.train_transform:
-        return (f"the albumentations file data.train_transform={cfg.train_transform}, in place of the preset's "
-                f"{', '.join(f'data.{key}' for key in REPLACED_KEYS)}")
+    preset's values, then every step that runs after either (the policy, erasing, mixing), so none is unsaid."""
     if not cfg.augment:
-        return "none (data.augment=false: the eval preset's resize and centre crop)"
-    jitter = f", color_jitter {cfg.color_jitter:g}" if cfg.color_jitter else ""
-    return f"the preset: random resized crop scale {cfg.scale} ratio {cfg.ratio}, hflip {cfg.hflip:g}{jitter}"
+        said = "none (data.augment=false: the eval preset's resize and centre crop)"
+    elif cfg.train_transform:
+        said = (f"the albumentations file data.train_transform={cfg.train_transform}, in place of the preset's "
+                f"{', '.join(f'data.{key}' for key in REPLACED_KEYS)}")
+    else:
+        jitter = f", color_jitter {cfg.color_jitter:g}" if cfg.color_jitter else ""
+        said = f"the preset: random resized crop scale {cfg.scale} ratio {cfg.ratio}, hflip {cfg.hflip:g}{jitter}"
+    return said + "".join(f"; {step}" for step in after_crop_said(cfg))
+
+
+def after_crop_said(cfg: DataConfig) -> list[str]:
+    """The augmentation keys applied after the crop (file or preset) that are on, as `data.key value`: the policy
+    and erasing only with data.augment (data/transforms.tensor_augment), mixing on the batch always."""
+    steps = [f"data.auto_augment {cfg.auto_augment}" if cfg.augment and cfg.auto_augment else "",
+             f"data.random_erase {cfg.random_erase:g}" if cfg.augment and cfg.random_erase else "",
+             f"data.mixup_alpha {cfg.mixup_alpha:g}" if cfg.mixup_alpha else "",
+             f"data.cutmix_alpha {cfg.cutmix_alpha:g}" if cfg.cutmix_alpha else ""]
+    return [step for step in steps if step]

@@ -573,7 +573,7 @@ def test_the_start_up_block_shows_the_classes_in_order_the_sampler_weights_and_a
     """Issue 61: rank 0 says the classes in their index order (the order a train.class_weights list follows) with
     their training images, the sampler, the loss's class weights and whether an albumentations file replaces the
     preset; many classes are cut to 20 with the fewest and the most."""
-    from assembly.parts import data_lines, run_loss
+    from assembly.parts import augmentation_said, data_lines, run_loss
     from core.config_load import load_config
     from core.dist import DistInfo
     from data.loader import DataBundle
@@ -597,3 +597,10 @@ def test_the_start_up_block_shows_the_classes_in_order_the_sampler_weights_and_a
     assert lines[0].endswith("c19 81, ... and 5 more (fewest: c24 76, most: c00 100)")
     assert lines[1] == "sampling: data.sampler=uniform: each image once an epoch; loss: no class weights"
     assert lines[2].startswith("augmentation: the preset: random resized crop scale [0.08, 1.0] ratio [0.75, 1.33")
+    strong = load_config("configs/digits_fast.yaml").data  # issue 64: RandAugment, erasing and mixing were unsaid
+    assert augmentation_said(strong) == ("the preset: random resized crop scale [0.5, 1.0] ratio [0.8, 1.25], hflip 0; "
+                                         "data.auto_augment rand-m9-mstd0.5; data.random_erase 0.25; "
+                                         "data.mixup_alpha 0.2; data.cutmix_alpha 1")
+    assert augmentation_said(load_config("configs/digits_fast.yaml", ["data.augment=false"]).data) == (
+        "none (data.augment=false: the eval preset's resize and centre crop); data.mixup_alpha 0.2; "
+        "data.cutmix_alpha 1")
