@@ -23,7 +23,7 @@ from data.pipeline import copy_name, file_sha256
 from engine.checkpoint.inference import Trained, inference_config, load_trained, make_output_dir
 from engine.checkpoint.run_dir import check_shared
 from engine.checkpoint.weights import load_weights
-from models.factory import create_model, prepare_model
+from models.factory import check_input_sizes, create_model, prepare_model, sizes_fed
 
 
 def open_trained(path: str | os.PathLike, ema: bool, overrides: Sequence[tuple[str, Any]] = (),
@@ -95,6 +95,7 @@ def inference_model(trained: Trained, cfg: Config, device: torch.device) -> nn.M
     """The architecture with the trained weights on `device`, in eval mode: no gradient checkpointing, and no
     synchronized BatchNorm whatever the training used (evaluation uses the running statistics)."""
     model = create_model(dataclasses.replace(cfg.model, grad_checkpointing=False), len(trained.class_names))
+    check_input_sizes(model, cfg.model, sizes_fed(cfg.data, training=False))
     load_weights(model, trained.weights, trained.source)
     return prepare_model(model, dataclasses.replace(cfg.model, sync_bn=False), device, 1).eval()
 

@@ -33,7 +33,8 @@ from engine.distill import check_teacher_needed, freeze_teacher, teacher_name, t
 from engine.optim import batch_and_lr, build_optimizer, check_optimizer, check_scheduler, lr_for_batch
 from engine.precision import Precision
 from engine.profiling import check_trace_folder, window_warnings
-from models.factory import check_model_name, create_model, prepare_model, pretrained_cfg_of
+from models.factory import (check_input_sizes, check_model_name, create_model, prepare_model,
+                            pretrained_cfg_of, sizes_fed)
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,7 @@ def build_start(cfg: Config, start: Resume, weights: StartingWeights, precision:
     else:
         model = create_model(cfg.model, data.num_classes, pretrained.state_dict, pretrained.source)
         check_pretrained(model, pretrained)
+    check_input_sizes(model, cfg.model, sizes_fed(cfg.data))
     if auto_batch:
         cfg, data = with_auto_batch(cfg, data, model, precision, info)
     if info.is_main and (note := dropped_images_note(data.train, info.world_size, cfg.train.accum_steps,

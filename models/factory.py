@@ -22,7 +22,7 @@ from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 from safetensors import SafetensorError
 from torch import nn
 
-from core.config import ModelConfig
+from core.config import DataConfig, ModelConfig
 from core.errors import UserError
 from models.freeze import freeze_backbone
 
@@ -135,6 +135,45 @@ class MissingKeys(logging.Filter):
         if match := re.match(r"Missing keys \((.*)\) discovered", record.getMessage()):
             self.keys += [key for key in match.group(1).split(", ") if key]
         return record.levelno >= logging.ERROR
+
+
+def fixed_input_size(model: nn.Module) -> tuple[int, int] | None:
+    """The one input size a model takes (timm's PatchEmbed with a strict size: ViT, DeiT, Mixer...), else None."""
+    from timm.layers import PatchEmbed
+
+    for module in model.modules():
+        if isinstance(module, PatchEmbed) and module.strict_img_size and module.img_size is not None:
+            return tuple(module.img_size)
+    return None
+
+
+def sizes_fed(data: DataConfig, training: bool = True) -> dict[str, set[int]]:
+    """The input sizes a run feeds the model, by the key that sets them (evaluation: the eval size alone)."""
+    fed = {"data.val_img_size": {data.val_img_size or data.img_size}}
+    if training:
+        fed = {"data.img_size": {data.img_size}, "data.size_schedule": {size for _, size in data.size_schedule},
+               **fed}
+    return {key: sizes for key, sizes in fed.items() if sizes}
+
+
+def check_input_sizes(model: nn.Module, cfg: ModelConfig, fed: dict[str, set[int]], all_ranks: bool = True) -> None:
+    """A model of one input size fed others (sizes_fed) is refused in one line before the first batch, not by
+    timm's assertion inside it."""
+    fixed = fixed_input_size(model)
+    every = set().union(*fed.values())
+    if fixed is None or {(size, size) for size in every} == {fixed}:
+        return
+    said = "; ".join(f"{key} gives {', '.join(map(str, sorted(sizes)))} px" for key, sizes in fed.items()
+                     if {(size, size) for size in sizes} != {fixed})
+    what = f"model.name={cfg.name} takes {fixed[0]}x{fixed[1]} images only (timm's patch embedding), but {said}"
+    if "data.img_size" not in fed:
+        do = f"evaluate at data.val_img_size={fixed[0]}"
+    elif len(every) > 1:
+        do = "set model.kwargs.dynamic_img_size=true (timm resamples its position embedding for each size)"
+    else:
+        do = (f"set model.kwargs.img_size={next(iter(every))} (timm builds the model for that size, resampling "
+              f"pretrained position embeddings) or data.img_size={fixed[0]}")
+    raise UserError(f"{what}; {do}", all_ranks=all_ranks)
 
 
 def timm_create(name: str, pretrained: bool, from_hub: bool, source: str,

@@ -78,3 +78,30 @@ def test_a_run_stopped_inside_the_schedule_resumes_to_the_uninterrupted_bits(tmp
     allow_best_of_the_stop(expected, resumed, stop_top1, partial["epoch"])
     assert_same(expected, resumed)
     assert rows_without_timing(out) == rows_without_timing(tmp_path / "straight")
+
+
+def test_a_model_of_one_input_size_fed_others_is_one_line_at_the_start(capsys):
+    """A ViT built for one size (timm's strict patch embedding) stopped training at its first batch with timm's
+    assertion; the start now refuses it naming the keys and what to set, which then trains."""
+    import timm
+
+    import train
+    from core.cli import report_errors
+    from models.factory import check_input_sizes, sizes_fed
+
+    fixed = timm.create_model("test_vit", dynamic_img_size=False)  # 160 px only
+    cfg = load_config("dummy", ["model.name=test_vit", "data.img_size=16", f"data.size_schedule={SCHEDULE}",
+                                "train.epochs=4"])
+    with pytest.raises(UserError, match=r"takes 160x160 images only .* data.size_schedule gives 8, 12, 16 px; .*"
+                                        r"set model.kwargs.dynamic_img_size=true"):
+        check_input_sizes(fixed, cfg.model, sizes_fed(cfg.data))
+    with pytest.raises(UserError, match=r"data.val_img_size gives 16 px; evaluate at data.val_img_size=160$"):
+        check_input_sizes(fixed, cfg.model, sizes_fed(cfg.data, training=False))
+    check_input_sizes(timm.create_model("test_vit", dynamic_img_size=True), cfg.model, sizes_fed(cfg.data))
+    check_input_sizes(timm.create_model("test_vit", dynamic_img_size=False, img_size=16), cfg.model,
+                      sizes_fed(cfg.data, training=False))
+    assert report_errors(train.main, [*TINY, "model.name=test_vit", "model.kwargs.dynamic_img_size=false"]) != 0
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert said.startswith("error: model.name=test_vit takes 160x160 images only") and said.endswith(
+        "set model.kwargs.img_size=16 (timm builds the model for that size, resampling pretrained position "
+        "embeddings) or data.img_size=160")
