@@ -30,6 +30,9 @@ def export_digits(root: str | os.PathLike, size: int = IMAGE_SIZE) -> Path:
     than the quickstart's 32 px is for benchmarks/time_to_accuracy.py (images where resolution costs time)."""
     root = Path(root)
     if (root / COMPLETE_MARKER).exists():
+        if (there := export_size(root)) != size:
+            raise UserError(f"data.root {root} holds the digits exported at {there} px, not {size} px; choose "
+                            f"another folder for {size} px (or use that export at its size)")
         return root
     if root.is_dir() and any(root.iterdir()):  # never write into (or delete) a folder we did not make
         raise UserError(f"data.root {root} is not empty and holds no digits export; for data.name=digits "
@@ -62,6 +65,12 @@ def export_digits(root: str | os.PathLike, size: int = IMAGE_SIZE) -> Path:
                         "space or choose another data.root") from None
     log.info("exported %d train / %d val digits images to %s", len(train_idx), len(val_idx), root)
     return root
+
+
+def export_size(root: Path) -> int:
+    """The side of a complete export's images, read from its first training image."""
+    first = min((root / "train" / "0").glob("*.png"))
+    return cv2.imread(str(first), cv2.IMREAD_UNCHANGED).shape[0]
 
 
 def check_creatable(root: Path) -> None:

@@ -185,6 +185,8 @@ def test_digits_export_is_stratified_and_cached(tmp_path):
     mtime = (root / "train").stat().st_mtime_ns
     export_digits(root)
     assert (root / "train").stat().st_mtime_ns == mtime  # second call reuses the cache
+    with pytest.raises(UserError, match=r"holds the digits exported at 32 px, not 64 px; choose another folder"):
+        export_digits(root, 64)  # an export of another size was silently reused as this one
 
 
 def test_train_sampler_covers_each_index_once_and_reshuffles():
