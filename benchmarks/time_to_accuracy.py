@@ -42,6 +42,9 @@ from data.digits import export_digits
 from tests.helpers import script_env
 
 POLL_S = 0.1  # how often the results files are read: the resolution of every time below
+TIMM_SIDES = ("timm", "timm-bf16")
+SIDES = ("fast", "ours", *TIMM_SIDES)
+TIMM_BF16 = ["--amp", "--amp-dtype", "bfloat16", "--channels-last"]
 
 
 def parse_args() -> argparse.Namespace:
@@ -51,7 +54,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=10, help="every side's")
     parser.add_argument("--img-size", type=int, default=64, help="the digits export's size; timm's and ours' crops")
     parser.add_argument("--fast-config", default="configs/digits_fast.yaml", help="the fast side's config")
-    parser.add_argument("--sides", nargs="+", choices=("fast", "ours", "timm"), default=["fast", "ours", "timm"])
+    parser.add_argument("--sides", nargs="+", choices=SIDES, default=["fast", "ours", "timm"],
+                        help="timm-bf16: timm's train.py with --amp --amp-dtype bfloat16 --channels-last, the precision "
+                             "and memory format the app's amp=auto and model.channels_last choose on a bf16 CPU")
     parser.add_argument("--workers", type=int, default=1, help="DataLoader workers, every side")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--root", type=Path, help="the digits export (default: .cache/digits<img-size>)")
@@ -59,8 +64,8 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     args.recipe = "strong"  # vs_timm_train's commands read it
     args.root = args.root or REPO / ".cache" / ("digits" if args.img_size == 32 else f"digits{args.img_size}")
-    if "timm" not in args.sides:
-        parser.error("--sides: timm is every ratio's denominator")
+    if not set(args.sides) & set(TIMM_SIDES):
+        parser.error("--sides: timm (or timm-bf16) is every ratio's denominator")
     if not args.timm_train.is_file():
         parser.error(f"--timm-train {args.timm_train} is not a file: clone timm's repository (vs_timm_train.py "
                      "says how)")
@@ -136,7 +141,8 @@ def one_round(args: argparse.Namespace, reverse: bool) -> dict:
     every run's final best top-1."""
     sides = {"fast": (lambda out: fast_command(args, out), ours_epochs),
              "ours": (lambda out: ours_command(args, out), ours_epochs),
-             "timm": (lambda out: timm_command(args, out), timm_epochs)}
+             "timm": (lambda out: timm_command(args, out), timm_epochs),
+             "timm-bf16": (lambda out: timm_command(args, out) + TIMM_BF16, timm_epochs)}
     runs = {}
     for name in (args.sides[::-1] if reverse else args.sides):
         command, read = sides[name]
@@ -146,11 +152,17 @@ def one_round(args: argparse.Namespace, reverse: bool) -> dict:
               f"{runs[name][-1][0]:.1f} s", file=sys.stderr, flush=True)
     best = {name: max(epoch[1] for epoch in epochs) for name, epochs in runs.items()}
     versus = {}
-    for name in [side for side in args.sides if side != "timm"]:
-        target = min(best[name], best["timm"])
-        seconds = {side: first_reached(runs[side], target) for side in (name, "timm")}
-        versus[name] = {"target": target, "seconds_to_target": seconds, "ratio": seconds[name] / seconds["timm"]}
+    for app, timm in pairs(args.sides):
+        target = min(best[app], best[timm])
+        seconds = {side: first_reached(runs[side], target) for side in (app, timm)}
+        versus[f"{app} / {timm}"] = {"target": target, "seconds_to_target": seconds,
+                                     "ratio": seconds[app] / seconds[timm]}
     return {"versus": versus, "best": best, "epochs": {name: [list(e) for e in epochs] for name, epochs in runs.items()}}
+
+
+def pairs(sides: list[str]) -> list[tuple[str, str]]:
+    """(app side, timm side) for every ratio: each of the app's sides against each of timm's."""
+    return [(app, timm) for app in sides if app not in TIMM_SIDES for timm in sides if timm in TIMM_SIDES]
 
 
 def spread(values: list[float], digits: int = 1) -> str:
@@ -164,23 +176,27 @@ def main() -> None:
     for index in range(args.rounds):
         print(f"round {index + 1}/{args.rounds}, {machine_line().split(', ')[-1]}", file=sys.stderr, flush=True)
         rounds.append(one_round(args, reverse=index % 2 == 1))
-    apps = [side for side in args.sides if side != "timm"]
     print(f"{machine_line()}\n{args.model}, digits at {args.img_size} px, batch 64, {args.epochs} epochs, "
           f"{args.workers} worker(s), strong recipe, fast = {args.fast_config}, {args.rounds} round(s)\n")
-    print("| round | " + " | ".join(f"{a}: target top-1 | {a}: s to target | timm: s to it | {a} / timm" for a in apps)
-          + " | final best top-1 " + " / ".join(args.sides) + " | whole run s " + " / ".join(args.sides) + " |")
-    print("| --- |" + " ---: |" * (4 * len(apps) + 2))
+    print("| round | app / timm | target top-1 | app: s to target | timm: s to it | ratio |\n| --- | --- |"
+          + " ---: |" * 4)
     for index, r in enumerate(rounds, 1):
-        cells = [f"{r['versus'][a]['target']:.2f} | {r['versus'][a]['seconds_to_target'][a]:.1f} | "
-                 f"{r['versus'][a]['seconds_to_target']['timm']:.1f} | {r['versus'][a]['ratio']:.2f}" for a in apps]
-        print(f"| {index} | " + " | ".join(cells) + " | " + " / ".join(f"{r['best'][s]:.2f}" for s in args.sides)
-              + " | " + " / ".join(f"{r['epochs'][s][-1][0]:.1f}" for s in args.sides) + " |")
+        for name, v in r["versus"].items():
+            app, timm = name.split(" / ")
+            print(f"| {index} | {name} | {v['target']:.2f} | {v['seconds_to_target'][app]:.1f} | "
+                  f"{v['seconds_to_target'][timm]:.1f} | {v['ratio']:.2f} |")
+    print("\n| round | " + " | ".join(f"{s}: best top-1 / whole run s" for s in args.sides) + " |\n| --- |"
+          + " ---: |" * len(args.sides))
+    for index, r in enumerate(rounds, 1):
+        print(f"| {index} | " + " | ".join(f"{r['best'][s]:.2f} / {r['epochs'][s][-1][0]:.1f}" for s in args.sides)
+              + " |")
     print()
-    for app in apps:
-        ratios = [r["versus"][app]["ratio"] for r in rounds]
-        at_least = all(r["best"][app] >= r["best"]["timm"] for r in rounds)
-        print(f"- {app} / timm, time to the same top-1: **{statistics.median(ratios):.2f}** median (per-round "
-              f"{min(ratios):.2f}..{max(ratios):.2f}); {app}'s final best top-1 >= timm's in every round: {at_least}")
+    for app, timm in pairs(args.sides):
+        ratios = [r["versus"][f"{app} / {timm}"]["ratio"] for r in rounds]
+        at_least = all(r["best"][app] >= r["best"][timm] for r in rounds)
+        print(f"- {app} / {timm}, time to the same top-1: **{statistics.median(ratios):.2f}** median (per-round "
+              f"{min(ratios):.2f}..{max(ratios):.2f}); {app}'s final best top-1 >= {timm}'s in every round: "
+              f"{at_least}")
     for name in args.sides:
         print(f"- {name}: final best top-1 {spread([r['best'][name] for r in rounds], 2)}, whole run s "
               f"{spread([r['epochs'][name][-1][0] for r in rounds])}")
