@@ -26,8 +26,8 @@ from core.cli import report_errors
 from core.errors import UserError
 from data import make_shards
 from data.shards import ShardDataset
-from engine.checkpoint.formats import load_checkpoint
-from engine.checkpoint.run_store import fetched, fetched_folder, mirror_of
+from engine.checkpoint.formats import load_checkpoint, read_checkpoint, read_tensors
+from engine.checkpoint.run_store import RunStore, fetched, fetched_folder, mirror_of, put_folder
 from engine.hooks import Hook
 from tests.compare import assert_same, assert_same_model
 from tests.helpers import (COMMON, HANG, NO_BN_MODEL, REPO, TINY, CuttableLink, free_port, last_error,
@@ -130,18 +130,15 @@ def test_wrong_credentials_are_one_line(on_s3, bucket, capsys):
 def test_a_checkpoint_at_a_url_is_read_through_a_local_copy_with_its_run_files(on_s3, bucket):
     """What evaluate.py, predict.py, export.py (fetched) and average_checkpoints.py (fetched_folder) read from a URL:
     the checkpoint copied byte for byte with its run folder's small files, not its other checkpoints; a local path as
-    it is; a sharded folder refused in one line."""
+    it is."""
     fs = s3fs_for(on_s3)
     files = {"best.pth": b"B" * 100, "last.pth": b"L" * 100, "config.yaml": b"seed: 0\n", "epoch_0001.pth": b"E"}
     for name, data in files.items():
         fs.pipe(f"{bucket}/run/{name}", data)
-    fs.pipe(f"{bucket}/run/last.dcp/.metadata", b"M")
     local = Path(fetched(f"s3://{bucket}/run/best.pth"))
     assert local.read_bytes() == files["best.pth"] and (local.parent / "config.yaml").read_bytes() == b"seed: 0\n"
     assert sorted(p.name for p in local.parent.iterdir()) == ["best.pth", "config.yaml"]
     assert fetched("runs/x/best.pth") == "runs/x/best.pth"
-    with pytest.raises(UserError, match=rf"^s3://{bucket}/run/last.dcp is a folder \(a sharded checkpoint\)"):
-        fetched(f"s3://{bucket}/run/last.dcp")
     epochs = fetched_folder(f"s3://{bucket}/run", lambda name, size: name.startswith("epoch_"))
     assert epochs == local.parent and (epochs / "epoch_0001.pth").read_bytes() == b"E"
 
@@ -171,11 +168,43 @@ def test_export_to_a_url_uploads_the_checked_folder_and_refuses_what_is_not_an_e
     assert_same(load_checkpoint(tiny_run / "best.pth")["model"], load_file("downloaded/model.safetensors"))
 
 
-def test_a_sharded_checkpoint_to_a_url_is_refused_in_one_line(on_s3, bucket, capsys):
-    """train.ckpt_format=sharded (last.dcp/, a folder of files) is not written to object storage yet: one line."""
-    line = last_error(capsys, report_errors(train.main, run_args(bucket, "dcp", "train.ckpt_format=sharded")))
-    assert line == (f"error: train.ckpt_format=sharded with output_dir s3://{bucket}/dcp: a sharded last.dcp/ is not "
-                    "written to object storage yet; use train.ckpt_format=file there"), line
+def sharded_folder(folder: Path, save: str) -> Path:
+    """A stand-in sharded folder (DCP's file names, `save` in every file): what put_folder moves as it is."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in (".metadata", "__0_0.distcp", "__1_0.distcp", "train_state.pth"):
+        (folder / name).write_text(f"{save} {name}")
+    return folder
+
+
+def test_a_sharded_folder_at_a_url_reads_whole_however_its_upload_was_cut_short(on_s3, bucket):
+    """put_folder: last.dcp/ at the URL replaced by way of last.dcp.next/ (S3 renames no folder); fetched (evaluate.py)
+    and a run's pull read one whole save in each state a kill can leave, never a mix of two: the new folder's upload
+    cut short (no .metadata yet: the old one), the old folder half replaced (its .metadata gone: the new one whole
+    in .next), and done (the new one, .next gone)."""
+    fs, url = s3fs_for(on_s3), f"s3://{bucket}/cut/last.dcp"
+    put_folder(sharded_folder(Path("old"), "old"), url)
+    new = sharded_folder(Path("new"), "new")
+
+    def read() -> set[str]:
+        fs.invalidate_cache()
+        for way in (Path(fetched(url)), pulled_run()):
+            assert sorted(p.name for p in way.iterdir()) == sorted(p.name for p in new.iterdir())
+            yield {p.read_text().split()[0] for p in way.iterdir()}
+
+    def pulled_run() -> Path:
+        run = RunStore(url.rsplit("/", 1)[0], Path("staging"))
+        run.pull()
+        return run.local / "last.dcp"
+
+    fs.put_file(str(new / "__0_0.distcp"), f"{bucket}/cut/last.dcp.next/__0_0.distcp")  # killed mid-upload
+    assert list(read()) == [{"old"}] * 2
+    for name in ("__1_0.distcp", "train_state.pth", ".metadata"):  # the upload done, .metadata last
+        fs.put_file(str(new / name), f"{bucket}/cut/last.dcp.next/{name}")
+    fs.rm_file(f"{bucket}/cut/last.dcp/.metadata")  # killed while replacing the old folder
+    fs.copy(f"{bucket}/cut/last.dcp.next/__0_0.distcp", f"{bucket}/cut/last.dcp/__0_0.distcp")
+    assert list(read()) == [{"new"}] * 2
+    put_folder(sharded_folder(Path("new"), "new"), url)  # the next save's put_folder, done
+    assert list(read()) == [{"new"}] * 2 and not fs.exists(f"{bucket}/cut/last.dcp.next")
 
 
 @pytest.mark.slow
@@ -219,6 +248,31 @@ def test_a_run_on_s3_killed_after_its_first_epoch_continues_bitwise_and_evaluate
     rows = [json.loads(row) for row in fs.cat(f"{bucket}/straight/metrics.jsonl").decode().splitlines()]
     assert report_errors(evaluate.main, [f"s3://{bucket}/straight/best.pth", "--output-dir", "eval"]) == 0
     assert json.loads(Path("eval/eval.json").read_text())["top1"] == max(row["val_top1"] for row in rows)
+
+
+@pytest.mark.slow
+def test_a_sharded_run_on_s3_on_two_ranks_stopped_after_its_first_epoch_continues_bitwise(on_s3, bucket, tmp_path,
+                                                                                          capsys):
+    """train.ckpt_format=sharded with output_dir=s3:// on 2 ranks (a real gloo group): last.dcp/ goes up whole
+    (put_folder, no last.dcp.next left); the run stopped after its first epoch (train.max_steps) and run again ends
+    where the uninterrupted one does, bit for bit (weights, optimizer shards, RNG, counters); evaluate.py on
+    s3://.../last.dcp prints the run's last val_top1."""
+    args = ["--config", "dummy", *COMMON[2:], NO_BN_MODEL, "data.name=wds", f"data.root=s3://{bucket}/shards",
+            "data.shard_cache=cache", "train.batch_size=3", "train.ckpt_format=sharded"]
+    for run, extra in (("dcp-straight", []), ("dcp-stopped", ["train.max_steps=3"]), ("dcp-stopped", [])):
+        run_on_ranks("train.py", *args, *extra, f"output_dir=s3://{bucket}/{run}", nproc=2, env=on_s3, cwd=tmp_path)
+        if extra:
+            assert read_checkpoint(fetched(f"s3://{bucket}/{run}/last.dcp"))["global_step"] == 3  # 18 images, 6 a step
+    straight, resumed = (Path(fetched(f"s3://{bucket}/{run}/last.dcp")) for run in ("dcp-straight", "dcp-stopped"))
+    assert read_checkpoint(resumed)["global_step"] == 6
+    assert_same(read_checkpoint(straight), read_checkpoint(resumed))
+    assert_same(read_tensors(straight, "optimizer."), read_tensors(resumed, "optimizer."))
+    fs = s3fs_for(on_s3)
+    assert not fs.exists(f"{bucket}/dcp-stopped/last.dcp.next")
+    rows = [json.loads(row) for row in fs.cat(f"{bucket}/dcp-stopped/metrics.jsonl").decode().splitlines()]
+    assert [row["epoch"] for row in rows] == [0, 1]
+    assert report_errors(evaluate.main, [f"s3://{bucket}/dcp-stopped/last.dcp", "--output-dir", "eval"]) == 0
+    assert json.loads(Path("eval/eval.json").read_text())["top1"] == rows[-1]["val_top1"]
 
 
 def versions(env: dict[str, str], bucket: str, run: str) -> dict[str, int]:

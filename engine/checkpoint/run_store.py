@@ -8,7 +8,9 @@ time; refreshed every LOCK_REFRESH_S, stale after LOCK_STALE_S or, on the same h
 empties the staging folder and copies the run there from the URL (the URL is the truth), so resume, another config's
 refusal and a finished run's notice work on the copy as on disk. After each validation's hooks and when the run ends
 (stopped, failed or finished) the files that changed are uploaded, last.pth last (core/store.upload: atomic per
-file); files the run removed (older epoch checkpoints) are removed from the URL. An output at a URL (export.py
+file); files the run removed (older epoch checkpoints) are removed from the URL. A sharded last.dcp/ goes up whole
+after them (put_folder: object storage renames no folder, so it passes through `last.dcp.next/`; a reader, pull or
+fetched, takes the whole one of the two, never a mix of two saves). An output at a URL (export.py
 --output) is written in `.cache/object_store/outputs/...` and uploaded the same way (output_at).
 """
 
@@ -30,13 +32,17 @@ from urllib.parse import urlparse
 from core.errors import UserError
 from core.files import TEMP, remove
 from core.store import TEMP_TAG, download, filesystem, is_url, join, read_bytes, retrying, upload
+from engine.checkpoint.formats import METADATA
 
 log = logging.getLogger(__name__)
 STAGING = Path(".cache") / "object_store"
 LOCK = ".lock"
 LOCK_REFRESH_S = 60.0
 LOCK_STALE_S = 600.0  # a lock object not refreshed for this long is a dead run's (another host's: no pid to ask)
-LAST = ("best.pth", "last.pth")  # uploaded after every other file, in this order: a checkpoint never precedes its row
+SHARDED = "last.dcp"  # train.ckpt_format=sharded's checkpoint: a folder, uploaded whole by put_folder
+NEXT = ".next"  # `<folder>.next` at a URL: a sharded folder on its way in, whole once its .metadata is there
+LAST = ("best.pth", "last.pth", SHARDED)  # uploaded after every other file, in this order: a checkpoint never precedes
+# its row
 LAST_OF_FOLDER = "config.json"  # an output folder's file uploaded last: what its reader (timm's local-dir:) opens first
 SMALL = 1 << 20  # a checkpoint's run-folder files copied beside it from a URL (config.yaml, val.txt; no .pth)
 _live_tokens: set[str] = set()  # the lock objects this process holds now
@@ -136,10 +142,20 @@ class LockObject:
 
 
 def local_name(rel: str) -> bool:
-    """Whether a staging file is the run's (not a lock, a probe or a temp file of core/files or core/store)."""
+    """Whether a staging file is the run's (not a lock, a probe or a temp file or folder of core/files or
+    core/store)."""
     name = rel.rsplit("/", 1)[-1]
     return name != LOCK and not name.startswith(".shared-check") and TEMP_TAG not in name \
-        and not TEMP.fullmatch(name)
+        and not any(TEMP.fullmatch(part) for part in rel.split("/"))
+
+
+def staged_name(rel: str, whole: str) -> str | None:
+    """The staging name of the URL's file `rel`: a sharded folder's files from `whole` (last.dcp or last.dcp.next,
+    whichever is whole) land in last.dcp/, the other one's are skipped (None)."""
+    top, _, rest = rel.partition("/")
+    if top not in (SHARDED, SHARDED + NEXT):
+        return rel
+    return f"{SHARDED}/{rest}" if top == whole else None
 
 
 class RunStore:
@@ -167,21 +183,32 @@ class RunStore:
         return [rel for rel in rels if rel and local_name(rel)]
 
     def pull(self) -> None:
-        """The staging folder made a copy of the URL's run (emptied first: the URL is the truth)."""
+        """The staging folder made a copy of the URL's run (emptied first: the URL is the truth); of last.dcp and
+        last.dcp.next (a put_folder cut short), the whole one, as last.dcp."""
         shutil.rmtree(self.local, ignore_errors=True)
         self.local.mkdir(parents=True, exist_ok=True)
-        for rel in self.remote_files():
-            target = self.local / rel
+        remote = self.remote_files()
+        whole = SHARDED + NEXT if f"{SHARDED}{NEXT}/{METADATA}" in remote else SHARDED
+        for rel in remote:
+            name = staged_name(rel, whole)
+            if name is None:
+                continue
+            target = self.local / name
             target.parent.mkdir(parents=True, exist_ok=True)
             download(join(self.url, rel), str(target))
-            self.sent[rel] = signature(target)
+            self.sent[name] = signature(target)
         log.info("output_dir %s: the run works in %s (%d file(s) copied from the URL)", self.url, self.local,
                  len(self.sent))
 
     def changed(self) -> list[str]:
-        """The staging files that differ from the URL's, the checkpoints last."""
+        """The staging files that differ from the URL's, the checkpoints last; a sharded folder whose files differ
+        is one entry (last.dcp), and one that is missing (a save cut short set it aside) none: the URL keeps its own."""
         files = {p.relative_to(self.local).as_posix(): p for p in self.local.rglob("*") if p.is_file()}
-        new = [rel for rel, path in files.items() if local_name(rel) and self.sent.get(rel) != signature(path)]
+        new = {rel.split("/", 1)[0] if rel.startswith(f"{SHARDED}/") else rel for rel, path in files.items()
+               if local_name(rel) and self.sent.get(rel) != signature(path)}
+        if (self.local / SHARDED).is_dir() and any(rel.startswith(f"{SHARDED}/") and rel not in files
+                                                    for rel in self.sent):
+            new.add(SHARDED)
         return sorted(new, key=lambda rel: (LAST.index(rel) if rel in LAST else -1, rel))
 
     def push(self) -> None:
@@ -189,15 +216,59 @@ class RunStore:
         try:
             for rel in self.changed():
                 path = self.local / rel
+                if path.is_dir():
+                    self.push_folder(rel)
+                    continue
                 sig = signature(path)
                 upload(str(path), join(self.url, rel))
                 self.sent[rel] = sig
-            for rel in [rel for rel in self.sent if not (self.local / rel).exists()]:
+            for rel in [rel for rel in self.sent if not rel.startswith(f"{SHARDED}/")
+                        and not (self.local / rel).exists()]:
                 retrying("remove", join(self.url, rel), lambda: self.fs.rm_file(f"{self.root}/{rel}"))
                 del self.sent[rel]
         except UserError:
             self.broken = True
             raise
+
+    def push_folder(self, rel: str) -> None:
+        """The sharded folder `rel` to the URL whole (put_folder), its files recorded as sent."""
+        sent = {f"{rel}/{path.name}": signature(path) for path in (self.local / rel).iterdir() if path.is_file()}
+        put_folder(self.local / rel, join(self.url, rel))
+        self.sent = {name: sig for name, sig in self.sent.items() if not name.startswith(f"{rel}/")} | sent
+
+
+def put_folder(local: Path, url: str) -> None:
+    """A sharded checkpoint folder put at `url` so that no reader loads a mix of two saves, killed anywhere (object
+    storage renames no folder): uploaded to `<url>.next` (its .metadata last: whole once that is there), then copied
+    over `url` on the server (the old .metadata removed first, the new one copied last), then `<url>.next` removed
+    (its .metadata first). At every moment one of the two is whole, and a reader takes `<url>.next` while it is
+    (whole_folder)."""
+    fs, path = filesystem(url)
+    names = sorted((p.name for p in local.iterdir() if p.is_file()), key=lambda name: (name == METADATA, name))
+    remove_folder(f"{url}{NEXT}")  # what a put_folder cut short left
+    for name in names:
+        retrying("write", f"{url}{NEXT}", lambda: fs.put_file(str(local / name), f"{path}{NEXT}/{name}"))
+    remove_folder(url)
+    for name in names:
+        retrying("write", url, lambda: fs.copy(f"{path}{NEXT}/{name}", f"{path}/{name}"))
+    remove_folder(f"{url}{NEXT}")
+
+
+def remove_folder(url: str) -> None:
+    """The objects under `url` removed, a sharded folder's .metadata first (then it no longer reads as whole)."""
+    fs, path = filesystem(url)
+    fs.invalidate_cache(path)  # listed anew: what another process (an earlier run) left there counts
+    found = sorted(retrying("list", url, lambda: fs.find(path)), key=lambda key: not key.endswith(f"/{METADATA}"))
+    for key in found:
+        retrying("remove", url, lambda: fs.rm_file(key))
+
+
+def whole_folder(url: str) -> str:
+    """The sharded folder to read for `url`: `<url>.next` when it is whole (a put_folder cut short after its
+    upload), else `url` itself."""
+    fs, path = filesystem(url)
+    fs.invalidate_cache(f"{path}{NEXT}")  # asked anew: another process may have written it since a listing
+    return f"{url}{NEXT}" if retrying("read", url, lambda: fs.exists(f"{path}{NEXT}/{METADATA}")) else url
 
 
 def signature(path: Path) -> tuple[int, int]:
@@ -213,10 +284,11 @@ def fetched(checkpoint: str) -> str:
         return checkpoint
     folder_url, name = checkpoint.rstrip("/").rsplit("/", 1)
     fs, root = filesystem(folder_url)
-    if retrying("read", checkpoint, lambda: fs.isdir(f"{root.rstrip('/')}/{name}")):
-        raise UserError(f"{checkpoint} is a folder (a sharded checkpoint): reading last.dcp from a URL is not "
-                        "supported yet; copy it to a local folder and give that")
+    folder = retrying("read", checkpoint, lambda: fs.isdir(f"{root.rstrip('/')}/{name}"))
     local = fetched_folder(folder_url, lambda other, size: size <= SMALL and not other.endswith(".pth"))
+    if folder:  # a sharded checkpoint (last.dcp/): its whole copy (put_folder), every file
+        pulled(whole_folder(f"{folder_url}/{name}"), local / name)
+        return str(local / name)
     return download(checkpoint, str(local / name), "read checkpoint")
 
 
