@@ -7,6 +7,7 @@ uninterrupted one bit for bit; evaluate.py reads s3://.../best.pth; the server g
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -26,6 +27,7 @@ from core.cli import report_errors
 from core.errors import UserError
 from data import make_shards
 from data.shards import ShardDataset
+from engine.checkpoint import run_store
 from engine.checkpoint.formats import load_checkpoint, read_checkpoint, read_tensors
 from engine.checkpoint.run_store import RunStore, fetched, fetched_folder, mirror_of, put_folder
 from engine.hooks import Hook
@@ -111,8 +113,8 @@ def test_a_server_gone_is_retried_counted_and_one_line(on_s3, bucket, monkeypatc
     monkeypatch.setattr(store, "BACKOFF_S", 0.01)
     before = store.RETRIES["s3"]
     line = last_error(capsys, report_errors(train.main, run_args(bucket, "gone")))
-    assert line.startswith(f"error: cannot read s3://{bucket}/gone/.lock: no answer after {store.ATTEMPTS} tries"), \
-        line
+    assert line.startswith(f"error: cannot write s3://{bucket}/gone/.lock: no answer after {store.ATTEMPTS} tries"), \
+        line  # the run's first request: the lock object's conditional put
     assert store.RETRIES["s3"] - before == store.ATTEMPTS - 1
 
 
@@ -123,8 +125,9 @@ def test_wrong_credentials_are_one_line(on_s3, bucket, capsys):
         line = last_error(capsys, report_errors(train.main, run_args(bucket, "denied")))
     finally:
         s3_auth(on_s3, False)
-    assert line == (f"error: cannot read s3://{bucket}/denied/.lock (access denied: Forbidden); check the URL and the "
-                    "credentials in the environment (AWS_ACCESS_KEY_ID, AWS_PROFILE, ...)"), line
+    assert line == (f"error: cannot write s3://{bucket}/denied/.lock (access denied: The AWS Access Key Id you provided "
+                    "does not exist in our records.); check the URL and the credentials in the environment "
+                    "(AWS_ACCESS_KEY_ID, AWS_PROFILE, ...)"), line
 
 
 def test_a_checkpoint_at_a_url_is_read_through_a_local_copy_with_its_run_files(on_s3, bucket):
@@ -166,6 +169,54 @@ def test_export_to_a_url_uploads_the_checked_folder_and_refuses_what_is_not_an_e
     fs.get(f"{bucket}/tiny/best-hf", "downloaded", recursive=True)
     assert is_model_folder_export(Path("downloaded"))
     assert_same(load_checkpoint(tiny_run / "best.pth")["model"], load_file("downloaded/model.safetensors"))
+
+
+class SecondStarter:
+    """The real filesystem, on which another run starts (a whole LockObject acquire) just before the first put of the
+    lock object that `first(kwargs)` picks: two starters that both looked at the lock before either wrote it."""
+
+    def __init__(self, fs, url: str, first) -> None:
+        self.fs, self.url, self.first, self.other = fs, url, first, None
+
+    def __getattr__(self, name: str):
+        return getattr(self.fs, name)
+
+    def pipe_file(self, path: str, data: bytes, **kwargs):
+        if self.other is None and self.first(kwargs):
+            self.other = "starting"  # (its own puts go straight through)
+            self.other = run_store.LockObject(self.url)
+        return self.fs.pipe_file(path, data, **kwargs)
+
+
+@pytest.mark.parametrize("before", ["none", "stale"])
+def test_of_two_runs_starting_at_once_exactly_one_takes_the_lock(on_s3, bucket, monkeypatch, before):
+    """The lock object is a conditional put (S3 If-None-Match, and If-Match on a stale lock's ETag): a second run that
+    starts between the first one's look at <url>/.lock and its put takes the lock, and the first is refused in one
+    line (written and read back, both believed they held it), with no lock before and with a dead run's stale one."""
+    url, stale = f"s3://{bucket}/race-{before}", {"host": "elsewhere", "pid": 1, "time": 0.0, "token": "dead"}
+    fs, path = store.filesystem(f"{url}/.lock")
+    if before == "stale":
+        fs.pipe_file(path, json.dumps(stale).encode())
+    starter = SecondStarter(fs, url, (lambda kwargs: True) if before == "none" else
+                            (lambda kwargs: kwargs.get("mode") != "create"))  # the put that replaces the stale lock
+    monkeypatch.setattr(run_store, "filesystem", lambda _: (starter, path))
+    refusal = "is in use by another run" if before == "none" else "was locked by another run at the same moment"
+    with pytest.raises(UserError, match=f"^output_dir {url} {refusal}"):
+        run_store.LockObject(url)
+    assert json.loads(fs.cat_file(path))["token"] == starter.other.token
+    starter.other.release()
+    assert not fs.exists(path)
+
+
+def test_a_lock_object_without_conditional_puts_is_written_and_read_back():
+    """Where puts take no condition (any scheme but s3://; memory:// here) the lock is written and read back: a second
+    run is refused in one line while the first holds it, and takes it once released."""
+    url = f"memory://lock{free_port()}/run"
+    first = run_store.LockObject(url)
+    with pytest.raises(UserError, match=f"^output_dir {url} is in use by another run \\(process {os.getpid()} "):
+        run_store.LockObject(url)
+    first.release()
+    run_store.LockObject(url).release()
 
 
 def sharded_folder(folder: Path, save: str) -> Path:

@@ -4,14 +4,14 @@ mirrors it, so every module writes files as it does on disk and only this one ta
 The staging folder is `.cache/object_store/runs/<scheme>/<bucket>/<prefix>` under the current folder; a checkpoint
 read from a URL (evaluate.py, predict.py, export.py, average_checkpoints.py) lands in `.cache/object_store/fetched/...`
 with the small files of its run folder. At the start rank 0 takes the run's lock object (`<url>/.lock`: host, pid,
-time; refreshed every LOCK_REFRESH_S, stale after LOCK_STALE_S or, on the same host, once its process is gone),
-empties the staging folder and copies the run there from the URL (the URL is the truth), so resume, another config's
-refusal and a finished run's notice work on the copy as on disk. After each validation's hooks and when the run ends
-(stopped, failed or finished) the files that changed are uploaded, last.pth last (core/store.upload: atomic per
-file); files the run removed (older epoch checkpoints) are removed from the URL. A sharded last.dcp/ goes up whole
-after them (put_folder: object storage renames no folder, so it passes through `last.dcp.next/`; a reader, pull or
-fetched, takes the whole one of the two, never a mix of two saves). An output at a URL (export.py
---output) is written in `.cache/object_store/outputs/...` and uploaded the same way (output_at).
+time; on S3 a conditional put; refreshed every LOCK_REFRESH_S, stale after LOCK_STALE_S or, on the same host, once
+its process is gone), empties the staging folder and copies the run there from the URL (the URL is the truth), so
+resume, another config's refusal and a finished run's notice work on the copy as on disk. After each validation's
+hooks and when the run ends (stopped, failed or finished) the files that changed are uploaded, last.pth last
+(core/store.upload: atomic per file); files the run removed (older epoch checkpoints) are removed from the URL. A
+sharded last.dcp/ goes up whole after them (put_folder: object storage renames no folder, so it passes through
+`last.dcp.next/`; a reader, pull or fetched, takes the whole one of the two, never a mix of two saves). An output at
+a URL (export.py --output) is written in `.cache/object_store/outputs/...` and uploaded the same way (output_at).
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ STAGING = Path(".cache") / "object_store"
 LOCK = ".lock"
 LOCK_REFRESH_S = 60.0
 LOCK_STALE_S = 600.0  # a lock object not refreshed for this long is a dead run's (another host's: no pid to ask)
+CONDITIONAL = ("s3", "s3a")  # schemes whose puts take S3's If-None-Match / If-Match (s3fs): the lock is a conditional put
+LOST = ("PreconditionFailed", "ConditionalRequestConflict")  # S3's answers to a conditional put another writer beat
 SHARDED = "last.dcp"  # train.ckpt_format=sharded's checkpoint: a folder, uploaded whole by put_folder
 NEXT = ".next"  # `<folder>.next` at a URL: a sharded folder on its way in, whole once its .metadata is there
 LAST = ("best.pth", "last.pth", SHARDED)  # uploaded after every other file, in this order: a checkpoint never precedes
@@ -71,6 +73,12 @@ def running_here(pid: int) -> bool:
     return True
 
 
+def beaten(err: OSError) -> bool:
+    """Whether a conditional put failed because another writer's object was there first (S3's 412 or 409)."""
+    response = getattr(err.__cause__, "response", None) or {}
+    return isinstance(err, FileExistsError) or response.get("Error", {}).get("Code") in LOST
+
+
 class LockObject:
     """`<url>/.lock`: one live run per URL, the owner's host and pid inside, refreshed by a daemon thread."""
 
@@ -78,6 +86,7 @@ class LockObject:
         self.url = join(url, LOCK)
         self.token = secrets.token_hex(8)
         self.fs, self.path = filesystem(self.url)
+        self.conditional = urlparse(self.url).scheme in CONDITIONAL
         self.stop = threading.Event()
         self.acquire()
         self.thread = threading.Thread(target=self.refresh, daemon=True, name="run-lock")
@@ -93,19 +102,62 @@ class LockObject:
             return None  # cut short: no live run wrote it whole
 
     def acquire(self) -> None:
-        """Take the lock, or refuse in one line while a live run holds it."""
-        held = self.owner()
+        """Take the lock, or refuse in one line while a live run holds it or another starter took it meanwhile. On S3
+        a conditional put: created only where none is, a stale one replaced only while it is still the object judged
+        stale (If-Match its ETag), so of two starters exactly one wins; elsewhere written, then read back."""
+        if self.conditional:
+            taken = self.put(mode="create") or self.take_over(*self.owner_and_etag())
+        else:
+            self.refuse_live(self.owner())
+            self.write()
+            taken = (self.owner() or {}).get("token") == self.token
+        if not taken:
+            raise UserError(f"output_dir {self.url.rsplit('/', 1)[0]} was locked by another run at the same moment; "
+                            "wait for it to end, or choose another output_dir")
+        _live_tokens.add(self.token)
+
+    def refuse_live(self, held: dict | None) -> None:
+        """One line while `held` (the lock object's contents) is a live run's."""
         if held is not None and not self.stale(held):
             raise UserError(f"output_dir {self.url.rsplit('/', 1)[0]} is in use by another run (process "
                             f"{held.get('pid')} on {held.get('host')}); wait for it to end, or choose another "
                             f"output_dir (a lock object not refreshed for {LOCK_STALE_S:.0f} s counts as stale)")
         if held is not None:
             log.info("output_dir: taking over the stale lock of process %s on %s", held.get("pid"), held.get("host"))
-        self.write()
-        _live_tokens.add(self.token)
-        if (self.owner() or {}).get("token") != self.token:
-            raise UserError(f"output_dir {self.url.rsplit('/', 1)[0]} was locked by another run at the same moment; "
-                            "wait for it to end, or choose another output_dir")
+
+    def take_over(self, held: dict | None, etag: str | None) -> bool:
+        """The lock object found by a failed create: replaced if stale and still that object (conditional put);
+        created anew if it went meanwhile (its run ended)."""
+        if etag is None:
+            return self.put(mode="create")
+        self.refuse_live(held)
+        return self.put(IfMatch=etag)
+
+    def owner_and_etag(self) -> tuple[dict | None, str | None]:
+        """The lock object's contents and ETag ((None, None): none); a later change of it fails a put on the ETag."""
+        def etag() -> str | None:
+            self.fs.invalidate_cache(self.path)
+            try:
+                return self.fs.info(self.path)["ETag"]
+            except FileNotFoundError:
+                return None
+
+        found = retrying("read", self.url, etag)
+        return (self.owner(), found) if found is not None else (None, None)
+
+    def put(self, **condition: str) -> bool:
+        """The lock object written on S3's `condition` (s3fs's mode="create", IfMatch=<etag>): False when another
+        writer's object beat it."""
+        def call() -> bool:
+            try:
+                self.fs.pipe_file(self.path, self.record(), **condition)
+            except OSError as err:
+                if beaten(err):
+                    return False
+                raise
+            return True
+
+        return retrying("write", self.url, call)
 
     def stale(self, held: dict) -> bool:
         """A dead owner's: its process gone (this host), or this process's own from a run it no longer holds (one
@@ -115,11 +167,15 @@ class LockObject:
             return not running_here(pid) or (pid == os.getpid() and held.get("token") not in _live_tokens)
         return time.time() - float(held.get("time", 0)) > LOCK_STALE_S
 
+    def record(self) -> bytes:
+        """The lock object's contents, with the time now."""
+        return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
+                           "token": self.token}).encode()
+
     def write(self) -> None:
         """The lock object, with the time now (its refresh)."""
-        text = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
-                           "token": self.token})
-        retrying("write", self.url, lambda: self.fs.pipe_file(self.path, text.encode()))
+        text = self.record()
+        retrying("write", self.url, lambda: self.fs.pipe_file(self.path, text))
 
     def refresh(self) -> None:
         """Rewrite the lock every LOCK_REFRESH_S until released: another host sees the run alive."""
