@@ -125,8 +125,8 @@ def test_wrong_credentials_are_one_line(on_s3, bucket, capsys):
         line = last_error(capsys, report_errors(train.main, run_args(bucket, "denied")))
     finally:
         s3_auth(on_s3, False)
-    assert line == (f"error: cannot write s3://{bucket}/denied/.lock (access denied: The AWS Access Key Id you provided "
-                    "does not exist in our records.); check the URL and the credentials in the environment "
+    assert line == (f"error: cannot write s3://{bucket}/denied/.lock (access denied: The AWS Access Key Id you "
+                    "provided does not exist in our records.); check the URL and the credentials in the environment "
                     "(AWS_ACCESS_KEY_ID, AWS_PROFILE, ...)"), line
 
 
@@ -169,6 +169,26 @@ def test_export_to_a_url_uploads_the_checked_folder_and_refuses_what_is_not_an_e
     fs.get(f"{bucket}/tiny/best-hf", "downloaded", recursive=True)
     assert is_model_folder_export(Path("downloaded"))
     assert_same(load_checkpoint(tiny_run / "best.pth")["model"], load_file("downloaded/model.safetensors"))
+
+
+def test_a_run_at_a_url_names_the_url_in_its_lines_not_its_staging_folder(on_s3, bucket, capsys):
+    """The run's lines name output_dir as the user gave it: the start, the resume notice, the last line (`outputs
+    in s3://...`) and a finished run's notice; only the line that says where the run works names the staging
+    folder (a run stopped by train.max_steps, continued, then started once more)."""
+    url, staging = f"s3://{bucket}/named", str(mirror_of(f"s3://{bucket}/named"))
+    argv = [*TINY, "data.dummy_train_size=16", f"output_dir={url}"]
+    for extra in (["train.max_steps=1"], [], []):
+        assert report_errors(train.main, [*argv, *extra]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert [line for line in lines if staging in line] == [line for line in lines if " the run works in " in line]
+    said = [line for line in lines if f" {url}" in line]
+    for words in ("output_dir", "outputs in", "resuming from", "is finished"):
+        assert any(words in line for line in said), words
+    assert f"resuming from {url}/last.pth (epoch 0, step 1 of it, global step 1)" in "\n".join(said)
+    assert sum(line.endswith(f"; outputs in {url}") for line in lines) == 2
+    assert lines[-1].endswith(f"INFO the run in {url} is finished (all 1 epochs of train.epochs done): nothing was "
+                              "trained or written; raise train.epochs (or train.max_steps, train.early_stop_patience) "
+                              "to continue it, or use another output_dir for a new run"), lines[-1]
 
 
 class SecondStarter:

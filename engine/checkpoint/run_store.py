@@ -39,7 +39,7 @@ STAGING = Path(".cache") / "object_store"
 LOCK = ".lock"
 LOCK_REFRESH_S = 60.0
 LOCK_STALE_S = 600.0  # a lock object not refreshed for this long is a dead run's (another host's: no pid to ask)
-CONDITIONAL = ("s3", "s3a")  # schemes whose puts take S3's If-None-Match / If-Match (s3fs): the lock is a conditional put
+CONDITIONAL = ("s3", "s3a")  # schemes whose puts take If-None-Match / If-Match (s3fs): the lock is a conditional put
 LOST = ("PreconditionFailed", "ConditionalRequestConflict")  # S3's answers to a conditional put another writer beat
 SHARDED = "last.dcp"  # train.ckpt_format=sharded's checkpoint: a folder, uploaded whole by put_folder
 NEXT = ".next"  # `<folder>.next` at a URL: a sharded folder on its way in, whole once its .metadata is there
@@ -57,9 +57,14 @@ def mirror_of(url: str, kind: str = "runs") -> Path:
     return STAGING / kind / parts.scheme / parts.netloc / parts.path.strip("/")
 
 
-def url_of(folder: str) -> str:
-    """The URL a staging folder mirrors (`folder` itself when it mirrors none)."""
-    return _staged.get(folder, folder)
+def url_of(path: str | Path) -> str:
+    """The URL a staging folder, or a file or folder in one, mirrors (`path` as it is when it is in none): what the
+    run's lines name, as the user named output_dir."""
+    text = str(path)
+    for local, url in _staged.items():
+        if text == local or text.startswith(f"{local}/"):
+            return f"{url}{text[len(local):]}"
+    return text
 
 
 def running_here(pid: int) -> bool:
