@@ -28,10 +28,10 @@ from core.errors import UserError
 from data import make_shards
 from data.shards import ShardDataset
 from engine.checkpoint import run_store
-from engine.checkpoint.formats import load_checkpoint, read_checkpoint, read_tensors
+from engine.checkpoint.formats import load_checkpoint, read_checkpoint
 from engine.checkpoint.run_store import RunStore, fetched, fetched_folder, mirror_of, put_folder
 from engine.hooks import Hook
-from tests.compare import assert_same, assert_same_model
+from tests.compare import as_file_checkpoint, assert_same, assert_same_model
 from tests.helpers import (COMMON, HANG, NO_BN_MODEL, REPO, TINY, CuttableLink, free_port, last_error,
                            make_image_folder, run_on_ranks, s3_auth, script_env, train_here)
 
@@ -321,31 +321,6 @@ def test_a_run_on_s3_killed_after_its_first_epoch_continues_bitwise_and_evaluate
     assert json.loads(Path("eval/eval.json").read_text())["top1"] == max(row["val_top1"] for row in rows)
 
 
-@pytest.mark.slow
-def test_a_sharded_run_on_s3_on_two_ranks_stopped_after_its_first_epoch_continues_bitwise(on_s3, bucket, tmp_path,
-                                                                                          capsys):
-    """train.ckpt_format=sharded with output_dir=s3:// on 2 ranks (a real gloo group): last.dcp/ goes up whole
-    (put_folder, no last.dcp.next left); the run stopped after its first epoch (train.max_steps) and run again ends
-    where the uninterrupted one does, bit for bit (weights, optimizer shards, RNG, counters); evaluate.py on
-    s3://.../last.dcp prints the run's last val_top1."""
-    args = ["--config", "dummy", *COMMON[2:], NO_BN_MODEL, "data.name=wds", f"data.root=s3://{bucket}/shards",
-            "data.shard_cache=cache", "train.batch_size=3", "train.ckpt_format=sharded"]
-    for run, extra in (("dcp-straight", []), ("dcp-stopped", ["train.max_steps=3"]), ("dcp-stopped", [])):
-        run_on_ranks("train.py", *args, *extra, f"output_dir=s3://{bucket}/{run}", nproc=2, env=on_s3, cwd=tmp_path)
-        if extra:
-            assert read_checkpoint(fetched(f"s3://{bucket}/{run}/last.dcp"))["global_step"] == 3  # 18 images, 6 a step
-    straight, resumed = (Path(fetched(f"s3://{bucket}/{run}/last.dcp")) for run in ("dcp-straight", "dcp-stopped"))
-    assert read_checkpoint(resumed)["global_step"] == 6
-    assert_same(read_checkpoint(straight), read_checkpoint(resumed))
-    assert_same(read_tensors(straight, "optimizer."), read_tensors(resumed, "optimizer."))
-    fs = s3fs_for(on_s3)
-    assert not fs.exists(f"{bucket}/dcp-stopped/last.dcp.next")
-    rows = [json.loads(row) for row in fs.cat(f"{bucket}/dcp-stopped/metrics.jsonl").decode().splitlines()]
-    assert [row["epoch"] for row in rows] == [0, 1]
-    assert report_errors(evaluate.main, [f"s3://{bucket}/dcp-stopped/last.dcp", "--output-dir", "eval"]) == 0
-    assert json.loads(Path("eval/eval.json").read_text())["top1"] == rows[-1]["val_top1"]
-
-
 def versions(env: dict[str, str], bucket: str, run: str) -> dict[str, int]:
     """How many times each file of a run was written to its versioned bucket (its upload's temporary keys aside)."""
     fs = s3fs_for(env, version_aware=True)
@@ -358,7 +333,10 @@ def test_two_ranks_on_s3_train_the_one_process_model_and_rank_0_alone_uploads(on
     """data.root and output_dir at s3:// on 2 ranks (a real gloo group): the last.pth of one process on s3:// with
     twice the batch (within tests/compare.py's TOL), and rank 0 alone uploads: in a versioned bucket each file was
     written as many times as by the one process (the other rank's pushes would have added its own), and each
-    validation's last.pth went up after it although written in the background (train.async_save, the default)."""
+    validation's last.pth went up after it although written in the background (train.async_save, the default).
+    With train.ckpt_format=sharded (last.dcp/ up whole by put_folder, no last.dcp.next left), the run stopped after
+    its first epoch (train.max_steps) and run again ends bit for bit where the 2-rank last.pth does (weights,
+    optimizer, RNG, counters), and evaluate.py on s3://.../last.dcp prints its last val_top1."""
     fs, out = s3fs_for(on_s3), f"v{free_port()}"
     fs.mkdir(out)
     fs.make_bucket_versioned(out)
@@ -372,6 +350,17 @@ def test_two_ranks_on_s3_train_the_one_process_model_and_rank_0_alone_uploads(on
     assert_same_model(tmp_path / "one", tmp_path / "two", steps=2 * 18 // 6)  # 2 epochs of 18 images, 6 a step
     written = versions(on_s3, out, "one")
     assert written == versions(on_s3, out, "two") and written["last.pth"] == 2, written  # after each validation
+    for extra in (["train.max_steps=3"], []):  # 3 steps: the first epoch
+        run_on_ranks("train.py", *args, "train.batch_size=3", "train.ckpt_format=sharded", *extra,
+                     f"output_dir=s3://{bucket}/dcp", nproc=2, env=on_s3, cwd=tmp_path)
+        assert read_checkpoint(fetched(f"s3://{bucket}/dcp/last.dcp"))["global_step"] == 3 * (2 - len(extra))
+    assert_same(load_checkpoint(tmp_path / "two" / "last.pth"), as_file_checkpoint(Path(fetched(
+        f"s3://{bucket}/dcp/last.dcp"))))
+    assert not fs.exists(f"{bucket}/dcp/last.dcp.next")
+    rows = [json.loads(row) for row in fs.cat(f"{bucket}/dcp/metrics.jsonl").decode().splitlines()]
+    assert [row["epoch"] for row in rows] == [0, 1]
+    assert report_errors(evaluate.main, [f"s3://{bucket}/dcp/last.dcp", "--output-dir", "eval"]) == 0
+    assert json.loads(Path("eval/eval.json").read_text())["top1"] == rows[-1]["val_top1"]
 
 
 class CutAfter(Hook):
