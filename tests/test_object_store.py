@@ -247,11 +247,27 @@ def sharded_folder(folder: Path, save: str) -> Path:
     return folder
 
 
-def test_a_sharded_folder_at_a_url_reads_whole_however_its_upload_was_cut_short(on_s3, bucket):
+class CutAfterPuts:
+    """The real filesystem, whose uploads fail (access denied) after the first `n`: an upload killed halfway."""
+
+    def __init__(self, fs, n: int) -> None:
+        self.fs, self.left = fs, n
+
+    def __getattr__(self, name: str):
+        return getattr(self.fs, name)
+
+    def put_file(self, *args, **kwargs):
+        self.left -= 1
+        if self.left < 0:
+            raise PermissionError("cut")
+        return self.fs.put_file(*args, **kwargs)
+
+
+def test_a_sharded_folder_at_a_url_reads_whole_however_its_upload_was_cut_short(on_s3, bucket, monkeypatch):
     """put_folder: last.dcp/ at the URL replaced by way of last.dcp.next/ (S3 renames no folder); fetched (evaluate.py)
     and a run's pull read one whole save in each state a kill can leave, never a mix of two: the new folder's upload
     cut short (no .metadata yet: the old one), the old folder half replaced (its .metadata gone: the new one whole
-    in .next), and done (the new one, .next gone)."""
+    in .next), the next save's upload cut short from there (the new one), and done (the newest, .next gone)."""
     fs, url = s3fs_for(on_s3), f"s3://{bucket}/cut/last.dcp"
     put_folder(sharded_folder(Path("old"), "old"), url)
     new = sharded_folder(Path("new"), "new")
@@ -274,8 +290,14 @@ def test_a_sharded_folder_at_a_url_reads_whole_however_its_upload_was_cut_short(
     fs.rm_file(f"{bucket}/cut/last.dcp/.metadata")  # killed while replacing the old folder
     fs.copy(f"{bucket}/cut/last.dcp.next/__0_0.distcp", f"{bucket}/cut/last.dcp/__0_0.distcp")
     assert list(read()) == [{"new"}] * 2
-    put_folder(sharded_folder(Path("new"), "new"), url)  # the next save's put_folder, done
-    assert list(read()) == [{"new"}] * 2 and not fs.exists(f"{bucket}/cut/last.dcp.next")
+    monkeypatch.setattr(run_store, "filesystem", lambda at: (CutAfterPuts(store.filesystem(at)[0], 1),
+                                                             store.filesystem(at)[1]))
+    with pytest.raises(UserError, match=r"^cannot write s3://.*/cut/last.dcp.next \(access denied: cut\)"):
+        put_folder(sharded_folder(Path("newer"), "newer"), url)  # the next save's, killed mid-upload: the swap
+    assert list(read()) == [{"new"}] * 2  # left unfinished was finished first (else no whole save was left)
+    monkeypatch.setattr(run_store, "filesystem", store.filesystem)  # the server back
+    put_folder(sharded_folder(Path("newer"), "newer"), url)  # the next save's put_folder, done
+    assert list(read()) == [{"newer"}] * 2 and not fs.exists(f"{bucket}/cut/last.dcp.next")
 
 
 @pytest.mark.slow

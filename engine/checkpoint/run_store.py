@@ -301,17 +301,29 @@ class RunStore:
 def put_folder(local: Path, url: str) -> None:
     """A sharded checkpoint folder put at `url` so that no reader loads a mix of two saves, killed anywhere (object
     storage renames no folder): uploaded to `<url>.next` (its .metadata last: whole once that is there), then copied
-    over `url` on the server (the old .metadata removed first, the new one copied last), then `<url>.next` removed
-    (its .metadata first). At every moment one of the two is whole, and a reader takes `<url>.next` while it is
-    (whole_folder)."""
+    over `url` on the server (swap_in). At every moment one of the two is whole, and a reader takes `<url>.next`
+    while it is (whole_folder); a swap an earlier put_folder left unfinished is finished first (its `<url>.next` may
+    be the only whole one)."""
     fs, path = filesystem(url)
+    if whole_folder(url) != url:
+        swap_in(url)
+    remove_folder(f"{url}{NEXT}")  # what an upload cut short left
     names = sorted((p.name for p in local.iterdir() if p.is_file()), key=lambda name: (name == METADATA, name))
-    remove_folder(f"{url}{NEXT}")  # what a put_folder cut short left
     for name in names:
         retrying("write", f"{url}{NEXT}", lambda: fs.put_file(str(local / name), f"{path}{NEXT}/{name}"))
+    swap_in(url)
+
+
+def swap_in(url: str) -> None:
+    """The whole folder at `<url>.next` copied over `url` on the server (the old .metadata removed first, the new
+    one copied last), then `<url>.next` removed (its .metadata first)."""
+    fs, path = filesystem(url)
+    fs.invalidate_cache(f"{path}{NEXT}")
+    keys = sorted(retrying("list", f"{url}{NEXT}", lambda: fs.find(f"{path}{NEXT}")),
+                  key=lambda key: (key.endswith(f"/{METADATA}"), key))
     remove_folder(url)
-    for name in names:
-        retrying("write", url, lambda: fs.copy(f"{path}{NEXT}/{name}", f"{path}/{name}"))
+    for key in keys:
+        retrying("write", url, lambda: fs.copy(key, f"{path}/{key.rsplit('/', 1)[1]}"))
     remove_folder(f"{url}{NEXT}")
 
 
