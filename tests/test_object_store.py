@@ -273,7 +273,8 @@ def test_a_sharded_folder_at_a_url_reads_whole_however_its_upload_was_cut_short(
     new = sharded_folder(Path("new"), "new")
 
     def read() -> set[str]:
-        fs.invalidate_cache()
+        for each in (fs, store.filesystem(url)[0]):  # listed anew, as by a reader in another process
+            each.invalidate_cache()
         for way in (Path(fetched(url)), pulled_run()):
             assert sorted(p.name for p in way.iterdir()) == sorted(p.name for p in new.iterdir())
             yield {p.read_text().split()[0] for p in way.iterdir()}
@@ -290,6 +291,9 @@ def test_a_sharded_folder_at_a_url_reads_whole_however_its_upload_was_cut_short(
     fs.rm_file(f"{bucket}/cut/last.dcp/.metadata")  # killed while replacing the old folder
     fs.copy(f"{bucket}/cut/last.dcp.next/__0_0.distcp", f"{bucket}/cut/last.dcp/__0_0.distcp")
     assert list(read()) == [{"new"}] * 2
+    fs.rm(f"{bucket}/cut/last.dcp", recursive=True)  # killed between the old folder's removal and the copies
+    assert list(read()) == [{"new"}] * 2
+    fs.copy(f"{bucket}/cut/last.dcp.next/__0_0.distcp", f"{bucket}/cut/last.dcp/__0_0.distcp")
     monkeypatch.setattr(run_store, "filesystem", lambda at: (CutAfterPuts(store.filesystem(at)[0], 1),
                                                              store.filesystem(at)[1]))
     with pytest.raises(UserError, match=r"^cannot write s3://.*/cut/last.dcp.next \(access denied: cut\)"):

@@ -355,12 +355,14 @@ def fetched(checkpoint: str) -> str:
     val.txt, the pipeline copies): the local path read as any checkpoint. A local path is returned as it is."""
     if not is_url(checkpoint):
         return checkpoint
-    folder_url, name = checkpoint.rstrip("/").rsplit("/", 1)
+    url = checkpoint.rstrip("/")
+    folder_url, name = url.rsplit("/", 1)
     fs, root = filesystem(folder_url)
-    folder = retrying("read", checkpoint, lambda: fs.isdir(f"{root.rstrip('/')}/{name}"))
+    source = whole_folder(url)  # a sharded checkpoint being replaced (put_folder) may be there alone
+    folder = source != url or retrying("read", checkpoint, lambda: fs.isdir(f"{root.rstrip('/')}/{name}"))
     local = fetched_folder(folder_url, lambda other, size: size <= SMALL and not other.endswith(".pth"))
-    if folder:  # a sharded checkpoint (last.dcp/): its whole copy (put_folder), every file
-        pulled(whole_folder(f"{folder_url}/{name}"), local / name)
+    if folder:  # a sharded checkpoint (last.dcp/): its whole copy, every file
+        pulled(source, local / name)
         return str(local / name)
     return download(checkpoint, str(local / name), "read checkpoint")
 
