@@ -242,7 +242,7 @@ def test_a_lock_object_without_conditional_puts_is_written_and_read_back():
 def sharded_folder(folder: Path, save: str) -> Path:
     """A stand-in sharded folder (DCP's file names, `save` in every file): what put_folder moves as it is."""
     folder.mkdir(parents=True, exist_ok=True)
-    for name in (".metadata", "__0_0.distcp", "__1_0.distcp", "train_state.pth"):
+    for name in (".metadata", "__0_0.distcp", "__1_0.distcp"):
         (folder / name).write_text(f"{save} {name}")
     return folder
 
@@ -286,7 +286,7 @@ def test_a_sharded_folder_at_a_url_reads_whole_however_its_upload_was_cut_short(
 
     fs.put_file(str(new / "__0_0.distcp"), f"{bucket}/cut/last.dcp.next/__0_0.distcp")  # killed mid-upload
     assert list(read()) == [{"old"}] * 2
-    for name in ("__1_0.distcp", "train_state.pth", ".metadata"):  # the upload done, .metadata last
+    for name in ("__1_0.distcp", ".metadata"):  # the upload done, .metadata last
         fs.put_file(str(new / name), f"{bucket}/cut/last.dcp.next/{name}")
     fs.rm_file(f"{bucket}/cut/last.dcp/.metadata")  # killed while replacing the old folder
     fs.copy(f"{bucket}/cut/last.dcp.next/__0_0.distcp", f"{bucket}/cut/last.dcp/__0_0.distcp")
