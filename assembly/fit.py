@@ -16,7 +16,7 @@ from core.errors import UserError
 from core.logs import run_summary
 from core.signals import Preempted, training_steps
 from engine.checkpoint.run_dir import FolderLock, continue_with
-from engine.checkpoint.run_store import RunStore
+from engine.checkpoint.run_store import RunStore, url_of
 from engine.hooks import Hook, StopRun
 from engine.lr_find import LABEL as LR_RULE_LABEL, range_test, write_results
 from engine.state import TrainState
@@ -74,7 +74,7 @@ def fit(cfg: Config, info: DistInfo, lock: FolderLock | None = None,
         out.checkpointer.close()
     if info.is_main:
         log.info(run_summary(out.record.rows(), run.chosen_on, state.best_value, state.best_epoch,
-                             time.monotonic() - run.started, Path(cfg.output_dir), cut_short=state.epoch_step > 0))
+                             time.monotonic() - run.started, url_of(cfg.output_dir), cut_short=state.epoch_step > 0))
     return state
 
 

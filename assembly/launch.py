@@ -76,9 +76,6 @@ def staged(cfg: Config, dry: bool = False) -> Iterator[tuple[Config, RunStore | 
 
     from engine.checkpoint.run_store import LockObject, RunStore
 
-    if cfg.train.ckpt_format == "sharded":
-        raise UserError(f"train.ckpt_format=sharded with output_dir {cfg.output_dir}: a sharded last.dcp/ is not "
-                        "written to object storage yet; use train.ckpt_format=file there", all_ranks=True)
     with contextlib.ExitStack() as stack:
         local = Path(stack.enter_context(tempfile.TemporaryDirectory())) if dry else None
         store = RunStore(cfg.output_dir, local)

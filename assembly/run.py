@@ -114,7 +114,7 @@ def prepare(cfg: Config, info: DistInfo, fresh: bool, started: float) -> Run | N
     if (reason := finished_reason(start.ckpt, cfg.train, cfg.model.name, chosen_on)) is not None:
         log.info("the run in %s is finished (%s): nothing was trained or written; raise train.epochs (or "
                  "train.max_steps, train.early_stop_patience) to continue it, or use another output_dir for a new run",
-                 start.path.parent, reason)  # the checkpoint's folder: output_dir, unless resume=<path> names another
+                 url_of(start.path.parent), reason)  # the checkpoint's folder: output_dir, unless resume= names another
         return None
     precision, measured = run_precisions(cfg.amp, cfg.eval_amp, cfg.loss_scale, cfg.dist.strategy, info.device,
                                          cfg.tf32)

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.checkpoint import formats
 from engine.trainer import MEASURED_COLUMNS
 from tests.helpers import STEPS, read_jsonl
 
@@ -146,3 +147,29 @@ def fastai_most_confused(labels: np.ndarray, predicted: np.ndarray, classes: int
     np.fill_diagonal(cm, 0)
     res = [(i, j, int(cm[i, j])) for i, j in zip(*np.where(cm >= 1))]
     return sorted(res, key=operator.itemgetter(2), reverse=True)
+
+
+def as_file_checkpoint(folder: Path) -> dict:
+    """A sharded last.dcp/ as the dict last.pth would hold: its optimizer tensors keyed by parameter index."""
+    ckpt = formats.read_checkpoint(folder)
+    rest, tensors = ckpt.pop("optimizer_rest"), formats.read_tensors(folder, "optimizer.")
+    names = [name for group in rest["param_groups"] for name in group["params"]]
+    state = {}
+    for index, name in enumerate(names):
+        entry = {**rest["state"].get(name, {}), **{key[len(name) + 1:]: value for key, value in tensors.items()
+                                                    if key.startswith(f"{name}.") and "." not in key[len(name) + 1:]}}
+        if entry:
+            state[index] = entry
+    groups = [{**group, "params": list(range(start, start + len(group["params"])))}
+              for group, start in zip(rest["param_groups"], accumulate(rest["param_groups"]))]
+    del ckpt["format"]
+    return {**ckpt, "optimizer": {"state": state, "param_groups": groups}}
+
+
+def accumulate(groups: list[dict]) -> list[int]:
+    """The index of each parameter group's first parameter."""
+    starts, total = [], 0
+    for group in groups:
+        starts.append(total)
+        total += len(group["params"])
+    return starts

@@ -7,6 +7,7 @@ uninterrupted one bit for bit; evaluate.py reads s3://.../best.pth; the server g
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -26,10 +27,11 @@ from core.cli import report_errors
 from core.errors import UserError
 from data import make_shards
 from data.shards import ShardDataset
-from engine.checkpoint.formats import load_checkpoint
-from engine.checkpoint.run_store import fetched, fetched_folder, mirror_of
+from engine.checkpoint import run_store
+from engine.checkpoint.formats import load_checkpoint, read_checkpoint
+from engine.checkpoint.run_store import RunStore, fetched, fetched_folder, mirror_of, put_folder
 from engine.hooks import Hook
-from tests.compare import assert_same, assert_same_model
+from tests.compare import as_file_checkpoint, assert_same, assert_same_model
 from tests.helpers import (COMMON, HANG, NO_BN_MODEL, REPO, TINY, CuttableLink, free_port, last_error,
                            make_image_folder, run_on_ranks, s3_auth, script_env, train_here)
 
@@ -111,8 +113,8 @@ def test_a_server_gone_is_retried_counted_and_one_line(on_s3, bucket, monkeypatc
     monkeypatch.setattr(store, "BACKOFF_S", 0.01)
     before = store.RETRIES["s3"]
     line = last_error(capsys, report_errors(train.main, run_args(bucket, "gone")))
-    assert line.startswith(f"error: cannot read s3://{bucket}/gone/.lock: no answer after {store.ATTEMPTS} tries"), \
-        line
+    assert line.startswith(f"error: cannot write s3://{bucket}/gone/.lock: no answer after {store.ATTEMPTS} tries"), \
+        line  # the run's first request: the lock object's conditional put
     assert store.RETRIES["s3"] - before == store.ATTEMPTS - 1
 
 
@@ -123,25 +125,23 @@ def test_wrong_credentials_are_one_line(on_s3, bucket, capsys):
         line = last_error(capsys, report_errors(train.main, run_args(bucket, "denied")))
     finally:
         s3_auth(on_s3, False)
-    assert line == (f"error: cannot read s3://{bucket}/denied/.lock (access denied: Forbidden); check the URL and the "
-                    "credentials in the environment (AWS_ACCESS_KEY_ID, AWS_PROFILE, ...)"), line
+    assert line == (f"error: cannot write s3://{bucket}/denied/.lock (access denied: The AWS Access Key Id you "
+                    "provided does not exist in our records.); check the URL and the credentials in the environment "
+                    "(AWS_ACCESS_KEY_ID, AWS_PROFILE, ...)"), line
 
 
 def test_a_checkpoint_at_a_url_is_read_through_a_local_copy_with_its_run_files(on_s3, bucket):
     """What evaluate.py, predict.py, export.py (fetched) and average_checkpoints.py (fetched_folder) read from a URL:
     the checkpoint copied byte for byte with its run folder's small files, not its other checkpoints; a local path as
-    it is; a sharded folder refused in one line."""
+    it is."""
     fs = s3fs_for(on_s3)
     files = {"best.pth": b"B" * 100, "last.pth": b"L" * 100, "config.yaml": b"seed: 0\n", "epoch_0001.pth": b"E"}
     for name, data in files.items():
         fs.pipe(f"{bucket}/run/{name}", data)
-    fs.pipe(f"{bucket}/run/last.dcp/.metadata", b"M")
     local = Path(fetched(f"s3://{bucket}/run/best.pth"))
     assert local.read_bytes() == files["best.pth"] and (local.parent / "config.yaml").read_bytes() == b"seed: 0\n"
     assert sorted(p.name for p in local.parent.iterdir()) == ["best.pth", "config.yaml"]
     assert fetched("runs/x/best.pth") == "runs/x/best.pth"
-    with pytest.raises(UserError, match=rf"^s3://{bucket}/run/last.dcp is a folder \(a sharded checkpoint\)"):
-        fetched(f"s3://{bucket}/run/last.dcp")
     epochs = fetched_folder(f"s3://{bucket}/run", lambda name, size: name.startswith("epoch_"))
     assert epochs == local.parent and (epochs / "epoch_0001.pth").read_bytes() == b"E"
 
@@ -171,11 +171,137 @@ def test_export_to_a_url_uploads_the_checked_folder_and_refuses_what_is_not_an_e
     assert_same(load_checkpoint(tiny_run / "best.pth")["model"], load_file("downloaded/model.safetensors"))
 
 
-def test_a_sharded_checkpoint_to_a_url_is_refused_in_one_line(on_s3, bucket, capsys):
-    """train.ckpt_format=sharded (last.dcp/, a folder of files) is not written to object storage yet: one line."""
-    line = last_error(capsys, report_errors(train.main, run_args(bucket, "dcp", "train.ckpt_format=sharded")))
-    assert line == (f"error: train.ckpt_format=sharded with output_dir s3://{bucket}/dcp: a sharded last.dcp/ is not "
-                    "written to object storage yet; use train.ckpt_format=file there"), line
+def test_a_run_at_a_url_names_the_url_in_its_lines_not_its_staging_folder(on_s3, bucket, capsys):
+    """The run's lines name output_dir as the user gave it: the start, the resume notice, the last line (`outputs
+    in s3://...`) and a finished run's notice; only the line that says where the run works names the staging
+    folder (a run stopped by train.max_steps, continued, then started once more)."""
+    url, staging = f"s3://{bucket}/named", str(mirror_of(f"s3://{bucket}/named"))
+    argv = [*TINY, "data.dummy_train_size=16", f"output_dir={url}"]
+    for extra in (["train.max_steps=1"], [], []):
+        assert report_errors(train.main, [*argv, *extra]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert [line for line in lines if staging in line] == [line for line in lines if " the run works in " in line]
+    said = [line for line in lines if f" {url}" in line]
+    for words in ("output_dir", "outputs in", "resuming from", "is finished"):
+        assert any(words in line for line in said), words
+    assert f"resuming from {url}/last.pth (epoch 0, step 1 of it, global step 1)" in "\n".join(said)
+    assert sum(line.endswith(f"; outputs in {url}") for line in lines) == 2
+    assert lines[-1].endswith(f"INFO the run in {url} is finished (all 1 epochs of train.epochs done): nothing was "
+                              "trained or written; raise train.epochs (or train.max_steps, train.early_stop_patience) "
+                              "to continue it, or use another output_dir for a new run"), lines[-1]
+
+
+class SecondStarter:
+    """The real filesystem, on which another run starts (a whole LockObject acquire) just before the first put of the
+    lock object that `first(kwargs)` picks: two starters that both looked at the lock before either wrote it."""
+
+    def __init__(self, fs, url: str, first) -> None:
+        self.fs, self.url, self.first, self.other = fs, url, first, None
+
+    def __getattr__(self, name: str):
+        return getattr(self.fs, name)
+
+    def pipe_file(self, path: str, data: bytes, **kwargs):
+        if self.other is None and self.first(kwargs):
+            self.other = "starting"  # (its own puts go straight through)
+            self.other = run_store.LockObject(self.url)
+        return self.fs.pipe_file(path, data, **kwargs)
+
+
+@pytest.mark.parametrize("before", ["none", "stale"])
+def test_of_two_runs_starting_at_once_exactly_one_takes_the_lock(on_s3, bucket, monkeypatch, before):
+    """The lock object is a conditional put (S3 If-None-Match, and If-Match on a stale lock's ETag): a second run that
+    starts between the first one's look at <url>/.lock and its put takes the lock, and the first is refused in one
+    line (written and read back, both believed they held it), with no lock before and with a dead run's stale one."""
+    url, stale = f"s3://{bucket}/race-{before}", {"host": "elsewhere", "pid": 1, "time": 0.0, "token": "dead"}
+    fs, path = store.filesystem(f"{url}/.lock")
+    if before == "stale":
+        fs.pipe_file(path, json.dumps(stale).encode())
+    starter = SecondStarter(fs, url, (lambda kwargs: True) if before == "none" else
+                            (lambda kwargs: kwargs.get("mode") != "create"))  # the put that replaces the stale lock
+    monkeypatch.setattr(run_store, "filesystem", lambda _: (starter, path))
+    refusal = "is in use by another run" if before == "none" else "was locked by another run at the same moment"
+    with pytest.raises(UserError, match=f"^output_dir {url} {refusal}"):
+        run_store.LockObject(url)
+    assert json.loads(fs.cat_file(path))["token"] == starter.other.token
+    starter.other.release()
+    assert not fs.exists(path)
+
+
+def test_a_lock_object_without_conditional_puts_is_written_and_read_back():
+    """Where puts take no condition (any scheme but s3://; memory:// here) the lock is written and read back: a second
+    run is refused in one line while the first holds it, and takes it once released."""
+    url = f"memory://lock{free_port()}/run"
+    first = run_store.LockObject(url)
+    with pytest.raises(UserError, match=f"^output_dir {url} is in use by another run \\(process {os.getpid()} "):
+        run_store.LockObject(url)
+    first.release()
+    run_store.LockObject(url).release()
+
+
+def sharded_folder(folder: Path, save: str) -> Path:
+    """A stand-in sharded folder (DCP's file names, `save` in every file): what put_folder moves as it is."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in (".metadata", "__0_0.distcp", "__1_0.distcp"):
+        (folder / name).write_text(f"{save} {name}")
+    return folder
+
+
+class CutAfterPuts:
+    """The real filesystem, whose uploads fail (access denied) after the first `n`: an upload killed halfway."""
+
+    def __init__(self, fs, n: int) -> None:
+        self.fs, self.left = fs, n
+
+    def __getattr__(self, name: str):
+        return getattr(self.fs, name)
+
+    def put_file(self, *args, **kwargs):
+        self.left -= 1
+        if self.left < 0:
+            raise PermissionError("cut")
+        return self.fs.put_file(*args, **kwargs)
+
+
+def test_a_sharded_folder_at_a_url_reads_whole_however_its_upload_was_cut_short(on_s3, bucket, monkeypatch):
+    """put_folder: last.dcp/ at the URL replaced by way of last.dcp.next/ (S3 renames no folder); fetched (evaluate.py)
+    and a run's pull read one whole save in each state a kill can leave, never a mix of two: the new folder's upload
+    cut short (no .metadata yet: the old one), the old folder half replaced (its .metadata gone: the new one whole
+    in .next), the next save's upload cut short from there (the new one), and done (the newest, .next gone)."""
+    fs, url = s3fs_for(on_s3), f"s3://{bucket}/cut/last.dcp"
+    put_folder(sharded_folder(Path("old"), "old"), url)
+    new = sharded_folder(Path("new"), "new")
+
+    def read() -> set[str]:
+        for each in (fs, store.filesystem(url)[0]):  # listed anew, as by a reader in another process
+            each.invalidate_cache()
+        for way in (Path(fetched(url)), pulled_run()):
+            assert sorted(p.name for p in way.iterdir()) == sorted(p.name for p in new.iterdir())
+            yield {p.read_text().split()[0] for p in way.iterdir()}
+
+    def pulled_run() -> Path:
+        run = RunStore(url.rsplit("/", 1)[0], Path("staging"))
+        run.pull()
+        return run.local / "last.dcp"
+
+    fs.put_file(str(new / "__0_0.distcp"), f"{bucket}/cut/last.dcp.next/__0_0.distcp")  # killed mid-upload
+    assert list(read()) == [{"old"}] * 2
+    for name in ("__1_0.distcp", ".metadata"):  # the upload done, .metadata last
+        fs.put_file(str(new / name), f"{bucket}/cut/last.dcp.next/{name}")
+    fs.rm_file(f"{bucket}/cut/last.dcp/.metadata")  # killed while replacing the old folder
+    fs.copy(f"{bucket}/cut/last.dcp.next/__0_0.distcp", f"{bucket}/cut/last.dcp/__0_0.distcp")
+    assert list(read()) == [{"new"}] * 2
+    fs.rm(f"{bucket}/cut/last.dcp", recursive=True)  # killed between the old folder's removal and the copies
+    assert list(read()) == [{"new"}] * 2
+    fs.copy(f"{bucket}/cut/last.dcp.next/__0_0.distcp", f"{bucket}/cut/last.dcp/__0_0.distcp")
+    monkeypatch.setattr(run_store, "filesystem", lambda at: (CutAfterPuts(store.filesystem(at)[0], 1),
+                                                             store.filesystem(at)[1]))
+    with pytest.raises(UserError, match=r"^cannot write s3://.*/cut/last.dcp.next \(access denied: cut\)"):
+        put_folder(sharded_folder(Path("newer"), "newer"), url)  # the next save's, killed mid-upload: the swap
+    assert list(read()) == [{"new"}] * 2  # left unfinished was finished first (else no whole save was left)
+    monkeypatch.setattr(run_store, "filesystem", store.filesystem)  # the server back
+    put_folder(sharded_folder(Path("newer"), "newer"), url)  # the next save's put_folder, done
+    assert list(read()) == [{"newer"}] * 2 and not fs.exists(f"{bucket}/cut/last.dcp.next")
 
 
 @pytest.mark.slow
@@ -233,7 +359,10 @@ def test_two_ranks_on_s3_train_the_one_process_model_and_rank_0_alone_uploads(on
     """data.root and output_dir at s3:// on 2 ranks (a real gloo group): the last.pth of one process on s3:// with
     twice the batch (within tests/compare.py's TOL), and rank 0 alone uploads: in a versioned bucket each file was
     written as many times as by the one process (the other rank's pushes would have added its own), and each
-    validation's last.pth went up after it although written in the background (train.async_save, the default)."""
+    validation's last.pth went up after it although written in the background (train.async_save, the default).
+    With train.ckpt_format=sharded (last.dcp/ up whole by put_folder, no last.dcp.next left), the run stopped after
+    its first epoch (train.max_steps) and run again ends bit for bit where the 2-rank last.pth does (weights,
+    optimizer, RNG, counters), and evaluate.py on s3://.../last.dcp prints its last val_top1."""
     fs, out = s3fs_for(on_s3), f"v{free_port()}"
     fs.mkdir(out)
     fs.make_bucket_versioned(out)
@@ -247,6 +376,17 @@ def test_two_ranks_on_s3_train_the_one_process_model_and_rank_0_alone_uploads(on
     assert_same_model(tmp_path / "one", tmp_path / "two", steps=2 * 18 // 6)  # 2 epochs of 18 images, 6 a step
     written = versions(on_s3, out, "one")
     assert written == versions(on_s3, out, "two") and written["last.pth"] == 2, written  # after each validation
+    for extra in (["train.max_steps=3"], []):  # 3 steps: the first epoch
+        run_on_ranks("train.py", *args, "train.batch_size=3", "train.ckpt_format=sharded", *extra,
+                     f"output_dir=s3://{bucket}/dcp", nproc=2, env=on_s3, cwd=tmp_path)
+        assert read_checkpoint(fetched(f"s3://{bucket}/dcp/last.dcp"))["global_step"] == 3 * (2 - len(extra))
+    assert_same(load_checkpoint(tmp_path / "two" / "last.pth"), as_file_checkpoint(Path(fetched(
+        f"s3://{bucket}/dcp/last.dcp"))))
+    assert not fs.exists(f"{bucket}/dcp/last.dcp.next")
+    rows = [json.loads(row) for row in fs.cat(f"{bucket}/dcp/metrics.jsonl").decode().splitlines()]
+    assert [row["epoch"] for row in rows] == [0, 1]
+    assert report_errors(evaluate.main, [f"s3://{bucket}/dcp/last.dcp", "--output-dir", "eval"]) == 0
+    assert json.loads(Path("eval/eval.json").read_text())["top1"] == rows[-1]["val_top1"]
 
 
 class CutAfter(Hook):

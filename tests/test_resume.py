@@ -22,10 +22,9 @@ import train
 from core.cli import report_errors
 from core.config_load import load_config
 from core.errors import UserError
-from engine.checkpoint import formats
 from engine.checkpoint.formats import load_checkpoint, read_checkpoint
 from engine.checkpoint.resume import check_resumable
-from tests.compare import allow_best_of_the_stop, assert_same, rows_without_timing
+from tests.compare import allow_best_of_the_stop, as_file_checkpoint, assert_same, rows_without_timing
 from tests.helpers import (REPO, RUN, as_written_before_the_rename, read_jsonl, run_on_ranks, run_script, script_env,
                            wait_for_file)
 
@@ -80,32 +79,6 @@ def test_resume_after_a_kill_mid_epoch_is_bitwise_identical(straight, tmp_path):
     assert_same(load_checkpoint(straight / "last.pth"), load_checkpoint(out / "last.pth"))
     assert rows_without_timing(out) == rows_without_timing(straight)
     assert sorted(p.name for p in out.glob("epoch_*.pth")) == ["epoch_0001.pth"]  # keep_last_k=1
-
-
-def as_file_checkpoint(folder: Path) -> dict:
-    """A sharded last.dcp/ as the dict last.pth would hold: its optimizer tensors keyed by parameter index."""
-    ckpt = read_checkpoint(folder)
-    rest, tensors = ckpt.pop("optimizer_rest"), formats.read_tensors(folder, "optimizer.")
-    names = [name for group in rest["param_groups"] for name in group["params"]]
-    state = {}
-    for index, name in enumerate(names):
-        entry = {**rest["state"].get(name, {}), **{key[len(name) + 1:]: value for key, value in tensors.items()
-                                                    if key.startswith(f"{name}.") and "." not in key[len(name) + 1:]}}
-        if entry:
-            state[index] = entry
-    groups = [{**group, "params": list(range(start, start + len(group["params"])))}
-              for group, start in zip(rest["param_groups"], accumulate(rest["param_groups"]))]
-    del ckpt["format"]
-    return {**ckpt, "optimizer": {"state": state, "param_groups": groups}}
-
-
-def accumulate(groups: list[dict]) -> list[int]:
-    """The index of each parameter group's first parameter."""
-    starts, total = [], 0
-    for group in groups:
-        starts.append(total)
-        total += len(group["params"])
-    return starts
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ from core.dist import DistInfo, is_fsdp
 from core.errors import UnreadableCheckpoint, UserError
 from engine.checkpoint import sharded
 from engine.checkpoint.formats import PLAIN, is_sharded, read_checkpoint, set_aside
+from engine.checkpoint.run_store import url_of
 from engine.checkpoint.saver import EPOCH_FILE
 from engine.checkpoint.weights import Pretrained, check_architecture, load_weights, read_pretrained
 
@@ -351,7 +352,7 @@ class Resume:
         check_resumable(self.ckpt, self.path, cfg, class_names, world_size)
         load_weights(model, self.ckpt["model"], f"checkpoint {self.path}")
         if cfg.model.init_from:
-            log.info("resuming from %s: model.init_from is not used", self.path)
+            log.info("resuming from %s: model.init_from is not used", url_of(self.path))
 
     def load_ema(self, ema: nn.Module | None) -> None:
         """The checkpoint's EMA weights; a run that turns the EMA on at resume starts it from the model."""
@@ -360,7 +361,7 @@ class Resume:
         if "ema" in self.ckpt:
             load_weights(ema, self.ckpt["ema"], f"checkpoint {self.path} (EMA weights)")
         else:
-            log.info("checkpoint %s has no EMA weights: the EMA starts from the resumed model", self.path)
+            log.info("checkpoint %s has no EMA weights: the EMA starts from the resumed model", url_of(self.path))
 
     def load_training(self, state: LoopState, cfg: Config, info: DistInfo, updates_per_epoch: int, *,
                       model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Scheduler,
@@ -371,6 +372,7 @@ class Resume:
         if self.ckpt is None:
             return
         ckpt, path = self.ckpt, self.path
+        shown = url_of(path)  # in the lines below: as the user named output_dir
         if ckpt.get("format") != "sharded":  # a .pth file
             check_optimizer_state(ckpt["optimizer"], optimizer, path)
             load_optimizer_state(model, optimizer, ckpt["optimizer"])  # sharded (fsdp) or whole
@@ -386,7 +388,7 @@ class Resume:
             state.forget_best()
             if info.is_main:
                 log.info("checkpoint %s chose best.pth on %s; best.pth is now chosen on %s, from the next evaluation "
-                         "on", path, then, now)
+                         "on", shown, then, now)
         # The schedule is a function of the config and the step (timm's schedulers and onecycle keep no other
         # state): rebuilt from the config, a resumed run may extend train.epochs, or change the global batch
         # at an epoch boundary (the schedule continues at the same epoch). sched.name=plateau follows the
@@ -400,18 +402,18 @@ class Resume:
         if then != now and info.is_main:
             log.info("checkpoint %s trained with a global batch of %d images, this run's is %d: the lr schedule "
                      "continues at epoch %d with %d updates per epoch; optim.lr is %g (optim.lr_base scales it "
-                     "with the global batch)", path, then, now, state.epoch, updates_per_epoch, cfg.optim.lr)
+                     "with the global batch)", shown, then, now, state.epoch, updates_per_epoch, cfg.optim.lr)
         rng = ckpt["rng"]
         if info.rank < len(rng):
             set_rng_state(rng[info.rank])
         if len(rng) != info.world_size:
             log.warning("checkpoint %s was written by %d process(es), this run has %d: training continues, "
-                        "but dropout and drop-path draws differ from an uninterrupted run", path, len(rng),
+                        "but dropout and drop-path draws differ from an uninterrupted run", shown, len(rng),
                         info.world_size)
         changes = config_changes(ckpt["config"], to_dict(cfg))
         where = f"epoch {state.epoch}, step {state.epoch_step} of it" if state.epoch_step else f"start of epoch {state.epoch}"
         owed = "; first the validation a stop cut short there" if state.unvalidated is not None else ""
-        log.info("resuming from %s (%s, global step %d)%s%s", path, where, state.global_step, owed,
+        log.info("resuming from %s (%s, global step %d)%s%s", shown, where, state.global_step, owed,
                  f"; config changes: {', '.join(changes)}" if changes else "")
 
 

@@ -4,12 +4,14 @@ mirrors it, so every module writes files as it does on disk and only this one ta
 The staging folder is `.cache/object_store/runs/<scheme>/<bucket>/<prefix>` under the current folder; a checkpoint
 read from a URL (evaluate.py, predict.py, export.py, average_checkpoints.py) lands in `.cache/object_store/fetched/...`
 with the small files of its run folder. At the start rank 0 takes the run's lock object (`<url>/.lock`: host, pid,
-time; refreshed every LOCK_REFRESH_S, stale after LOCK_STALE_S or, on the same host, once its process is gone),
-empties the staging folder and copies the run there from the URL (the URL is the truth), so resume, another config's
-refusal and a finished run's notice work on the copy as on disk. After each validation's hooks and when the run ends
-(stopped, failed or finished) the files that changed are uploaded, last.pth last (core/store.upload: atomic per
-file); files the run removed (older epoch checkpoints) are removed from the URL. An output at a URL (export.py
---output) is written in `.cache/object_store/outputs/...` and uploaded the same way (output_at).
+time; on S3 a conditional put; refreshed every LOCK_REFRESH_S, stale after LOCK_STALE_S or, on the same host, once
+its process is gone), empties the staging folder and copies the run there from the URL (the URL is the truth), so
+resume, another config's refusal and a finished run's notice work on the copy as on disk. After each validation's
+hooks and when the run ends (stopped, failed or finished) the files that changed are uploaded, last.pth last
+(core/store.upload: atomic per file); files the run removed (older epoch checkpoints) are removed from the URL. A
+sharded last.dcp/ goes up whole after them (put_folder: object storage renames no folder, so it passes through
+`last.dcp.next/`; a reader, pull or fetched, takes the whole one of the two, never a mix of two saves). An output at
+a URL (export.py --output) is written in `.cache/object_store/outputs/...` and uploaded the same way (output_at).
 """
 
 from __future__ import annotations
@@ -30,13 +32,19 @@ from urllib.parse import urlparse
 from core.errors import UserError
 from core.files import TEMP, remove
 from core.store import TEMP_TAG, download, filesystem, is_url, join, read_bytes, retrying, upload
+from engine.checkpoint.formats import METADATA
 
 log = logging.getLogger(__name__)
 STAGING = Path(".cache") / "object_store"
 LOCK = ".lock"
 LOCK_REFRESH_S = 60.0
 LOCK_STALE_S = 600.0  # a lock object not refreshed for this long is a dead run's (another host's: no pid to ask)
-LAST = ("best.pth", "last.pth")  # uploaded after every other file, in this order: a checkpoint never precedes its row
+CONDITIONAL = ("s3", "s3a")  # schemes whose puts take If-None-Match / If-Match (s3fs): the lock is a conditional put
+LOST = ("PreconditionFailed", "ConditionalRequestConflict")  # S3's answers to a conditional put another writer beat
+SHARDED = "last.dcp"  # train.ckpt_format=sharded's checkpoint: a folder, uploaded whole by put_folder
+NEXT = ".next"  # `<folder>.next` at a URL: a sharded folder on its way in, whole once its .metadata is there
+LAST = ("best.pth", "last.pth", SHARDED)  # uploaded after every other file, in this order: a checkpoint never precedes
+# its row
 LAST_OF_FOLDER = "config.json"  # an output folder's file uploaded last: what its reader (timm's local-dir:) opens first
 SMALL = 1 << 20  # a checkpoint's run-folder files copied beside it from a URL (config.yaml, val.txt; no .pth)
 _live_tokens: set[str] = set()  # the lock objects this process holds now
@@ -49,9 +57,14 @@ def mirror_of(url: str, kind: str = "runs") -> Path:
     return STAGING / kind / parts.scheme / parts.netloc / parts.path.strip("/")
 
 
-def url_of(folder: str) -> str:
-    """The URL a staging folder mirrors (`folder` itself when it mirrors none)."""
-    return _staged.get(folder, folder)
+def url_of(path: str | Path) -> str:
+    """The URL a staging folder, or a file or folder in one, mirrors (`path` as it is when it is in none): what the
+    run's lines name, as the user named output_dir."""
+    text = str(path)
+    for local, url in _staged.items():
+        if text == local or text.startswith(f"{local}/"):
+            return f"{url}{text[len(local):]}"
+    return text
 
 
 def running_here(pid: int) -> bool:
@@ -65,6 +78,12 @@ def running_here(pid: int) -> bool:
     return True
 
 
+def beaten(err: OSError) -> bool:
+    """Whether a conditional put failed because another writer's object was there first (S3's 412 or 409)."""
+    response = getattr(err.__cause__, "response", None) or {}
+    return isinstance(err, FileExistsError) or response.get("Error", {}).get("Code") in LOST
+
+
 class LockObject:
     """`<url>/.lock`: one live run per URL, the owner's host and pid inside, refreshed by a daemon thread."""
 
@@ -72,6 +91,7 @@ class LockObject:
         self.url = join(url, LOCK)
         self.token = secrets.token_hex(8)
         self.fs, self.path = filesystem(self.url)
+        self.conditional = urlparse(self.url).scheme in CONDITIONAL
         self.stop = threading.Event()
         self.acquire()
         self.thread = threading.Thread(target=self.refresh, daemon=True, name="run-lock")
@@ -87,19 +107,62 @@ class LockObject:
             return None  # cut short: no live run wrote it whole
 
     def acquire(self) -> None:
-        """Take the lock, or refuse in one line while a live run holds it."""
-        held = self.owner()
+        """Take the lock, or refuse in one line while a live run holds it or another starter took it meanwhile. On S3
+        a conditional put: created only where none is, a stale one replaced only while it is still the object judged
+        stale (If-Match its ETag), so of two starters exactly one wins; elsewhere written, then read back."""
+        if self.conditional:
+            taken = self.put(mode="create") or self.take_over(*self.owner_and_etag())
+        else:
+            self.refuse_live(self.owner())
+            self.write()
+            taken = (self.owner() or {}).get("token") == self.token
+        if not taken:
+            raise UserError(f"output_dir {self.url.rsplit('/', 1)[0]} was locked by another run at the same moment; "
+                            "wait for it to end, or choose another output_dir")
+        _live_tokens.add(self.token)
+
+    def refuse_live(self, held: dict | None) -> None:
+        """One line while `held` (the lock object's contents) is a live run's."""
         if held is not None and not self.stale(held):
             raise UserError(f"output_dir {self.url.rsplit('/', 1)[0]} is in use by another run (process "
                             f"{held.get('pid')} on {held.get('host')}); wait for it to end, or choose another "
                             f"output_dir (a lock object not refreshed for {LOCK_STALE_S:.0f} s counts as stale)")
         if held is not None:
             log.info("output_dir: taking over the stale lock of process %s on %s", held.get("pid"), held.get("host"))
-        self.write()
-        _live_tokens.add(self.token)
-        if (self.owner() or {}).get("token") != self.token:
-            raise UserError(f"output_dir {self.url.rsplit('/', 1)[0]} was locked by another run at the same moment; "
-                            "wait for it to end, or choose another output_dir")
+
+    def take_over(self, held: dict | None, etag: str | None) -> bool:
+        """The lock object found by a failed create: replaced if stale and still that object (conditional put);
+        created anew if it went meanwhile (its run ended)."""
+        if etag is None:
+            return self.put(mode="create")
+        self.refuse_live(held)
+        return self.put(IfMatch=etag)
+
+    def owner_and_etag(self) -> tuple[dict | None, str | None]:
+        """The lock object's contents and ETag ((None, None): none); a later change of it fails a put on the ETag."""
+        def etag() -> str | None:
+            self.fs.invalidate_cache(self.path)
+            try:
+                return self.fs.info(self.path)["ETag"]
+            except FileNotFoundError:
+                return None
+
+        found = retrying("read", self.url, etag)
+        return (self.owner(), found) if found is not None else (None, None)
+
+    def put(self, **condition: str) -> bool:
+        """The lock object written on S3's `condition` (s3fs's mode="create", IfMatch=<etag>): False when another
+        writer's object beat it."""
+        def call() -> bool:
+            try:
+                self.fs.pipe_file(self.path, self.record(), **condition)
+            except OSError as err:
+                if beaten(err):
+                    return False
+                raise
+            return True
+
+        return retrying("write", self.url, call)
 
     def stale(self, held: dict) -> bool:
         """A dead owner's: its process gone (this host), or this process's own from a run it no longer holds (one
@@ -109,11 +172,15 @@ class LockObject:
             return not running_here(pid) or (pid == os.getpid() and held.get("token") not in _live_tokens)
         return time.time() - float(held.get("time", 0)) > LOCK_STALE_S
 
+    def record(self) -> bytes:
+        """The lock object's contents, with the time now."""
+        return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
+                           "token": self.token}).encode()
+
     def write(self) -> None:
         """The lock object, with the time now (its refresh)."""
-        text = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
-                           "token": self.token})
-        retrying("write", self.url, lambda: self.fs.pipe_file(self.path, text.encode()))
+        text = self.record()
+        retrying("write", self.url, lambda: self.fs.pipe_file(self.path, text))
 
     def refresh(self) -> None:
         """Rewrite the lock every LOCK_REFRESH_S until released: another host sees the run alive."""
@@ -136,10 +203,20 @@ class LockObject:
 
 
 def local_name(rel: str) -> bool:
-    """Whether a staging file is the run's (not a lock, a probe or a temp file of core/files or core/store)."""
+    """Whether a staging file is the run's (not a lock, a probe or a temp file or folder of core/files or
+    core/store)."""
     name = rel.rsplit("/", 1)[-1]
     return name != LOCK and not name.startswith(".shared-check") and TEMP_TAG not in name \
-        and not TEMP.fullmatch(name)
+        and not any(TEMP.fullmatch(part) for part in rel.split("/"))
+
+
+def staged_name(rel: str, whole: str) -> str | None:
+    """The staging name of the URL's file `rel`: a sharded folder's files from `whole` (last.dcp or last.dcp.next,
+    whichever is whole) land in last.dcp/, the other one's are skipped (None)."""
+    top, _, rest = rel.partition("/")
+    if top not in (SHARDED, SHARDED + NEXT):
+        return rel
+    return f"{SHARDED}/{rest}" if top == whole else None
 
 
 class RunStore:
@@ -167,21 +244,32 @@ class RunStore:
         return [rel for rel in rels if rel and local_name(rel)]
 
     def pull(self) -> None:
-        """The staging folder made a copy of the URL's run (emptied first: the URL is the truth)."""
+        """The staging folder made a copy of the URL's run (emptied first: the URL is the truth); of last.dcp and
+        last.dcp.next (a put_folder cut short), the whole one, as last.dcp."""
         shutil.rmtree(self.local, ignore_errors=True)
         self.local.mkdir(parents=True, exist_ok=True)
-        for rel in self.remote_files():
-            target = self.local / rel
+        remote = self.remote_files()
+        whole = SHARDED + NEXT if f"{SHARDED}{NEXT}/{METADATA}" in remote else SHARDED
+        for rel in remote:
+            name = staged_name(rel, whole)
+            if name is None:
+                continue
+            target = self.local / name
             target.parent.mkdir(parents=True, exist_ok=True)
             download(join(self.url, rel), str(target))
-            self.sent[rel] = signature(target)
+            self.sent[name] = signature(target)
         log.info("output_dir %s: the run works in %s (%d file(s) copied from the URL)", self.url, self.local,
                  len(self.sent))
 
     def changed(self) -> list[str]:
-        """The staging files that differ from the URL's, the checkpoints last."""
+        """The staging files that differ from the URL's, the checkpoints last; a sharded folder whose files differ
+        is one entry (last.dcp), and one that is missing (a save cut short set it aside) none: the URL keeps its own."""
         files = {p.relative_to(self.local).as_posix(): p for p in self.local.rglob("*") if p.is_file()}
-        new = [rel for rel, path in files.items() if local_name(rel) and self.sent.get(rel) != signature(path)]
+        new = {rel.split("/", 1)[0] if rel.startswith(f"{SHARDED}/") else rel for rel, path in files.items()
+               if local_name(rel) and self.sent.get(rel) != signature(path)}
+        if (self.local / SHARDED).is_dir() and any(rel.startswith(f"{SHARDED}/") and rel not in files
+                                                    for rel in self.sent):
+            new.add(SHARDED)
         return sorted(new, key=lambda rel: (LAST.index(rel) if rel in LAST else -1, rel))
 
     def push(self) -> None:
@@ -189,15 +277,71 @@ class RunStore:
         try:
             for rel in self.changed():
                 path = self.local / rel
+                if path.is_dir():
+                    self.push_folder(rel)
+                    continue
                 sig = signature(path)
                 upload(str(path), join(self.url, rel))
                 self.sent[rel] = sig
-            for rel in [rel for rel in self.sent if not (self.local / rel).exists()]:
+            for rel in [rel for rel in self.sent if not rel.startswith(f"{SHARDED}/")
+                        and not (self.local / rel).exists()]:
                 retrying("remove", join(self.url, rel), lambda: self.fs.rm_file(f"{self.root}/{rel}"))
                 del self.sent[rel]
         except UserError:
             self.broken = True
             raise
+
+    def push_folder(self, rel: str) -> None:
+        """The sharded folder `rel` to the URL whole (put_folder), its files recorded as sent."""
+        sent = {f"{rel}/{path.name}": signature(path) for path in (self.local / rel).iterdir() if path.is_file()}
+        put_folder(self.local / rel, join(self.url, rel))
+        self.sent = {name: sig for name, sig in self.sent.items() if not name.startswith(f"{rel}/")} | sent
+
+
+def put_folder(local: Path, url: str) -> None:
+    """A sharded checkpoint folder put at `url` so that no reader loads a mix of two saves, killed anywhere (object
+    storage renames no folder): uploaded to `<url>.next` (its .metadata last: whole once that is there), then copied
+    over `url` on the server (swap_in). At every moment one of the two is whole, and a reader takes `<url>.next`
+    while it is (whole_folder); a swap an earlier put_folder left unfinished is finished first (its `<url>.next` may
+    be the only whole one)."""
+    fs, path = filesystem(url)
+    if whole_folder(url) != url:
+        swap_in(url)
+    remove_folder(f"{url}{NEXT}")  # what an upload cut short left
+    names = sorted((p.name for p in local.iterdir() if p.is_file()), key=lambda name: (name == METADATA, name))
+    for name in names:
+        retrying("write", f"{url}{NEXT}", lambda: fs.put_file(str(local / name), f"{path}{NEXT}/{name}"))
+    swap_in(url)
+
+
+def swap_in(url: str) -> None:
+    """The whole folder at `<url>.next` copied over `url` on the server (the old .metadata removed first, the new
+    one copied last), then `<url>.next` removed (its .metadata first)."""
+    fs, path = filesystem(url)
+    fs.invalidate_cache(f"{path}{NEXT}")
+    keys = sorted(retrying("list", f"{url}{NEXT}", lambda: fs.find(f"{path}{NEXT}")),
+                  key=lambda key: (key.endswith(f"/{METADATA}"), key))
+    remove_folder(url)
+    for key in keys:
+        retrying("write", url, lambda: fs.copy(key, f"{path}/{key.rsplit('/', 1)[1]}"))
+    remove_folder(f"{url}{NEXT}")
+
+
+def remove_folder(url: str) -> None:
+    """The objects under `url` removed, a sharded folder's .metadata first (then it no longer reads as whole)."""
+    fs, path = filesystem(url)
+    fs.invalidate_cache(path)  # listed anew: what another process (an earlier run) left there counts
+    found = sorted(retrying("list", url, lambda: fs.find(path)), key=lambda key: not key.endswith(f"/{METADATA}"))
+    for key in found:
+        retrying("remove", url, lambda: fs.rm_file(key))
+
+
+def whole_folder(url: str) -> str:
+    """The sharded folder to read for `url`: `<url>.next` when it is whole (a put_folder cut short after its
+    upload), else `url` itself."""
+    fs, path = filesystem(url)
+    fs.invalidate_cache(f"{path}{NEXT}")  # asked anew: another process may have written it since a listing
+    return f"{url}{NEXT}" if retrying("read", url, lambda: fs.exists(f"{path}{NEXT}/{METADATA}")) else url
 
 
 def signature(path: Path) -> tuple[int, int]:
@@ -211,12 +355,15 @@ def fetched(checkpoint: str) -> str:
     val.txt, the pipeline copies): the local path read as any checkpoint. A local path is returned as it is."""
     if not is_url(checkpoint):
         return checkpoint
-    folder_url, name = checkpoint.rstrip("/").rsplit("/", 1)
+    url = checkpoint.rstrip("/")
+    folder_url, name = url.rsplit("/", 1)
     fs, root = filesystem(folder_url)
-    if retrying("read", checkpoint, lambda: fs.isdir(f"{root.rstrip('/')}/{name}")):
-        raise UserError(f"{checkpoint} is a folder (a sharded checkpoint): reading last.dcp from a URL is not "
-                        "supported yet; copy it to a local folder and give that")
+    source = whole_folder(url)  # a sharded checkpoint being replaced (put_folder) may be there alone
+    folder = source != url or retrying("read", checkpoint, lambda: fs.isdir(f"{root.rstrip('/')}/{name}"))
     local = fetched_folder(folder_url, lambda other, size: size <= SMALL and not other.endswith(".pth"))
+    if folder:  # a sharded checkpoint (last.dcp/): its whole copy, every file
+        pulled(source, local / name)
+        return str(local / name)
     return download(checkpoint, str(local / name), "read checkpoint")
 
 
