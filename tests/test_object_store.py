@@ -30,10 +30,22 @@ from engine.checkpoint.formats import load_checkpoint
 from engine.checkpoint.run_store import fetched, fetched_folder, mirror_of
 from engine.hooks import Hook
 from tests.compare import assert_same, assert_same_model
-from tests.helpers import (COMMON, HANG, NO_BN_MODEL, REPO, TINY, CuttableLink, free_port, last_error,
-                           make_image_folder, run_on_ranks, s3_auth, script_env, train_here)
+from tests.helpers import (COMMON, HANG, NO_BN_MODEL, REPO, TINY, CuttableLink, check_one_line, free_port,
+                           last_error, make_image_folder, run_on_ranks, s3_auth, script_env, train_here)
 
 COUNTS = {"train": {"a": 7, "b": 5, "c": 6}, "val": {"a": 3, "b": 4, "c": 4}}  # 18 train, 11 val images
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--config", "digits", "data.root=s3://nobucket/x"],
+     "data.root=s3://nobucket/x: data.name=digits writes its images into data.root, which must be a local folder"),
+    (["data.name=imagefolder", "data.root=pipe:cat x"],
+     "data.root=pipe:cat x: a pipe: command is read for WebDataset shards only (data.name=wds)")])
+def test_a_data_root_url_a_format_cannot_read_is_refused_and_never_made_a_local_folder(args, expected, tmp_path,
+                                                                                      capsys, monkeypatch):
+    """data.root at a URL is read by the formats that can, else refused in one line before anything is written: the
+    digits export once went into a local folder named s3:/nobucket/x (the URL read as a relative path)."""
+    check_one_line([*args, "--dry-run"], expected, tmp_path, tmp_path, capsys, monkeypatch)
 
 
 def s3fs_for(env: dict[str, str], **options):
