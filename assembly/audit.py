@@ -29,7 +29,7 @@ from core.errors import UserError
 from core.files import starts_with, write_output
 from data.datasets import AugmentedDataset
 from data.folds import Folds, FoldSubset, make_folds, read_folds
-from data.loader import build_eval_loader, build_val_dataset, dataset_of, prepare_digits, shard_bounds
+from data.loader import build_eval_loader, build_val_dataset, dataset_of, prepare_data, shard_bounds
 from data.split import Split, run_split, saved_split
 from data.transforms import DeviceNormalize, eval_transform
 from engine.checkpoint.inference import Trained
@@ -140,7 +140,7 @@ def audit_datasets(cfg: Config, info: DistInfo, transform: A.Compose, split: Spl
     """The training and validation images as the runs see them (any format), with `transform`: their files, labels
     and paths for the folds, the duplicates and the file checks; no validation split is said, and the leak check
     then looks within train. An unreadable image is an error here, never skipped: each image's row stays put."""
-    prepare_digits(cfg.data, info.local_rank)
+    prepare_data(cfg.data, info.local_rank)
     if split is None:
         split = run_split(cfg.data, None, None, info.is_main)
     train = dataset_of(cfg.data, True, transform, cfg.seed, classes, split)

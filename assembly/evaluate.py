@@ -21,7 +21,8 @@ from core.errors import UserError
 from core.files import (CSV_OUTPUT, merge_parts, part_file, starts_with, write_csv,
                         write_output)
 from data.datasets import AugmentedDataset, ImageFolderDataset
-from data.loader import build_eval_loader, build_val_dataset
+from data.loader import build_eval_loader, build_val_dataset, prepare_data
+from data.mirror import local_root, named_by_url, shown
 from data.split import FILES, saved_split
 from data.transforms import DeviceNormalize, eval_size, eval_transform
 from engine.checkpoint.inference import Trained, ema_hint, precision_line
@@ -98,14 +99,19 @@ def scored_images(cfg: Config, args: argparse.Namespace, info: DistInfo, class_n
     run's own validation data (data.val_fraction: exactly its val.txt)."""
     data = cfg.data
     if args.data_dir and data.name == "imagefolder":
-        root = Path(args.data_dir)
+        prepare_data(data, info.local_rank)  # a URL: copied to its local mirror (data/mirror.py)
+        root = Path(local_root(data))
+        named = shown(str(root), data)  # as the user wrote it: a URL, not its mirror
         split_given = any(parse_override(item)[0] == "data.val_split" for item in args.overrides)
         if not (split_given or (root / data.val_split).is_dir() or (root / data.train_split).is_dir()):
-            dataset = ImageFolderDataset(root, eval_transform(data, args.tta_crops), cfg.seed, class_names,
-                                         max_pixels=data.max_image_pixels)
-            return dataset, f"every image under {root}'s class folders (it has no {data.val_split}/ split folder)"
+            try:
+                dataset = named_by_url(ImageFolderDataset(root, eval_transform(data, args.tta_crops), cfg.seed,
+                                                          class_names, max_pixels=data.max_image_pixels), data)
+            except UserError as err:
+                raise UserError(shown(str(err), data)) from None
+            return dataset, f"every image under {named}'s class folders (it has no {data.val_split}/ split folder)"
         dataset = build_val_dataset(data, cfg.seed, info.local_rank, class_names, args.tta_crops)
-        return dataset, f"{root / data.val_split} (the {data.val_split} split of --data-dir)"
+        return dataset, f"{named}/{data.val_split} (the {data.val_split} split of --data-dir)"
     split = saved_split(data, args.checkpoint)
     dataset = build_val_dataset(data, cfg.seed, info.local_rank, class_names, args.tta_crops, split)
     if split is not None:

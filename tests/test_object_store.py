@@ -6,6 +6,7 @@ uninterrupted one bit for bit; evaluate.py reads s3://.../best.pth; the server g
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import socket
@@ -23,9 +24,14 @@ from assembly import launch
 from assembly.export import is_model_folder_export
 from core import store
 from core.cli import report_errors
+from core.config import DataConfig
 from core.errors import UserError
 from data import make_shards
+from data.hf import hub_repo
+from data.loader import build_datasets, prepare_data
+from data.mirror import local_root, mirror_folder
 from data.shards import ShardDataset
+from data.split import run_split
 from engine.checkpoint.formats import load_checkpoint
 from engine.checkpoint.run_store import fetched, fetched_folder, mirror_of
 from engine.hooks import Hook
@@ -74,6 +80,36 @@ def bucket(s3_env, shards) -> str:
     return name
 
 
+@pytest.fixture(scope="module")
+def folders(s3_env, bucket, shards) -> Path:
+    """The image folder the shards were made from, with list files (train.tsv by index, classes.txt; val.csv by name)
+    and as Parquet files (parquet/<split>.parquet: PNG bytes, class names), put in the bucket under folder/ and
+    parquet/: the local folder."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder, classes = shards.parent / "folder", sorted(COUNTS["train"])
+    (folder / "classes.txt").write_text("\n".join(classes) + "\n")
+    (folder / "parquet").mkdir()
+    for split, suffix, sep in (("train", ".tsv", "\t"), ("val", ".csv", ",")):
+        files = [(f"{split}/{c}/{i:03d}.png", c) for c in classes for i in range(COUNTS[split][c])]
+        rows = [f"{path}{sep}{classes.index(c) if split == 'train' else c}" for path, c in files]
+        (folder / f"{split}{suffix}").write_text(f"path{sep}label\n" + "\n".join(rows) + "\n")
+        pq.write_table(pa.table({"image": [(folder / path).read_bytes() for path, _ in files],
+                                 "label": [c for _, c in files]}), folder / "parquet" / f"{split}.parquet")
+    fs = s3fs_for(s3_env)
+    fs.put(str(folder), f"{bucket}/folder", recursive=True)
+    fs.put(str(folder / "parquet"), f"{bucket}/parquet", recursive=True)
+    return folder
+
+
+def assert_same_images(remote: DataConfig, local: DataConfig) -> None:
+    """Both configs' train and val sets hold the same classes, labels and decoded images."""
+    for have, want in zip(build_datasets(remote, seed=0), build_datasets(local, seed=0)):
+        assert len(have) == len(want) and have.classes == want.classes and (have.labels == want.labels).all()
+        assert all((have.load_image(i) == want.load_image(i)).all() for i in range(len(want)))
+
+
 @pytest.fixture
 def on_s3(s3_env, monkeypatch, tmp_path) -> dict[str, str]:
     """This process pointed at the server through the environment, working in an empty folder (the staging
@@ -103,6 +139,64 @@ def test_shards_from_s3_are_the_local_shards_and_a_missing_bucket_is_one_line(on
     with pytest.raises(UserError, match=r"^cannot read shard index s3://nobucket/shards/val.json \(The specified "
                                         r"bucket does not exist\); check the URL and the credentials"):
         ShardDataset("s3://nobucket/shards/val.json", None, seed=0, cache_dir="cache")
+
+
+def test_an_image_folder_at_a_url_is_read_from_its_mirror_kept_to_the_url_and_its_bound(on_s3, bucket, folders):
+    """data.root=s3://... for an image folder: the same images as on disk, and the same auto split (data.val_fraction);
+    the URL is the truth (a file changed there is copied again, one removed there goes, an unchanged one stays as it
+    was copied); an unreadable image is named by its URL; a root larger than data.shard_cache_gb, or a missing bucket,
+    is one line naming the URL."""
+    url = f"s3://{bucket}/folder"
+    assert_same_images(DataConfig(name="imagefolder", root=url, shard_cache="cache"),
+                       DataConfig(name="imagefolder", root=str(folders)))
+    split = DataConfig(name="imagefolder", root=f"{url}/train", val_fraction=0.3, shard_cache="cache")
+    prepare_data(split, local_rank=0)
+    assert run_split(split, None, None, True) == run_split(dataclasses.replace(split, root=str(folders / "train")),
+                                                           None, None, True)
+    fs, changing = s3fs_for(on_s3), DataConfig(name="imagefolder", root=f"s3://{bucket}/changing", shard_cache="cache")
+    for side in COUNTS:
+        fs.put(str(folders / side), f"{bucket}/changing/{side}", recursive=True)
+    build_datasets(changing, seed=0)
+    kept = mirror_folder(changing) / "train" / "b" / "000.png"
+    copied = kept.stat().st_mtime_ns
+    fs.rm([f"{bucket}/changing/{side}/c" for side in COUNTS], recursive=True)
+    fs.pipe(f"{bucket}/changing/train/a/000.png", b"not an image")
+    train_set, _ = build_datasets(changing, seed=0)
+    assert train_set.classes == ["a", "b"] and kept.stat().st_mtime_ns == copied
+    with pytest.raises(UserError, match=rf"^cannot read image s3://{bucket}/changing/train/a/000.png \(corrupt"):
+        train_set[(0, 0)]
+    with pytest.raises(UserError, match=rf"^data.root {url} holds [0-9.e-]+ GB, more than data.shard_cache_gb=1e-06 "
+                                        r"lets its local copy hold; write it as WebDataset shards \(python -m "
+                                        r"data.make_shards"):
+        build_datasets(DataConfig(name="imagefolder", root=url, shard_cache="small", shard_cache_gb=1e-6), seed=0)
+    assert not Path("small").exists()
+    with pytest.raises(UserError, match=r"^cannot list s3://nobucket/x \(The specified bucket does not exist\)"):
+        build_datasets(DataConfig(name="imagefolder", root="s3://nobucket/x", shard_cache="cache"), seed=0)
+
+
+def test_list_files_at_a_url_name_the_images_beside_them_and_a_missing_one_by_its_url(on_s3, bucket, folders):
+    """data.name=listfile at s3://: the list files and the images they name read as on disk; a row naming an image
+    the URL lacks is one line naming the image's URL."""
+    url = f"s3://{bucket}/folder"
+    assert_same_images(DataConfig(name="listfile", root=url, shard_cache="cache"),
+                       DataConfig(name="listfile", root=str(folders)))
+    s3fs_for(on_s3).pipe(f"{bucket}/gone/val.csv", b"path,label\nval/a/999.png,a\n")
+    _, val = build_datasets(DataConfig(name="listfile", root=f"s3://{bucket}/gone", train_split="val",
+                                       shard_cache="cache"), seed=0)
+    with pytest.raises(UserError, match=rf"^cannot read image s3://{bucket}/gone/val/a/999.png \(No such file"):
+        val[0]
+
+
+def test_hugging_face_parquet_at_a_url_reads_as_the_image_folder(on_s3, bucket, folders, monkeypatch):
+    """data.name=hf at s3://: Parquet files mirrored, then read by datasets (offline, its own Arrow cache) as on disk;
+    hf://datasets/<org>/<name> stays a Hub name, read through the Hugging Face cache, never mirrored."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", Path("hf-cache").absolute())
+    assert_same_images(DataConfig(name="hf", root=f"s3://{bucket}/parquet", shard_cache="cache"),
+                       DataConfig(name="imagefolder", root=str(folders)))
+    hub = DataConfig(name="hf", root="hf://datasets/org/name")
+    assert hub_repo(hub.root) == "org/name" and local_root(hub) == hub.root
 
 
 def test_the_shard_cache_keeps_to_its_bound(on_s3, bucket, shards):
