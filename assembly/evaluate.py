@@ -20,13 +20,14 @@ from core.dist import DistInfo, barrier
 from core.errors import UserError
 from core.files import (CSV_OUTPUT, merge_parts, part_file, starts_with, write_csv,
                         write_output)
+from core.store import is_url
 from data.datasets import AugmentedDataset, ImageFolderDataset
 from data.loader import build_eval_loader, build_val_dataset, prepare_data
 from data.mirror import local_root, named_by_url, shown
 from data.split import FILES, saved_split
 from data.transforms import DeviceNormalize, eval_size, eval_transform
 from engine.checkpoint.inference import Trained, ema_hint, precision_line
-from engine.checkpoint.run_store import fetched
+from engine.checkpoint.run_store import beside, fetched, output_at
 from engine.checkpoint.weights import MODEL_CONFIG
 from engine.evaluation import (best_thresholds, confidence_and_loss, evaluate, evaluate_multilabel,
                                multilabel_metrics)
@@ -321,10 +322,9 @@ def tta_views(args: argparse.Namespace) -> int:
     return describe(args.tta_flip, args.tta_crops)["views"]
 
 
-def run(cfg: Config, trained: Trained, args: argparse.Namespace, info: DistInfo) -> dict[str, Any] | None:
-    """Evaluate on every rank; rank 0 returns the eval.json contents."""
+def run(cfg: Config, trained: Trained, args: argparse.Namespace, info: DistInfo, out: Path) -> dict[str, Any] | None:
+    """Evaluate on every rank, writing to the local folder `out`; rank 0 returns the eval.json contents."""
     class_names = trained.class_names
-    out = Path(args.output_dir or Path(args.checkpoint).parent / f"eval-{Path(args.checkpoint).stem}")
     shared_output_dir(out, OUTPUTS)  # every rank writes its part file there
     # Labelled with the checkpoint's class map: classes the data lacks are fine, unknown ones are refused.
     dataset, where = scored_images(cfg, args, info, class_names)
@@ -431,11 +431,15 @@ def evaluated(args: argparse.Namespace) -> dict[str, Any] | None:
     info = start_processes(cfg)
     if (hint := ema_hint(trained.source, trained.best_metric, args.ema)) and info.is_main:
         log.warning(hint)
-    return run(cfg, trained, args, info)  # report_errors leaves the process group, after reporting any error
+    target = args.output_dir or beside(str(args.checkpoint), f"eval-{Path(args.checkpoint).stem}")
+    with output_at(target, info.is_main) as out:  # a URL: written to its local mirror, then uploaded
+        result = run(cfg, trained, args, info, out)  # report_errors leaves the process group, after any error
+    return result if result is None or not is_url(target) else {**result, "output_dir": target}
 
 
 def evaluate_command(args: argparse.Namespace) -> int:
     """evaluate.py on every rank, after its arguments are parsed; rank 0 prints the summary."""
+    args.output_dir = args.output_dir or beside(args.checkpoint, f"eval-{Path(args.checkpoint).stem}")  # (a URL's)
     args.checkpoint = fetched(args.checkpoint)  # a URL: copied to its local mirror (engine/checkpoint/run_store.py)
     result = evaluated(args)
     if result is not None:

@@ -19,6 +19,7 @@ import pytest
 
 import evaluate
 import export
+import predict
 import train
 from assembly import launch
 from assembly.export import is_model_folder_export
@@ -277,6 +278,27 @@ def test_export_to_a_url_uploads_the_checked_folder_and_refuses_what_is_not_an_e
     assert_same(load_checkpoint(tiny_run / "best.pth")["model"], load_file("downloaded/model.safetensors"))
 
 
+def test_predict_writes_its_output_to_a_url_and_refuses_one_that_holds_something_else(on_s3, bucket, tiny_run,
+                                                                                      folders, capsys):
+    """predict.py of a checkpoint at a URL writes beside it there by default (as evaluate.py, whose --output-dir at a
+    URL the SIGKILL test below reads): a local mirror, uploaded file by file (no temporary key left, the mirror gone);
+    a URL holding something that is not an earlier output is refused in one line naming it, and left as it was."""
+    fs, checkpoint, images = s3fs_for(on_s3), f"s3://{bucket}/outs/best.pth", str(folders / "val" / "a")
+    for name in ("best.pth", "config.yaml"):
+        fs.put_file(str(tiny_run / name), f"{bucket}/outs/{name}")
+    fs.pipe(f"{bucket}/notes/predictions.json", b"my notes\n")
+    line = last_error(capsys, report_errors(predict.main, [checkpoint, images, "--output-dir", f"s3://{bucket}/notes"]))
+    assert f"s3://{bucket}/notes/predictions.json" in line and "--output-dir" in line, line
+    assert fs.find(f"{bucket}/notes") == [f"{bucket}/notes/predictions.json"]
+    assert fs.cat(f"{bucket}/notes/predictions.json") == b"my notes\n"
+    assert report_errors(predict.main, [checkpoint, images]) == 0
+    assert f"predictions.json to s3://{bucket}/outs/predict-a" in capsys.readouterr().out
+    assert json.loads(fs.cat(f"{bucket}/outs/predict-a/predictions.json"))["n"] == COUNTS["val"]["a"]
+    assert sorted(fs.ls(f"{bucket}/outs/predict-a")) == [f"{bucket}/outs/predict-a/{name}" for name in
+                                                          ("predictions.csv", "predictions.json")]
+    assert not mirror_of(f"s3://{bucket}/outs/predict-a", "outputs").exists()
+
+
 def test_a_sharded_checkpoint_to_a_url_is_refused_in_one_line(on_s3, bucket, capsys):
     """train.ckpt_format=sharded (last.dcp/, a folder of files) is not written to object storage yet: one line."""
     line = last_error(capsys, report_errors(train.main, run_args(bucket, "dcp", "train.ckpt_format=sharded")))
@@ -290,7 +312,7 @@ def test_a_run_on_s3_killed_after_its_first_epoch_continues_bitwise_and_evaluate
     """output_dir=s3://: the run, and a copy SIGKILLed once its first epoch's last.pth is on the server then run again
     (its lock object left behind: the dead process's, taken over), equal bit for bit; while the copy ran a second run
     into its URL was refused in one line naming the owner; another config is refused in one line naming the URL;
-    evaluate.py on s3://.../best.pth prints the run's best val_top1."""
+    evaluate.py on s3://.../best.pth, its --output-dir at s3:// too, finds the run's best val_top1."""
     fs = s3fs_for(on_s3)
     assert report_errors(train.main, run_args(bucket, "straight")) == 0
     (tmp_path / "killed").mkdir()
@@ -323,8 +345,10 @@ def test_a_run_on_s3_killed_after_its_first_epoch_continues_bitwise_and_evaluate
     line = last_error(capsys, report_errors(train.main, run_args(bucket, "straight", "optim.lr=0.5")))
     assert line.startswith(f"error: output_dir s3://{bucket}/straight holds a run made with another config"), line
     rows = [json.loads(row) for row in fs.cat(f"{bucket}/straight/metrics.jsonl").decode().splitlines()]
-    assert report_errors(evaluate.main, [f"s3://{bucket}/straight/best.pth", "--output-dir", "eval"]) == 0
-    assert json.loads(Path("eval/eval.json").read_text())["top1"] == max(row["val_top1"] for row in rows)
+    assert report_errors(evaluate.main, [f"s3://{bucket}/straight/best.pth", "--output-dir",
+                                         f"s3://{bucket}/straight/eval"]) == 0
+    assert json.loads(fs.cat(f"{bucket}/straight/eval/eval.json"))["top1"] == max(row["val_top1"] for row in rows)
+    assert not mirror_of(f"s3://{bucket}/straight/eval", "outputs").exists()
 
 
 def versions(env: dict[str, str], bucket: str, run: str) -> dict[str, int]:
