@@ -55,6 +55,22 @@ def test_a_data_root_url_a_format_cannot_read_is_refused_and_never_made_a_local_
     check_one_line([*args, "--dry-run"], expected, tmp_path, tmp_path, capsys, monkeypatch)
 
 
+def test_make_shards_and_audit_refuse_a_url_where_they_write_a_local_folder(tmp_path, monkeypatch, capsys):
+    """python -m data.make_shards <folder> s3://... and audit.py --out s3://... (or its folds' output_dir there) write
+    local folders: a URL is refused in one line, before a local folder named s3:/... is made."""
+    import audit
+
+    make_image_folder(tmp_path / "folder", {"train": {"a": 1, "b": 1}}, size=8)
+    monkeypatch.chdir(tmp_path)
+    assert make_shards.run(["folder", "s3://b/shards", "--splits", "train"]) == 2
+    assert capsys.readouterr().err.startswith("error: the output folder s3://b/shards is a URL, and only a local "
+                                              "folder is read or written here; write the shards to a local folder")
+    for args in (["--out", "s3://b/audit", *TINY], [*TINY, "output_dir=s3://b/run"]):
+        line = last_error(capsys, report_errors(audit.main, args))
+        assert " is a URL, and only a local folder is read or written here" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
+
+
 def s3fs_for(env: dict[str, str], **options):
     """A filesystem on the server `env` names (fsspec caches one per process: a fresh one, for this endpoint)."""
     import s3fs
