@@ -38,7 +38,7 @@ from engine.checkpoint.run_store import fetched, fetched_folder, mirror_of
 from engine.hooks import Hook
 from tests.compare import assert_same, assert_same_model
 from tests.helpers import (COMMON, HANG, NO_BN_MODEL, REPO, TINY, CuttableLink, check_one_line, free_port,
-                           last_error, make_image_folder, run_on_ranks, s3_auth, script_env, train_here)
+                           last_error, make_image_folder, run_on_ranks, run_ranks, s3_auth, script_env, train_here)
 
 COUNTS = {"train": {"a": 7, "b": 5, "c": 6}, "val": {"a": 3, "b": 4, "c": 4}}  # 18 train, 11 val images
 
@@ -189,6 +189,42 @@ def test_an_image_folder_at_a_url_is_read_from_its_mirror_kept_to_the_url_and_it
     assert not Path("small").exists()
     with pytest.raises(UserError, match=r"^cannot list s3://nobucket/x \(The specified bucket does not exist\)"):
         build_datasets(DataConfig(name="imagefolder", root="s3://nobucket/x", shard_cache="cache"), seed=0)
+
+
+def mirror_on_rank(rank: int, world: int, env: dict[str, str], root: str, cache: str) -> dict:
+    """prepare_mirror on a rank of a real group (its own local rank, as on one node) for `root`, then for a missing
+    bucket: the files it copied, the mirror's images, the error."""
+    import os
+
+    import s3fs
+
+    from data import mirror
+
+    os.environ.update(env)
+    s3fs.S3FileSystem.clear_instance_cache()
+    copied = []
+    mirror.download = lambda url, local, what: copied.append(url) or store.download(url, local, what)
+    cfg = DataConfig(name="imagefolder", root=root, shard_cache=cache)
+    mirror.prepare_mirror(cfg, local_rank=rank)
+    folder = mirror.mirror_folder(cfg)
+    try:
+        mirror.prepare_mirror(DataConfig(name="imagefolder", root="s3://nobucket/x", shard_cache=cache), rank)
+    except UserError as err:
+        return {"copied": copied, "files": sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.png")),
+                "error": str(err)}
+    return {}
+
+
+@pytest.mark.slow
+def test_on_two_ranks_local_rank_0_alone_copies_and_an_error_is_every_ranks(on_s3, bucket, folders, tmp_path):
+    """Two ranks of a real gloo group, one node: local rank 0 copies every file, rank 1 waits and reads the same
+    mirror; a missing bucket is the same one line on both ranks."""
+    first, second = run_ranks(mirror_on_rank, 2, tmp_path, on_s3, f"s3://{bucket}/folder/val", str(tmp_path / "c"))
+    images = sorted(p.relative_to(folders / "val").as_posix() for p in (folders / "val").rglob("*.png"))
+    assert len(first["copied"]) == len(images) and second["copied"] == []
+    assert first["files"] == second["files"] == images
+    assert first["error"] == second["error"] and first["error"].startswith("cannot list s3://nobucket/x (The "
+                                                                           "specified bucket"), first["error"]
 
 
 def test_list_files_at_a_url_name_the_images_beside_them_and_a_missing_one_by_its_url(on_s3, bucket, folders):
