@@ -16,10 +16,11 @@ import torch
 from assembly.inference import inference_model, open_trained, pipeline_line, shared_output_dir, start_processes
 from core.config import Config, DataConfig, to_dict
 from core.config_load import parse_override
-from core.dist import DistInfo, barrier
+from core.dist import DistInfo, barrier, read_launch_env
 from core.errors import UserError
 from core.files import (CSV_OUTPUT, merge_parts, part_file, starts_with, write_csv,
                         write_output)
+from core.logs import setup_logging
 from core.store import is_url
 from data.datasets import AugmentedDataset, ImageFolderDataset
 from data.loader import build_eval_loader, build_val_dataset, prepare_data
@@ -439,6 +440,7 @@ def evaluated(args: argparse.Namespace) -> dict[str, Any] | None:
 
 def evaluate_command(args: argparse.Namespace) -> int:
     """evaluate.py on every rank, after its arguments are parsed; rank 0 prints the summary."""
+    setup_logging(read_launch_env()[0])  # before a checkpoint is fetched from a URL (its retries are logged)
     args.output_dir = args.output_dir or beside(args.checkpoint, f"eval-{Path(args.checkpoint).stem}")  # (a URL's)
     args.checkpoint = fetched(args.checkpoint)  # a URL: copied to its local mirror (engine/checkpoint/run_store.py)
     result = evaluated(args)

@@ -12,9 +12,10 @@ import torch
 from assembly.inference import inference_model, open_trained, pipeline_line, shared_output_dir, start_processes
 from core.config import Config
 from core.config_load import parse_override
-from core.dist import DistInfo, barrier, rank0_decides
+from core.dist import DistInfo, barrier, rank0_decides, read_launch_env
 from core.errors import UserError
 from core.files import CSV_OUTPUT, merge_parts, part_file, starts_with, write_csv, write_output
+from core.logs import setup_logging
 from data.datasets import ImageListDataset, find_images
 from data.loader import build_eval_loader, collate_channels_last
 from data.transforms import DeviceNormalize, eval_size, eval_transform
@@ -193,6 +194,7 @@ def run(trained: Trained, cfg: Config, args: argparse.Namespace, info: DistInfo,
 
 def predict_command(args: argparse.Namespace) -> int:
     """predict.py on every rank, after its arguments are parsed; rank 0 says what it wrote."""
+    setup_logging(read_launch_env()[0])  # before a checkpoint is fetched from a URL (its retries are logged)
     target = args.output_dir or beside(args.checkpoint, f"predict-{Path(args.inputs).stem or 'inputs'}")  # (a URL's)
     args.checkpoint = fetched(args.checkpoint)  # a URL: copied to its local mirror (engine/checkpoint/run_store.py)
     trained, cfg = open_trained(args.checkpoint, args.ema, settings(args))
