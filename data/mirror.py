@@ -13,9 +13,10 @@ one-line errors and this bound.
 The mirror of data.root=<scheme>://<bucket>/<prefix> is `<data.shard_cache>/mirror/<scheme>/<bucket>/<prefix>`
 (data.shard_cache "" = $WIDS_CACHE or /tmp/_wids_cache, as for shards). Each node's local rank 0 copies (the cache
 is node-local: nodes need not share a disk) while the node's other ranks wait; an error is every rank's, in one line
-naming the URL. The URL is the truth: a file already in the mirror with the URL's size is not copied again, one the
-URL no longer holds is removed, each copy is atomic and retried (core/store.download). Messages name the URL, not the
-mirror (`shown`).
+naming the URL. The URL is the truth, listed at each start: a file already in the mirror with the URL's size is not
+copied again (one rewritten there at the same size is not seen: remove the mirror to copy it anew), one the URL no
+longer holds is removed, each copy is atomic and retried (core/store.download). Messages name the URL, not the mirror
+(`shown`).
 """
 
 from __future__ import annotations
