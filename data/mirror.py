@@ -13,14 +13,15 @@ one-line errors and this bound.
 The mirror of data.root=<scheme>://<bucket>/<prefix> is `<data.shard_cache>/mirror/<scheme>/<bucket>/<prefix>`
 (data.shard_cache "" = $WIDS_CACHE or /tmp/_wids_cache, as for shards). Each node's local rank 0 copies (the cache
 is node-local: nodes need not share a disk) while the node's other ranks wait; an error is every rank's, in one line
-naming the URL. The URL is the truth, listed at each start: a file already in the mirror with the URL's size is not
-copied again (one rewritten there at the same size is not seen: remove the mirror to copy it anew), one the URL no
-longer holds is removed, each copy is atomic and retried (core/store.download). Messages name the URL, not the mirror
-(`shown`).
+naming the URL. The URL is the truth, listed at each start: a file already in the mirror with the size and the stamp
+(ETag, or the modification time: whichever the backend lists) the URL lists is not copied again, where MANIFEST
+recorded them at its copy (a list file relabelled at the same length is copied anew); one the URL no longer holds is
+removed; each copy is atomic and retried (core/store.download). Messages name the URL, not the mirror (`shown`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -30,12 +31,14 @@ from urllib.parse import urlparse
 from core.config import DataConfig
 from core.dist import all_gather_object, is_main
 from core.errors import UserError
-from core.files import TEMP
+from core.files import TEMP, atomic_file
 from core.store import TEMP_TAG, download, filesystem, is_url, join, retrying
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 MIRRORED = ("imagefolder", "listfile", "hf")  # the formats read from a local mirror of data.root at a URL
+STAMPS = ("ETag", "etag", "md5Hash", "LastModified", "last_modified", "updated", "mtime")  # fsspec backends' info keys
+MANIFEST = ".mirror.json"  # in the mirror: each copied file's [size, stamp] as the URL listed them
 
 
 def is_mirrored(cfg: DataConfig) -> bool:
@@ -85,37 +88,52 @@ def prepare_mirror(cfg: DataConfig, local_rank: int) -> None:
         raise UserError(problems[0], all_ranks=True)
 
 
-def listing(url: str) -> dict[str, int]:
-    """The files under `url` (relative path -> size), without upload temporaries (core/store.upload's)."""
+def listing(url: str) -> dict[str, list]:
+    """The files under `url` (relative path -> [size, stamp]), without upload temporaries (core/store.upload's)."""
     fs, root = filesystem(url)
     found = retrying("list", url, lambda: fs.find(root, detail=True))
     base = root.rstrip("/")
-    files = {path[len(base) + 1:]: int(info.get("size") or 0) for path, info in found.items()
+    files = {path[len(base) + 1:]: [int(info.get("size") or 0), stamp(info)] for path, info in found.items()
              if info.get("type", "file") == "file" and path.startswith(f"{base}/")}
-    return {rel: size for rel, size in files.items() if rel and not rel.endswith("/") and TEMP_TAG not in rel}
+    return {rel: entry for rel, entry in files.items() if rel and not rel.endswith("/") and TEMP_TAG not in rel}
+
+
+def stamp(info: dict) -> str:
+    """What tells a rewritten object from the one copied: its ETag or modification time, as the backend lists it."""
+    return next((str(info[key]) for key in STAMPS if info.get(key) is not None), "")
+
+
+def recorded(folder: Path) -> dict[str, list]:
+    """MANIFEST's entries ({} where there is none, or none whole)."""
+    try:
+        return json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def sync(url: str, folder: Path, limit_gb: float) -> None:
-    """Make `folder` a copy of the files under `url`: those missing or of another size copied, the others kept,
-    those the URL lacks removed; refused in one line when the URL holds none, or more than `limit_gb`."""
+    """Make `folder` a copy of the files under `url`: those missing or listed otherwise than at their copy copied, the
+    others kept, those the URL lacks removed; refused in one line when the URL holds none, or more than `limit_gb`."""
     files = listing(url)
     if not files:
         raise UserError(f"data.root {url} holds no files; check the URL (a folder of the bucket) and data.name")
-    total = sum(files.values())
+    total = sum(size for size, _ in files.values())
     if total > limit_gb * 1e9:
         raise UserError(f"data.root {url} holds {total / 1e9:.3g} GB, more than data.shard_cache_gb={limit_gb} "
                         "lets its local copy hold; write it as WebDataset shards (python -m data.make_shards <folder> "
                         "<out>; data.name=wds reads them shard by shard), or raise data.shard_cache_gb")
     folder.mkdir(parents=True, exist_ok=True)
-    remove_others(folder, set(files))
-    copied = 0
-    for rel, size in sorted(files.items()):
+    remove_others(folder, {*files, MANIFEST})
+    before, copied = recorded(folder), 0
+    for rel, entry in sorted(files.items()):
         target = folder / rel
-        if target.is_file() and target.stat().st_size == size:
+        if target.is_file() and target.stat().st_size == entry[0] and before.get(rel) == entry:
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
         download(join(url, rel), str(target), "read")
         copied += 1
+    with atomic_file(folder / MANIFEST) as out:
+        out.write(json.dumps(files).encode())
     if is_main():
         log.info("data.root %s: %d file(s) (%.1f MB) mirrored in %s, %d copied now", url, len(files), total / 1e6,
                  folder, copied)

@@ -234,14 +234,19 @@ def test_on_two_ranks_local_rank_0_alone_copies_and_an_error_is_every_ranks(on_s
 
 def test_list_files_at_a_url_name_the_images_beside_them_and_a_missing_one_by_its_url(on_s3, bucket, folders,
                                                                                       mirrors):
-    """data.name=listfile at s3://: the list files and the images they name read as on disk; a row naming an image
-    the URL lacks is one line naming the image's URL."""
+    """data.name=listfile at s3://: the list files and the images they name read as on disk; a list file relabelled at
+    the URL at the same size is copied anew (its ETag changed); a row naming an image the URL lacks is one line naming
+    the image's URL."""
     url = f"s3://{bucket}/folder"
     assert_same_images(DataConfig(name="listfile", root=url, shard_cache=mirrors),
                        DataConfig(name="listfile", root=str(folders)))
-    s3fs_for(on_s3).pipe(f"{bucket}/gone/val.csv", b"path,label\nval/a/999.png,a\n")
-    _, val = build_datasets(DataConfig(name="listfile", root=f"s3://{bucket}/gone", train_split="val",
-                                       shard_cache="cache"), seed=0)
+    fs, gone = s3fs_for(on_s3), DataConfig(name="listfile", root=f"s3://{bucket}/gone", train_split="val",
+                                           shard_cache="cache")
+    fs.pipe(f"{bucket}/gone/val.csv", b"path,label\nval/a/999.png,a\n")
+    assert build_datasets(gone, seed=0)[1].classes == ["a"]
+    fs.pipe(f"{bucket}/gone/val.csv", b"path,label\nval/a/999.png,b\n")  # relabelled: the same size, copied anew
+    _, val = build_datasets(gone, seed=0)
+    assert val.classes == ["b"]
     with pytest.raises(UserError, match=rf"^cannot read image s3://{bucket}/gone/val/a/999.png \(No such file"):
         val[0]
 
