@@ -27,9 +27,10 @@ from core.config_load import load_config
 from core.dist import DistInfo, all_gather_object, rank0_decides
 from core.errors import UserError
 from core.files import starts_with, write_output
+from core.store import refuse_url
 from data.datasets import AugmentedDataset
 from data.folds import Folds, FoldSubset, make_folds, read_folds
-from data.loader import build_eval_loader, build_val_dataset, dataset_of, prepare_digits, shard_bounds
+from data.loader import build_eval_loader, build_val_dataset, dataset_of, prepare_data, shard_bounds
 from data.split import Split, run_split, saved_split
 from data.transforms import DeviceNormalize, eval_transform
 from engine.checkpoint.inference import Trained
@@ -49,6 +50,7 @@ OURS_CSV = starts_with(b"path,given,suggested,score", b"path_a,path_b,split_a,sp
 
 def audit_command(args: argparse.Namespace) -> int:
     """audit.py: k folds of the config's recipe, or (a checkpoint given) a finished run's own predictions."""
+    refuse_url(args.out or "", "--out", "give a local folder (and copy the report to the URL afterwards)")
     if args.checkpoint is None:
         audit_folds(args.config, args.overrides, args.folds, args.out)
     elif args.config or args.overrides:
@@ -65,6 +67,7 @@ def audit_folds(config: str | None, overrides: list[str], folds: int, out: str |
     audit.json's contents. A rerun reuses the fold file and continues each fold's run (resume=auto)."""
     cfg = load_config(config_file(config, overrides), overrides)
     check_auditable(cfg)
+    refuse_url(cfg.output_dir, "output_dir", "audit.py trains its folds in a local folder: give one")
     info = training_processes(cfg)
     cfg = with_run_folder(cfg)
     folder = Path(out or Path(cfg.output_dir) / "audit")
@@ -140,7 +143,7 @@ def audit_datasets(cfg: Config, info: DistInfo, transform: A.Compose, split: Spl
     """The training and validation images as the runs see them (any format), with `transform`: their files, labels
     and paths for the folds, the duplicates and the file checks; no validation split is said, and the leak check
     then looks within train. An unreadable image is an error here, never skipped: each image's row stays put."""
-    prepare_digits(cfg.data, info.local_rank)
+    prepare_data(cfg.data, info.local_rank)
     if split is None:
         split = run_split(cfg.data, None, None, info.is_main)
     train = dataset_of(cfg.data, True, transform, cfg.seed, classes, split)

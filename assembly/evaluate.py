@@ -16,16 +16,19 @@ import torch
 from assembly.inference import inference_model, open_trained, pipeline_line, shared_output_dir, start_processes
 from core.config import Config, DataConfig, to_dict
 from core.config_load import parse_override
-from core.dist import DistInfo, barrier
+from core.dist import DistInfo, barrier, read_launch_env
 from core.errors import UserError
 from core.files import (CSV_OUTPUT, merge_parts, part_file, starts_with, write_csv,
                         write_output)
+from core.logs import setup_logging
+from core.store import is_url
 from data.datasets import AugmentedDataset, ImageFolderDataset
-from data.loader import build_eval_loader, build_val_dataset
+from data.loader import build_eval_loader, build_val_dataset, prepare_data
+from data.mirror import local_root, named_by_url, shown
 from data.split import FILES, saved_split
 from data.transforms import DeviceNormalize, eval_size, eval_transform
 from engine.checkpoint.inference import Trained, ema_hint, precision_line
-from engine.checkpoint.run_store import fetched
+from engine.checkpoint.run_store import beside, fetched, output_at
 from engine.checkpoint.weights import MODEL_CONFIG
 from engine.evaluation import (best_thresholds, confidence_and_loss, evaluate, evaluate_multilabel,
                                multilabel_metrics)
@@ -98,14 +101,19 @@ def scored_images(cfg: Config, args: argparse.Namespace, info: DistInfo, class_n
     run's own validation data (data.val_fraction: exactly its val.txt)."""
     data = cfg.data
     if args.data_dir and data.name == "imagefolder":
-        root = Path(args.data_dir)
+        prepare_data(data, info.local_rank)  # a URL: copied to its local mirror (data/mirror.py)
+        root = Path(local_root(data))
+        named = shown(str(root), data)  # as the user wrote it: a URL, not its mirror
         split_given = any(parse_override(item)[0] == "data.val_split" for item in args.overrides)
         if not (split_given or (root / data.val_split).is_dir() or (root / data.train_split).is_dir()):
-            dataset = ImageFolderDataset(root, eval_transform(data, args.tta_crops), cfg.seed, class_names,
-                                         max_pixels=data.max_image_pixels)
-            return dataset, f"every image under {root}'s class folders (it has no {data.val_split}/ split folder)"
+            try:
+                dataset = named_by_url(ImageFolderDataset(root, eval_transform(data, args.tta_crops), cfg.seed,
+                                                          class_names, max_pixels=data.max_image_pixels), data)
+            except UserError as err:
+                raise UserError(shown(str(err), data)) from None
+            return dataset, f"every image under {named}'s class folders (it has no {data.val_split}/ split folder)"
         dataset = build_val_dataset(data, cfg.seed, info.local_rank, class_names, args.tta_crops)
-        return dataset, f"{root / data.val_split} (the {data.val_split} split of --data-dir)"
+        return dataset, f"{named}/{data.val_split} (the {data.val_split} split of --data-dir)"
     split = saved_split(data, args.checkpoint)
     dataset = build_val_dataset(data, cfg.seed, info.local_rank, class_names, args.tta_crops, split)
     if split is not None:
@@ -315,10 +323,9 @@ def tta_views(args: argparse.Namespace) -> int:
     return describe(args.tta_flip, args.tta_crops)["views"]
 
 
-def run(cfg: Config, trained: Trained, args: argparse.Namespace, info: DistInfo) -> dict[str, Any] | None:
-    """Evaluate on every rank; rank 0 returns the eval.json contents."""
+def run(cfg: Config, trained: Trained, args: argparse.Namespace, info: DistInfo, out: Path) -> dict[str, Any] | None:
+    """Evaluate on every rank, writing to the local folder `out`; rank 0 returns the eval.json contents."""
     class_names = trained.class_names
-    out = Path(args.output_dir or Path(args.checkpoint).parent / f"eval-{Path(args.checkpoint).stem}")
     shared_output_dir(out, OUTPUTS)  # every rank writes its part file there
     # Labelled with the checkpoint's class map: classes the data lacks are fine, unknown ones are refused.
     dataset, where = scored_images(cfg, args, info, class_names)
@@ -425,11 +432,16 @@ def evaluated(args: argparse.Namespace) -> dict[str, Any] | None:
     info = start_processes(cfg)
     if (hint := ema_hint(trained.source, trained.best_metric, args.ema)) and info.is_main:
         log.warning(hint)
-    return run(cfg, trained, args, info)  # report_errors leaves the process group, after reporting any error
+    target = args.output_dir or beside(str(args.checkpoint), f"eval-{Path(args.checkpoint).stem}")
+    with output_at(target, info.is_main) as out:  # a URL: written to its local mirror, then uploaded
+        result = run(cfg, trained, args, info, out)  # report_errors leaves the process group, after any error
+    return result if result is None or not is_url(target) else {**result, "output_dir": target}
 
 
 def evaluate_command(args: argparse.Namespace) -> int:
     """evaluate.py on every rank, after its arguments are parsed; rank 0 prints the summary."""
+    setup_logging(read_launch_env()[0])  # before a checkpoint is fetched from a URL (its retries are logged)
+    args.output_dir = args.output_dir or beside(args.checkpoint, f"eval-{Path(args.checkpoint).stem}")  # (a URL's)
     args.checkpoint = fetched(args.checkpoint)  # a URL: copied to its local mirror (engine/checkpoint/run_store.py)
     result = evaluated(args)
     if result is not None:

@@ -12,14 +12,15 @@ import torch
 from assembly.inference import inference_model, open_trained, pipeline_line, shared_output_dir, start_processes
 from core.config import Config
 from core.config_load import parse_override
-from core.dist import DistInfo, barrier, rank0_decides
+from core.dist import DistInfo, barrier, rank0_decides, read_launch_env
 from core.errors import UserError
 from core.files import CSV_OUTPUT, merge_parts, part_file, starts_with, write_csv, write_output
+from core.logs import setup_logging
 from data.datasets import ImageListDataset, find_images
 from data.loader import build_eval_loader, collate_channels_last
 from data.transforms import DeviceNormalize, eval_size, eval_transform
 from engine.checkpoint.inference import Trained, ema_hint, precision_line
-from engine.checkpoint.run_store import fetched
+from engine.checkpoint.run_store import beside, fetched, output_at
 from engine.evaluation import exact_kernels
 from engine.precision import Precision, resolve_precision
 from models.tta import CROPS, TTAModel, describe
@@ -133,9 +134,8 @@ def settings(args: argparse.Namespace) -> list[tuple[str, Any]]:
     return pairs + [parse_override(item) for item in args.overrides]
 
 
-def run(trained: Trained, cfg: Config, args: argparse.Namespace, info: DistInfo) -> dict[str, Any] | None:
-    """Predict on every rank; rank 0 merges, writes and returns the summary."""
-    out = Path(args.output_dir or Path(args.checkpoint).parent / f"predict-{Path(args.inputs).stem or 'inputs'}")
+def run(trained: Trained, cfg: Config, args: argparse.Namespace, info: DistInfo, out: Path) -> dict[str, Any] | None:
+    """Predict on every rank, writing to the local folder `out`; rank 0 merges, writes and returns the summary."""
     paths = rank0_decides(lambda: find_images(args.inputs))
     if len(paths) < info.world_size:
         raise UserError(f"{len(paths)} image(s) for {info.world_size} processes; use fewer processes")
@@ -194,14 +194,17 @@ def run(trained: Trained, cfg: Config, args: argparse.Namespace, info: DistInfo)
 
 def predict_command(args: argparse.Namespace) -> int:
     """predict.py on every rank, after its arguments are parsed; rank 0 says what it wrote."""
+    setup_logging(read_launch_env()[0])  # before a checkpoint is fetched from a URL (its retries are logged)
+    target = args.output_dir or beside(args.checkpoint, f"predict-{Path(args.inputs).stem or 'inputs'}")  # (a URL's)
     args.checkpoint = fetched(args.checkpoint)  # a URL: copied to its local mirror (engine/checkpoint/run_store.py)
     trained, cfg = open_trained(args.checkpoint, args.ema, settings(args))
     info = start_processes(cfg)
     if (hint := ema_hint(trained.source, trained.best_metric, args.ema)) and info.is_main:
         log.warning(hint)
-    result = run(trained, cfg, args, info)  # report_errors leaves the process group, after reporting any error
+    with output_at(target, info.is_main) as out:  # a URL: written to its local mirror, then uploaded
+        result = run(trained, cfg, args, info, out)  # report_errors leaves the process group, after any error
     if result is not None:
         skipped = len(result["unreadable"])
         print(f"predicted {result['n']} image(s), {skipped} unreadable skipped; wrote predictions.csv and "
-              f"predictions.json to {result['output_dir']}")
+              f"predictions.json to {target}")
     return 0

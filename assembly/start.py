@@ -21,7 +21,7 @@ from core.config import Config, ModelConfig, mixing, to_dict, with_derived
 from core.dist import DistInfo, all_gather_object, main_first, min_over_ranks, rank0_decides
 from core.errors import UserError
 from data.hf import hub_revision
-from data.loader import DataBundle, build_data, dropped_images_note, probe_data, with_batch_size
+from data.loader import DataBundle, build_data, dropped_images_note, prepare_data, probe_data, with_batch_size
 from data.pipeline import pipeline_hashes
 from data.split import run_split
 from engine.batch_size import (CPU_BATCH, MAX_BATCH, UNIT, largest_batch, on_device_fits, resolved_batch,
@@ -105,6 +105,7 @@ def build_start(cfg: Config, start: Resume, weights: StartingWeights, precision:
     pretrained, hub_cfg = weights.pretrained, weights.hub_cfg
     auto_batch = cfg.train.batch_size == "auto"  # found once the model is built: with_auto_batch
     seed_everything(cfg.seed)
+    prepare_data(cfg.data, info.local_rank)  # data.root at a URL: copied before the auto split scans it
     split = run_split(cfg.data, start.path, start.ckpt["config"].get("data") if start.ckpt else None, info.is_main)
     if auto_batch:  # loaders of UNIT images only count this rank's share: draws per group wait for the batch
         data = probe_data(cfg.data, UNIT, cfg.seed, info, split)

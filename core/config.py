@@ -117,11 +117,13 @@ class DataConfig:
     hf_revision: str = key("",
                            "hf-hub: the dataset repo's commit (40 hex digits); \"\" = main's, recorded at start-up")
     shard_cache: str = key("",
-                           'wds: folder for shards read from URLs; "" = $WIDS_CACHE or /tmp/_wids_cache',
+                           'folder for shards read from URLs, and (mirror/) other data.root URLs\' local copies; "" = '
+                           '$WIDS_CACHE or /tmp/_wids_cache',
                            continues=True)
     shard_cache_gb: float = key(20.0,
                                 "wds: the most data.shard_cache holds of shards copied from URLs (GB, 1e9 bytes); "
-                                "past it the least recently used are removed",
+                                "past it the least recently used are removed; other formats: the largest data.root "
+                                "URL copied",
                                 within="> 0", continues=True)
     img_size: int = key(32, "train crop size (pixels); with data.size_schedule, the last one", within="> 0", first=7)
     size_schedule: list[list[int]] = key([],

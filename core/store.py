@@ -43,6 +43,12 @@ def is_url(name: str) -> bool:
     return name.startswith("pipe:") or len(urlparse(name).scheme) > 1  # (not a Windows drive letter)
 
 
+def refuse_url(path: str, option: str, advice: str) -> None:
+    """A URL where only a local path is read or written: one line, never a local folder named after the URL."""
+    if is_url(path):
+        raise UserError(f"{option} {path} is a URL, and only a local folder is read or written here; {advice}")
+
+
 def filesystem(url: str) -> tuple[Any, str]:
     """The fsspec filesystem of `url` and the path in it; S3 with botocore's own retries off (ours count them)."""
     import fsspec

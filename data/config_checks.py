@@ -9,6 +9,7 @@ import re
 from core.config import Config, DataConfig
 from core.config_checks import add_check
 from core.errors import UserError
+from core.store import is_url
 
 
 AUTO_AUGMENT_FORMS = ("rand-m<magnitude 0-10>[-n<ops>][-mstd<std>][-p<op probability>][-inc1] (e.g. "
@@ -56,6 +57,7 @@ def check_data_keys(cfg: Config) -> None:
                         f"{cfg.data.name} gives each image one class (write a list file: path,labels with a|b)")
     check_split_names(cfg.data)
     check_size_schedule(cfg.data, cfg.train.epochs)
+    check_root_url(cfg.data)
 
 
 def check_split_names(data: DataConfig) -> None:
@@ -67,6 +69,20 @@ def check_split_names(data: DataConfig) -> None:
         raise UserError(f"{' and '.join(named)} is not read with data.val_fraction={data.val_fraction}, which splits "
                         "data.root's class folders itself; remove the split name, or set data.val_fraction=0 to use "
                         "data.root's named splits")
+
+
+def check_root_url(data: DataConfig) -> None:
+    """data.root at a URL is read by the formats that can (wds: shards; imagefolder, listfile, hf: a local mirror,
+    data/mirror.py) and refused by the others, never taken for a local folder named after the URL."""
+    if not is_url(data.root) or data.name in ("wds", "dummy"):
+        return
+    if data.name == "digits":
+        raise UserError(f"data.root={data.root}: data.name=digits writes its images into data.root, which must be a "
+                        "local folder; give one (e.g. data.root=.cache/digits), or read images at a URL with "
+                        "data.name=imagefolder")
+    if data.root.startswith("pipe:"):
+        raise UserError(f"data.root={data.root}: a pipe: command is read for WebDataset shards only (data.name=wds); "
+                        "give an fsspec URL (s3://, gs://, ...) or a local folder")
 
 
 SIZE_SCHEDULE_FORM = "[[epoch, size], ...] with epochs rising from 0, e.g. [[0, 64], [4, 80], [8, 96]]"

@@ -66,6 +66,7 @@ class AugmentedDataset(Dataset, abc.ABC):
     erasing = None  # data.random_erase_fill=normalized: a TimmErasing whose boxes (not pixels) each sample carries
     # data.size_schedule: epoch -> (pipeline, tensor policies) at that epoch's size (data.transforms.SizedTransforms)
     sized: Callable[[int], tuple[A.Compose, TensorTransform | None]] | None = None
+    mirror = ("", "")  # data.root at a URL, read from its local copy (data/mirror.py): (the copy's folder, the URL)
 
     def __init__(self, transform: A.Compose, seed: int, tensor_transform: TensorTransform | None = None) -> None:
         self.transform = transform
@@ -97,15 +98,23 @@ class AugmentedDataset(Dataset, abc.ABC):
         try:
             image = self.load_image(index)
         except UserError as err:
+            err = self.named(err)
             if not self.skip_corrupt:
                 raise (UserError(f"{err}{self.corrupt_advice}") if self.corrupt_advice else err) from None
             log.warning("data.skip_corrupt: %s", err)
             return None
-        image = self.transformed(image, index, transform)
+        try:
+            image = self.transformed(image, index, transform)
+        except UserError as err:
+            raise self.named(err) from None
         boxes = ()
         if tensor_transform is not None or self.erasing is not None:
             image, *boxes = seeded(lambda x: self.augment_tensor(x, tensor_transform), image, tensor_seed(entropy))
         return image, self.target(index), *boxes, *[(epoch, pair)] * (pair >= 0)
+
+    def named(self, err: UserError) -> UserError:
+        """A sample's error naming its image by data.root's URL where the image was read from the URL's mirror."""
+        return UserError(str(err).replace(*self.mirror)) if self.mirror[0] else err
 
     def transforms_at(self, epoch: int) -> tuple[A.Compose, TensorTransform | None]:
         """(albumentations pipeline, tensor policies) of a sample of `epoch`: data.size_schedule's at that epoch's

@@ -17,12 +17,15 @@ integers or of class names); an empty list is an image with no labels.
 Rows are read one at a time from the memory-mapped table: forked workers share its pages and turn
 only the row they read into Python objects.
 
-data.root=hf-hub:<org>/<name> (timm's hfds/<org>/<name> too) names a dataset repo on the Hub: its snapshot at
-data.hf_revision (a commit; "" = main's), the card and the files it names for data.hf_config, is put in the Hugging
-Face hub cache (HF_HOME, HF_HUB_CACHE) by rank 0 first and read from there by `datasets.load_dataset`, which keeps
-its Arrow tables in HF_DATASETS_CACHE; HF_HUB_OFFLINE=1 or HF_DATASETS_OFFLINE=1 reads the cache only.
+data.root=hf-hub:<org>/<name> (timm's hfds/<org>/<name>, fsspec's hf://datasets/<org>/<name> too) names a dataset
+repo on the Hub: its snapshot at data.hf_revision (a commit; "" = main's), the card and the files it names for
+data.hf_config, is put in the Hugging Face hub cache (HF_HOME, HF_HUB_CACHE) by rank 0 first and read from there by
+`datasets.load_dataset`, which keeps its Arrow tables in HF_DATASETS_CACHE; HF_HUB_OFFLINE=1 or HF_DATASETS_OFFLINE=1
+reads the cache only.
 `load_dataset` by the repo's name cannot read the hub cache offline (datasets 5.2.0 then looks only for Arrow
 tables it prepared itself: "Couldn't reach '<org>/<name>' on the Hub (OfflineModeIsEnabled)"), hence the folder.
+Any other URL (s3://, gs://, ...) is a folder of Parquet or save_to_disk files, read from its local mirror
+(data/mirror.py).
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ def open_split(root: Path, split: str) -> tuple[Any, list[str]]:
         raise UserError(f"cannot read the Parquet files of split {split!r} in {root} ({err}); check them") from None
 
 
-HUB_PREFIXES = ("hf-hub:", "hfds/")  # hfds/: timm's --dataset spelling
+HUB_PREFIXES = ("hf-hub:", "hfds/", "hf://datasets/")  # hfds/: timm's --dataset spelling; hf://: fsspec's
 COMMIT = re.compile(r"[0-9a-f]{40}")
 TRUE = ("1", "ON", "YES", "TRUE")
 

@@ -34,6 +34,7 @@ from data.hf import HFDataset
 from data.listfile import ListFileDataset
 from data.erasing import EraseCollate
 from data.folds import fold_side, read_folds
+from data.mirror import is_mirrored, local_root, named_by_url, prepare_mirror, shown
 from data.mixing import MixCollate
 from data.shards import ShardDataset, split_index
 from data.split import FILES, Split, SplitDataset
@@ -225,7 +226,7 @@ def build_datasets(cfg: DataConfig, seed: int, local_rank: int = 0,
                    split: Split | None = None) -> tuple[AugmentedDataset, AugmentedDataset]:
     """(train, val) datasets for data.name with their transforms; val is labelled with the training class map;
     `split`: data.val_fraction's lists (data/split.py)."""
-    prepare_digits(cfg, local_rank)
+    prepare_data(cfg, local_rank)
     train_tf, eval_tf, tensor_tf, erasing = (train_transform(cfg), eval_transform(cfg), tensor_augment(cfg),
                                              deferred_erasing(cfg))
     if cfg.skip_corrupt and cfg.name != "dummy":
@@ -249,12 +250,14 @@ def build_val_dataset(cfg: DataConfig, seed: int, local_rank: int = 0,
     """The validation set alone (evaluate.py needs no training split); `classes`: the training class map;
     `crops`: 5 for the stacked five crops of test-time augmentation; `split`: data.val_fraction's lists."""
     transform = eval_transform(cfg, crops)
-    prepare_digits(cfg, local_rank)
+    prepare_data(cfg, local_rank)
     return dataset_of(cfg, False, transform, seed, classes, split)
 
 
-def prepare_digits(cfg: DataConfig, local_rank: int) -> None:
-    """data.name=digits: the digits cache is written by local rank 0 first."""
+def prepare_data(cfg: DataConfig, local_rank: int) -> None:
+    """data.name=digits: the digits cache is written by local rank 0 first; data.root at a URL: its local mirror
+    brought up to date by each node's local rank 0 first (data/mirror.py)."""
+    prepare_mirror(cfg, local_rank)
     if cfg.name == "digits":
         with local_main_first(local_rank):
             if local_rank == 0:
@@ -265,11 +268,20 @@ def dataset_of(cfg: DataConfig, train: bool, transform: A.Compose, seed: int, cl
                split: Split | None = None) -> AugmentedDataset:
     """The training or validation split in data.name's format; `classes` is the class map its labels use (None: its
     own classes). Unreadable images are skipped (data.skip_corrupt) in training only: an evaluation counts each.
-    With data.folds_file (audit.py's k folds) both sides are parts of the training split (data/folds.py)."""
-    if cfg.folds_file:
-        base = side_of(cfg, True, transform, seed, classes, split, skip_corrupt=train and cfg.skip_corrupt)
-        return fold_side(base, read_folds(cfg.folds_file), cfg.fold, train, cfg.folds_file)
-    return side_of(cfg, train, transform, seed, classes, split, skip_corrupt=train and cfg.skip_corrupt)
+    With data.folds_file (audit.py's k folds) both sides are parts of the training split (data/folds.py). data.root at
+    a URL is read from its local mirror (data/mirror.py, prepare_data), and errors name the URL."""
+    local = dataclasses.replace(cfg, root=local_root(cfg))
+    try:
+        if cfg.folds_file:
+            base = side_of(local, True, transform, seed, classes, split, skip_corrupt=train and cfg.skip_corrupt)
+            dataset = fold_side(base, read_folds(cfg.folds_file), cfg.fold, train, cfg.folds_file)
+        else:
+            dataset = side_of(local, train, transform, seed, classes, split, skip_corrupt=train and cfg.skip_corrupt)
+    except UserError as err:
+        if not is_mirrored(cfg):
+            raise
+        raise UserError(shown(str(err), cfg)) from None
+    return named_by_url(dataset, cfg)
 
 
 def side_of(cfg: DataConfig, train: bool, transform: A.Compose, seed: int, classes: list[str] | None,

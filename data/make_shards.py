@@ -35,6 +35,7 @@ import numpy as np
 
 from core.errors import UserError
 from core.logs import setup_logging
+from core.store import refuse_url
 from data.datasets import AugmentedDataset, ImageFolderDataset, find_classes
 from data.listfile import ListFileDataset
 from data.shards import cls_text, label_mismatch, scan_tar
@@ -189,6 +190,9 @@ def main(argv: list[str]) -> int:
         raise UserError("--multi-label converts list files (path,labels rows with a|b); add --list")
     if args.shard_size <= 0:
         raise UserError(f"--shard-size must be > 0, got {args.shard_size}")
+    refuse_url(args.root, "the image folder", "copy it here first")
+    refuse_url(args.out, "the output folder", "write the shards to a local folder, then copy it to the URL (e.g. aws "
+                                              "s3 cp --recursive), where data.name=wds data.root=<URL> reads them")
     root, out = Path(args.root), Path(args.out)
     check_outside(root, args.splits, out)
     first = source_split(root, args.splits[0], None, args.list, args.multi_label) if args.list else None

@@ -6,6 +6,7 @@ uninterrupted one bit for bit; evaluate.py reads s3://.../best.pth; the server g
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -19,23 +20,57 @@ import pytest
 
 import evaluate
 import export
+import predict
 import train
 from assembly import launch
 from assembly.export import is_model_folder_export
 from core import store
 from core.cli import report_errors
+from core.config import DataConfig
 from core.errors import UserError
 from data import make_shards
+from data.hf import hub_repo
+from data.loader import build_datasets, prepare_data
+from data.mirror import local_root, mirror_folder
 from data.shards import ShardDataset
+from data.split import run_split
 from engine.checkpoint import run_store
 from engine.checkpoint.formats import load_checkpoint, read_checkpoint
 from engine.checkpoint.run_store import RunStore, fetched, fetched_folder, mirror_of, put_folder
 from engine.hooks import Hook
 from tests.compare import as_file_checkpoint, assert_same, assert_same_model
-from tests.helpers import (COMMON, HANG, NO_BN_MODEL, REPO, TINY, CuttableLink, free_port, last_error,
-                           make_image_folder, run_on_ranks, s3_auth, script_env, train_here)
+from tests.helpers import (COMMON, HANG, NO_BN_MODEL, REPO, TINY, CuttableLink, check_one_line, free_port,
+                           last_error, make_image_folder, run_on_ranks, run_ranks, s3_auth, script_env, train_here)
 
 COUNTS = {"train": {"a": 7, "b": 5, "c": 6}, "val": {"a": 3, "b": 4, "c": 4}}  # 18 train, 11 val images
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--config", "digits", "data.root=s3://nobucket/x"],
+     "data.root=s3://nobucket/x: data.name=digits writes its images into data.root, which must be a local folder"),
+    (["data.name=imagefolder", "data.root=pipe:cat x"],
+     "data.root=pipe:cat x: a pipe: command is read for WebDataset shards only (data.name=wds)")])
+def test_a_data_root_url_a_format_cannot_read_is_refused_and_never_made_a_local_folder(args, expected, tmp_path,
+                                                                                      capsys, monkeypatch):
+    """data.root at a URL is read by the formats that can, else refused in one line before anything is written: the
+    digits export once went into a local folder named s3:/nobucket/x (the URL read as a relative path)."""
+    check_one_line([*args, "--dry-run"], expected, tmp_path, tmp_path, capsys, monkeypatch)
+
+
+def test_make_shards_and_audit_refuse_a_url_where_they_write_a_local_folder(tmp_path, monkeypatch, capsys):
+    """python -m data.make_shards <folder> s3://... and audit.py --out s3://... (or its folds' output_dir there) write
+    local folders: a URL is refused in one line, before a local folder named s3:/... is made."""
+    import audit
+
+    make_image_folder(tmp_path / "folder", {"train": {"a": 1, "b": 1}}, size=8)
+    monkeypatch.chdir(tmp_path)
+    assert make_shards.run(["folder", "s3://b/shards", "--splits", "train"]) == 2
+    assert capsys.readouterr().err.startswith("error: the output folder s3://b/shards is a URL, and only a local "
+                                              "folder is read or written here; write the shards to a local folder")
+    for args in (["--out", "s3://b/audit", *TINY], [*TINY, "output_dir=s3://b/run"]):
+        line = last_error(capsys, report_errors(audit.main, args))
+        assert " is a URL, and only a local folder is read or written here" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
 
 
 def s3fs_for(env: dict[str, str], **options):
@@ -62,6 +97,42 @@ def bucket(s3_env, shards) -> str:
     fs.mkdir(name)
     fs.put(str(shards), f"{name}/shards", recursive=True)
     return name
+
+
+@pytest.fixture(scope="module")
+def folders(s3_env, bucket, shards) -> Path:
+    """The image folder the shards were made from, with list files (train.tsv by index, classes.txt; val.csv by name)
+    and as Parquet files beside it (parquet/<split>.parquet: PNG bytes, class names), put in the bucket under folder/
+    and parquet/: the local folder."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder, classes = shards.parent / "folder", sorted(COUNTS["train"])
+    (folder / "classes.txt").write_text("\n".join(classes) + "\n")
+    (shards.parent / "parquet").mkdir()
+    for split, suffix, sep in (("train", ".tsv", "\t"), ("val", ".csv", ",")):
+        files = [(f"{split}/{c}/{i:03d}.png", c) for c in classes for i in range(COUNTS[split][c])]
+        rows = [f"{path}{sep}{classes.index(c) if split == 'train' else c}" for path, c in files]
+        (folder / f"{split}{suffix}").write_text(f"path{sep}label\n" + "\n".join(rows) + "\n")
+        pq.write_table(pa.table({"image": [(folder / path).read_bytes() for path, _ in files],
+                                 "label": [c for _, c in files]}), shards.parent / "parquet" / f"{split}.parquet")
+    fs = s3fs_for(s3_env)
+    fs.put(str(folder), f"{bucket}/folder", recursive=True)
+    fs.put(str(shards.parent / "parquet"), f"{bucket}/parquet", recursive=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def mirrors(tmp_path_factory) -> str:
+    """A data.shard_cache for the module's tests: a root mirrored by one is there for the next (listed, not copied)."""
+    return str(tmp_path_factory.mktemp("mirrors"))
+
+
+def assert_same_images(remote: DataConfig, local: DataConfig) -> None:
+    """Both configs' train and val sets hold the same classes, labels and decoded images."""
+    for have, want in zip(build_datasets(remote, seed=0), build_datasets(local, seed=0)):
+        assert len(have) == len(want) and have.classes == want.classes and (have.labels == want.labels).all()
+        assert all((have.load_image(i) == want.load_image(i)).all() for i in range(len(want)))
 
 
 @pytest.fixture
@@ -93,6 +164,105 @@ def test_shards_from_s3_are_the_local_shards_and_a_missing_bucket_is_one_line(on
     with pytest.raises(UserError, match=r"^cannot read shard index s3://nobucket/shards/val.json \(The specified "
                                         r"bucket does not exist\); check the URL and the credentials"):
         ShardDataset("s3://nobucket/shards/val.json", None, seed=0, cache_dir="cache")
+
+
+def test_an_image_folder_at_a_url_is_read_from_its_mirror_kept_to_the_url_and_its_bound(on_s3, bucket, folders,
+                                                                                         mirrors):
+    """data.root=s3://... for an image folder: the same images as on disk, and the same auto split (data.val_fraction);
+    the URL is the truth (a file changed there is copied again, one removed there goes, an unchanged one stays as it
+    was copied); an unreadable image is named by its URL; a root larger than data.shard_cache_gb is one line naming
+    the URL (a missing bucket: the two-rank test below)."""
+    url = f"s3://{bucket}/folder"
+    assert_same_images(DataConfig(name="imagefolder", root=url, shard_cache=mirrors),
+                       DataConfig(name="imagefolder", root=str(folders)))
+    split = DataConfig(name="imagefolder", root=f"{url}/train", val_fraction=0.3, shard_cache="cache")
+    prepare_data(split, local_rank=0)
+    assert run_split(split, None, None, True) == run_split(dataclasses.replace(split, root=str(folders / "train")),
+                                                           None, None, True)
+    fs, changing = s3fs_for(on_s3), DataConfig(name="imagefolder", root=f"s3://{bucket}/changing", shard_cache="cache")
+    for side in COUNTS:
+        fs.put(str(folders / side), f"{bucket}/changing/{side}", recursive=True)
+    build_datasets(changing, seed=0)
+    kept = mirror_folder(changing) / "train" / "b" / "000.png"
+    copied = kept.stat().st_mtime_ns
+    fs.rm([f"{bucket}/changing/{side}/c" for side in COUNTS], recursive=True)
+    fs.pipe(f"{bucket}/changing/train/a/000.png", b"not an image")
+    train_set, _ = build_datasets(changing, seed=0)
+    assert train_set.classes == ["a", "b"] and kept.stat().st_mtime_ns == copied
+    with pytest.raises(UserError, match=rf"^cannot read image s3://{bucket}/changing/train/a/000.png \(corrupt"):
+        train_set[(0, 0)]
+    with pytest.raises(UserError, match=rf"^data.root {url} holds [0-9.e-]+ GB, more than data.shard_cache_gb=1e-06 "
+                                        r"lets its local copy hold; write it as WebDataset shards \(python -m "
+                                        r"data.make_shards"):
+        build_datasets(DataConfig(name="imagefolder", root=url, shard_cache="small", shard_cache_gb=1e-6), seed=0)
+    assert not Path("small").exists()
+
+
+def mirror_on_rank(rank: int, world: int, env: dict[str, str], root: str, cache: str) -> dict:
+    """prepare_mirror on a rank of a real group (its own local rank, as on one node) for `root`, then for a missing
+    bucket: the files it copied, the mirror's images, the error."""
+    import os
+
+    import s3fs
+
+    from data import mirror
+
+    os.environ.update(env)
+    s3fs.S3FileSystem.clear_instance_cache()
+    copied = []
+    mirror.download = lambda url, local, what: copied.append(url) or store.download(url, local, what)
+    cfg = DataConfig(name="imagefolder", root=root, shard_cache=cache)
+    mirror.prepare_mirror(cfg, local_rank=rank)
+    folder = mirror.mirror_folder(cfg)
+    try:
+        mirror.prepare_mirror(DataConfig(name="imagefolder", root="s3://nobucket/x", shard_cache=cache), rank)
+    except UserError as err:
+        return {"copied": copied, "files": sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.png")),
+                "error": str(err)}
+    return {}
+
+
+@pytest.mark.slow
+def test_on_two_ranks_local_rank_0_alone_copies_and_an_error_is_every_ranks(on_s3, bucket, folders, tmp_path):
+    """Two ranks of a real gloo group, one node: local rank 0 copies every file, rank 1 waits and reads the same
+    mirror; a missing bucket is the same one line on both ranks."""
+    first, second = run_ranks(mirror_on_rank, 2, tmp_path, on_s3, f"s3://{bucket}/folder/val", str(tmp_path / "c"))
+    images = sorted(p.relative_to(folders / "val").as_posix() for p in (folders / "val").rglob("*.png"))
+    assert len(first["copied"]) == len(images) and second["copied"] == []
+    assert first["files"] == second["files"] == images
+    assert first["error"] == second["error"] and first["error"].startswith("cannot list s3://nobucket/x (The "
+                                                                           "specified bucket"), first["error"]
+
+
+def test_list_files_at_a_url_name_the_images_beside_them_and_a_missing_one_by_its_url(on_s3, bucket, folders,
+                                                                                      mirrors):
+    """data.name=listfile at s3://: the list files and the images they name read as on disk; a list file relabelled at
+    the URL at the same size is copied anew (its ETag changed); a row naming an image the URL lacks is one line naming
+    the image's URL."""
+    url = f"s3://{bucket}/folder"
+    assert_same_images(DataConfig(name="listfile", root=url, shard_cache=mirrors),
+                       DataConfig(name="listfile", root=str(folders)))
+    fs, gone = s3fs_for(on_s3), DataConfig(name="listfile", root=f"s3://{bucket}/gone", train_split="val",
+                                           shard_cache="cache")
+    fs.pipe(f"{bucket}/gone/val.csv", b"path,label\nval/a/999.png,a\n")
+    assert build_datasets(gone, seed=0)[1].classes == ["a"]
+    fs.pipe(f"{bucket}/gone/val.csv", b"path,label\nval/a/999.png,b\n")  # relabelled: the same size, copied anew
+    _, val = build_datasets(gone, seed=0)
+    assert val.classes == ["b"]
+    with pytest.raises(UserError, match=rf"^cannot read image s3://{bucket}/gone/val/a/999.png \(No such file"):
+        val[0]
+
+
+def test_hugging_face_parquet_at_a_url_reads_as_the_image_folder(on_s3, bucket, folders, monkeypatch):
+    """data.name=hf at s3://: Parquet files mirrored, then read by datasets (offline, its own Arrow cache) as on disk;
+    hf://datasets/<org>/<name> stays a Hub name, read through the Hugging Face cache, never mirrored."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", Path("hf-cache").absolute())
+    assert_same_images(DataConfig(name="hf", root=f"s3://{bucket}/parquet", shard_cache="cache"),
+                       DataConfig(name="imagefolder", root=str(folders)))
+    hub = DataConfig(name="hf", root="hf://datasets/org/name")
+    assert hub_repo(hub.root) == "org/name" and local_root(hub) == hub.root
 
 
 def test_the_shard_cache_keeps_to_its_bound(on_s3, bucket, shards):
@@ -304,13 +474,34 @@ def test_a_sharded_folder_at_a_url_reads_whole_however_its_upload_was_cut_short(
     assert list(read()) == [{"newer"}] * 2 and not fs.exists(f"{bucket}/cut/last.dcp.next")
 
 
+def test_predict_writes_its_output_to_a_url_and_refuses_one_that_holds_something_else(on_s3, bucket, tiny_run,
+                                                                                      folders, capsys):
+    """predict.py of a checkpoint at a URL writes beside it there by default (as evaluate.py, whose --output-dir at a
+    URL the SIGKILL test below reads): a local mirror, uploaded file by file (no temporary key left, the mirror gone);
+    a URL holding something that is not an earlier output is refused in one line naming it, and left as it was."""
+    fs, checkpoint, images = s3fs_for(on_s3), f"s3://{bucket}/outs/best.pth", str(folders / "val" / "a")
+    for name in ("best.pth", "config.yaml"):
+        fs.put_file(str(tiny_run / name), f"{bucket}/outs/{name}")
+    fs.pipe(f"{bucket}/notes/predictions.json", b"my notes\n")
+    line = last_error(capsys, report_errors(predict.main, [checkpoint, images, "--output-dir", f"s3://{bucket}/notes"]))
+    assert f"s3://{bucket}/notes/predictions.json" in line and "--output-dir" in line, line
+    assert fs.find(f"{bucket}/notes") == [f"{bucket}/notes/predictions.json"]
+    assert fs.cat(f"{bucket}/notes/predictions.json") == b"my notes\n"
+    assert report_errors(predict.main, [checkpoint, images]) == 0
+    assert f"predictions.json to s3://{bucket}/outs/predict-a" in capsys.readouterr().out
+    assert json.loads(fs.cat(f"{bucket}/outs/predict-a/predictions.json"))["n"] == COUNTS["val"]["a"]
+    assert sorted(fs.ls(f"{bucket}/outs/predict-a")) == [f"{bucket}/outs/predict-a/{name}" for name in
+                                                          ("predictions.csv", "predictions.json")]
+    assert not mirror_of(f"s3://{bucket}/outs/predict-a", "outputs").exists()
+
+
 @pytest.mark.slow
 def test_a_run_on_s3_killed_after_its_first_epoch_continues_bitwise_and_evaluates_its_best(on_s3, bucket, tmp_path,
                                                                                          capsys):
     """output_dir=s3://: the run, and a copy SIGKILLed once its first epoch's last.pth is on the server then run again
     (its lock object left behind: the dead process's, taken over), equal bit for bit; while the copy ran a second run
     into its URL was refused in one line naming the owner; another config is refused in one line naming the URL;
-    evaluate.py on s3://.../best.pth prints the run's best val_top1."""
+    evaluate.py on s3://.../best.pth, its --output-dir at s3:// too, finds the run's best val_top1."""
     fs = s3fs_for(on_s3)
     assert report_errors(train.main, run_args(bucket, "straight")) == 0
     (tmp_path / "killed").mkdir()
@@ -343,8 +534,10 @@ def test_a_run_on_s3_killed_after_its_first_epoch_continues_bitwise_and_evaluate
     line = last_error(capsys, report_errors(train.main, run_args(bucket, "straight", "optim.lr=0.5")))
     assert line.startswith(f"error: output_dir s3://{bucket}/straight holds a run made with another config"), line
     rows = [json.loads(row) for row in fs.cat(f"{bucket}/straight/metrics.jsonl").decode().splitlines()]
-    assert report_errors(evaluate.main, [f"s3://{bucket}/straight/best.pth", "--output-dir", "eval"]) == 0
-    assert json.loads(Path("eval/eval.json").read_text())["top1"] == max(row["val_top1"] for row in rows)
+    assert report_errors(evaluate.main, [f"s3://{bucket}/straight/best.pth", "--output-dir",
+                                         f"s3://{bucket}/straight/eval"]) == 0
+    assert json.loads(fs.cat(f"{bucket}/straight/eval/eval.json"))["top1"] == max(row["val_top1"] for row in rows)
+    assert not mirror_of(f"s3://{bucket}/straight/eval", "outputs").exists()
 
 
 def versions(env: dict[str, str], bucket: str, run: str) -> dict[str, int]:

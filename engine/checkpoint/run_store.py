@@ -380,16 +380,28 @@ def fetched_folder(folder_url: str, wanted: Callable[[str, int], bool]) -> Path:
     return local
 
 
+def beside(checkpoint: str, name: str) -> str:
+    """The path or URL `name` in the folder of `checkpoint` (a path or a URL): where an output goes by default."""
+    if is_url(checkpoint):
+        return join(checkpoint.rstrip("/").rsplit("/", 1)[0], name)
+    return str(Path(checkpoint).parent / name)
+
+
 @contextlib.contextmanager
-def output_at(target: str) -> Iterator[Path]:
-    """An output at a URL (export.py --output s3://...): a local mirror for the command to write, holding the URL's
-    earlier output first (so the command's checks of what it may replace apply to it), uploaded once the block ends
-    well: file by file, each atomically, a folder's LAST_OF_FOLDER last, and the files the new output dropped removed
-    from the URL; errors name the URL. The mirror goes afterwards. A local target is yielded as it is."""
+def output_at(target: str, main: bool = True) -> Iterator[Path]:
+    """An output at a URL (export.py --output s3://..., evaluate.py and predict.py --output-dir): a local mirror for
+    the command to write, holding the URL's earlier output first (so the command's checks of what it may replace
+    apply to it), uploaded once the block ends well: file by file, each atomically, a folder's LAST_OF_FOLDER last,
+    and the files the new output dropped removed from the URL; errors name the URL. The mirror goes afterwards. A
+    local target is yielded as it is; so is the mirror to a process that is not `main` (another rank writing its
+    part there: rank 0 alone copies, uploads and removes it)."""
     if not is_url(target):
         yield Path(target)
         return
     local = mirror_of(target, "outputs")
+    if not main:
+        yield local
+        return
     try:
         earlier = pulled(target, local)
         try:
