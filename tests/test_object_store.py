@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import evaluate
@@ -25,11 +26,13 @@ from core import store
 from core.cli import report_errors
 from core.errors import UserError
 from data import make_shards
+from data.loader import shard_bounds
+from data.shard_order import ByRankSampler, ShardPlan
 from data.shards import ShardDataset
 from engine.checkpoint.formats import load_checkpoint
 from engine.checkpoint.run_store import fetched, fetched_folder, mirror_of
 from engine.hooks import Hook
-from tests.compare import assert_same, assert_same_model
+from tests.compare import assert_same
 from tests.helpers import (COMMON, HANG, NO_BN_MODEL, REPO, TINY, CuttableLink, free_port, last_error,
                            make_image_folder, run_on_ranks, s3_auth, script_env, train_here)
 
@@ -101,7 +104,31 @@ def test_the_shard_cache_keeps_to_its_bound(on_s3, bucket, shards):
     data = ShardDataset(f"s3://{bucket}/shards/train.json", None, seed=0, cache_dir="cache", cache_gb=(limit + 1) / 1e9)
     for i in range(len(data)):
         data.load_image(i)  # shard by shard, each copied on its first sample
-    assert len(tars) == 5 and sorted(p.name[-12:] for p in Path("cache").iterdir()) == [p.name[-12:] for p in tars[-2:]]
+    assert len(tars) == 5 and cached("cache") == [p.name for p in tars[-2:]]
+
+
+def cached(folder: str | Path) -> list[str]:
+    """The names of the shards copied into a data.shard_cache folder (their URLs' last parts), sorted."""
+    return sorted(p.name.rsplit("%2F", 1)[1] for p in Path(folder).iterdir() if p.is_file())
+
+
+def test_by_rank_copies_its_own_shards_alone_in_its_order_from_the_start(shards, tmp_path):
+    """A rank's shards at a URL (file://: the same fsspec copy as s3://) under data.shard_order=by_rank: the copies of
+    its first shards start when its plan is given (the loader built), before any sample is asked for; each shard read
+    copies the next in this rank's order; an epoch read leaves its shards alone in the cache. Without a plan, the
+    copies ahead go in index order."""
+    data = ShardDataset(f"file://{shards}/train.json", None, seed=0, cache_dir=str(tmp_path / "cache"))
+    plan = ShardPlan(np.diff(data.starts), seed=0, rank=1, world=2)
+    assert data.ahead(0) == [1, 2, 3, 4] and len(plan.mine) == 2  # 4 + 4 of the 5 shards (4, 4, 4, 4, 2)
+    data.follow(plan)
+    first, then = plan.shards(0)
+    assert sorted(data.copies[2]) == [first, then]  # under way before a sample is read
+    assert data.ahead(first) == [then] and data.ahead(then) == []
+    sampler = ByRankSampler(plan)
+    sampler.set_epoch(0)
+    for _, index in sampler:
+        data.load_image(index)
+    assert cached(tmp_path / "cache") == sorted(Path(data.urls[shard]).name for shard in plan.mine)
 
 
 def test_a_server_gone_is_retried_counted_and_one_line(on_s3, bucket, monkeypatch, capsys):
@@ -229,24 +256,33 @@ def versions(env: dict[str, str], bucket: str, run: str) -> dict[str, int]:
 
 
 @pytest.mark.slow
-def test_two_ranks_on_s3_train_the_one_process_model_and_rank_0_alone_uploads(on_s3, bucket, tmp_path):
-    """data.root and output_dir at s3:// on 2 ranks (a real gloo group): the last.pth of one process on s3:// with
-    twice the batch (within tests/compare.py's TOL), and rank 0 alone uploads: in a versioned bucket each file was
-    written as many times as by the one process (the other rank's pushes would have added its own), and each
-    validation's last.pth went up after it although written in the background (train.async_save, the default)."""
+def test_two_ranks_on_s3_read_their_own_shards_and_rank_0_alone_uploads(on_s3, bucket, shards, tmp_path):
+    """data.root and output_dir at s3:// on 2 ranks (a real gloo group), each with a shard cache of its own (as on a
+    node of its own): each rank copied its own training shards alone (data.shard_order=auto: by_rank for a URL root;
+    the other rank's never) and the validation shards of its block; rank 0 alone uploads: in a versioned bucket each
+    file was written as many times as by one process (the other rank's pushes would have added its own), and each
+    validation's last.pth went up after it although written in the background (train.async_save, the default); best.pth
+    once per improvement of its own val_top1 (the ranks' order is not the one process's)."""
     fs, out = s3fs_for(on_s3), f"v{free_port()}"
     fs.mkdir(out)
     fs.make_bucket_versioned(out)
-    args = ["--config", "dummy", *COMMON[2:], NO_BN_MODEL, "data.name=wds", f"data.root=s3://{bucket}/shards",
-            "data.shard_cache=cache"]
-    train_here(*args, "train.batch_size=6", f"output_dir=s3://{out}/one")
-    run_on_ranks("train.py", *args, "train.batch_size=3", f"output_dir=s3://{out}/two", nproc=2, env=on_s3,
-                 cwd=tmp_path)
-    for run in ("one", "two"):
-        fetch(fs, f"{out}/{run}/last.pth", tmp_path / run / "last.pth")
-    assert_same_model(tmp_path / "one", tmp_path / "two", steps=2 * 18 // 6)  # 2 epochs of 18 images, 6 a step
-    written = versions(on_s3, out, "one")
-    assert written == versions(on_s3, out, "two") and written["last.pth"] == 2, written  # after each validation
+    args = ["--config", "dummy", *COMMON[2:], NO_BN_MODEL, "data.name=wds", f"data.root=s3://{bucket}/shards"]
+    train_here(*args, "data.shard_cache=cache", "train.batch_size=6", f"output_dir=s3://{out}/one")
+    run_on_ranks("train.py", *args, "train.batch_size=3", f"output_dir=s3://{out}/two", nproc=2, cwd=tmp_path,
+                 env={**on_s3, "WIDS_CACHE": str(tmp_path / "cache-{rank}")})  # data.shard_cache="": $WIDS_CACHE
+    train, val = (ShardDataset(str(shards / f"{split}.json"), None, seed=0) for split in ("train", "val"))
+    for rank in range(2):
+        mine = ShardPlan(np.diff(train.starts), seed=0, rank=rank, world=2).mine
+        start, stop = shard_bounds(len(val), rank, 2, 3)
+        block = range(val.locate(start)[0], val.locate(stop - 1)[0] + 1)
+        names = [Path(train.urls[shard]).name for shard in mine] + [Path(val.urls[shard]).name for shard in block]
+        assert cached(tmp_path / f"cache-{rank}") == sorted(names), rank
+    assert len(mine) < len(train.urls)  # rank 1 left shards to rank 0
+    assert load_checkpoint(fetch(fs, f"{out}/two/last.pth", tmp_path / "two" / "last.pth"))["epoch"] == 2
+    rows = [json.loads(row)["val_top1"] for row in fs.cat(f"{out}/two/metrics.jsonl").decode().splitlines()]
+    bests = sum(value > max(rows[:epoch], default=-1) for epoch, value in enumerate(rows))  # best.pth writes
+    one, two = versions(on_s3, out, "one"), versions(on_s3, out, "two")
+    assert two == {**one, "best.pth": bests} and one["last.pth"] == 2, (one, two)  # last.pth after each validation
 
 
 class CutAfter(Hook):
