@@ -100,10 +100,11 @@ def s3_server() -> Iterator[dict[str, str]]:
 
 class CuttableLink:
     """A TCP relay on a free port of 127.0.0.1 to `target_port`, in threads: a real network path to a server that
-    `cut()` takes away (open connections closed, new ones refused), while the server itself keeps its data."""
+    `cut()` takes away (open connections closed, new ones refused), while the server itself keeps its data; a new
+    CuttableLink on the cut one's `port` brings the path back."""
 
-    def __init__(self, target_port: int) -> None:
-        self.target, self.listener = target_port, socket.create_server(("127.0.0.1", 0))
+    def __init__(self, target_port: int, port: int = 0) -> None:
+        self.target, self.listener = target_port, socket.create_server(("127.0.0.1", port))
         self.port, self.open = self.listener.getsockname()[1], []
         threading.Thread(target=self.accept, daemon=True).start()
 
@@ -125,6 +126,8 @@ class CuttableLink:
             sink.shutdown(socket.SHUT_WR)
 
     def cut(self) -> None:
+        with contextlib.suppress(OSError):  # (close alone leaves a thread blocked in accept() to take one more)
+            self.listener.shutdown(socket.SHUT_RDWR)
         self.listener.close()
         for sock in self.open:
             with contextlib.suppress(OSError):

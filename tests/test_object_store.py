@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -141,6 +142,25 @@ def test_a_server_gone_is_retried_counted_and_one_line(on_s3, bucket, monkeypatc
     assert line.startswith(f"error: cannot read s3://{bucket}/gone/.lock: no answer after {store.ATTEMPTS} tries"), \
         line
     assert store.RETRIES["s3"] - before == store.ATTEMPTS - 1
+
+
+def test_a_shard_copy_that_loses_the_server_is_retried_counted_and_reads_the_shard(on_s3, bucket, shards,
+                                                                                    monkeypatch):
+    """The shard copy path (not only the index's): the link to the server cut after the index was read, and back
+    during the first retry's wait: the copy is retried once (counted) and the sample read equals the local one."""
+    link = CuttableLink(int(on_s3["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{link.port}")
+    s3fs_for(on_s3)  # (fsspec's cached filesystem names the server itself)
+    back = []
+    monkeypatch.setattr(store, "BACKOFF_S", 0.01)
+    monkeypatch.setattr(store, "time", SimpleNamespace(sleep=lambda s: back.append(CuttableLink(link.target,
+                                                                                               link.port))))
+    remote = ShardDataset(f"s3://{bucket}/shards/val.json", None, seed=0, cache_dir="cache", cache_gb=1e-9)
+    link.cut()
+    before = store.RETRIES["s3"]
+    image = remote.load_image(0)  # a cache too small to copy ahead: this one copy alone
+    assert store.RETRIES["s3"] - before == 1 and len(back) == 1
+    assert (image == ShardDataset(str(shards / "val.json"), None, seed=0).load_image(0)).all()
 
 
 def test_wrong_credentials_are_one_line(on_s3, bucket, capsys):
