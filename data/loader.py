@@ -526,7 +526,11 @@ def dropped_images_note(loader: DataLoader, world_size: int, accum_steps: int,
     if total - trained <= DROP_NOTE_SHARE * total:
         return None
     level = logging.WARNING if batches < TINY_EPOCH else logging.INFO
-    rest = ["a last partial batch"] if whole * loader.batch_size * world_size < total else []
+    by_rank = isinstance(loader.sampler, ByRankSampler)
+    dealt = loader.sampler.num_samples * world_size if by_rank else total
+    rest = ([f"{total - dealt} image(s) of the processes dealt more whole shards than the one with the fewest, "
+             "data.shard_order=by_rank: smaller shards leave out fewer"] if dealt < total else [])
+    rest += ["a last partial batch"] if whole * loader.batch_size * world_size < dealt else []
     if short:
         rest.append(f"{short} batch(es) per process short of a whole step of train.accum_steps={accum_steps}, "
                     "train.drop_last_accum=true")

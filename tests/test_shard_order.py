@@ -9,10 +9,11 @@ import dataclasses
 
 import numpy as np
 import pytest
+from torch.utils.data import DataLoader
 
 from core.config import DataConfig
 from core.errors import UserError
-from data.loader import shard_order
+from data.loader import dropped_images_note, shard_order
 from data.shard_order import ByRankSampler, ShardPlan
 from data.shards import ShardDataset
 
@@ -49,6 +50,16 @@ def test_by_rank_samplers_read_disjoint_whole_shards_cover_their_epoch_and_resum
         assert keys(plan, 1) == [(1, int(i)) for i in plan.order(1)]
     pairs = [{key[3] for key in keys(ShardPlan(COUNTS, 3, rank, 2, unit=2), 0, mixed=True)} for rank in range(2)]
     assert len(pairs[0]) == len(pairs[1]) == 7 and not pairs[0] & pairs[1]  # mixing: pairs of 14, ids apart
+
+
+def test_the_images_an_uneven_deal_leaves_out_are_said():
+    """The start-up note counts, and names, the images of the ranks dealt more than the one with the fewest."""
+    loader = DataLoader(list(range(32)), batch_size=4, sampler=ByRankSampler(ShardPlan(COUNTS, 3, 0, 2)), drop_last=True)
+    level, line = dropped_images_note(loader, 2, 1, False)
+    assert line.startswith("each epoch trains on 24 of the 32 training images (75%): 2 process(es) x 3 batch(es) of "
+                           "train.batch_size=4, the rest (2 image(s) of the processes dealt more whole shards than the "
+                           "one with the fewest, data.shard_order=by_rank: smaller shards leave out fewer; a last "
+                           "partial batch) is left out"), line
 
 
 def test_the_order_follows_data_shard_order_and_by_rank_where_it_cannot_be_is_one_line(tmp_path):
