@@ -46,7 +46,7 @@ class ShardPlan:
         self.starts = np.concatenate([[0], np.cumsum(self.counts)])
         self.seed, self.rank, self.world = seed, rank, world
         self.slots = slot_layout(self.counts, world)
-        loads = [sum(size for r, size in self.slots if r == rank) for rank in range(world)]
+        loads = [sum(size for owner, size in self.slots if owner == r) for r in range(world)]
         self.num_samples = min(loads) // unit * unit  # the same on every rank (drop_last)
         self.mine = self.dealt()
 
@@ -55,7 +55,8 @@ class ShardPlan:
         deal = np.random.default_rng([self.seed])
         pools = {size: iter(deal.permutation(np.flatnonzero(self.counts == size)).tolist())
                  for size in np.unique(self.counts).tolist()}
-        return [shard for rank, size in self.slots for shard in [next(pools[size])] if rank == self.rank]
+        filled = [(rank, next(pools[size])) for rank, size in self.slots]
+        return [shard for rank, shard in filled if rank == self.rank]
 
     def shards(self, epoch: int) -> list[int]:
         """This rank's shards in the order it reads them in `epoch`."""

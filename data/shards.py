@@ -35,6 +35,7 @@ import tempfile
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Iterator
 from urllib.parse import quote
 
 import albumentations as A
@@ -114,7 +115,7 @@ def fetch(url: str, local: str) -> str:
 
 
 @contextlib.contextmanager
-def copy_lock(local: str):
+def copy_lock(local: str) -> Iterator[None]:
     """Held while `local` is copied: one process (loader worker, rank of the node) copies a shard into a shared cache,
     the others wait for it and read its copy (a lock file in the cache's .locks folder, flock'ed)."""
     folder = os.path.join(os.path.dirname(local), ".locks")
@@ -292,7 +293,7 @@ class ShardDataset(AugmentedDataset):
         if self.plan is None:
             fits = sum(self.sizes) <= self.cache_bytes
             ahead = [(shard + step) % len(self.urls) for step in range(1, PREFETCH + 1) if step < len(self.urls)]
-            return [shard for shard in ahead if shard in self.block] if fits else []
+            return [other for other in ahead if other in self.block] if fits else []
         order = self.plan.shards(self.epoch)
         if shard not in order or sum(sorted(self.sizes)[-(PREFETCH + SHUFFLE_SHARDS + 1):]) > self.cache_bytes:
             return []
