@@ -125,6 +125,11 @@ class DataConfig:
                                 "past it the least recently used are removed; other formats: the largest data.root "
                                 "URL copied",
                                 within="> 0", continues=True)
+    shard_order: str = key("auto",
+                           "wds training order: by_rank = each process reads only its own whole shards of an epoch "
+                           "(a seeded deal, shuffled within a few shards); global = one permutation of all samples "
+                           "for all processes; auto = by_rank for a URL data.root, else global",
+                           choices=("auto", "global", "by_rank"))
     img_size: int = key(32, "train crop size (pixels); with data.size_schedule, the last one", within="> 0", first=7)
     size_schedule: list[list[int]] = key([],
                                          "progressive resizing: [[epoch, size], ...], train crops of `size` px from "

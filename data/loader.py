@@ -1,6 +1,7 @@
 """Datasets, samplers and DataLoaders for training and evaluation.
 
-Training uses torch's DistributedSampler (shuffle with `seed`, `set_epoch` every epoch, drop_last).
+Training uses torch's DistributedSampler (shuffle with `seed`, `set_epoch` every epoch, drop_last), or for
+WebDataset shards under data.shard_order=by_rank data/shard_order.ByRankSampler (each rank its own shards).
 Evaluation uses `ShardSampler`: each rank gets a contiguous block of whole batches and no index
 is padded or dropped, so every validation image is counted exactly once whatever the world size.
 """
@@ -36,6 +37,8 @@ from data.erasing import EraseCollate
 from data.folds import fold_side, read_folds
 from data.mirror import is_mirrored, local_root, named_by_url, prepare_mirror, shown
 from data.mixing import MixCollate
+from core.store import is_url
+from data.shard_order import ByRankSampler, ShardPlan
 from data.shards import ShardDataset, split_index
 from data.split import FILES, Split, SplitDataset
 from data.transforms import SizedTransforms, deferred_erasing, eval_transform, tensor_augment, train_transform
@@ -426,10 +429,16 @@ def build_train_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: i
     their mixes: data.mixing)."""
     step = global_batch(info.world_size, batch_size, accum_steps)
     group = mix_group(cfg, batch_size, step)
-    sampler = EpochSampler(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=seed,
-                           drop_last=True, unit=min(group, batch_size) if group else 2 if mixing(cfg) else 1,
-                           repeats=cfg.aug_repeats, balanced=cfg.sampler == "class_balanced", group=group, step=step,
-                           roll=bool(group) and cfg.mix_partner == "roll")
+    sampler: EpochSampler | ByRankSampler
+    if shard_order(cfg, dataset, info.world_size)[0] == "by_rank":
+        plan = ShardPlan(np.diff(dataset.starts), seed, info.rank, info.world_size, unit=2 if mixing(cfg) else 1)
+        sampler = ByRankSampler(plan, mixing(cfg), dataset.warm)
+        dataset.follow(plan)
+    else:
+        sampler = EpochSampler(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=seed,
+                               drop_last=True, unit=min(group, batch_size) if group else 2 if mixing(cfg) else 1,
+                               repeats=cfg.aug_repeats, balanced=cfg.sampler == "class_balanced", group=group,
+                               step=step, roll=bool(group) and cfg.mix_partner == "roll")
     check_repeats(cfg.aug_repeats, len(dataset), batch_size * info.world_size, mixing(cfg) and not group)
     if len(sampler) < batch_size:
         raise TooFewImages(f"each rank gets {len(sampler)} training images but train.batch_size is {batch_size}; "
@@ -441,6 +450,33 @@ def build_train_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: i
         collate = EraseCollate(collate)
     return OneLineErrorLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
                               collate_fn=collate, **_loader_kwargs(cfg, info.device, seed + info.rank))
+
+
+def shard_order(cfg: DataConfig, dataset: AugmentedDataset, world_size: int) -> tuple[str, str]:
+    """data.shard_order resolved, "global" or "by_rank", with the line that says why; by_rank asked for where it
+    cannot be is refused in one line."""
+    shards = len(dataset.urls) if isinstance(dataset, ShardDataset) else 0
+    needs_global = ("data.aug_repeats > 1" if cfg.aug_repeats > 1 else
+                    "data.sampler=class_balanced" if cfg.sampler == "class_balanced" else
+                    "data.mix_mode=batch" if mixing(cfg) and cfg.mix_mode == "batch" else
+                    "data.folds_file" if cfg.folds_file else
+                    f"{shards} shard(s) for {world_size} processes" if shards < world_size else "")
+    if cfg.shard_order == "by_rank":
+        if cfg.name != "wds":
+            raise UserError(f"data.shard_order=by_rank deals whole WebDataset shards to the processes, and data.name="
+                            f"{cfg.name} has none; set data.shard_order=auto or global")
+        if needs_global:
+            raise UserError(f"data.shard_order=by_rank cannot be used with {needs_global} (each process reads whole "
+                            "shards of its own); set data.shard_order=global"
+                            + (", or write smaller shards (python -m data.make_shards --shard-size)"
+                               if shards < world_size else ""))
+        return "by_rank", "data.shard_order=by_rank: each process reads only its own shards of an epoch"
+    if cfg.shard_order == "global" or cfg.name != "wds" or not is_url(cfg.root):
+        return "global", f"data.shard_order={cfg.shard_order}: global, one permutation of all samples for all processes"
+    if needs_global:
+        return "global", f"data.shard_order=auto: global (a URL data.root, but {needs_global} needs it)"
+    return "by_rank", ("data.shard_order=auto: by_rank (data.root is a URL): each process reads, and copies into "
+                       "data.shard_cache, only its own shards of an epoch")
 
 
 def mix_group(cfg: DataConfig, batch_size: int, step: int) -> int:
@@ -502,7 +538,11 @@ def dropped_images_note(loader: DataLoader, world_size: int, accum_steps: int,
     if total - trained <= DROP_NOTE_SHARE * total:
         return None
     level = logging.WARNING if batches < TINY_EPOCH else logging.INFO
-    rest = ["a last partial batch"] if whole * loader.batch_size * world_size < total else []
+    by_rank = isinstance(loader.sampler, ByRankSampler)
+    dealt = loader.sampler.num_samples * world_size if by_rank else total
+    rest = ([f"{total - dealt} image(s) of the processes dealt more whole shards than the one with the fewest, "
+             "data.shard_order=by_rank: smaller shards leave out fewer"] if dealt < total else [])
+    rest += ["a last partial batch"] if whole * loader.batch_size * world_size < dealt else []
     if short:
         rest.append(f"{short} batch(es) per process short of a whole step of train.accum_steps={accum_steps}, "
                     "train.drop_last_accum=true")
@@ -520,6 +560,8 @@ def build_eval_loader(dataset: AugmentedDataset, cfg: DataConfig, batch_size: in
         raise UserError(f"the validation set has {len(dataset)} images, fewer than the {info.world_size} processes; "
                         "use fewer processes")
     sampler = ShardSampler(len(dataset), info.rank, info.world_size, batch_size)
+    if isinstance(dataset, ShardDataset):
+        dataset.keep_to(sampler.start, sampler.stop)
     if cfg.num_workers > 0:
         before_workers_fork()
     return OneLineErrorLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=False,
@@ -548,6 +590,8 @@ def build_data(cfg: DataConfig, batch_size: int, seed: int, info: DistInfo, accu
     train_set, val_set = build_datasets(cfg, seed, info.local_rank, split)
     log.info("data %s: train %d images, val %d images, %d classes%s", cfg.name, len(train_set), len(val_set),
              len(train_set.classes), ", multi-label (data.multi_label=true)" if cfg.multi_label else "")
+    if cfg.name == "wds":
+        log.info(shard_order(cfg, train_set, info.world_size)[1])
     return dataclasses.replace(loaders(train_set, val_set, cfg, batch_size, seed, info, accum_steps, drop_last_accum),
                                split=split)
 

@@ -14,9 +14,11 @@ and prints to stderr whenever it is built. wids' parts are used instead: the ind
 resolution (wids_specs) and the tar member index (wids_mmtar). Local shards are read in place; shards at a URL
 (s3://, gs://, https://, file://: any fsspec URL, through core/store.py's retries and one-line errors; pipe: through
 wids' downloader) are copied whole into data.shard_cache on first touch and read there, the least recently used
-removed past data.shard_cache_gb; where the split's shards all fit there, the next PREFETCH shards are copied in
-threads while one is read. Copied, not streamed: the EpochSampler reads samples in random order, and a
-shard once local serves every later epoch at disk speed (benchmarks/object_store.py measures both sides).
+removed past data.shard_cache_gb; the next PREFETCH shards are copied in threads while one is read: in this rank's
+order under data.shard_order=by_rank (data/shard_order.py: its first copies start when the loader is built), else
+in index order where the split's shards all fit. One process copies a shard into a cache the others share (a lock
+file per shard). Copied, not streamed: samples are read in a shuffled order, and a shard once local serves every
+later epoch at disk speed (benchmarks/object_store.py measures both sides).
 Each process indexes a shard on first touch into four int64 numbers per sample and then reads members
 with os.pread, so fully random access (the EpochSampler's order) never re-parses a shard.
 """
@@ -24,6 +26,7 @@ with os.pread, so fully random access (the EpochSampler's order) never re-parses
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -32,6 +35,7 @@ import tempfile
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Iterator
 from urllib.parse import quote
 
 import albumentations as A
@@ -42,6 +46,7 @@ from core.errors import UserError
 from core.files import TEMP
 from core.store import download, is_url, read_bytes
 from data.datasets import AugmentedDataset, IMAGE_EXTENSIONS, decode_image, multi_hot, shared_labels
+from data.shard_order import SHUFFLE_SHARDS, ShardPlan
 
 log = logging.getLogger(__name__)
 PREFETCH = 4  # shards at a URL copied ahead of the one read, in threads (the network overlaps decoding), if all fit
@@ -107,6 +112,17 @@ def fetch(url: str, local: str) -> str:
 
     with download_and_open(url, local):
         return local
+
+
+@contextlib.contextmanager
+def copy_lock(local: str) -> Iterator[None]:
+    """Held while `local` is copied: one process (loader worker, rank of the node) copies a shard into a shared cache,
+    the others wait for it and read its copy (a lock file in the cache's .locks folder, flock'ed)."""
+    folder = os.path.join(os.path.dirname(local), ".locks")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, os.path.basename(local)), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def trim_cache(folder: str, limit_bytes: float, keep: str) -> None:
@@ -214,6 +230,31 @@ class ShardDataset(AugmentedDataset):
         self.files: OrderedDict[int, int] = OrderedDict()  # shard -> open file descriptor
         self.pid = os.getpid()
         self.copies: tuple[int, ThreadPoolExecutor, dict[int, Future]] | None = None  # (pid, threads, shard -> copy)
+        self.plan: ShardPlan | None = None  # data.shard_order=by_rank: this rank's shards, copied in its order
+        self.epoch = 0  # of the sample read last (the plan's order is the epoch's)
+        self.block = range(len(self.urls))  # the shards this process reads in index order (evaluation: its block)
+
+    def __getitem__(self, key: int | tuple[int, ...]) -> tuple:
+        if isinstance(key, tuple):
+            self.epoch = key[0]
+        return super().__getitem__(key)
+
+    def keep_to(self, start: int, stop: int) -> None:
+        """Copy ahead only the shards of samples [start, stop): the block this process evaluates."""
+        self.block = range(self.locate(start)[0], self.locate(stop - 1)[0] + 1) if stop > start else range(0)
+
+    def follow(self, plan: ShardPlan) -> None:
+        """Copy shards at URLs in `plan`'s order from now on, the first epoch's first ones starting at once."""
+        self.plan = plan
+        self.warm(0, 0)
+
+    def warm(self, epoch: int, start: int) -> None:
+        """Start copying (in threads) the first shard this rank's reading of `epoch` from sample `start` on may need
+        and the PREFETCH after it: a run's first copies overlap its start-up instead of waiting for the first batch."""
+        if self.plan is not None and self.urls and is_url(self.urls[0]) and start < self.plan.num_samples:
+            self.epoch = epoch
+            first = self.plan.first_shard(epoch, start)
+            self.copy_ahead(first, {first})
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "files": OrderedDict(), "copies": None}  # descriptors and threads stay here
@@ -226,21 +267,38 @@ class ShardDataset(AugmentedDataset):
         """The shard's file: itself, or (a URL) its copy in the cache, the next PREFETCH shards copied meanwhile."""
         if not is_url(self.urls[shard]):
             return self.urls[shard]
-        if self.copies is None or self.copies[0] != os.getpid():  # threads do not survive a fork
-            self.copies = (os.getpid(), ThreadPoolExecutor(PREFETCH, thread_name_prefix="shard-copy"), {})
-        _, pool, pending = self.copies
-        for ahead in self.ahead(shard):
-            if ahead not in pending and not os.path.exists(self.cached(ahead)):
-                pending[ahead] = pool.submit(self.copy, ahead)
+        pending = self.copy_ahead(shard)
         if (copying := pending.pop(shard, None)) is not None:
             copying.result()  # its error, if any, is this sample's
         return self.copy(shard)  # (again, if the cache removed it meanwhile)
 
-    def ahead(self, shard: int) -> set[int]:
-        """The shards to copy ahead of `shard`: the next PREFETCH, where every shard fits in the cache (else a copy
-        ahead would push out one still to be read: each is copied when read)."""
-        fits = None not in self.sizes and sum(self.sizes) <= self.cache_bytes
-        return {(shard + step) % len(self.urls) for step in range(1, PREFETCH + 1)} - {shard} if fits else set()
+    def copy_ahead(self, shard: int, also: set[int] = frozenset()) -> dict[int, Future]:
+        """Start copying, in threads, the shards read after `shard` (and `also`) not yet in the cache; the copies
+        under way, by shard."""
+        if self.copies is None or self.copies[0] != os.getpid():  # threads do not survive a fork
+            self.copies = (os.getpid(), ThreadPoolExecutor(PREFETCH, thread_name_prefix="shard-copy"), {})
+        _, pool, pending = self.copies
+        for ahead in [*also, *self.ahead(shard)]:
+            if ahead not in pending and not os.path.exists(self.cached(ahead)):
+                pending[ahead] = pool.submit(self.copy, ahead)
+        return pending
+
+    def ahead(self, shard: int) -> list[int]:
+        """The shards to copy ahead of `shard`: the PREFETCH read after it. In index order, where every shard fits in
+        the cache (in a random order a copy ahead could push out one still to be read: else each is copied when read);
+        with a ShardPlan in this rank's order of the epoch, where the shards read at once (SHUFFLE_SHARDS mixed, the
+        PREFETCH ahead) fit."""
+        if None in self.sizes:
+            return []
+        if self.plan is None:
+            fits = sum(self.sizes) <= self.cache_bytes
+            ahead = [(shard + step) % len(self.urls) for step in range(1, PREFETCH + 1) if step < len(self.urls)]
+            return [other for other in ahead if other in self.block] if fits else []
+        order = self.plan.shards(self.epoch)
+        if shard not in order or sum(sorted(self.sizes)[-(PREFETCH + SHUFFLE_SHARDS + 1):]) > self.cache_bytes:
+            return []
+        at = order.index(shard)
+        return order[at + 1:at + 1 + PREFETCH]
 
     def cached(self, shard: int) -> str:
         return os.path.join(self.cache_dir, quote(self.urls[shard], safe="+-"))
@@ -250,7 +308,11 @@ class ShardDataset(AugmentedDataset):
         url, local = self.urls[shard], self.cached(shard)
         fresh = not os.path.exists(local)
         try:
-            fetch(url, local)
+            if not fresh:
+                return fetch(url, local)
+            with copy_lock(local):  # another process copying it: wait for its copy
+                fresh = not os.path.exists(local)
+                fetch(url, local)
         except (OSError, AssertionError, ValueError) as err:
             raise UserError(f"cannot fetch shard {url} ({getattr(err, 'strerror', None) or err}); "
                             "check the URL and its credentials") from None

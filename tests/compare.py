@@ -86,10 +86,13 @@ def rows_without_timing(run: Path) -> list[dict]:
 
 def allow_best_of_the_stop(expected: dict, resumed: dict, stop_value: float, stop_epoch: int) -> None:
     """A run stopped mid-epoch evaluated at the stop, which the uninterrupted run did not: its best value (and that
-    value's epoch) may come from that evaluation, the only allowed difference; then `resumed` takes expected's."""
+    value's epoch, and the early-stop count of validations since the best) may come from that evaluation, the only
+    allowed difference; then `resumed` takes expected's."""
     stop_won = stop_value > expected["best_value"]  # train.best_metric here: a top-1, higher is better
     assert resumed["best_value"] == (stop_value if stop_won else expected["best_value"])
     assert resumed["best_epoch"] == (stop_epoch if stop_won else expected["best_epoch"])
+    if stop_won:  # counted from the stop's best on
+        resumed["validations_without_best"] = expected["validations_without_best"]
     resumed["best_value"], resumed["best_epoch"] = expected["best_value"], expected["best_epoch"]
 
 

@@ -100,10 +100,11 @@ def s3_server() -> Iterator[dict[str, str]]:
 
 class CuttableLink:
     """A TCP relay on a free port of 127.0.0.1 to `target_port`, in threads: a real network path to a server that
-    `cut()` takes away (open connections closed, new ones refused), while the server itself keeps its data."""
+    `cut()` takes away (open connections closed, new ones refused), while the server itself keeps its data; a new
+    CuttableLink on the cut one's `port` brings the path back."""
 
-    def __init__(self, target_port: int) -> None:
-        self.target, self.listener = target_port, socket.create_server(("127.0.0.1", 0))
+    def __init__(self, target_port: int, port: int = 0) -> None:
+        self.target, self.listener = target_port, socket.create_server(("127.0.0.1", port))
         self.port, self.open = self.listener.getsockname()[1], []
         threading.Thread(target=self.accept, daemon=True).start()
 
@@ -125,6 +126,8 @@ class CuttableLink:
             sink.shutdown(socket.SHUT_WR)
 
     def cut(self) -> None:
+        with contextlib.suppress(OSError):  # (close alone leaves a thread blocked in accept() to take one more)
+            self.listener.shutdown(socket.SHUT_RDWR)
         self.listener.close()
         for sock in self.open:
             with contextlib.suppress(OSError):
@@ -350,7 +353,8 @@ def _main_entry(rank: int, world: int, port: int, script: str, args: tuple, env:
         os.environ.pop(name, None)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "WANDB_MODE": "offline", **env})
+                       "WANDB_MODE": "offline", **{name: value.replace("{rank}", str(rank))
+                                                  for name, value in env.items()}})
     with open(Path(out_dir) / f"rank{rank}.out", "w") as out, open(Path(out_dir) / f"rank{rank}.err", "w") as err:
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
@@ -366,7 +370,7 @@ def run_on_ranks(script: str, *args: str, nproc: int, env: dict | None = None,
     script's main with the variables torchrun sets, in a real process joined by a real gloo group, forked from
     run_ranks' forkserver (no ~7 s of imports per rank, nor torchrun's own 3 s). Tests of the launcher itself
     (signals, exit codes, torchrun's output) use run_script. `cwd`: the ranks' working folder (where a run at a URL
-    stages its files). A rank that exits other than `exit_code` (2: a refusal in one line) fails the test with its
+    stages its files); "{rank}" in a value of `env` is each rank's number (a folder of its own, as on a node of its own). A rank that exits other than `exit_code` (2: a refusal in one line) fails the test with its
     stderr; one still running after `timeout` fails it as hung. Returns the ranks' stdout and stderr, each the ranks'
     texts in rank order."""
     import tempfile

@@ -15,7 +15,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 import evaluate
@@ -32,6 +34,8 @@ from data import make_shards
 from data.hf import hub_repo
 from data.loader import build_datasets, prepare_data
 from data.mirror import local_root, mirror_folder
+from data.loader import shard_bounds
+from data.shard_order import ByRankSampler, ShardPlan
 from data.shards import ShardDataset
 from data.split import run_split
 from engine.checkpoint import run_store
@@ -273,7 +277,31 @@ def test_the_shard_cache_keeps_to_its_bound(on_s3, bucket, shards):
     data = ShardDataset(f"s3://{bucket}/shards/train.json", None, seed=0, cache_dir="cache", cache_gb=(limit + 1) / 1e9)
     for i in range(len(data)):
         data.load_image(i)  # shard by shard, each copied on its first sample
-    assert len(tars) == 5 and sorted(p.name[-12:] for p in Path("cache").iterdir()) == [p.name[-12:] for p in tars[-2:]]
+    assert len(tars) == 5 and cached("cache") == [p.name for p in tars[-2:]]
+
+
+def cached(folder: str | Path) -> list[str]:
+    """The names of the shards copied into a data.shard_cache folder (their URLs' last parts), sorted."""
+    return sorted(p.name.rsplit("%2F", 1)[1] for p in Path(folder).iterdir() if p.is_file())
+
+
+def test_by_rank_copies_its_own_shards_alone_in_its_order_from_the_start(shards, tmp_path):
+    """A rank's shards at a URL (file://: the same fsspec copy as s3://) under data.shard_order=by_rank: the copies of
+    its first shards start when its plan is given (the loader built), before any sample is asked for; each shard read
+    copies the next in this rank's order; an epoch read leaves its shards alone in the cache. Without a plan, the
+    copies ahead go in index order."""
+    data = ShardDataset(f"file://{shards}/train.json", None, seed=0, cache_dir=str(tmp_path / "cache"))
+    plan = ShardPlan(np.diff(data.starts), seed=0, rank=1, world=2)
+    assert data.ahead(0) == [1, 2, 3, 4] and len(plan.mine) == 2  # 4 + 4 of the 5 shards (4, 4, 4, 4, 2)
+    data.follow(plan)
+    first, then = plan.shards(0)
+    assert sorted(data.copies[2]) == [first, then]  # under way before a sample is read
+    assert data.ahead(first) == [then] and data.ahead(then) == []
+    sampler = ByRankSampler(plan)
+    sampler.set_epoch(0)
+    for _, index in sampler:
+        data.load_image(index)
+    assert cached(tmp_path / "cache") == sorted(Path(data.urls[shard]).name for shard in plan.mine)
 
 
 def test_a_server_gone_is_retried_counted_and_one_line(on_s3, bucket, monkeypatch, capsys):
@@ -286,6 +314,25 @@ def test_a_server_gone_is_retried_counted_and_one_line(on_s3, bucket, monkeypatc
     assert line.startswith(f"error: cannot write s3://{bucket}/gone/.lock: no answer after {store.ATTEMPTS} tries"), \
         line  # the run's first request: the lock object's conditional put
     assert store.RETRIES["s3"] - before == store.ATTEMPTS - 1
+
+
+def test_a_shard_copy_that_loses_the_server_is_retried_counted_and_reads_the_shard(on_s3, bucket, shards,
+                                                                                    monkeypatch):
+    """The shard copy path (not only the index's): the link to the server cut after the index was read, and back
+    during the first retry's wait: the copy is retried once (counted) and the sample read equals the local one."""
+    link = CuttableLink(int(on_s3["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{link.port}")
+    s3fs_for(on_s3)  # (fsspec's cached filesystem names the server itself)
+    back = []
+    monkeypatch.setattr(store, "BACKOFF_S", 0.01)
+    monkeypatch.setattr(store, "time", SimpleNamespace(sleep=lambda s: back.append(CuttableLink(link.target,
+                                                                                               link.port))))
+    remote = ShardDataset(f"s3://{bucket}/shards/val.json", None, seed=0, cache_dir="cache", cache_gb=1e-9)
+    link.cut()
+    before = store.RETRIES["s3"]
+    image = remote.load_image(0)  # a cache too small to copy ahead: this one copy alone
+    assert store.RETRIES["s3"] - before == 1 and len(back) == 1
+    assert (image == ShardDataset(str(shards / "val.json"), None, seed=0).load_image(0)).all()
 
 
 def test_wrong_credentials_are_one_line(on_s3, bucket, capsys):
@@ -548,33 +595,43 @@ def versions(env: dict[str, str], bucket: str, run: str) -> dict[str, int]:
 
 
 @pytest.mark.slow
-def test_two_ranks_on_s3_train_the_one_process_model_and_rank_0_alone_uploads(on_s3, bucket, tmp_path):
-    """data.root and output_dir at s3:// on 2 ranks (a real gloo group): the last.pth of one process on s3:// with
-    twice the batch (within tests/compare.py's TOL), and rank 0 alone uploads: in a versioned bucket each file was
-    written as many times as by the one process (the other rank's pushes would have added its own), and each
-    validation's last.pth went up after it although written in the background (train.async_save, the default).
-    With train.ckpt_format=sharded (last.dcp/ up whole by put_folder, no last.dcp.next left), the run stopped after
-    its first epoch (train.max_steps) and run again ends bit for bit where the 2-rank last.pth does (weights,
-    optimizer, RNG, counters), and evaluate.py on s3://.../last.dcp prints its last val_top1."""
+def test_two_ranks_on_s3_read_their_own_shards_and_rank_0_alone_uploads(on_s3, bucket, shards, tmp_path):
+    """data.root and output_dir at s3:// on 2 ranks (a real gloo group), each with a shard cache of its own (as on a
+    node of its own): each rank copied its own training shards alone (data.shard_order=auto: by_rank for a URL root;
+    the other rank's never) and the validation shards of its block; rank 0 alone uploads: in a versioned bucket each
+    file was written as many times as by one process (the other rank's pushes would have added its own), and each
+    validation's last.pth went up after it although written in the background (train.async_save, the default); best.pth
+    once per improvement of its own val_top1 (the ranks' order is not the one process's). With
+    train.ckpt_format=sharded (last.dcp/ up whole by put_folder, no last.dcp.next left), the run stopped after its
+    first epoch (train.max_steps) and run again ends bit for bit where the 2-rank last.pth does (weights, optimizer,
+    RNG, counters), and evaluate.py on s3://.../last.dcp prints its last val_top1."""
     fs, out = s3fs_for(on_s3), f"v{free_port()}"
     fs.mkdir(out)
     fs.make_bucket_versioned(out)
-    args = ["--config", "dummy", *COMMON[2:], NO_BN_MODEL, "data.name=wds", f"data.root=s3://{bucket}/shards",
-            "data.shard_cache=cache"]
-    train_here(*args, "train.batch_size=6", f"output_dir=s3://{out}/one")
-    run_on_ranks("train.py", *args, "train.batch_size=3", f"output_dir=s3://{out}/two", nproc=2, env=on_s3,
-                 cwd=tmp_path)
-    for run in ("one", "two"):
-        fetch(fs, f"{out}/{run}/last.pth", tmp_path / run / "last.pth")
-    assert_same_model(tmp_path / "one", tmp_path / "two", steps=2 * 18 // 6)  # 2 epochs of 18 images, 6 a step
-    written = versions(on_s3, out, "one")
-    assert written == versions(on_s3, out, "two") and written["last.pth"] == 2, written  # after each validation
-    for extra in (["train.max_steps=3"], []):  # 3 steps: the first epoch
+    args = ["--config", "dummy", *COMMON[2:], NO_BN_MODEL, "data.name=wds", f"data.root=s3://{bucket}/shards"]
+    train_here(*args, "data.shard_cache=cache", "train.batch_size=6", f"output_dir=s3://{out}/one")
+    env = {**on_s3, "WIDS_CACHE": str(tmp_path / "cache-{rank}")}  # data.shard_cache="": $WIDS_CACHE
+    run_on_ranks("train.py", *args, "train.batch_size=3", f"output_dir=s3://{out}/two", nproc=2, cwd=tmp_path, env=env)
+    train, val = (ShardDataset(str(shards / f"{split}.json"), None, seed=0) for split in ("train", "val"))
+    for rank in range(2):
+        mine = ShardPlan(np.diff(train.starts), seed=0, rank=rank, world=2).mine
+        start, stop = shard_bounds(len(val), rank, 2, 3)
+        block = range(val.locate(start)[0], val.locate(stop - 1)[0] + 1)
+        names = [Path(train.urls[shard]).name for shard in mine] + [Path(val.urls[shard]).name for shard in block]
+        assert cached(tmp_path / f"cache-{rank}") == sorted(names), rank
+    assert len(mine) < len(train.urls)  # rank 1 left shards to rank 0
+    two_ranks = load_checkpoint(fetch(fs, f"{out}/two/last.pth", tmp_path / "two" / "last.pth"))
+    assert two_ranks["epoch"] == 2
+    rows = [json.loads(row)["val_top1"] for row in fs.cat(f"{out}/two/metrics.jsonl").decode().splitlines()]
+    bests = sum(value > max(rows[:epoch], default=-1) for epoch, value in enumerate(rows))  # best.pth writes
+    one, two = versions(on_s3, out, "one"), versions(on_s3, out, "two")
+    assert two == {**one, "best.pth": bests} and one["last.pth"] == 2, (one, two)  # last.pth after each validation
+    per_epoch = two_ranks["global_step"] // 2
+    for extra in ([f"train.max_steps={per_epoch}"], []):  # the first epoch, then the rest
         run_on_ranks("train.py", *args, "train.batch_size=3", "train.ckpt_format=sharded", *extra,
-                     f"output_dir=s3://{bucket}/dcp", nproc=2, env=on_s3, cwd=tmp_path)
-        assert read_checkpoint(fetched(f"s3://{bucket}/dcp/last.dcp"))["global_step"] == 3 * (2 - len(extra))
-    assert_same(load_checkpoint(tmp_path / "two" / "last.pth"), as_file_checkpoint(Path(fetched(
-        f"s3://{bucket}/dcp/last.dcp"))))
+                     f"output_dir=s3://{bucket}/dcp", nproc=2, env=env, cwd=tmp_path)
+        assert read_checkpoint(fetched(f"s3://{bucket}/dcp/last.dcp"))["global_step"] == per_epoch * (2 - len(extra))
+    assert_same(two_ranks, as_file_checkpoint(Path(fetched(f"s3://{bucket}/dcp/last.dcp"))))
     assert not fs.exists(f"{bucket}/dcp/last.dcp.next")
     rows = [json.loads(row) for row in fs.cat(f"{bucket}/dcp/metrics.jsonl").decode().splitlines()]
     assert [row["epoch"] for row in rows] == [0, 1]
