@@ -14,7 +14,7 @@ import timm
 import torch
 import torchvision
 
-from core.config import Config, ModelConfig, TrainConfig, to_dict
+from core.config import Config, DataConfig, ModelConfig, TrainConfig, to_dict
 from core.dist import DistInfo
 from core.errors import UserError
 from core.files import save_atomic
@@ -155,6 +155,11 @@ def test_check_resumable_names_the_mismatch(tmp_path):
                                         r"of processes that divides 8"):
         check_resumable(mid_epoch, tmp_path, cfg, classes, 3)
     check_resumable(training_checkpoint("resnet10t", classes), tmp_path, cfg, classes, 3)  # epoch boundary: any
+    by_rank = Config(model=cfg.model, train=TrainConfig(batch_size=4), data=DataConfig(name="wds", root="s3://b/s"))
+    with pytest.raises(UserError, match=r"stopped mid-epoch on 1 process\(es\) reading WebDataset shards by rank "
+                                        r"\(data.shard_order=auto: .*this run has 2; resume it on 1 process\(es\)"):
+        check_resumable(mid_epoch, tmp_path, by_rank, classes, 2)  # same global batch, another deal of the shards
+    check_resumable(training_checkpoint("resnet10t", classes), tmp_path, by_rank, classes, 2)  # epoch boundary
     with pytest.raises(UserError, match="not a training checkpoint .*no optimizer"):
         check_resumable({"model": {}}, tmp_path, cfg, classes, 1)
 
