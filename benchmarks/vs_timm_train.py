@@ -57,7 +57,8 @@ def parse_args() -> argparse.Namespace:
 def ours_command(args: argparse.Namespace, out: Path, extra: list[str] | None = None) -> list[str]:
     """train.py with configs/digits.yaml's recipe (sgd lr 0.1, cosine, 1 warm-up epoch, batch 64) at args.img_size."""
     return [sys.executable, str(REPO / "train.py"), "--config", "configs/digits.yaml", f"model.name={args.model}",
-            f"data.root={args.root}", f"data.img_size={args.img_size}", f"train.epochs={args.epochs}",
+            "data.name=imagefolder", f"data.root={args.root}", f"data.img_size={args.img_size}",  # main()'s export
+            f"train.epochs={args.epochs}",
             f"data.num_workers={args.workers}", "logging.progress=false", f"output_dir={out}",
             *(STRONG_OURS if args.recipe == "strong" else []), *(extra or [])]
 
