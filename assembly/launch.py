@@ -81,6 +81,7 @@ def staged(cfg: Config, dry: bool = False) -> Iterator[tuple[Config, RunStore | 
         store = RunStore(cfg.output_dir, local)
         held: list[LockObject] = []
         rank0_decides(lambda: held.append(LockObject(store.url)) if not dry else None)
+        store.lock = held[0] if held else None
         stack.callback(lambda: [lock.release() for lock in held])
         rank0_decides(store.pull)
         cfg = with_derived(cfg, output_dir=str(store.local), resume=store.resume_path(cfg.resume))

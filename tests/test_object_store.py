@@ -445,6 +445,33 @@ def test_of_two_runs_starting_at_once_exactly_one_takes_the_lock(on_s3, bucket, 
     assert not fs.exists(path)
 
 
+def test_a_run_whose_lock_was_taken_over_keeps_off_the_others_files(on_s3, bucket, tmp_path):
+    """A run silent past LOCK_STALE_S whose lock another run took over: its next refresh (a put on its own ETag) keeps
+    the other's lock object instead of writing over it, and its next upload is one line and uploads nothing."""
+    url = f"s3://{bucket}/taken"
+    fs, path = store.filesystem(f"{url}/.lock")
+    mine = run_store.LockObject(url)
+    mine.stop.set()  # this test beats the refresh itself
+    mine.beat()  # a refresh while it holds the lock
+    fs.rm_file(path)
+    mine.beat()  # a refresh after its lock object was removed: made anew
+    assert json.loads(fs.cat_file(path))["token"] == mine.token and mine.lost is None
+    other = {"host": "elsewhere", "pid": 7, "time": 1.0, "token": "other"}
+    fs.pipe_file(path, json.dumps(other).encode())  # the run that judged this one stale
+    mine.beat()
+    assert json.loads(fs.cat_file(path)) == other and mine.lost == other
+    runs = RunStore(url, tmp_path / "staging")
+    runs.lock = mine
+    (runs.local / "last.pth").parent.mkdir(parents=True)
+    (runs.local / "last.pth").write_bytes(b"mine")
+    with pytest.raises(UserError, match=f"^output_dir {url}: another run \\(process 7 on elsewhere\\) took over "
+                                        "this run's lock, .* this run stops without uploading"):
+        runs.push()
+    assert not fs.exists(f"{bucket}/taken/last.pth") and runs.broken
+    mine.release()
+    assert json.loads(fs.cat_file(path)) == other  # released: the other's lock stays
+
+
 def test_a_lock_object_without_conditional_puts_is_written_and_read_back():
     """Where puts take no condition (any scheme but s3://; memory:// here) the lock is written and read back: a second
     run is refused in one line while the first holds it, and takes it once released."""

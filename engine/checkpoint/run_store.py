@@ -92,6 +92,8 @@ class LockObject:
         self.token = secrets.token_hex(8)
         self.fs, self.path = filesystem(self.url)
         self.conditional = urlparse(self.url).scheme in CONDITIONAL
+        self.etag: str | None = None  # of this run's last put (S3): a refresh replaces only that object
+        self.lost: dict | None = None  # the run that took the lock over (its contents), once a refresh found it
         self.stop = threading.Event()
         self.acquire()
         self.thread = threading.Thread(target=self.refresh, daemon=True, name="run-lock")
@@ -155,11 +157,12 @@ class LockObject:
         writer's object beat it."""
         def call() -> bool:
             try:
-                self.fs.pipe_file(self.path, self.record(), **condition)
+                out = self.fs.pipe_file(self.path, self.record(), **condition)
             except OSError as err:
                 if beaten(err):
                     return False
                 raise
+            self.etag = out.get("ETag") if isinstance(out, dict) else None
             return True
 
         return retrying("write", self.url, call)
@@ -183,12 +186,30 @@ class LockObject:
         retrying("write", self.url, lambda: self.fs.pipe_file(self.path, text))
 
     def refresh(self) -> None:
-        """Rewrite the lock every LOCK_REFRESH_S until released: another host sees the run alive."""
-        while not self.stop.wait(LOCK_REFRESH_S):
+        """Rewrite the lock every LOCK_REFRESH_S until released or lost: another host sees the run alive."""
+        while not self.stop.wait(LOCK_REFRESH_S) and self.lost is None:
             try:
-                self.write()
+                self.beat()
             except UserError as err:
                 log.warning("could not refresh the run lock: %s", err)
+
+    def beat(self) -> None:
+        """One refresh. On S3 a put on this run's last ETag: a run that took the lock over (this one's counted as
+        stale) keeps it, and this run learns it lost the lock (`lost`) instead of writing over the other's."""
+        if not (self.conditional and self.etag):
+            self.write()
+            return
+        try:
+            kept = self.put(IfMatch=self.etag)
+        except UserError:  # S3 answers a put on the ETag of a removed object with NoSuchKey: created anew, if none is
+            if self.owner_and_etag()[1] is not None:
+                raise
+            kept = self.put(mode="create")
+        if not kept:
+            self.lost = self.owner() or {}
+            log.error("output_dir %s: process %s on %s took over this run's lock (not refreshed for %.0f s); this "
+                      "run uploads nothing more", self.url.rsplit("/", 1)[0], self.lost.get("pid"),
+                      self.lost.get("host"), LOCK_STALE_S)
 
     def release(self) -> None:
         """Remove the lock object if it is still this run's."""
@@ -227,6 +248,7 @@ class RunStore:
         self.fs, self.root = filesystem(self.url)
         self.sent: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns) as on the URL
         self.broken = False  # an upload failed: the run's end does not try again
+        self.lock: LockObject | None = None  # rank 0's, held for the run
         _staged[str(self.local)] = self.url
 
     def resume_path(self, resume: str) -> str:
@@ -273,7 +295,13 @@ class RunStore:
         return sorted(new, key=lambda rel: (LAST.index(rel) if rel in LAST else -1, rel))
 
     def push(self) -> None:
-        """Upload what changed since the last push; remove from the URL what the run removed here."""
+        """Upload what changed since the last push; remove from the URL what the run removed here. A run whose lock
+        another took over uploads nothing: the URL is the other run's now."""
+        if self.lock is not None and (taker := self.lock.lost) is not None:
+            self.broken = True
+            raise UserError(f"output_dir {self.url}: another run (process {taker.get('pid')} on {taker.get('host')}) "
+                            f"took over this run's lock, which was not refreshed for {LOCK_STALE_S:.0f} s; this run "
+                            "stops without uploading, so as not to overwrite that run's files")
         try:
             for rel in self.changed():
                 path = self.local / rel
