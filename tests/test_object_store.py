@@ -363,6 +363,23 @@ def test_a_checkpoint_at_a_url_is_read_through_a_local_copy_with_its_run_files(o
     assert epochs == local.parent and (epochs / "epoch_0001.pth").read_bytes() == b"E"
 
 
+def test_model_init_from_a_url_reads_the_checkpoint_named_by_its_url(on_s3, bucket, tiny_run, tmp_path,
+                                                                     monkeypatch):
+    """model.init_from (and the advice of the refusals that name it, written with the URL) takes a checkpoint at a
+    URL: its weights through the local copy, named by the URL; a missing one is one line naming the URL (it was read
+    as the local path s3:/..., which does not exist)."""
+    from engine.checkpoint.weights import read_pretrained
+
+    monkeypatch.chdir(tmp_path)
+    s3fs_for(on_s3).put_file(str(tiny_run / "best.pth"), f"{bucket}/init/best.pth")
+    pretrained = read_pretrained(f"s3://{bucket}/init/best.pth")
+    assert pretrained.source == f"model.init_from=s3://{bucket}/init/best.pth"
+    assert_same(pretrained.state_dict, load_checkpoint(tiny_run / "best.pth")["model"])
+    with pytest.raises(UserError, match=f"s3://{bucket}/init/none.pth"):
+        read_pretrained(f"s3://{bucket}/init/none.pth")
+    assert not Path("s3:").exists()
+
+
 def test_export_to_a_url_uploads_the_checked_folder_and_refuses_what_is_not_an_earlier_export(on_s3, bucket,
                                                                                                 tiny_run, capsys):
     """export.py of a checkpoint at a URL writes beside it there by default: the model folder written and checked in

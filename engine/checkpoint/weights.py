@@ -19,7 +19,9 @@ from torch import nn
 
 from core.config import DataConfig, key_facts
 from core.errors import UserError
+from core.store import is_url
 from engine.checkpoint.formats import is_sharded, load_checkpoint, read_checkpoint
+from engine.checkpoint.run_store import fetched
 
 log = logging.getLogger(__name__)
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP / DataParallel and torch.compile
@@ -98,7 +100,12 @@ class Pretrained:
 def read_pretrained(path: str | os.PathLike, key: str = "model.init_from") -> Pretrained:
     """model.init_from's file (or `key`'s): a train.py checkpoint, a timm/torchvision .pth, a .safetensors file,
     or a Hugging Face / timm model folder (config.json + model.safetensors or pytorch_model.bin); with the sha256
-    of the files read (the run records it), taken as they are read."""
+    of the files read (the run records it), taken as they are read. At a URL: read through its local copy
+    (run_store.fetched), named by the URL."""
+    if is_url(str(path)):
+        pretrained = read_pretrained(fetched(str(path)), key)
+        pretrained.path = str(path)
+        return pretrained
     path = Path(path)
     source = f"{key}={path}"
     if path.is_dir() and not is_sharded(path):
