@@ -24,7 +24,7 @@ from core.logs import setup_logging
 from core.store import is_url
 from data.datasets import AugmentedDataset, ImageFolderDataset
 from data.loader import build_eval_loader, build_val_dataset, prepare_data
-from data.mirror import local_root, named_by_url, shown
+from data.mirror import errors_by_url, local_root, named_by_url, shown
 from data.split import FILES, saved_split
 from data.transforms import DeviceNormalize, eval_size, eval_transform
 from engine.checkpoint.inference import Trained, ema_hint, precision_line
@@ -106,11 +106,9 @@ def scored_images(cfg: Config, args: argparse.Namespace, info: DistInfo, class_n
         named = shown(str(root), data)  # as the user wrote it: a URL, not its mirror
         split_given = any(parse_override(item)[0] == "data.val_split" for item in args.overrides)
         if not (split_given or (root / data.val_split).is_dir() or (root / data.train_split).is_dir()):
-            try:
+            with errors_by_url(data):
                 dataset = named_by_url(ImageFolderDataset(root, eval_transform(data, args.tta_crops), cfg.seed,
                                                           class_names, max_pixels=data.max_image_pixels), data)
-            except UserError as err:
-                raise UserError(shown(str(err), data)) from None
             return dataset, f"every image under {named}'s class folders (it has no {data.val_split}/ split folder)"
         dataset = build_val_dataset(data, cfg.seed, info.local_rank, class_names, args.tta_crops)
         return dataset, f"{named}/{data.val_split} (the {data.val_split} split of --data-dir)"

@@ -545,6 +545,14 @@ def train_size(cfg: DataConfig, epoch: int) -> int:
     return sizes[-1] if sizes else cfg.img_size
 
 
+def reads_by_rank(cfg: DataConfig) -> bool:
+    """Whether data.shard_order reads WebDataset shards by rank, asked or by auto's default for a URL data.root, as far
+    as the config says (data/loader.shard_order still falls back to global, or refuses, where the data needs it)."""
+    from core.store import is_url  # (core/store's module imports torch: not at the config's own import)
+
+    return cfg.name == "wds" and (cfg.shard_order == "by_rank" or (cfg.shard_order == "auto" and is_url(cfg.root)))
+
+
 def mixing(cfg: DataConfig) -> bool:
     """Whether training mixes pairs of images (mixup or cutmix)."""
     return cfg.mixup_alpha > 0 or cfg.cutmix_alpha > 0

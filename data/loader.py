@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-from core.config import DataConfig, global_batch, mixing
+from core.config import DataConfig, global_batch, mixing, reads_by_rank
 from core.dist import DistInfo, local_main_first
 from core.errors import UserError
 from core.signals import worker_signals
@@ -35,9 +35,8 @@ from data.hf import HFDataset
 from data.listfile import ListFileDataset
 from data.erasing import EraseCollate
 from data.folds import fold_side, read_folds
-from data.mirror import is_mirrored, local_root, named_by_url, prepare_mirror, shown
+from data.mirror import errors_by_url, local_root, named_by_url, prepare_mirror
 from data.mixing import MixCollate
-from core.store import is_url
 from data.shard_order import ByRankSampler, ShardPlan
 from data.shards import ShardDataset, split_index
 from data.split import FILES, Split, SplitDataset
@@ -274,16 +273,12 @@ def dataset_of(cfg: DataConfig, train: bool, transform: A.Compose, seed: int, cl
     With data.folds_file (audit.py's k folds) both sides are parts of the training split (data/folds.py). data.root at
     a URL is read from its local mirror (data/mirror.py, prepare_data), and errors name the URL."""
     local = dataclasses.replace(cfg, root=local_root(cfg))
-    try:
+    with errors_by_url(cfg):
         if cfg.folds_file:
             base = side_of(local, True, transform, seed, classes, split, skip_corrupt=train and cfg.skip_corrupt)
             dataset = fold_side(base, read_folds(cfg.folds_file), cfg.fold, train, cfg.folds_file)
         else:
             dataset = side_of(local, train, transform, seed, classes, split, skip_corrupt=train and cfg.skip_corrupt)
-    except UserError as err:
-        if not is_mirrored(cfg):
-            raise
-        raise UserError(shown(str(err), cfg)) from None
     return named_by_url(dataset, cfg)
 
 
@@ -471,7 +466,7 @@ def shard_order(cfg: DataConfig, dataset: AugmentedDataset, world_size: int) -> 
                             + (", or write smaller shards (python -m data.make_shards --shard-size)"
                                if shards < world_size else ""))
         return "by_rank", "data.shard_order=by_rank: each process reads only its own shards of an epoch"
-    if cfg.shard_order == "global" or cfg.name != "wds" or not is_url(cfg.root):
+    if not reads_by_rank(cfg):
         return "global", f"data.shard_order={cfg.shard_order}: global, one permutation of all samples for all processes"
     if needs_global:
         return "global", f"data.shard_order=auto: global (a URL data.root, but {needs_global} needs it)"

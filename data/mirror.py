@@ -21,11 +21,12 @@ removed; each copy is atomic and retried (core/store.download). Messages name th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 from pathlib import Path
-from typing import TypeVar
+from typing import Iterator, TypeVar
 from urllib.parse import urlparse
 
 from core.config import DataConfig
@@ -63,6 +64,17 @@ def local_root(cfg: DataConfig) -> str:
 def shown(text: str, cfg: DataConfig) -> str:
     """A message with the mirror's paths written as data.root's URL."""
     return text.replace(str(mirror_folder(cfg)), cfg.root.rstrip("/")) if is_mirrored(cfg) else text
+
+
+@contextlib.contextmanager
+def errors_by_url(cfg: DataConfig) -> Iterator[None]:
+    """A UserError raised inside, from data read in data.root's mirror, said with the URL in place of the mirror."""
+    try:
+        yield
+    except UserError as err:
+        if not is_mirrored(cfg):
+            raise
+        raise UserError(shown(str(err), cfg)) from None
 
 
 def named_by_url(dataset: T, cfg: DataConfig) -> T:

@@ -28,7 +28,7 @@ from core.config import DataConfig
 from core.errors import UserError
 from data.datasets import (AugmentedDataset, ImageFolderDataset, PackedStrings, find_classes, scan_images,
                            shared_labels)
-from data.mirror import local_root, shown
+from data.mirror import errors_by_url, local_root
 
 log = logging.getLogger(__name__)
 FILES = {"train": "train.txt", "val": "val.txt"}
@@ -121,10 +121,8 @@ def run_split(cfg: DataConfig, resumed_from: str | os.PathLike | None, resumed_d
             and resumed_data.get("root") == cfg.root:
         check_same_split(cfg, resumed_from, resumed_data)
         return read_split(Path(resumed_from).parent)
-    try:
+    with errors_by_url(cfg):
         split = make_split(Path(local_root(cfg)), cfg.val_fraction, cfg.split_seed)  # a URL: its mirror (prepare_data)
-    except UserError as err:
-        raise UserError(shown(str(err), cfg)) from None
     if is_main:
         log.info("data.val_fraction=%s: %d images of %s split by class (data.split_seed=%d): %d to train, %d to "
                  "validation; the lists are written to the run folder as train.txt and val.txt", cfg.val_fraction,

@@ -21,10 +21,9 @@ from timm.scheduler.scheduler import Scheduler
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-from core.config import Config, ModelConfig, global_batch, key_facts, mixing, to_dict
+from core.config import Config, ModelConfig, global_batch, key_facts, mixing, reads_by_rank, to_dict
 from core.dist import DistInfo, is_fsdp
 from core.errors import UnreadableCheckpoint, UserError
-from core.store import is_url
 from engine.checkpoint import sharded
 from engine.checkpoint.formats import PLAIN, is_sharded, read_checkpoint, set_aside
 from engine.checkpoint.run_store import url_of
@@ -187,7 +186,7 @@ def check_global_batch(ckpt: dict[str, Any], path: Path, cfg: Config, world_size
     rank (data.shard_order) are dealt by the number of processes, so that must be the checkpoint's too.
     """
     processes = ckpt["world_size"]
-    if processes != world_size and deals_by_rank(cfg):
+    if processes != world_size and reads_by_rank(cfg.data):
         kept = f"{processes} process(es)"
         raise UserError(f"checkpoint {path} stopped mid-epoch on {kept} reading WebDataset shards by rank "
                         f"(data.shard_order={cfg.data.shard_order}: which shards each process reads depends on their "
@@ -205,13 +204,6 @@ def check_global_batch(ckpt: dict[str, Any], path: Path, cfg: Config, world_size
     raise UserError(f"checkpoint {path} stopped mid-epoch with a global batch of {then} images ({ckpt['world_size']} "
                     f"process(es) x train.batch_size={old['batch_size']} x train.accum_steps={old['accum_steps']}), "
                     f"this run's is {now}: {fits}, so no sample is skipped or repeated; or {boundary}")
-
-
-def deals_by_rank(cfg: Config) -> bool:
-    """Whether the run may read its shards by rank (data/loader.shard_order; auto falls back to global in cases a
-    config alone cannot see, where this errs on the side of a refusal that names its way out)."""
-    order = cfg.data.shard_order
-    return cfg.data.name == "wds" and (order == "by_rank" or (order == "auto" and is_url(cfg.data.root)))
 
 
 def check_draw_group(ckpt: dict[str, Any], path: Path, cfg: Config) -> None:
